@@ -1,0 +1,191 @@
+"""Control-plane wire messages between the gateway and the workers (pyzmq frames).
+
+One module, one serializer: every message is a pydantic model with a literal `kind`, and a frame is
+the JSON of `Envelope(v=WIRE_VERSION, msg=...)`. Tensors never travel here; KV goes through
+`pdserve.kv_transfer`. A frame of another version is refused with a message naming both versions.
+
+Topology: the gateway binds one ROUTER socket; every worker connects one DEALER socket to it and
+uses its `worker_id` as its zmq identity.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Literal, Union
+
+from pydantic import BaseModel, ConfigDict, Field, TypeAdapter
+
+from pdserve.sampling_params import SamplingParams
+
+WIRE_VERSION = 1
+
+Role = Literal["prefill", "decode"]
+
+
+class _Msg(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+# ---- registration and liveness -------------------------------------------------------------
+
+
+class Register(_Msg):
+    """Worker -> gateway, first message and again after the gateway forgets it."""
+
+    kind: Literal["register"] = "register"
+    worker_id: str
+    role: Role
+    # host:port of the prefill node's KV bootstrap server (prefill only).
+    bootstrap_addr: str | None = None
+    # Model fingerprint (architecture, layers, kv heads, head dim, dtype, page size, weights hash).
+    fingerprint: dict[str, str | int]
+    model_name: str
+    max_total_tokens: int
+    max_running_requests: int
+    context_length: int
+    vocab_size: int
+    # Worker clock when sending; the first sample of the clock-offset estimate.
+    t_send: float
+
+
+class RegisterAck(_Msg):
+    kind: Literal["register_ack"] = "register_ack"
+    accepted: bool
+    reason: str = ""
+
+
+class Ping(_Msg):
+    """Gateway -> worker. `t0` is the gateway clock at send (NTP's originate timestamp)."""
+
+    kind: Literal["ping"] = "ping"
+    t0: float
+
+
+class Pong(_Msg):
+    """Worker -> gateway. t1: worker clock at receipt, t2: worker clock at send. Doubles as heartbeat."""
+
+    kind: Literal["pong"] = "pong"
+    t0: float
+    t1: float
+    t2: float
+    queued: int = 0
+    running: int = 0
+    free_tokens: int = 0
+    draining: bool = False
+
+
+class Deregister(_Msg):
+    """Worker -> gateway when draining: take me out of rotation, I finish what I hold."""
+
+    kind: Literal["deregister"] = "deregister"
+    worker_id: str
+
+
+# ---- per request -----------------------------------------------------------------------------
+
+
+class GenerateRequest(_Msg):
+    """Gateway -> both legs of a request. `room` is the global id that keys the KV transfer."""
+
+    kind: Literal["generate"] = "generate"
+    room: str
+    input_ids: list[int]
+    sampling: SamplingParams
+    prefill_worker: str
+    prefill_bootstrap_addr: str
+    decode_worker: str
+    # Gateway clock when dispatched (for the decode node's deadline; not for the timeline).
+    deadline_s: float | None = None
+
+
+class AbortRequest(_Msg):
+    """Gateway -> worker: stop this room (client gone, stop string matched, other leg failed)."""
+
+    kind: Literal["abort"] = "abort"
+    room: str
+    reason: str = ""
+
+
+class PrefillDone(_Msg):
+    """Prefill -> gateway: the forward ran and the KV was handed to the decode node."""
+
+    kind: Literal["prefill_done"] = "prefill_done"
+    room: str
+    # Worker-clock event times: "queue_entry", "forward_entry", "prefill_finished".
+    events: dict[str, float]
+    cached_tokens: int = 0
+
+
+class RequestFailed(_Msg):
+    """Worker -> gateway: this leg of `room` failed; the gateway aborts the other leg."""
+
+    kind: Literal["failed"] = "failed"
+    room: str
+    role: Role
+    # Short machine-readable reason: "transfer", "oom", "bad_request", "aborted", "internal".
+    code: str
+    message: str
+
+
+class TokenOutput(_Msg):
+    room: str
+    # Tokens produced for this room in this step (the first token arrives in the first output).
+    token_ids: list[int]
+    # One logprob per token in token_ids when requested.
+    logprobs: list[float] | None = None
+    # For each token, [(token_id, logprob), ...] when top_logprobs_num > 0.
+    top_logprobs: list[list[tuple[int, float]]] | None = None
+    finished: bool = False
+    # {"type": "length", "length": N} | {"type": "stop", "matched": id} | {"type": "abort", "message": s}
+    finish_reason: dict | None = None
+    # Sent once, with the first output: worker-clock event times from both legs.
+    events: dict[str, float] | None = None
+    # Sent with the final output: counters (cached_tokens, num_retractions, spec_* statistics).
+    stats: dict | None = None
+
+
+class TokenBatch(_Msg):
+    """Decode -> gateway, one per decode step: the new tokens of every request in the batch."""
+
+    kind: Literal["tokens"] = "tokens"
+    worker_id: str
+    outputs: list[TokenOutput]
+
+
+Message = Annotated[
+    Union[
+        Register,
+        RegisterAck,
+        Ping,
+        Pong,
+        Deregister,
+        GenerateRequest,
+        AbortRequest,
+        PrefillDone,
+        RequestFailed,
+        TokenBatch,
+    ],
+    Field(discriminator="kind"),
+]
+
+
+class Envelope(_Msg):
+    v: int
+    msg: Message
+
+
+class WireVersionError(ValueError):
+    pass
+
+
+_ENVELOPE = TypeAdapter(Envelope)
+
+
+def encode(msg: BaseModel) -> bytes:
+    return Envelope(v=WIRE_VERSION, msg=msg).model_dump_json().encode()
+
+
+def decode(frame: bytes) -> BaseModel:
+    env = _ENVELOPE.validate_json(frame)
+    if env.v != WIRE_VERSION:
+        raise WireVersionError(f"wire version {env.v} received, this node speaks {WIRE_VERSION}")
+    return env.msg

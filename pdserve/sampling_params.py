@@ -1,0 +1,45 @@
+"""Per-request sampling parameters, validated once at the edge and shared by every role.
+
+The gateway builds a `SamplingParams` from the HTTP body (a pydantic validation error becomes an
+HTTP 400); workers receive it inside wire messages and hand it to the runtime's sampler. Stop
+*strings* are matched by the gateway on detokenized text; everything else is enforced on the
+decode node.
+"""
+
+from __future__ import annotations
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+
+class SamplingParams(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    max_new_tokens: int = Field(128, ge=0, le=1 << 20)
+    # 0 means greedy (argmax), as in SGLang.
+    temperature: float = Field(1.0, ge=0.0, le=100.0)
+    top_p: float = Field(1.0, gt=0.0, le=1.0)
+    # -1 (or 0) disables top-k.
+    top_k: int = Field(-1, ge=-1)
+    min_p: float = Field(0.0, ge=0.0, le=1.0)
+    repetition_penalty: float = Field(1.0, gt=0.0, le=10.0)
+    frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0)
+    presence_penalty: float = Field(0.0, ge=-2.0, le=2.0)
+    stop: list[str] = Field(default_factory=list, max_length=16)
+    stop_token_ids: list[int] = Field(default_factory=list, max_length=64)
+    ignore_eos: bool = False
+    seed: int | None = Field(None, ge=0, le=2**63 - 1)
+    # Number of top alternatives returned with each sampled token's logprob (0: only the token's).
+    logprobs: bool = False
+    top_logprobs_num: int = Field(0, ge=0, le=20)
+
+    @model_validator(mode="after")
+    def _check(self) -> SamplingParams:
+        if any(s == "" for s in self.stop):
+            raise ValueError("stop strings must be non-empty")
+        if any(t < 0 for t in self.stop_token_ids):
+            raise ValueError("stop_token_ids must be non-negative")
+        return self
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0 or self.top_k == 1
