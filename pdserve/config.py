@@ -1,0 +1,81 @@
+"""Configuration: frozen dataclasses built once at process start and passed down explicitly."""
+
+from __future__ import annotations
+
+import argparse
+import os
+from dataclasses import dataclass, fields
+
+
+@dataclass(frozen=True)
+class RuntimeConfig:
+    """What a model runtime (offline engine, prefill or decode worker) needs."""
+
+    model_path: str | None = None  # None: the bundled SmolLM2-135M-Instruct
+    dtype: str = "auto"  # auto: float32 on CPU, bfloat16 on CUDA
+    device: str = "auto"  # auto: cuda if available, else cpu
+    page_size: int = 16
+    # KV pool capacity in tokens; None: `mem_fraction_static` of free GPU memory, or 32768 on CPU.
+    max_total_tokens: int | None = None
+    mem_fraction_static: float = 0.8
+    max_running_requests: int = 64
+    # Prompt tokens per extend forward; longer prompts are prefilled in chunks.
+    chunked_prefill_size: int = 2048
+    attention_backend: str = "auto"  # auto | torch | triton
+    num_threads: int | None = None  # torch intra-op threads; None: leave torch's default
+    context_length: int | None = None  # override the model's
+    # Speculative decoding (decode side): None | "NGRAM" | "STANDALONE"
+    speculative_algorithm: str | None = None
+    speculative_num_draft_tokens: int = 4
+    speculative_draft_model_path: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.page_size < 1:
+            raise ValueError("--page-size must be >= 1")
+        if self.max_total_tokens is not None and self.max_total_tokens < self.page_size:
+            raise ValueError("--max-total-tokens must hold at least one page")
+        if self.max_running_requests < 1:
+            raise ValueError("--max-running-requests must be >= 1")
+        if self.chunked_prefill_size < 1:
+            raise ValueError("--chunked-prefill-size must be >= 1")
+        if self.speculative_algorithm not in (None, "NGRAM", "STANDALONE"):
+            raise ValueError("--speculative-algorithm must be NGRAM or STANDALONE")
+        if self.speculative_num_draft_tokens < 0:
+            raise ValueError("--speculative-num-draft-tokens must be >= 0")
+
+    def resolved_device(self) -> str:
+        if self.device != "auto":
+            return self.device
+        import torch
+
+        return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def add_runtime_args(parser: argparse.ArgumentParser) -> None:
+    """SGLang's flag names, so its users feel at home."""
+    d = RuntimeConfig()
+    parser.add_argument(
+        "--model-path",
+        default=os.environ.get("PDSERVE_MODEL_PATH"),
+        help="HF folder, .gguf file, or empty for the bundled SmolLM2-135M-Instruct",
+    )
+    parser.add_argument("--dtype", default=d.dtype, choices=["auto", "float32", "bfloat16", "float16"])
+    parser.add_argument("--device", default=d.device)
+    parser.add_argument("--page-size", type=int, default=d.page_size)
+    parser.add_argument("--max-total-tokens", type=int, default=None)
+    parser.add_argument("--mem-fraction-static", type=float, default=d.mem_fraction_static)
+    parser.add_argument("--max-running-requests", type=int, default=d.max_running_requests)
+    parser.add_argument("--chunked-prefill-size", type=int, default=d.chunked_prefill_size)
+    parser.add_argument(
+        "--attention-backend", default=d.attention_backend, choices=["auto", "torch", "triton"]
+    )
+    parser.add_argument("--num-threads", type=int, default=None, help="torch threads for this process")
+    parser.add_argument("--context-length", type=int, default=None)
+    parser.add_argument("--speculative-algorithm", default=None, choices=["NGRAM", "STANDALONE"])
+    parser.add_argument("--speculative-num-draft-tokens", type=int, default=d.speculative_num_draft_tokens)
+    parser.add_argument("--speculative-draft-model-path", default=None)
+
+
+def runtime_config_from_args(args: argparse.Namespace) -> RuntimeConfig:
+    names = {f.name for f in fields(RuntimeConfig)}
+    return RuntimeConfig(**{k: v for k, v in vars(args).items() if k in names})

@@ -1,0 +1,110 @@
+"""Attention backends: one small interface, the torch backend as the CPU path and the reference.
+
+Contract of `forward`: write the new tokens' K and V into the pool at `batch.out_cache_loc`, then
+compute attention for every new query over its own request's cached prefix plus the new tokens up
+to and including itself (causal). `prepare` is called once per forward, before the first layer.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+import torch
+import torch.nn.functional as F
+from pdserve.runtime.batch import ForwardBatch
+from pdserve.runtime.kv_pool import KVPool
+
+
+class AttentionBackend(Protocol):
+    def prepare(self, batch: ForwardBatch, pool: KVPool) -> None: ...
+
+    def forward(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int, pool: KVPool, scale: float
+    ) -> torch.Tensor:
+        """q [T, Hq, D], k/v [T, Hkv, D] -> out [T, Hq, D]."""
+        ...
+
+
+class TorchAttention:
+    """Pads the batch to [B, max_new, ...] x [B, max_len, ...] and runs SDPA once per layer."""
+
+    def __init__(self) -> None:
+        self._batch: ForwardBatch | None = None
+
+    def prepare(self, batch: ForwardBatch, pool: KVPool) -> None:
+        self._batch = batch
+        ps = pool.page_size
+        dev = batch.input_ids.device
+        B = batch.batch_size
+        self._qmax = max(batch.extend_lens_cpu)
+        lmax = max(batch.seq_lens_cpu)
+        self._uniform = min(batch.extend_lens_cpu) == self._qmax
+        # A single prompt with no cached prefix needs neither a gather nor a mask: plain causal.
+        self._plain_causal = B == 1 and batch.seq_lens_cpu[0] == batch.extend_lens_cpu[0]
+        if self._plain_causal:
+            return
+        j = torch.arange(lmax, device=dev)
+        # [B, lmax] KV slot of every key position (padding maps into page 0 and is masked out)
+        self._slots = batch.page_table[:, j // ps].long() * ps + (j % ps)
+        seq = batch.seq_lens.long()[:, None]  # [B, 1]
+        prefix = seq - batch.extend_lens.long()[:, None]
+        qi = torch.arange(self._qmax, device=dev)
+        qpos = prefix + qi[None]  # [B, qmax]
+        # [B, 1, qmax, lmax]: key j visible to query i iff j <= pos(i); padded queries see key 0
+        mask = (j[None, None] <= qpos[:, :, None]) & (j[None, None] < seq[:, :, None])
+        self._mask = mask[:, None]
+        if not self._uniform:
+            valid = qi[None] < batch.extend_lens.long()[:, None]  # [B, qmax]
+            starts = batch.qo_indptr[:-1].long()[:, None]
+            self._q_rows = torch.where(valid, starts + qi[None], 0)  # [B, qmax] row of q to gather
+            self._q_valid = valid
+
+    def forward(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int, pool: KVPool, scale: float
+    ) -> torch.Tensor:
+        batch = self._batch
+        assert batch is not None, "prepare() must run before forward()"
+        T, Hq, D = q.shape
+        Hkv = k.shape[1]
+        k_cache = pool.k(layer).view(-1, Hkv, D)  # [num_pages * page_size, Hkv, D]
+        v_cache = pool.v(layer).view(-1, Hkv, D)
+        k_cache.index_copy_(0, batch.out_cache_loc, k)
+        v_cache.index_copy_(0, batch.out_cache_loc, v)
+        gqa = Hq != Hkv
+        if self._plain_causal:
+            out = F.scaled_dot_product_attention(
+                q.transpose(0, 1),
+                k.transpose(0, 1),
+                v.transpose(0, 1),
+                is_causal=True,
+                scale=scale,
+                enable_gqa=gqa,
+            )  # [Hq, T, D]
+            return out.transpose(0, 1)
+        B = batch.batch_size
+        keys = k_cache[self._slots].transpose(1, 2)  # [B, Hkv, lmax, D]
+        vals = v_cache[self._slots].transpose(1, 2)
+        if self._uniform:
+            qp = q.view(B, self._qmax, Hq, D)
+        else:
+            qp = q[self._q_rows]  # [B, qmax, Hq, D]
+        out = F.scaled_dot_product_attention(
+            qp.transpose(1, 2), keys, vals, attn_mask=self._mask, scale=scale, enable_gqa=gqa
+        )  # [B, Hq, qmax, D]
+        out = out.transpose(1, 2)  # [B, qmax, Hq, D]
+        if self._uniform:
+            return out.reshape(T, Hq, D)
+        return out[self._q_valid]  # [T, Hq, D], request-major like q
+
+
+def make_attention_backend(name: str, device: torch.device) -> AttentionBackend:
+    """`auto`: Triton on CUDA, torch elsewhere."""
+    if name == "auto":
+        name = "triton" if device.type == "cuda" else "torch"
+    if name == "torch":
+        return TorchAttention()
+    if name == "triton":
+        from pdserve.runtime.attention_triton import TritonAttention
+
+        return TritonAttention()
+    raise ValueError(f"unknown attention backend {name!r}; choose auto, torch or triton")

@@ -1,0 +1,142 @@
+"""The offline engine: continuous batching in one process, prefill and decode on one model.
+
+It is the unified reference the disaggregated cluster is measured against, and the core of
+`pdserve generate` and `pdserve bench engine`. A step is: schedule, run, post-process, collect.
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+from collections import deque
+from dataclasses import dataclass, field
+
+from pdserve.runtime.batch import ForwardMode
+from pdserve.runtime.loader import LoadedModel
+from pdserve.runtime.request import Request, RequestState
+from pdserve.runtime.runner import ModelRunner, append_samples
+
+from pdserve.config import RuntimeConfig
+from pdserve.sampling_params import SamplingParams
+
+
+@dataclass
+class GenerateOutput:
+    rid: str
+    prompt_ids: list[int]
+    output_ids: list[int]
+    finish_reason: dict
+    output_logprobs: list[float] = field(default_factory=list)
+    output_top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
+    prefill_seconds: float = 0.0
+    total_seconds: float = 0.0
+
+
+class Engine:
+    def __init__(self, cfg: RuntimeConfig, loaded: LoadedModel | None = None):
+        self.runner = ModelRunner(cfg, loaded)
+        self.cfg = cfg
+        self.waiting: deque[Request] = deque()
+        self.prefilling: list[Request] = []
+        self.running: list[Request] = []
+        self._ids = itertools.count()
+        self._times: dict[str, list[float]] = {}
+
+    def add_request(self, prompt_ids: list[int], params: SamplingParams, rid: str | None = None) -> str:
+        self.runner.check_fits(len(prompt_ids), params.max_new_tokens)
+        vocab = self.runner.spec.vocab_size
+        if any(t < 0 or t >= vocab for t in prompt_ids):
+            raise ValueError(f"prompt token ids must lie in [0, {vocab})")
+        rid = rid or f"req-{next(self._ids)}"
+        self.waiting.append(Request(rid, list(prompt_ids), params, self.runner.spec.eos_token_ids))
+        self._times[rid] = [time.perf_counter()]
+        return rid
+
+    @property
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.prefilling or self.running)
+
+    def _schedule_extend(self) -> tuple[list[Request], list[list[int]]]:
+        """Prompt chunks to run now, within the token budget; admission reserves whole lifetimes.
+
+        Reserving prompt + max_new_tokens at admission means a running request never runs out of
+        pages, so this engine needs no retraction.
+        """
+        budget = self.cfg.chunked_prefill_size
+        reqs, chunks = [], []
+        for r in self.prefilling:
+            if budget <= 0:
+                break
+            n = min(budget, len(r.prompt_ids) - r.num_computed)
+            reqs.append(r)
+            chunks.append(r.prompt_ids[r.num_computed : r.num_computed + n])
+            budget -= n
+        while self.waiting and budget > 0:
+            if len(self.running) + len(self.prefilling) >= self.cfg.max_running_requests:
+                break
+            r = self.waiting[0]
+            if not self.runner.reserve(r, r.max_total_tokens):
+                break
+            self.waiting.popleft()
+            r.state = RequestState.PREFILLING
+            self.prefilling.append(r)
+            n = min(budget, len(r.prompt_ids))
+            reqs.append(r)
+            chunks.append(r.prompt_ids[:n])
+            budget -= n
+        return reqs, chunks
+
+    def step(self) -> list[GenerateOutput]:
+        """One forward: prompt chunks first (prefill priority), else one decode step for all running."""
+        reqs, chunks = self._schedule_extend()
+        if reqs:
+            logits = self.runner.forward(ForwardMode.EXTEND, reqs, chunks)
+            done = [r for r in reqs if r.num_computed == len(r.prompt_ids)]
+            if done:
+                rows = [i for i, r in enumerate(reqs) if r.num_computed == len(r.prompt_ids)]
+                append_samples(done, self.runner.sample(done, logits[rows]))
+                now = time.perf_counter()
+                for r in done:
+                    self._times[r.rid].append(now)
+                    self.prefilling.remove(r)
+                    r.state = RequestState.RUNNING
+                    self.running.append(r)
+        elif self.running:
+            reqs = self.running
+            logits = self.runner.forward(ForwardMode.DECODE, reqs, [[r.output_ids[-1]] for r in reqs])
+            append_samples(reqs, self.runner.sample(reqs, logits))
+        return self._collect_finished()
+
+    def _collect_finished(self) -> list[GenerateOutput]:
+        outs = []
+        now = time.perf_counter()
+        for r in [r for r in self.running if r.finished]:
+            self.running.remove(r)
+            r.state = RequestState.FINISHED
+            self.runner.release(r)
+            t = self._times.pop(r.rid)
+            outs.append(
+                GenerateOutput(
+                    r.rid,
+                    r.prompt_ids,
+                    r.output_ids,
+                    r.finish_reason or {},
+                    r.output_logprobs,
+                    r.output_top_logprobs,
+                    t[1] - t[0],
+                    now - t[0],
+                )
+            )
+        return outs
+
+    def generate(
+        self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams]
+    ) -> list[GenerateOutput]:
+        """Run prompts (token ids) to completion with continuous batching; outputs in prompt order."""
+        plist = params if isinstance(params, list) else [params] * len(prompts)
+        rids = [self.add_request(p, sp) for p, sp in zip(prompts, plist)]
+        results: dict[str, GenerateOutput] = {}
+        while self.has_work:
+            for out in self.step():
+                results[out.rid] = out
+        return [results[r] for r in rids]

@@ -1,0 +1,110 @@
+"""The paged KV cache: one tensor for all layers, and a page allocator with reference counts.
+
+Layout `[num_layers, 2, num_pages, page_size, kv_heads, head_dim]` (index 1: 0 = K, 1 = V), so a
+request's pages for every layer are gathered with one indexing op for KV transfer, and each layer's
+K (or V) is a `[num_pages, page_size, kv_heads, head_dim]` view.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class KVGeometry:
+    num_layers: int
+    kv_heads: int
+    head_dim: int
+    page_size: int
+    dtype: torch.dtype
+
+    @property
+    def bytes_per_token(self) -> int:
+        return self.num_layers * 2 * self.kv_heads * self.head_dim * torch.finfo(self.dtype).bits // 8
+
+
+class KVPool:
+    def __init__(self, geometry: KVGeometry, num_pages: int, device: torch.device | str = "cpu"):
+        if num_pages < 1:
+            raise ValueError("the KV pool needs at least one page")
+        self.geometry = geometry
+        self.num_pages = num_pages
+        g = geometry
+        # [num_layers, 2, num_pages, page_size, kv_heads, head_dim]
+        self.kv = torch.zeros(
+            (g.num_layers, 2, num_pages, g.page_size, g.kv_heads, g.head_dim), dtype=g.dtype, device=device
+        )
+
+    @property
+    def page_size(self) -> int:
+        return self.geometry.page_size
+
+    def k(self, layer: int) -> torch.Tensor:
+        return self.kv[layer, 0]  # [num_pages, page_size, kv_heads, head_dim]
+
+    def v(self, layer: int) -> torch.Tensor:
+        return self.kv[layer, 1]
+
+    @staticmethod
+    def pages_for(geometry: KVGeometry, max_total_tokens: int) -> int:
+        return -(-max_total_tokens // geometry.page_size)
+
+
+class OutOfPages(RuntimeError):
+    pass
+
+
+class PageAllocator:
+    """Plain-Python page bookkeeping. A page is free iff its reference count is 0.
+
+    Reference counts let several requests share prefix pages; `free` drops one reference.
+    """
+
+    def __init__(self, num_pages: int):
+        self.num_pages = num_pages
+        self._refs = [0] * num_pages
+        # LIFO free list: recently freed pages are reused first (warm in cache).
+        self._free = list(range(num_pages - 1, -1, -1))
+
+    @property
+    def num_free(self) -> int:
+        return len(self._free)
+
+    def can_alloc(self, n: int) -> bool:
+        return n <= len(self._free)
+
+    def alloc(self, n: int) -> list[int]:
+        if n > len(self._free):
+            raise OutOfPages(f"asked for {n} pages, {len(self._free)} free")
+        pages = [self._free.pop() for _ in range(n)]
+        for p in pages:
+            self._refs[p] = 1
+        return pages
+
+    def incref(self, pages: list[int]) -> None:
+        for p in pages:
+            if self._refs[p] <= 0:
+                raise ValueError(f"page {p} is not allocated")
+            self._refs[p] += 1
+
+    def free(self, pages: list[int]) -> None:
+        for p in pages:
+            if self._refs[p] <= 0:
+                raise ValueError(f"page {p} freed twice")
+            self._refs[p] -= 1
+            if self._refs[p] == 0:
+                self._free.append(p)
+
+    def check_invariants(self) -> None:
+        free = set(self._free)
+        if len(free) != len(self._free):
+            raise AssertionError("a page is on the free list twice")
+        for p, r in enumerate(self._refs):
+            if r < 0:
+                raise AssertionError(f"page {p} has a negative reference count")
+            if (r == 0) != (p in free):
+                raise AssertionError(
+                    f"page {p}: refcount {r} but {'on' if p in free else 'off'} the free list"
+                )

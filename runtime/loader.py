@@ -1,0 +1,157 @@
+"""Weight loading: Hugging Face folders (safetensors), GGUF files, and the bundled default model.
+
+A GGUF file is dequantized once through transformers' GGUF reader (~17 s for the default model)
+and cached as a plain safetensors folder keyed by the file's hash, so later starts take seconds.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import glob
+import hashlib
+import json
+import logging
+import os
+import shutil
+import tempfile
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import torch
+from pdserve.runtime.model_config import ModelSpec, rope_inv_freq
+from pdserve.runtime.models.llama import CausalLM, Rotary
+from safetensors import safe_open
+
+from pdserve.model_source import ModelSource, ModelSourceError, resolve_model_source
+
+log = logging.getLogger(__name__)
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
+    if dtype == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    if dtype not in _DTYPES:
+        raise ValueError(f"unknown dtype {dtype!r}; choose auto, {', '.join(_DTYPES)}")
+    return _DTYPES[dtype]
+
+
+@dataclass(frozen=True)
+class LoadedModel:
+    model: CausalLM
+    spec: ModelSpec
+    folder: str  # plain HF folder the weights and tokenizer were read from
+    weights_hash: str
+    dtype: torch.dtype
+    device: torch.device
+
+
+def cache_root() -> str:
+    return os.environ.get("PDSERVE_CACHE", os.path.join(os.path.expanduser("~"), ".cache", "pdserve"))
+
+
+def _file_sha256(path: str) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 22), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def gguf_to_folder(source: ModelSource) -> str:
+    """Dequantize a GGUF file into a cached safetensors folder (once; concurrent starts wait on a lock)."""
+    assert source.gguf_path is not None
+    key = _file_sha256(source.gguf_path)[:20]
+    dest = os.path.join(cache_root(), "gguf", key)
+    if os.path.isfile(os.path.join(dest, "model.safetensors")):
+        return dest
+    os.makedirs(os.path.dirname(dest), exist_ok=True)
+    with open(dest + ".lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if os.path.isfile(os.path.join(dest, "model.safetensors")):
+            return dest
+        log.info("dequantizing %s (once; cached in %s)", source.gguf_path, dest)
+        from safetensors.torch import save_file
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        hf = AutoModelForCausalLM.from_pretrained(
+            source.folder, gguf_file=source.gguf_file, dtype=torch.float32
+        )
+        tok = AutoTokenizer.from_pretrained(source.folder, gguf_file=source.gguf_file)
+        tmp = tempfile.mkdtemp(dir=os.path.dirname(dest), prefix=".tmp-")
+        try:
+            state = {k: v.contiguous() for k, v in hf.state_dict().items()}
+            if getattr(hf.config, "tie_word_embeddings", False):
+                state.pop("lm_head.weight", None)
+            save_file(state, os.path.join(tmp, "model.safetensors"))
+            config = hf.config.to_dict()
+            config.pop("quantization_config", None)
+            config["architectures"] = [type(hf).__name__]
+            with open(os.path.join(tmp, "config.json"), "w") as f:
+                json.dump(config, f, indent=1)
+            tok.save_pretrained(tmp)
+            shutil.rmtree(dest, ignore_errors=True)
+            os.replace(tmp, dest)
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
+    return dest
+
+
+def model_folder(source: ModelSource) -> str:
+    """A plain HF folder (config.json, *.safetensors, tokenizer) for any supported source."""
+    return gguf_to_folder(source) if source.gguf_file else source.folder
+
+
+def _weight_files(folder: str) -> list[str]:
+    files = sorted(glob.glob(os.path.join(folder, "*.safetensors")))
+    if not files:
+        raise ModelSourceError(f"no *.safetensors weight file in {folder!r}")
+    return files
+
+
+def weights_hash(folder: str) -> str:
+    """A cheap content fingerprint: every file's size plus 16 sampled 64 KiB windows."""
+    h = hashlib.sha256()
+    for path in _weight_files(folder):
+        size = os.path.getsize(path)
+        h.update(f"{os.path.basename(path)}:{size}".encode())
+        with open(path, "rb") as f:
+            for i in range(16):
+                f.seek(size * i // 16)
+                h.update(f.read(1 << 16))
+    return h.hexdigest()[:16]
+
+
+def iter_weights(folder: str) -> Iterator[tuple[str, torch.Tensor]]:
+    for path in _weight_files(folder):
+        with safe_open(path, framework="pt") as f:
+            for name in f.keys():
+                yield name, f.get_tensor(name)
+
+
+def load_hf_config(folder: str):
+    from transformers import AutoConfig
+
+    if not os.path.isfile(os.path.join(folder, "config.json")):
+        raise ModelSourceError(f"no config.json in {folder!r}")
+    return AutoConfig.from_pretrained(folder)
+
+
+def load_model(model_path: str | None, dtype: str = "auto", device: str = "cpu") -> LoadedModel:
+    dev = torch.device(device)
+    torch_dtype = resolve_dtype(dtype, dev)
+    folder = model_folder(resolve_model_source(model_path))
+    config = load_hf_config(folder)
+    spec = ModelSpec.from_hf_config(config)
+    files_hash = weights_hash(folder)  # fails early, with the folder named, if weights are missing
+    inv_freq, scaling = rope_inv_freq(config, spec.head_dim)
+    with torch.device("meta"):
+        model = CausalLM(spec, rotary=None)  # type: ignore[arg-type]
+    model = model.to_empty(device="cpu")
+    model.load_weights(iter_weights(folder))
+    model = model.to(device=dev, dtype=torch_dtype)
+    # Attached after the dtype cast: the cos/sin table stays fp32 and is cast per use.
+    model.rotary = Rotary(inv_freq, scaling, spec.context_length).to(dev)
+    model.eval()
+    return LoadedModel(model, spec, folder, files_hash, torch_dtype, dev)

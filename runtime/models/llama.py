@@ -1,0 +1,194 @@
+"""The decoder for the Llama family (Llama 2/3.x, SmolLM2, Mistral), Qwen2/2.5 and Qwen3.
+
+Only the model lives here. Differences between families are `ModelSpec` flags: qkv bias (Qwen2),
+per-head q/k RMSNorm (Qwen3), tied embeddings. q/k/v and gate/up are fused into one matmul each;
+`load_weights` maps the checkpoint's separate tensors onto the fused parameters.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+import torch.nn.functional as F
+from pdserve.runtime.attention import AttentionBackend
+from pdserve.runtime.batch import ForwardBatch
+from pdserve.runtime.kv_pool import KVPool
+from pdserve.runtime.model_config import ModelSpec
+from torch import nn
+
+# checkpoint name fragment -> (fused parameter fragment, shard index)
+_STACKED = {
+    ".q_proj.": (".qkv_proj.", 0),
+    ".k_proj.": (".qkv_proj.", 1),
+    ".v_proj.": (".qkv_proj.", 2),
+    ".gate_proj.": (".gate_up_proj.", 0),
+    ".up_proj.": (".gate_up_proj.", 1),
+}
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # Normalize in fp32 like transformers, then scale in the input dtype.
+        return self.weight * F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps).to(x.dtype)
+
+
+class Rotary(nn.Module):
+    """HF's non-interleaved (rotate_half) RoPE with a precomputed cos/sin table."""
+
+    def __init__(self, inv_freq: torch.Tensor, scaling: float, max_positions: int):
+        super().__init__()
+        t = torch.arange(max_positions, dtype=torch.float)
+        freqs = torch.outer(t, inv_freq)  # [max_pos, rot_dim / 2]
+        emb = torch.cat((freqs, freqs), dim=-1)  # [max_pos, rot_dim]
+        self.register_buffer("cos", emb.cos() * scaling, persistent=False)
+        self.register_buffer("sin", emb.sin() * scaling, persistent=False)
+
+    def forward(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        # x [T, H, D]; cos/sin [T, 1, D]
+        cos = self.cos[positions].unsqueeze(1).to(x.dtype)
+        sin = self.sin[positions].unsqueeze(1).to(x.dtype)
+        x1, x2 = x.chunk(2, dim=-1)
+        return x * cos + torch.cat((-x2, x1), dim=-1) * sin
+
+
+class Attention(nn.Module):
+    def __init__(self, spec: ModelSpec, layer_id: int):
+        super().__init__()
+        self.layer_id = layer_id
+        self.nq, self.nkv, self.hd = spec.num_heads, spec.num_kv_heads, spec.head_dim
+        self.qkv_proj = nn.Linear(spec.hidden_size, (self.nq + 2 * self.nkv) * self.hd, bias=spec.qkv_bias)
+        self.o_proj = nn.Linear(self.nq * self.hd, spec.hidden_size, bias=False)
+        self.qk_norm = spec.qk_norm
+        if spec.qk_norm:
+            self.q_norm = RMSNorm(self.hd, spec.rms_norm_eps)
+            self.k_norm = RMSNorm(self.hd, spec.rms_norm_eps)
+        self.scale = self.hd**-0.5
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        positions: torch.Tensor,
+        rotary: Rotary,
+        backend: AttentionBackend,
+        pool: KVPool,
+    ) -> torch.Tensor:
+        T = x.shape[0]
+        qkv = self.qkv_proj(x)  # [T, (nq + 2 nkv) * hd]
+        q, k, v = qkv.split([self.nq * self.hd, self.nkv * self.hd, self.nkv * self.hd], dim=-1)
+        q = q.view(T, self.nq, self.hd)
+        k = k.view(T, self.nkv, self.hd)
+        v = v.view(T, self.nkv, self.hd)
+        if self.qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = rotary(positions, q), rotary(positions, k)
+        out = backend.forward(q, k, v.contiguous(), self.layer_id, pool, self.scale)  # [T, nq, hd]
+        return self.o_proj(out.reshape(T, self.nq * self.hd))
+
+
+class MLP(nn.Module):
+    def __init__(self, spec: ModelSpec):
+        super().__init__()
+        self.gate_up_proj = nn.Linear(spec.hidden_size, 2 * spec.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(spec.intermediate_size, spec.hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, spec: ModelSpec, layer_id: int):
+        super().__init__()
+        self.input_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
+        self.self_attn = Attention(spec, layer_id)
+        self.post_attention_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
+        self.mlp = MLP(spec)
+
+    def forward(self, x, positions, rotary, backend, pool) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), positions, rotary, backend, pool)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class DecoderModel(nn.Module):
+    def __init__(self, spec: ModelSpec):
+        super().__init__()
+        self.embed_tokens = nn.Embedding(spec.vocab_size, spec.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(spec, i) for i in range(spec.num_layers))
+        self.norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
+
+
+class CausalLM(nn.Module):
+    def __init__(self, spec: ModelSpec, rotary: Rotary):
+        super().__init__()
+        self.spec = spec
+        self.model = DecoderModel(spec)
+        self.rotary = rotary
+        if spec.tie_word_embeddings:
+            self.lm_head = None
+        else:
+            self.lm_head = nn.Linear(spec.hidden_size, spec.vocab_size, bias=False)
+
+    @property
+    def lm_head_weight(self) -> torch.Tensor:
+        return self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+
+    @torch.inference_mode()
+    def forward(self, batch: ForwardBatch, pool: KVPool, backend: AttentionBackend) -> torch.Tensor:
+        """Returns logits [len(batch.logits_indices), vocab] in float32."""
+        backend.prepare(batch, pool)
+        x = self.model.embed_tokens(batch.input_ids)  # [T, hidden]
+        for layer in self.model.layers:
+            x = layer(x, batch.positions, self.rotary, backend, pool)
+        x = self.model.norm(x[batch.logits_indices])  # [N, hidden]
+        return F.linear(x, self.lm_head_weight).float()
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Copy checkpoint tensors (HF names) into the fused parameters; every parameter must be set."""
+        params = dict(self.named_parameters())
+        loaded: set[str] = set()
+        sizes = {
+            "qkv_proj": [self.spec.num_heads * self.spec.head_dim]
+            + [self.spec.num_kv_heads * self.spec.head_dim] * 2,
+            "gate_up_proj": [self.spec.intermediate_size] * 2,
+        }
+        for name, tensor in weights:
+            if "rotary_emb" in name:
+                continue
+            if name == "lm_head.weight" and self.lm_head is None:
+                continue  # tied: the embedding is the head
+            target, shard = name, None
+            for frag, (fused, idx) in _STACKED.items():
+                if frag in name:
+                    target, shard = name.replace(frag, fused), idx
+                    break
+            if target not in params:
+                raise KeyError(f"checkpoint tensor {name!r} has no place in {self.spec.architecture}")
+            param = params[target]
+            with torch.no_grad():
+                if shard is None:
+                    if param.shape != tensor.shape:
+                        raise ValueError(
+                            f"{name}: checkpoint shape {tuple(tensor.shape)} != {tuple(param.shape)}"
+                        )
+                    param.copy_(tensor)
+                    loaded.add(target)
+                else:
+                    part = sizes[target.split(".")[-2]]
+                    start = sum(part[:shard])
+                    param[start : start + part[shard]].copy_(tensor)
+                    loaded.add(f"{target}#{shard}")
+        missing = []
+        for pname in params:
+            fused = pname.split(".")[-2] if pname.count(".") >= 1 else ""
+            if fused in sizes:
+                missing += [f"{pname}#{i}" for i in range(len(sizes[fused])) if f"{pname}#{i}" not in loaded]
+            elif pname not in loaded:
+                missing.append(pname)
+        if missing:
+            raise ValueError(f"checkpoint lacks {len(missing)} tensors, e.g. {missing[:3]}")

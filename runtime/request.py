@@ -1,0 +1,60 @@
+"""A request as the runtime sees it: tokens, pages, sampling parameters and finish rules."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+from pdserve.sampling_params import SamplingParams
+
+
+class RequestState(enum.Enum):
+    WAITING = "waiting"  # queued; no pages yet
+    PREFILLING = "prefilling"  # pages held; some prompt chunks still to run
+    RUNNING = "running"  # in the decode batch
+    FINISHED = "finished"
+
+
+@dataclass
+class Request:
+    rid: str
+    prompt_ids: list[int]
+    params: SamplingParams
+    eos_token_ids: tuple[int, ...] = ()
+    state: RequestState = RequestState.WAITING
+    output_ids: list[int] = field(default_factory=list)
+    output_logprobs: list[float] = field(default_factory=list)
+    output_top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
+    pages: list[int] = field(default_factory=list)
+    # Tokens whose KV is in `pages` (prompt chunks done, then every token but the newest).
+    num_computed: int = 0
+    finish_reason: dict | None = None
+    num_retractions: int = 0
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_ids) + len(self.output_ids)
+
+    @property
+    def max_total_tokens(self) -> int:
+        return len(self.prompt_ids) + self.params.max_new_tokens
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+    def append_token(
+        self, token: int, logprob: float | None = None, top: list[tuple[int, float]] | None = None
+    ) -> bool:
+        """Add a generated token; returns True when it finishes the request."""
+        self.output_ids.append(token)
+        if logprob is not None:
+            self.output_logprobs.append(logprob)
+        if top is not None:
+            self.output_top_logprobs.append(top)
+        p = self.params
+        if token in p.stop_token_ids or (not p.ignore_eos and token in self.eos_token_ids):
+            self.finish_reason = {"type": "stop", "matched": token}
+        elif len(self.output_ids) >= p.max_new_tokens:
+            self.finish_reason = {"type": "length", "length": len(self.output_ids)}
+        return self.finished

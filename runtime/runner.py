@@ -1,0 +1,155 @@
+"""The model runner: model + paged KV pool + page allocator + attention backend + sampler.
+
+Prefill workers, decode workers and the offline engine all drive a model through this one class.
+It owns no scheduling policy: callers decide which requests run, it builds the batch and runs it.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+from pdserve.runtime.attention import make_attention_backend
+from pdserve.runtime.batch import ForwardBatch, ForwardMode
+from pdserve.runtime.kv_pool import KVGeometry, KVPool, PageAllocator
+from pdserve.runtime.loader import LoadedModel, load_model
+from pdserve.runtime.request import Request
+from pdserve.runtime.sampler import SampleOutput, Sampler, SamplingBatch
+
+from pdserve.config import RuntimeConfig
+
+log = logging.getLogger(__name__)
+
+CPU_DEFAULT_MAX_TOTAL_TOKENS = 32768
+
+
+class ContextLengthError(ValueError):
+    pass
+
+
+class ModelRunner:
+    def __init__(self, cfg: RuntimeConfig, loaded: LoadedModel | None = None):
+        self.cfg = cfg
+        self.device = torch.device(cfg.resolved_device())
+        if cfg.num_threads:
+            torch.set_num_threads(cfg.num_threads)
+        self.loaded = loaded or load_model(cfg.model_path, cfg.dtype, str(self.device))
+        self.model = self.loaded.model
+        self.spec = spec = self.loaded.spec
+        self.context_length = cfg.context_length or spec.context_length
+        self.geometry = KVGeometry(
+            spec.num_layers, spec.num_kv_heads, spec.head_dim, cfg.page_size, self.loaded.dtype
+        )
+        self.max_total_tokens = cfg.max_total_tokens or self._default_pool_tokens()
+        num_pages = KVPool.pages_for(self.geometry, self.max_total_tokens)
+        self.pool = KVPool(self.geometry, num_pages, self.device)
+        self.allocator = PageAllocator(num_pages)
+        self.backend = make_attention_backend(cfg.attention_backend, self.device)
+        self.sampler = Sampler()
+        log.info(
+            "KV pool: %d pages x %d tokens (%.2f GiB)",
+            num_pages,
+            cfg.page_size,
+            num_pages * cfg.page_size * self.geometry.bytes_per_token / 2**30,
+        )
+
+    def _default_pool_tokens(self) -> int:
+        if self.device.type != "cuda":
+            return CPU_DEFAULT_MAX_TOTAL_TOKENS
+        free, _ = torch.cuda.mem_get_info(self.device)
+        return int(free * self.cfg.mem_fraction_static) // self.geometry.bytes_per_token
+
+    @property
+    def page_size(self) -> int:
+        return self.cfg.page_size
+
+    def fingerprint(self) -> dict[str, str | int]:
+        """What two nodes must agree on before KV moves between them."""
+        g = self.geometry
+        return {
+            "architecture": self.spec.architecture,
+            "num_layers": g.num_layers,
+            "kv_heads": g.kv_heads,
+            "head_dim": g.head_dim,
+            "dtype": str(g.dtype).removeprefix("torch."),
+            "page_size": g.page_size,
+            "weights_hash": self.loaded.weights_hash,
+        }
+
+    def check_fits(self, prompt_len: int, max_new_tokens: int) -> None:
+        if prompt_len < 1:
+            raise ValueError("the prompt is empty")
+        total = prompt_len + max_new_tokens
+        if total > self.context_length:
+            raise ContextLengthError(
+                f"prompt ({prompt_len} tokens) + max_new_tokens ({max_new_tokens}) = {total} "
+                f"exceeds the context length {self.context_length}"
+            )
+        if total > self.allocator.num_pages * self.page_size:
+            raise ContextLengthError(f"{total} tokens exceed the KV pool ({self.max_total_tokens} tokens)")
+
+    def pages_for(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.page_size)
+
+    def reserve(self, req: Request, num_tokens: int) -> bool:
+        """Grow `req.pages` to hold `num_tokens`; False (nothing allocated) when the pool is short."""
+        need = self.pages_for(num_tokens) - len(req.pages)
+        if need <= 0:
+            return True
+        if not self.allocator.can_alloc(need):
+            return False
+        req.pages.extend(self.allocator.alloc(need))
+        return True
+
+    def release(self, req: Request) -> None:
+        if req.pages:
+            self.allocator.free(req.pages)
+            req.pages = []
+
+    def forward(self, mode: ForwardMode, reqs: list[Request], new_tokens: list[list[int]]) -> torch.Tensor:
+        """Run new tokens on top of each request's computed prefix; returns logits (see ForwardBatch)."""
+        batch = ForwardBatch.build(
+            mode,
+            new_tokens,
+            [r.num_computed for r in reqs],
+            [r.pages for r in reqs],
+            self.page_size,
+            self.device,
+        )
+        logits = self.model(batch, self.pool, self.backend)
+        for r, toks in zip(reqs, new_tokens):
+            r.num_computed += len(toks)
+        return logits
+
+    def sample(self, reqs: list[Request], logits: torch.Tensor) -> SampleOutput:
+        """One token per request from logits [len(reqs), V]."""
+        params = [r.params for r in reqs]
+        sbatch = SamplingBatch.build(params, self.device)
+        penalties = any(
+            p.repetition_penalty != 1.0 or p.frequency_penalty != 0.0 or p.presence_penalty != 0.0
+            for p in params
+        )
+        return self.sampler(
+            logits,
+            sbatch,
+            [r.prompt_ids for r in reqs] if penalties else None,
+            [r.output_ids for r in reqs] if penalties else None,
+            [len(r.output_ids) for r in reqs],
+        )
+
+
+def append_samples(reqs: list[Request], out: SampleOutput) -> list[bool]:
+    """Append each request's sampled token (with logprobs when asked); returns which finished."""
+    ids = out.token_ids.tolist()  # deliberate sync: tokens go back to the host scheduler
+    lps = out.logprobs.tolist() if out.logprobs is not None else None
+    top_ids = out.top_logprob_ids.tolist() if out.top_logprob_ids is not None else None
+    top_vals = out.top_logprob_vals.tolist() if out.top_logprob_vals is not None else None
+    done = []
+    for i, r in enumerate(reqs):
+        want_lp = r.params.logprobs or r.params.top_logprobs_num > 0
+        top = None
+        if want_lp and top_ids is not None and r.params.top_logprobs_num > 0:
+            n = r.params.top_logprobs_num
+            top = list(zip(top_ids[i][:n], top_vals[i][:n]))
+        done.append(r.append_token(ids[i], lps[i] if (want_lp and lps is not None) else None, top))
+    return done
