@@ -8,10 +8,10 @@ from __future__ import annotations
 
 import itertools
 import time
-from collections import deque
 from dataclasses import dataclass, field
 
 from pdserve.runtime.batch import ForwardMode
+from pdserve.runtime.extend_scheduler import ExtendScheduler
 from pdserve.runtime.loader import LoadedModel
 from pdserve.runtime.request import Request, RequestState
 from pdserve.runtime.runner import ModelRunner, append_samples
@@ -36,8 +36,14 @@ class Engine:
     def __init__(self, cfg: RuntimeConfig, loaded: LoadedModel | None = None):
         self.runner = ModelRunner(cfg, loaded)
         self.cfg = cfg
-        self.waiting: deque[Request] = deque()
-        self.prefilling: list[Request] = []
+        # Admission reserves prompt + max_new_tokens, so a running request never runs out of
+        # pages and this engine needs no retraction.
+        self.extend = ExtendScheduler(
+            self.runner,
+            cfg.chunked_prefill_size,
+            cfg.max_running_requests,
+            reserve_tokens=lambda r: r.max_total_tokens,
+        )
         self.running: list[Request] = []
         self._ids = itertools.count()
         self._times: dict[str, list[float]] = {}
@@ -48,57 +54,25 @@ class Engine:
         if any(t < 0 or t >= vocab for t in prompt_ids):
             raise ValueError(f"prompt token ids must lie in [0, {vocab})")
         rid = rid or f"req-{next(self._ids)}"
-        self.waiting.append(Request(rid, list(prompt_ids), params, self.runner.spec.eos_token_ids))
+        self.extend.add(Request(rid, list(prompt_ids), params, self.runner.spec.eos_token_ids))
         self._times[rid] = [time.perf_counter()]
         return rid
 
     @property
     def has_work(self) -> bool:
-        return bool(self.waiting or self.prefilling or self.running)
-
-    def _schedule_extend(self) -> tuple[list[Request], list[list[int]]]:
-        """Prompt chunks to run now, within the token budget; admission reserves whole lifetimes.
-
-        Reserving prompt + max_new_tokens at admission means a running request never runs out of
-        pages, so this engine needs no retraction.
-        """
-        budget = self.cfg.chunked_prefill_size
-        reqs, chunks = [], []
-        for r in self.prefilling:
-            if budget <= 0:
-                break
-            n = min(budget, len(r.prompt_ids) - r.num_computed)
-            reqs.append(r)
-            chunks.append(r.prompt_ids[r.num_computed : r.num_computed + n])
-            budget -= n
-        while self.waiting and budget > 0:
-            if len(self.running) + len(self.prefilling) >= self.cfg.max_running_requests:
-                break
-            r = self.waiting[0]
-            if not self.runner.reserve(r, r.max_total_tokens):
-                break
-            self.waiting.popleft()
-            r.state = RequestState.PREFILLING
-            self.prefilling.append(r)
-            n = min(budget, len(r.prompt_ids))
-            reqs.append(r)
-            chunks.append(r.prompt_ids[:n])
-            budget -= n
-        return reqs, chunks
+        return bool(len(self.extend) or self.running)
 
     def step(self) -> list[GenerateOutput]:
         """One forward: prompt chunks first (prefill priority), else one decode step for all running."""
-        reqs, chunks = self._schedule_extend()
+        reqs, chunks = self.extend.schedule(occupied=len(self.running))
         if reqs:
             logits = self.runner.forward(ForwardMode.EXTEND, reqs, chunks)
-            done = [r for r in reqs if r.num_computed == len(r.prompt_ids)]
+            done, rows = self.extend.take_completed(reqs)
             if done:
-                rows = [i for i, r in enumerate(reqs) if r.num_computed == len(r.prompt_ids)]
                 append_samples(done, self.runner.sample(done, logits[rows]))
                 now = time.perf_counter()
                 for r in done:
                     self._times[r.rid].append(now)
-                    self.prefilling.remove(r)
                     r.state = RequestState.RUNNING
                     self.running.append(r)
         elif self.running:

@@ -1,0 +1,104 @@
+"""The `pdserve` command: one entry point for every role, the offline engine and the benchmarks."""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import logging
+import sys
+
+BENCHMARKS = {
+    "engine": "pdserve.bench.bench_engine",
+    "serving": "pdserve.bench.bench_serving",
+    "transfer": "pdserve.bench.bench_transfer",
+    "kernels": "pdserve.bench.bench_kernels",
+    "spec": "pdserve.bench.bench_spec",
+}
+
+# role -> module with `add_cli_args(parser)` and `main(args)`
+ROLES = {
+    "up": ("pdserve.launcher", "start a local cluster: gateway + prefill and decode workers"),
+    "gateway": ("pdserve.gateway.cli", "run the HTTP gateway alone"),
+    "prefill": ("pdserve.prefill.cli", "run one prefill worker"),
+    "decode": ("pdserve.decode.cli", "run one decode worker"),
+}
+
+
+def _generate(args: argparse.Namespace) -> int:
+    from transformers import AutoTokenizer
+
+    from pdserve.config import runtime_config_from_args
+    from pdserve.model_source import ModelSourceError
+    from pdserve.runtime.engine import Engine
+    from pdserve.sampling_params import SamplingParams
+
+    try:
+        cfg = runtime_config_from_args(args)
+        engine = Engine(cfg)
+    except (ValueError, ModelSourceError) as e:
+        print(f"pdserve generate: {e}", file=sys.stderr)
+        return 2
+    tok = AutoTokenizer.from_pretrained(engine.runner.loaded.folder)
+    params = SamplingParams(max_new_tokens=args.max_new_tokens, temperature=args.temperature, seed=args.seed)
+    prompts = [tok(p).input_ids for p in args.prompt]
+    try:
+        outs = engine.generate(prompts, params)
+    except ValueError as e:
+        print(f"pdserve generate: {e}", file=sys.stderr)
+        return 2
+    for text, out in zip(args.prompt, outs):
+        print(f"{text}{tok.decode(out.output_ids, skip_special_tokens=True)}")
+        print(f"  [{len(out.output_ids)} tokens, finish {out.finish_reason}, {out.total_seconds:.2f} s]")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    parser = argparse.ArgumentParser(prog="pdserve", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    from pdserve.config import add_runtime_args
+
+    gen = sub.add_parser("generate", help="generate offline with the engine (no servers)")
+    gen.add_argument("prompt", nargs="+")
+    gen.add_argument("--max-new-tokens", type=int, default=32)
+    gen.add_argument("--temperature", type=float, default=0.0)
+    gen.add_argument("--seed", type=int, default=None)
+    gen.add_argument("--log-level", default="warning")
+    add_runtime_args(gen)
+
+    bench = sub.add_parser("bench", help="benchmarks: " + ", ".join(BENCHMARKS))
+    bench.add_argument("which", choices=sorted(BENCHMARKS))
+    bench.add_argument("rest", nargs=argparse.REMAINDER, help="the benchmark's own flags")
+
+    roles = {}
+    for name, (module, help_text) in ROLES.items():
+        p = sub.add_parser(name, help=help_text)
+        roles[name] = (module, p)
+    # Only the chosen role's flags are built, so `pdserve generate` never imports the gateway.
+    if argv and argv[0] in roles:
+        module, p = roles[argv[0]]
+        mod = importlib.import_module(module)
+        mod.add_cli_args(p)
+        args = parser.parse_args(argv)
+        logging.basicConfig(
+            level=getattr(args, "log_level", "info").upper(),
+            format="%(asctime)s %(name)s %(levelname)s %(message)s",
+        )
+        return int(mod.main(args) or 0)
+
+    args = parser.parse_args(argv)
+    logging.basicConfig(
+        level=getattr(args, "log_level", "warning").upper(),
+        format="%(asctime)s %(name)s %(levelname)s %(message)s",
+    )
+    if args.command == "generate":
+        return _generate(args)
+    if args.command == "bench":
+        mod = importlib.import_module(BENCHMARKS[args.which])
+        return int(mod.main(args.rest) or 0)
+    return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

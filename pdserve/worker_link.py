@@ -1,0 +1,170 @@
+"""A worker's control link to the gateway: one DEALER socket owned by one I/O thread.
+
+The I/O thread registers, answers pings at once with its own clock readings (so liveness and the
+clock-offset estimate do not depend on how long a forward takes), and hands every other message
+to the worker loop through a queue. The worker loop sends through `send`, which wakes the I/O
+thread over an inproc socket; zmq sockets are never shared between threads.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import zmq
+from pydantic import BaseModel
+
+from pdserve import messages as m
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class LoadReport:
+    """Written by the worker loop, read by the I/O thread for each Pong (plain ints: no lock needed)."""
+
+    queued: int = 0
+    running: int = 0
+    free_tokens: int = 0
+    draining: bool = False
+
+
+class RegistrationRefused(RuntimeError):
+    pass
+
+
+class WorkerLink:
+    def __init__(
+        self,
+        gateway_addr: str,
+        register: Callable[[], m.Register],
+        clock: Callable[[], float],
+        reregister_after_s: float = 10.0,
+    ):
+        self._ctx = zmq.Context.instance()
+        self._register = register
+        self.clock = clock
+        self.worker_id = register().worker_id
+        self.gateway_addr = gateway_addr if "://" in gateway_addr else f"tcp://{gateway_addr}"
+        self.load = LoadReport()
+        self.inbox: queue.Queue[BaseModel] = queue.Queue()
+        self._outbox: queue.Queue[bytes] = queue.Queue()
+        self._wake_addr = f"inproc://wake-{uuid.uuid4().hex}"
+        self._wake_pull = self._ctx.socket(zmq.PULL)
+        self._wake_pull.bind(self._wake_addr)
+        self._wake_local = threading.local()
+        self._stop = threading.Event()
+        self.registered = threading.Event()
+        self.refused: str | None = None
+        self._reregister_after_s = reregister_after_s
+        self._thread = threading.Thread(target=self._run, name="worker-link", daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def wait_registered(self, timeout_s: float) -> None:
+        deadline = time.monotonic() + timeout_s
+        while not self.registered.is_set():
+            if self.refused:
+                raise RegistrationRefused(self.refused)
+            if time.monotonic() > deadline:
+                raise TimeoutError(
+                    f"no answer from the gateway at {self.gateway_addr} within {timeout_s:.0f} s"
+                )
+            self.registered.wait(0.05)
+        if self.refused:
+            raise RegistrationRefused(self.refused)
+
+    def send(self, msg: BaseModel) -> None:
+        self._outbox.put(m.encode(msg))
+        sock = getattr(self._wake_local, "sock", None)
+        if sock is None:
+            sock = self._wake_local.sock = self._ctx.socket(zmq.PUSH)
+            sock.connect(self._wake_addr)
+        sock.send(b"", zmq.NOBLOCK)
+
+    def recv(self, timeout_s: float) -> list[BaseModel]:
+        """Messages for the worker loop; waits up to timeout_s for the first one."""
+        out = []
+        try:
+            out.append(self.inbox.get(timeout=timeout_s) if timeout_s > 0 else self.inbox.get_nowait())
+        except queue.Empty:
+            return out
+        while True:
+            try:
+                out.append(self.inbox.get_nowait())
+            except queue.Empty:
+                return out
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=2)
+
+    def _run(self) -> None:
+        dealer = self._ctx.socket(zmq.DEALER)
+        dealer.setsockopt(zmq.IDENTITY, self.worker_id.encode())
+        dealer.setsockopt(zmq.LINGER, 500)
+        dealer.connect(self.gateway_addr)
+        poller = zmq.Poller()
+        poller.register(dealer, zmq.POLLIN)
+        poller.register(self._wake_pull, zmq.POLLIN)
+        dealer.send(m.encode(self._register()))
+        last_heard = time.monotonic()
+        try:
+            while not self._stop.is_set():
+                events = dict(poller.poll(100))
+                if self._wake_pull in events:
+                    while self._wake_pull.poll(0):
+                        self._wake_pull.recv()
+                while True:
+                    try:
+                        dealer.send(self._outbox.get_nowait())
+                    except queue.Empty:
+                        break
+                if dealer in events:
+                    while dealer.poll(0):
+                        frame = dealer.recv()
+                        last_heard = time.monotonic()
+                        self._on_frame(dealer, frame)
+                if time.monotonic() - last_heard > self._reregister_after_s:
+                    # The gateway restarted or lost us: introduce ourselves again.
+                    dealer.send(m.encode(self._register()))
+                    last_heard = time.monotonic()
+        finally:
+            dealer.close(linger=500)
+
+    def _on_frame(self, dealer: zmq.Socket, frame: bytes) -> None:
+        try:
+            msg = m.decode(frame)
+        except Exception as e:  # a bad frame must never kill the link
+            log.warning("dropping an undecodable control frame: %s", e)
+            return
+        if isinstance(msg, m.Ping):
+            t1 = self.clock()
+            ld = self.load
+            dealer.send(
+                m.encode(
+                    m.Pong(
+                        t0=msg.t0,
+                        t1=t1,
+                        t2=self.clock(),
+                        queued=ld.queued,
+                        running=ld.running,
+                        free_tokens=ld.free_tokens,
+                        draining=ld.draining,
+                    )
+                )
+            )
+        elif isinstance(msg, m.RegisterAck):
+            if msg.accepted:
+                self.registered.set()
+            else:
+                self.refused = msg.reason or "refused by the gateway"
+                log.error("registration refused: %s", self.refused)
+        else:
+            self.inbox.put(msg)

@@ -1,0 +1,82 @@
+"""Admission and chunked prefill: which prompt chunks run in the next extend forward.
+
+Shared by the offline engine (which reserves a request's whole lifetime at admission) and the
+prefill worker (which reserves only the prompt; the decode node holds the rest).
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Callable
+
+from pdserve.runtime.request import Request, RequestState
+from pdserve.runtime.runner import ModelRunner
+
+
+class ExtendScheduler:
+    def __init__(
+        self,
+        runner: ModelRunner,
+        token_budget: int,
+        max_requests: int,
+        reserve_tokens: Callable[[Request], int],
+    ):
+        self.runner = runner
+        self.token_budget = token_budget
+        self.max_requests = max_requests
+        self.reserve_tokens = reserve_tokens
+        self.waiting: deque[Request] = deque()
+        self.prefilling: list[Request] = []
+
+    def __len__(self) -> int:
+        return len(self.waiting) + len(self.prefilling)
+
+    def add(self, req: Request) -> None:
+        self.waiting.append(req)
+
+    def remove(self, req: Request) -> None:
+        """Drop a request (abort); frees its pages."""
+        if req in self.waiting:
+            self.waiting.remove(req)
+        if req in self.prefilling:
+            self.prefilling.remove(req)
+        self.runner.release(req)
+
+    def schedule(self, occupied: int = 0) -> tuple[list[Request], list[list[int]]]:
+        """Prompt chunks within the token budget: unfinished prompts first, then new admissions.
+
+        `occupied` counts requests held elsewhere (the engine's running batch) against max_requests.
+        A request is admitted only when its reservation fits, so admitted work never stalls on pages.
+        """
+        budget = self.token_budget
+        reqs: list[Request] = []
+        chunks: list[list[int]] = []
+        for r in self.prefilling:
+            if budget <= 0:
+                break
+            n = min(budget, len(r.prompt_ids) - r.num_computed)
+            reqs.append(r)
+            chunks.append(r.prompt_ids[r.num_computed : r.num_computed + n])
+            budget -= n
+        while self.waiting and budget > 0 and occupied + len(self.prefilling) < self.max_requests:
+            r = self.waiting[0]
+            if not self.runner.reserve(r, self.reserve_tokens(r)):
+                break
+            self.waiting.popleft()
+            r.state = RequestState.PREFILLING
+            self.prefilling.append(r)
+            n = min(budget, len(r.prompt_ids))
+            reqs.append(r)
+            chunks.append(r.prompt_ids[:n])
+            budget -= n
+        return reqs, chunks
+
+    def take_completed(self, reqs: list[Request]) -> tuple[list[Request], list[int]]:
+        """After a forward: the requests whose whole prompt is now computed, and their logits rows."""
+        done, rows = [], []
+        for i, r in enumerate(reqs):
+            if r.num_computed == len(r.prompt_ids):
+                done.append(r)
+                rows.append(i)
+                self.prefilling.remove(r)
+        return done, rows
