@@ -1,0 +1,105 @@
+"""Our decoder against transformers: same logits, prompt by prompt, from one batched extend forward."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from pdserve.runtime.attention import TorchAttention
+from pdserve.runtime.batch import ForwardBatch, ForwardMode
+from pdserve.runtime.kv_pool import KVGeometry, KVPool, PageAllocator
+from pdserve.runtime.loader import LoadedModel, load_model
+
+REL_TOL = 1e-4  # max |ours - ref| / max |ref|
+TINY_NAMES = ["llama3-rope-tied", "llama-untied", "qwen2-bias", "qwen3-qknorm"]
+
+
+def batched_extend_logits(loaded: LoadedModel, prompts: list[list[int]], page_size: int) -> list[torch.Tensor]:
+    """Every position's logits for each prompt, all prompts in ONE extend forward."""
+    spec = loaded.spec
+    geo = KVGeometry(spec.num_layers, spec.num_kv_heads, spec.head_dim, page_size, loaded.dtype)
+    total = sum(len(p) for p in prompts)
+    pool = KVPool(geo, KVPool.pages_for(geo, total) + len(prompts))
+    alloc = PageAllocator(pool.num_pages)
+    # Allocate interleaved, one page per request at a time, so pages are not contiguous per request.
+    tables: list[list[int]] = [[] for _ in prompts]
+    need = [-(-len(p) // page_size) for p in prompts]
+    while any(len(t) < n for t, n in zip(tables, need)):
+        for t, n in zip(tables, need):
+            if len(t) < n:
+                t.extend(alloc.alloc(1))
+    batch = ForwardBatch.build(
+        ForwardMode.EXTEND, prompts, [0] * len(prompts), tables, page_size, all_logits=True
+    )
+    logits = loaded.model(batch, pool, TorchAttention())  # [sum(len), V]
+    return list(logits.split([len(p) for p in prompts]))
+
+
+def hf_logits(hf, prompt: list[int]) -> torch.Tensor:
+    with torch.no_grad():
+        return hf(torch.tensor([prompt])).logits[0].float()  # [len, V]
+
+
+def assert_close_to_ref(ours: torch.Tensor, ref: torch.Tensor, what: str) -> None:
+    assert ours.shape == ref.shape, what
+    rel = (ours - ref).abs().max().item() / ref.abs().max().item()
+    assert rel < REL_TOL, f"{what}: max|diff| / max|ref| = {rel:.2e}"
+
+
+def _prompts(vocab: int, lengths: list[int], seed: int) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(3, vocab, (n,), generator=g).tolist() for n in lengths]
+
+
+def test_bundled_model_matches_transformers(bundled, hf_bundled, tokenizer):
+    texts = [
+        "The capital of France is",
+        "def fibonacci(n):\n    if n < 2:\n        return n\n    return",
+        "Hi",
+        "Once upon a time, in a small village by the sea, there lived an old fisherman who",
+    ]
+    prompts = [tokenizer(t).input_ids for t in texts]
+    assert len({len(p) for p in prompts}) == len(prompts), "want mixed lengths"
+    ours = batched_extend_logits(bundled, prompts, page_size=16)
+    for i, p in enumerate(prompts):
+        assert_close_to_ref(ours[i], hf_logits(hf_bundled, p), f"prompt {i} ({len(p)} tokens)")
+
+
+@pytest.mark.parametrize("name", TINY_NAMES)
+@pytest.mark.parametrize("page_size", [1, 4])
+def test_tiny_models_match_transformers(tiny_folders, name, page_size):
+    from transformers import AutoModelForCausalLM
+
+    folder = tiny_folders[name]
+    ours = load_model(folder, dtype="float32")
+    hf = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    prompts = _prompts(ours.spec.vocab_size, [9, 1, 23, 5, 40], seed=TINY_NAMES.index(name))
+    logits = batched_extend_logits(ours, prompts, page_size)
+    for i, p in enumerate(prompts):
+        assert_close_to_ref(logits[i], hf_logits(hf, p), f"{name} prompt {i} ({len(p)} tokens)")
+
+
+def test_tiny_specs_carry_the_family_features(tiny_folders):
+    """Guards the parity test above against configs that silently lost their distinguishing feature."""
+    specs = {n: load_model(tiny_folders[n], dtype="float32").spec for n in TINY_NAMES}
+    assert specs["qwen2-bias"].qkv_bias and not specs["qwen2-bias"].qk_norm
+    assert specs["qwen3-qknorm"].qk_norm and specs["qwen3-qknorm"].head_dim == 32
+    assert not specs["llama-untied"].tie_word_embeddings
+    assert specs["llama3-rope-tied"].tie_word_embeddings
+    assert all(s.num_heads > s.num_kv_heads for s in specs.values())
+
+
+def test_llama3_rope_scaling_is_applied(tiny_folders):
+    """llama3 scaling changes low frequencies; a loader that ignored it would give default RoPE."""
+    from pdserve.runtime.loader import load_hf_config
+    from pdserve.runtime.model_config import rope_inv_freq
+
+    folder = tiny_folders["llama3-rope-tied"]
+    loaded = load_model(folder, dtype="float32")
+    hd = loaded.spec.head_dim
+    theta = load_hf_config(folder).rope_parameters["rope_theta"]
+    default = 1.0 / (theta ** (torch.arange(0, hd, 2, dtype=torch.float) / hd))
+    inv, _ = rope_inv_freq(load_hf_config(folder), hd)
+    assert not torch.allclose(inv, default)
+    pos = torch.arange(loaded.model.rotary.cos.shape[0], dtype=torch.float)
+    expect = torch.cat([torch.outer(pos, inv)] * 2, dim=-1).cos()
+    torch.testing.assert_close(loaded.model.rotary.cos, expect)
