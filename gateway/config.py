@@ -1,0 +1,70 @@
+"""Gateway configuration: one frozen dataclass, built once from the command line."""
+
+from __future__ import annotations
+
+import argparse
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class GatewayConfig:
+    host: str = "0.0.0.0"
+    port: int = 30000
+    # Where the control-plane ROUTER socket binds; workers connect DEALER sockets here.
+    control_host: str = "0.0.0.0"
+    control_port: int = 30001
+    # None: the bundled default model (only its tokenizer is loaded here).
+    model_path: str | None = None
+    served_model_name: str = "default"
+    heartbeat_interval_s: float = 1.0
+    heartbeat_timeout_s: float = 5.0
+    # In-flight HTTP requests beyond this are refused at once with 503 + Retry-After.
+    max_pending_requests: int = 512
+    request_timeout_s: float = 600.0
+    # How long the final response waits for a late PrefillDone before stitching without it.
+    prefill_done_grace_s: float = 2.0
+    enable_metrics: bool = True
+    log_level: str = "info"
+
+
+def add_cli_args(parser: argparse.ArgumentParser) -> None:
+    """Gateway flags; names follow SGLang's server where one exists."""
+    d = GatewayConfig()
+    parser.add_argument(
+        "--model-path", default=d.model_path, help="tokenizer source (default: bundled model)"
+    )
+    parser.add_argument("--host", default=d.host)
+    parser.add_argument("--port", type=int, default=d.port)
+    parser.add_argument("--served-model-name", default=d.served_model_name)
+    parser.add_argument(
+        "--enable-metrics",
+        action=argparse.BooleanOptionalAction,
+        default=d.enable_metrics,
+        help="serve Prometheus metrics on /metrics",
+    )
+    parser.add_argument(
+        "--log-level", default=d.log_level, choices=["critical", "error", "warning", "info", "debug"]
+    )
+    parser.add_argument("--control-host", default=d.control_host, help="bind address of the worker socket")
+    parser.add_argument("--control-port", type=int, default=d.control_port)
+    parser.add_argument("--heartbeat-interval", type=float, default=d.heartbeat_interval_s)
+    parser.add_argument("--heartbeat-timeout", type=float, default=d.heartbeat_timeout_s)
+    parser.add_argument("--max-pending-requests", type=int, default=d.max_pending_requests)
+    parser.add_argument("--request-timeout", type=float, default=d.request_timeout_s, help="seconds")
+
+
+def config_from_args(args: argparse.Namespace) -> GatewayConfig:
+    return GatewayConfig(
+        host=args.host,
+        port=args.port,
+        control_host=args.control_host,
+        control_port=args.control_port,
+        model_path=args.model_path,
+        served_model_name=args.served_model_name,
+        heartbeat_interval_s=args.heartbeat_interval,
+        heartbeat_timeout_s=args.heartbeat_timeout,
+        max_pending_requests=args.max_pending_requests,
+        request_timeout_s=args.request_timeout,
+        enable_metrics=args.enable_metrics,
+        log_level=args.log_level,
+    )

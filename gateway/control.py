@@ -1,0 +1,292 @@
+"""The control plane: one zmq ROUTER socket, the registration/heartbeat protocol, and per-room queues.
+
+Three asyncio tasks share the socket: `_recv_loop` (every inbound frame), `_send_loop` (the only
+writer, fed by a queue so sends can be issued from `finally` blocks and sync code), and
+`_heartbeat_loop` (Ping every interval; a worker silent for `heartbeat_timeout_s` is removed and the
+requests that still need it fail). Worker outputs are routed to the request's `Room` by room id.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from dataclasses import dataclass, field
+
+import zmq
+import zmq.asyncio
+from pydantic import BaseModel, ValidationError
+
+from pdserve.gateway.config import GatewayConfig
+from pdserve.gateway.metrics import GatewayMetrics
+from pdserve.gateway.workers import WorkerInfo, WorkerRegistry
+from pdserve.messages import (
+    AbortRequest,
+    Deregister,
+    Ping,
+    Pong,
+    PrefillDone,
+    Register,
+    RegisterAck,
+    RequestFailed,
+    TokenBatch,
+    TokenOutput,
+    WireVersionError,
+    decode,
+    encode,
+)
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class TokensArrived:
+    output: TokenOutput
+    t_recv: float  # gateway wall clock at receipt
+
+
+@dataclass(frozen=True)
+class LegFailed:
+    role: str  # "prefill" | "decode"
+    code: str  # RequestFailed.code, or "worker_lost"
+    message: str
+    reported: bool  # True: the failing leg told us itself (no need to abort it)
+
+
+RoomEvent = TokensArrived | LegFailed
+
+
+@dataclass
+class Room:
+    """One generation in flight: its two legs and the inbox the request handler reads."""
+
+    room: str
+    prefill: WorkerInfo
+    decode: WorkerInfo
+    tokens: int  # the work reserved on both legs (for routing)
+    inbox: asyncio.Queue[RoomEvent] = field(default_factory=asyncio.Queue)
+    prefill_done: PrefillDone | None = None
+    prefill_done_at: float | None = None
+    prefill_event: asyncio.Event = field(default_factory=asyncio.Event)
+
+
+class ControlPlane:
+    def __init__(self, cfg: GatewayConfig, registry: WorkerRegistry, metrics: GatewayMetrics) -> None:
+        self.cfg = cfg
+        self.registry = registry
+        self.metrics = metrics
+        self.rooms: dict[str, Room] = {}
+        self._ctx: zmq.asyncio.Context | None = None
+        self._sock: zmq.asyncio.Socket | None = None
+        self._outbox: asyncio.Queue[tuple[bytes, bytes]] = asyncio.Queue()
+        self._tasks: list[asyncio.Task] = []
+        self.bound_port: int | None = None
+
+    # ---- lifecycle ---------------------------------------------------------------------------
+
+    async def start(self) -> None:
+        self._ctx = zmq.asyncio.Context()
+        sock = self._ctx.socket(zmq.ROUTER)
+        sock.setsockopt(zmq.LINGER, 0)
+        # A restarted worker reconnects under the same identity: let the new connection take over.
+        sock.setsockopt(zmq.ROUTER_HANDOVER, 1)
+        addr = f"tcp://{self.cfg.control_host}:{self.cfg.control_port}"
+        if self.cfg.control_port == 0:
+            self.bound_port = sock.bind_to_random_port(f"tcp://{self.cfg.control_host}")
+        else:
+            sock.bind(addr)
+            self.bound_port = self.cfg.control_port
+        self._sock = sock
+        self._tasks = [
+            asyncio.create_task(self._recv_loop(), name="gateway-recv"),
+            asyncio.create_task(self._send_loop(), name="gateway-send"),
+            asyncio.create_task(self._heartbeat_loop(), name="gateway-heartbeat"),
+        ]
+        log.info("control plane listening on %s:%d", self.cfg.control_host, self.bound_port)
+
+    async def stop(self) -> None:
+        for t in self._tasks:
+            t.cancel()
+        for t in self._tasks:
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await t
+        self._tasks = []
+        for room in list(self.rooms.values()):
+            room.inbox.put_nowait(LegFailed("gateway", "shutdown", "the gateway is shutting down", False))
+        if self._sock is not None:
+            self._sock.close(linger=0)
+        if self._ctx is not None:
+            self._ctx.term()
+        self._sock = self._ctx = None
+
+    # ---- sending -----------------------------------------------------------------------------
+
+    def send(self, worker: WorkerInfo, msg: BaseModel) -> None:
+        """Queue a message for a worker; never blocks, safe in `finally` blocks."""
+        self._outbox.put_nowait((worker.identity, encode(msg)))
+
+    async def _send_loop(self) -> None:
+        assert self._sock is not None
+        while True:
+            identity, frame = await self._outbox.get()
+            try:
+                await self._sock.send_multipart([identity, frame])
+            except zmq.ZMQError as e:
+                log.warning("send to %r failed: %s", identity, e)
+
+    # ---- rooms -------------------------------------------------------------------------------
+
+    def open_room(self, room_id: str, prefill: WorkerInfo, decode: WorkerInfo, tokens: int) -> Room:
+        room = Room(room_id, prefill, decode, tokens)
+        self.registry.acquire(prefill, tokens)
+        self.registry.acquire(decode, tokens)
+        self.rooms[room_id] = room
+        return room
+
+    def close_room(
+        self, room: Room, abort_decode: str | None = None, abort_prefill: str | None = None
+    ) -> None:
+        """Forget the room, release its reserved work, and abort the legs named with a reason."""
+        if self.rooms.pop(room.room, None) is None:
+            return
+        if room.prefill_done is None:
+            self.registry.release(room.prefill, room.tokens)
+        self.registry.release(room.decode, room.tokens)
+        for worker, reason in ((room.decode, abort_decode), (room.prefill, abort_prefill)):
+            # A worker already removed from the registry is gone: nothing to abort there.
+            if reason is not None and self.registry.get(worker.worker_id) is worker:
+                self.send(worker, AbortRequest(room=room.room, reason=reason))
+
+    # ---- receiving ---------------------------------------------------------------------------
+
+    async def _recv_loop(self) -> None:
+        assert self._sock is not None
+        while True:
+            frames = await self._sock.recv_multipart()
+            t_recv = time.time()
+            try:
+                self._handle(frames, t_recv)
+            except Exception:  # one bad frame must never stop the loop
+                log.exception("error handling a control frame from %r", frames[0] if frames else None)
+
+    def _handle(self, frames: list[bytes], t_recv: float) -> None:
+        if len(frames) < 2:
+            log.warning("dropping a control frame without payload: %r", frames)
+            return
+        identity, payload = frames[0], frames[-1]
+        try:
+            msg = decode(payload)
+        except (ValidationError, WireVersionError, ValueError) as e:
+            log.warning("undecodable frame from %r: %s", identity, str(e).splitlines()[0])
+            return
+        if isinstance(msg, Register):
+            self._on_register(identity, msg, t_recv)
+            return
+        worker = self.registry.by_identity(identity)
+        if worker is None:
+            log.warning("%s from unregistered peer %r; asking it to register", msg.kind, identity)
+            ack = RegisterAck(accepted=False, reason="not registered: send Register first")
+            self._outbox.put_nowait((identity, encode(ack)))
+            return
+        worker.last_seen = time.monotonic()
+        if isinstance(msg, Pong):
+            self._on_pong(worker, msg, t_recv)
+        elif isinstance(msg, TokenBatch):
+            for out in msg.outputs:
+                room = self.rooms.get(out.room)
+                if room is None:
+                    log.debug("tokens for unknown room %s (finished or aborted)", out.room)
+                    continue
+                room.inbox.put_nowait(TokensArrived(out, t_recv))
+        elif isinstance(msg, PrefillDone):
+            room = self.rooms.get(msg.room)
+            if room is None:
+                log.debug("prefill_done for unknown room %s", msg.room)
+                return
+            if room.prefill_done is None:
+                room.prefill_done, room.prefill_done_at = msg, t_recv
+                self.registry.release(room.prefill, room.tokens)
+                room.prefill_event.set()
+        elif isinstance(msg, RequestFailed):
+            if msg.code == "transfer":
+                self.metrics.transfer_failures.inc()
+            room = self.rooms.get(msg.room)
+            if room is None:
+                log.debug("failure for unknown room %s: %s", msg.room, msg.message)
+                return
+            room.inbox.put_nowait(LegFailed(msg.role, msg.code, msg.message, reported=True))
+        elif isinstance(msg, Deregister):
+            log.info("worker %s is draining: out of rotation for new requests", worker.worker_id)
+            worker.draining = True
+            self._update_worker_gauges()
+        else:
+            log.warning("unexpected %s from worker %s", msg.kind, worker.worker_id)
+
+    def _on_register(self, identity: bytes, reg: Register, t_recv: float) -> None:
+        if identity != reg.worker_id.encode():
+            log.warning("worker %s registers from zmq identity %r", reg.worker_id, identity)
+        reason = self.registry.check_fingerprint(reg)
+        if reason is not None:
+            log.error("refusing worker %s: %s", reg.worker_id, reason)
+            self._outbox.put_nowait((identity, encode(RegisterAck(accepted=False, reason=reason))))
+            return
+        if reg.role == "prefill" and not reg.bootstrap_addr:
+            reason = "a prefill worker must give bootstrap_addr"
+            self._outbox.put_nowait((identity, encode(RegisterAck(accepted=False, reason=reason))))
+            return
+        old = self.registry.get(reg.worker_id)
+        if old is not None:
+            # Same id again: a restarted worker has lost whatever it held.
+            self._fail_rooms_of(old, f"{old.role} worker {old.worker_id} re-registered (restarted)")
+        w = self.registry.add(reg, identity, time.monotonic())
+        w.clock.add_one_way(reg.t_send, t_recv)
+        log.info("worker %s registered as %s (%s)", reg.worker_id, reg.role, reg.bootstrap_addr or "-")
+        self._outbox.put_nowait((identity, encode(RegisterAck(accepted=True))))
+        # A first round trip right away so the offset estimate does not wait a heartbeat interval.
+        self.send(w, Ping(t0=time.time()))
+        self._update_worker_gauges()
+
+    def _on_pong(self, w: WorkerInfo, pong: Pong, t_recv: float) -> None:
+        w.clock.add_round_trip(pong.t0, pong.t1, pong.t2, t_recv)
+        w.queued, w.running, w.free_tokens = pong.queued, pong.running, pong.free_tokens
+        if pong.draining and not w.draining:
+            log.info("worker %s reports draining", w.worker_id)
+            w.draining = True
+            self._update_worker_gauges()
+        self.metrics.worker_load(
+            w.worker_id, w.role, pong.queued, pong.running, pong.free_tokens, w.clock.offset
+        )
+
+    # ---- liveness ----------------------------------------------------------------------------
+
+    async def _heartbeat_loop(self) -> None:
+        while True:
+            self.check_liveness()
+            for w in self.registry.all():
+                self.send(w, Ping(t0=time.time()))
+            await asyncio.sleep(self.cfg.heartbeat_interval_s)
+
+    def check_liveness(self) -> None:
+        for w in self.registry.expired(time.monotonic(), self.cfg.heartbeat_timeout_s):
+            log.error(
+                "worker %s (%s) sent nothing for %.1f s: removed",
+                w.worker_id,
+                w.role,
+                self.cfg.heartbeat_timeout_s,
+            )
+            self.registry.remove(w.worker_id)
+            self.metrics.worker_gone(w.worker_id, w.role)
+            self._update_worker_gauges()
+            self._fail_rooms_of(w, f"{w.role} worker {w.worker_id} stopped responding to heartbeats")
+
+    def _fail_rooms_of(self, w: WorkerInfo, message: str) -> None:
+        for room in list(self.rooms.values()):
+            # A prefill worker is no longer needed once its PrefillDone arrived.
+            needs = room.decode is w or (room.prefill is w and room.prefill_done is None)
+            if needs:
+                room.inbox.put_nowait(LegFailed(w.role, "worker_lost", message, reported=False))
+
+    def _update_worker_gauges(self) -> None:
+        for role in ("prefill", "decode"):
+            self.metrics.workers.labels(role).set(len(self.registry.in_rotation(role)))

@@ -1,0 +1,346 @@
+"""One generation's life at the gateway: check -> route -> dispatch -> collect -> stitch.
+
+`Engine.prepare` checks prompts against the cluster's limits (before anything is dispatched, so a
+batch fails as a whole); `Engine.generate` runs one generation and yields its `GenState` after
+every output step, the last one with `finished=True` and `meta_info`. Failures raise `ApiError`
+(status naming the failing leg); on any exit that is not a normal finish, the legs still holding
+the room are aborted.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field, replace
+
+from pdserve.gateway.config import GatewayConfig
+from pdserve.gateway.control import ControlPlane, LegFailed, Room, TokensArrived
+from pdserve.gateway.detokenizer import IncrementalDetokenizer, StopStringMatcher
+from pdserve.gateway.errors import ApiError, bad_request
+from pdserve.gateway.metrics import GatewayMetrics
+from pdserve.gateway.protocol import check_prompt_ids, with_max_new_tokens
+from pdserve.gateway.timeline import (
+    TimelineInput,
+    decode_throughput,
+    spec_accept_length,
+    spec_accept_rate,
+    stitch,
+)
+from pdserve.gateway.tokenizer import Tokenizer
+from pdserve.gateway.workers import WorkerRegistry
+from pdserve.messages import GenerateRequest, TokenOutput
+from pdserve.sampling_params import SamplingParams
+
+log = logging.getLogger(__name__)
+
+_FAIL_STATUS = {"bad_request": 400, "oom": 503, "worker_lost": 503, "shutdown": 503}
+
+
+@dataclass(frozen=True)
+class GenInput:
+    rid: str
+    input_ids: list[int]
+    sampling: SamplingParams
+    # False: max_new_tokens was not given and may be capped to the remaining context (SGLang).
+    max_new_tokens_given: bool
+    received_ts: float
+    skip_special_tokens: bool = True
+
+
+@dataclass
+class GenState:
+    rid: str
+    prompt_tokens: int
+    output_ids: list[int] = field(default_factory=list)
+    text: str = ""  # released text so far (stop strings cut, held-back text excluded)
+    logprobs: list[float] = field(default_factory=list)
+    top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
+    # Since the previous yield.
+    new_text: str = ""
+    new_ids: int = 0
+    finished: bool = False
+    finish_reason: dict | None = None
+    meta_info: dict | None = None
+    cached_tokens: int = 0
+
+
+class Engine:
+    def __init__(
+        self,
+        cfg: GatewayConfig,
+        tokenizer: Tokenizer,
+        registry: WorkerRegistry,
+        control: ControlPlane,
+        metrics: GatewayMetrics,
+    ) -> None:
+        self.cfg, self.tokenizer, self.registry, self.control, self.metrics = (
+            cfg,
+            tokenizer,
+            registry,
+            control,
+            metrics,
+        )
+
+    # ---- before dispatch ---------------------------------------------------------------------
+
+    def prepare(self, inputs: list[GenInput], param: str) -> list[GenInput]:
+        """400 for prompts the cluster cannot take, 503 without workers; fills max_new_tokens."""
+        limits = self.registry.limits()
+        vocab = limits.vocab_size if limits else self.tokenizer.vocab_size
+        for inp in inputs:
+            check_prompt_ids(inp.input_ids, vocab, param)
+        if limits is None or not self.registry.healthy():
+            self.metrics.rejected.labels("no_workers").inc()
+            missing = [r for r in ("prefill", "decode") if not self.registry.in_rotation(r)]
+            raise ApiError(
+                503, f"no {' and no '.join(missing)} worker in rotation", headers={"Retry-After": "1"}
+            )
+        ctx = limits.context_length
+        out = []
+        for inp in inputs:
+            n, m = len(inp.input_ids), inp.sampling.max_new_tokens
+            if inp.max_new_tokens_given:
+                if n + m > ctx:
+                    raise bad_request(
+                        f"requested {n + m} tokens ({n} in the prompt + {m} to generate), "
+                        f"but the context length is {ctx} tokens",
+                        param,
+                    )
+            elif n >= ctx:
+                raise bad_request(f"the prompt has {n} tokens; the context length is {ctx} tokens", param)
+            else:
+                inp = replace(inp, sampling=with_max_new_tokens(inp.sampling, min(m, ctx - n)))
+            out.append(inp)
+        return out
+
+    # ---- one generation ----------------------------------------------------------------------
+
+    async def generate(self, inp: GenInput) -> AsyncIterator[GenState]:
+        prefill, decode = self.registry.pick("prefill"), self.registry.pick("decode")
+        if prefill is None or decode is None:
+            raise ApiError(503, "no worker of a role is in rotation", headers={"Retry-After": "1"})
+        room = self.control.open_room(uuid.uuid4().hex, prefill, decode, len(inp.input_ids))
+        req = GenerateRequest(
+            room=room.room,
+            input_ids=inp.input_ids,
+            sampling=inp.sampling,
+            prefill_worker=prefill.worker_id,
+            prefill_bootstrap_addr=prefill.bootstrap_addr,
+            decode_worker=decode.worker_id,
+            deadline_s=inp.received_ts + self.cfg.request_timeout_s,
+        )
+        self.control.send(prefill, req)
+        self.control.send(decode, req)
+        dispatched = time.time()
+        self.metrics.prompt_tokens.inc(len(inp.input_ids))
+
+        st = GenState(inp.rid, len(inp.input_ids))
+        c = _Collector(self.tokenizer, inp, st)
+        # Legs to abort on the way out; cleared as the request reaches a clean end.
+        abort_decode: str | None = "cancelled"
+        abort_prefill: str | None = "cancelled"
+        try:
+            while not st.finished:
+                ev = await self._next_event(room, inp)
+                if isinstance(ev, LegFailed):
+                    if ev.reported:
+                        abort_decode = None if ev.role == "decode" else "other leg failed"
+                        abort_prefill = None if ev.role == "prefill" else "other leg failed"
+                    raise self._leg_failed(room, ev)
+                st.new_text, st.new_ids = "", 0
+                self._observe_itl(c, ev.t_recv, len(ev.output.token_ids))
+                if c.first_token_recv is None and ev.output.token_ids:
+                    self.metrics.ttft.observe(ev.t_recv - inp.received_ts)
+                c.feed(ev.output, ev.t_recv)
+                if c.failed is not None:
+                    abort_decode = None
+                    raise self._leg_failed(room, LegFailed("decode", "aborted", c.failed, True))
+                if st.finished and not ev.output.finished:
+                    abort_decode = "stop"  # a stop string matched before the decode finished
+                elif st.finished:
+                    abort_decode = None
+                if st.finished:
+                    abort_prefill = None if room.prefill_done is not None else "finished"
+                    break
+                if st.new_ids or st.new_text:
+                    yield st
+            await self._wait_prefill_done(room)
+            abort_prefill = None
+            st.meta_info = self._meta_info(inp, st, c, room, dispatched)
+            self._observe_finish(st, c)
+            yield st
+        finally:
+            self.control.close_room(room, abort_decode=abort_decode, abort_prefill=abort_prefill)
+
+    async def _next_event(self, room: Room, inp: GenInput) -> TokensArrived | LegFailed:
+        remaining = inp.received_ts + self.cfg.request_timeout_s - time.time()
+        try:
+            return await asyncio.wait_for(room.inbox.get(), timeout=max(0.0, remaining))
+        except TimeoutError:
+            self.metrics.errors.labels("gateway", "timeout").inc()
+            raise ApiError(
+                504,
+                f"request {inp.rid} timed out after {self.cfg.request_timeout_s:g} s "
+                f"(prefill {room.prefill.worker_id}, decode {room.decode.worker_id})",
+            ) from None
+
+    def _leg_failed(self, room: Room, ev: LegFailed) -> ApiError:
+        self.metrics.errors.labels(ev.role, ev.code).inc()
+        worker = room.prefill if ev.role == "prefill" else room.decode
+        status = _FAIL_STATUS.get(ev.code, 500)
+        return ApiError(status, f"{ev.role} leg ({worker.worker_id}) failed [{ev.code}]: {ev.message}")
+
+    async def _wait_prefill_done(self, room: Room) -> None:
+        # PrefillDone may trail the decode's first tokens; its event times are worth a short wait.
+        if room.prefill_done is None:
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(room.prefill_event.wait(), self.cfg.prefill_done_grace_s)
+        if room.prefill_done is None:
+            log.warning("room %s: no PrefillDone; timeline without prefill events", room.room)
+
+    def _observe_itl(self, c: _Collector, t_recv: float, n: int) -> None:
+        if c.last_recv is not None and n > 0:
+            per_token = (t_recv - c.last_recv) / n
+            for _ in range(n):
+                self.metrics.itl.observe(per_token)
+
+    def _observe_finish(self, st: GenState, c: _Collector) -> None:
+        assert st.meta_info is not None and st.finish_reason is not None
+        self.metrics.e2e.observe(st.meta_info["e2e_latency"])
+        self.metrics.requests.labels(st.finish_reason["type"]).inc()
+        self.metrics.generation_tokens.inc(len(st.output_ids))
+        self.metrics.spec(c.stats)
+
+    def _meta_info(self, inp: GenInput, st: GenState, c: _Collector, room: Room, dispatched: float) -> dict:
+        pd = room.prefill_done
+        now = time.time()
+        tl = stitch(
+            TimelineInput(
+                request_received=inp.received_ts,
+                dispatch_finished=dispatched,
+                first_token_recv=c.first_token_recv if c.first_token_recv is not None else c.final_recv,
+                final_recv=c.final_recv,
+                response_sent=now,
+                prefill_done_recv=room.prefill_done_at,
+                prefill_events=pd.events if pd is not None else {},
+                prefill_offset=room.prefill.clock.offset,
+                decode_events=c.decode_events,
+                decode_offset=room.decode.clock.offset,
+                completion_tokens=len(st.output_ids),
+            )
+        )
+        s = c.stats
+        ct = len(st.output_ids)
+        cached = int(s.get("cached_tokens", pd.cached_tokens if pd is not None else 0) or 0)
+        st.cached_tokens = cached
+        correct, proposed = (
+            int(s.get("spec_num_correct_drafts", 0)),
+            int(s.get("spec_num_proposed_drafts", 0)),
+        )
+        verify = int(s.get("spec_verify_ct", 0))
+        meta = {
+            "id": inp.rid,
+            "finish_reason": st.finish_reason,
+            "prompt_tokens": st.prompt_tokens,
+            "weight_version": "default",
+            "num_retractions": int(s.get("num_retractions", 0)),
+            "storage_prefetch_wait": 0.0,
+            "storage_staging_wait": 0.0,
+            "forward_entry_time": tl.forward_entry_time,
+            "prefill_finished_time": tl.prefill_finished_time,
+            "queue_time": tl.queue_time,
+            "reasoning_tokens": 0,
+            "completion_tokens": ct,
+            "cached_tokens": cached,
+            "weight_versions": [{"version": "default", "start": 0, "end": ct}],
+            "cached_tokens_details": {"device": cached, "host": 0},
+            "dp_rank": None,
+            "e2e_latency": tl.e2e_latency,
+            "spec_accept_rate": spec_accept_rate(correct, proposed),
+            "spec_accept_length": spec_accept_length(ct, verify),
+            "spec_num_correct_drafts": correct,
+            "spec_num_proposed_drafts": proposed,
+            "spec_verify_ct": verify,
+            "spec_correct_drafts_histogram": [int(x) for x in s.get("spec_correct_drafts_histogram", [])],
+            "request_received_ts": tl.request_received_ts,
+            "first_token_latency": tl.first_token_latency,
+            "api_server_dispatch_finish_ts": tl.api_server_dispatch_finish_ts,
+            "request_finished_ts": tl.request_finished_ts,
+            "decode_throughput": decode_throughput(ct, tl.first_token_ts, tl.request_finished_ts),
+            "response_sent_to_client_ts": tl.response_sent_to_client_ts,
+        }
+        if inp.sampling.logprobs:
+            meta["output_token_logprobs"] = [[lp, t, None] for lp, t in zip(st.logprobs, st.output_ids)]
+            if inp.sampling.top_logprobs_num > 0:
+                meta["output_top_logprobs"] = [[[lp, t, None] for t, lp in top] for top in st.top_logprobs]
+        return meta
+
+
+class _Collector:
+    """Turns the decode's outputs for one room into released text, ids and finish state."""
+
+    def __init__(self, tok: Tokenizer, inp: GenInput, st: GenState) -> None:
+        skip = inp.skip_special_tokens
+        self.detok = IncrementalDetokenizer(lambda ids: tok.decode(ids, skip), inp.input_ids)
+        self.stop = StopStringMatcher(inp.sampling.stop)
+        self.st = st
+        self.decode_events: dict[str, float] = {}
+        self.stats: dict = {}
+        self.first_token_recv: float | None = None
+        self.last_recv: float | None = None
+        self.final_recv: float = 0.0
+        self.failed: str | None = None
+
+    def feed(self, out: TokenOutput, t_recv: float) -> None:
+        st = self.st
+        if out.events:
+            self.decode_events.update(out.events)
+        if out.stats:
+            self.stats = out.stats
+        if out.token_ids:
+            if self.first_token_recv is None:
+                self.first_token_recv = t_recv
+            self.last_recv = t_recv
+        fr = out.finish_reason if out.finished else None
+        if fr is not None and fr.get("type") == "abort":
+            self.failed = str(fr.get("message", "aborted by the decode worker"))
+            return
+        # A matched stop token is counted in output_ids but not shown in the text (SGLang).
+        hidden_last = (
+            fr is not None
+            and fr.get("type") == "stop"
+            and out.token_ids
+            and fr.get("matched") == out.token_ids[-1]
+        )
+        for i, tid in enumerate(out.token_ids):
+            st.output_ids.append(tid)
+            st.new_ids += 1
+            if out.logprobs is not None and i < len(out.logprobs):
+                st.logprobs.append(out.logprobs[i])
+            if out.top_logprobs is not None and i < len(out.top_logprobs):
+                st.top_logprobs.append(list(out.top_logprobs[i]))
+            if hidden_last and i == len(out.token_ids) - 1:
+                break
+            self._release(self.stop.feed(self.detok.add(tid)))
+            if self.stop.matched is not None:
+                self._finish({"type": "stop", "matched": self.stop.matched}, t_recv)
+                return
+        if out.finished:
+            self._release(self.stop.feed(self.detok.flush()))
+            if self.stop.matched is not None:
+                fr = {"type": "stop", "matched": self.stop.matched}
+            self._release(self.stop.finish())
+            self._finish(fr or {"type": "length", "length": len(st.output_ids)}, t_recv)
+
+    def _release(self, text: str) -> None:
+        self.st.text += text
+        self.st.new_text += text
+
+    def _finish(self, reason: dict, t_recv: float) -> None:
+        self.st.finished = True
+        self.st.finish_reason = reason
+        self.final_recv = t_recv

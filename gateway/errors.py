@@ -1,0 +1,125 @@
+"""OpenAI-style error bodies and the handlers that turn every failure into one.
+
+Every error the gateway answers has the shape
+`{"error": {"message": ..., "type": ..., "param": ..., "code": <http status>}}`.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from pydantic import ValidationError
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+log = logging.getLogger(__name__)
+
+_TYPES = {
+    400: "invalid_request_error",
+    404: "not_found_error",
+    405: "invalid_request_error",
+    500: "internal_server_error",
+    503: "service_unavailable",
+    504: "timeout_error",
+}
+
+
+class ApiError(Exception):
+    """Raised anywhere in request handling; becomes an HTTP error with an OpenAI-style body."""
+
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        param: str | None = None,
+        headers: dict[str, str] | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.param = param
+        self.headers = headers
+
+    def body(self) -> dict:
+        return error_body(self.status, self.message, self.param)
+
+
+def bad_request(message: str, param: str | None = None) -> ApiError:
+    return ApiError(400, message, param)
+
+
+def error_body(status: int, message: str, param: str | None = None) -> dict:
+    return {
+        "error": {
+            "message": message,
+            "type": _TYPES.get(status, "invalid_request_error" if status < 500 else "internal_server_error"),
+            "param": param,
+            "code": status,
+        }
+    }
+
+
+def _loc_to_param(loc: tuple) -> str | None:
+    # ("body", "sampling_params", "temperature") -> "sampling_params.temperature"
+    parts = [str(p) for p in loc if p not in ("body",)]
+    return ".".join(parts) or None
+
+
+def validation_error_to_api(err: ValidationError | RequestValidationError, prefix: str = "") -> ApiError:
+    """The first pydantic error, named by its field path."""
+    errors = err.errors()
+    if not errors:
+        return bad_request("invalid request")
+    first = errors[0]
+    param = _loc_to_param(tuple(first.get("loc", ())))
+    if prefix:
+        param = f"{prefix}.{param}" if param else prefix
+    msg = first.get("msg", "invalid value")
+    if first.get("type") == "json_invalid":
+        return bad_request(f"malformed JSON body: {msg}")
+    if first.get("type") == "extra_forbidden":
+        msg = f"unrecognized request argument supplied: {param}"
+    elif param:
+        msg = f"{param}: {msg}"
+    if len(errors) > 1:
+        msg += f" (and {len(errors) - 1} more error(s))"
+    return bad_request(msg, param)
+
+
+def parse_json_body(raw: bytes) -> dict:
+    """Decode a request body that must be a JSON object."""
+    if not raw:
+        raise bad_request("request body is empty; expected a JSON object")
+    try:
+        body = json.loads(raw)
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise bad_request(f"malformed JSON body: {e}") from None
+    if not isinstance(body, dict):
+        raise bad_request("request body must be a JSON object")
+    return body
+
+
+def install_error_handlers(app: FastAPI) -> None:
+    async def on_api_error(_: Request, exc: ApiError) -> JSONResponse:
+        return JSONResponse(exc.body(), status_code=exc.status, headers=exc.headers)
+
+    async def on_validation(_: Request, exc: RequestValidationError) -> JSONResponse:
+        api = validation_error_to_api(exc)
+        return JSONResponse(api.body(), status_code=400)
+
+    async def on_http(_: Request, exc: StarletteHTTPException) -> JSONResponse:
+        return JSONResponse(
+            error_body(exc.status_code, str(exc.detail)), status_code=exc.status_code, headers=exc.headers
+        )
+
+    async def on_unexpected(_: Request, exc: Exception) -> JSONResponse:
+        log.exception("unhandled error in request handler")
+        return JSONResponse(error_body(500, f"internal error: {type(exc).__name__}: {exc}"), status_code=500)
+
+    app.add_exception_handler(ApiError, on_api_error)
+    app.add_exception_handler(RequestValidationError, on_validation)
+    app.add_exception_handler(StarletteHTTPException, on_http)
+    app.add_exception_handler(Exception, on_unexpected)

@@ -1,0 +1,91 @@
+"""Prometheus metrics of one gateway, in its own CollectorRegistry (never the global one)."""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.exposition import CONTENT_TYPE_LATEST
+
+_LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600)
+_ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 1, 2.5, 5)
+
+CONTENT_TYPE = CONTENT_TYPE_LATEST
+
+
+class GatewayMetrics:
+    def __init__(self) -> None:
+        r = self.registry = CollectorRegistry()
+        self.ttft = Histogram(
+            "pdserve_time_to_first_token_seconds",
+            "Request received to first token",
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.itl = Histogram(
+            "pdserve_inter_token_latency_seconds",
+            "Time between output tokens",
+            buckets=_ITL_BUCKETS,
+            registry=r,
+        )
+        self.e2e = Histogram(
+            "pdserve_e2e_request_latency_seconds",
+            "Request received to finished",
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.requests = Counter(
+            "pdserve_requests", "Finished generations by finish type", ["finish"], registry=r
+        )
+        self.errors = Counter(
+            "pdserve_request_errors", "Failed generations by leg and code", ["leg", "code"], registry=r
+        )
+        self.rejected = Counter(
+            "pdserve_rejected_requests", "Requests refused by reason", ["reason"], registry=r
+        )
+        self.transfer_failures = Counter(
+            "pdserve_kv_transfer_failures", "KV transfers reported failed by a worker", registry=r
+        )
+        self.prompt_tokens = Counter("pdserve_prompt_tokens", "Prompt tokens", registry=r)
+        self.generation_tokens = Counter("pdserve_generation_tokens", "Generated tokens", registry=r)
+        self.spec_proposed = Counter(
+            "pdserve_spec_proposed_drafts", "Speculative draft tokens proposed", registry=r
+        )
+        self.spec_correct = Counter(
+            "pdserve_spec_correct_drafts", "Speculative draft tokens accepted", registry=r
+        )
+        self.spec_verify = Counter("pdserve_spec_verify", "Speculative verify forwards", registry=r)
+        self.pending = Gauge("pdserve_pending_requests", "HTTP requests in flight at the gateway", registry=r)
+        self.workers = Gauge("pdserve_workers", "Workers in rotation", ["role"], registry=r)
+        labels = ["worker", "role"]
+        self.queued = Gauge("pdserve_worker_queue_depth", "Requests queued on a worker", labels, registry=r)
+        self.running = Gauge(
+            "pdserve_worker_running_requests", "Requests running on a worker", labels, registry=r
+        )
+        self.free_kv = Gauge(
+            "pdserve_worker_kv_free_tokens", "Free KV pool tokens on a worker", labels, registry=r
+        )
+        self.clock_offset = Gauge(
+            "pdserve_worker_clock_offset_seconds", "Worker clock minus gateway clock", labels, registry=r
+        )
+
+    def worker_load(
+        self, worker: str, role: str, queued: int, running: int, free: int, offset: float
+    ) -> None:
+        self.queued.labels(worker, role).set(queued)
+        self.running.labels(worker, role).set(running)
+        self.free_kv.labels(worker, role).set(free)
+        self.clock_offset.labels(worker, role).set(offset)
+
+    def worker_gone(self, worker: str, role: str) -> None:
+        for g in (self.queued, self.running, self.free_kv, self.clock_offset):
+            try:
+                g.remove(worker, role)
+            except KeyError:
+                pass
+
+    def spec(self, stats: dict) -> None:
+        self.spec_proposed.inc(int(stats.get("spec_num_proposed_drafts", 0) or 0))
+        self.spec_correct.inc(int(stats.get("spec_num_correct_drafts", 0) or 0))
+        self.spec_verify.inc(int(stats.get("spec_verify_ct", 0) or 0))
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

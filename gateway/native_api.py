@@ -1,0 +1,122 @@
+"""SGLang's native API: POST /generate (plain and streaming)."""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import AsyncIterator
+
+from fastapi import APIRouter, Request
+from fastapi.responses import Response
+
+from pdserve.gateway.engine import GenInput, GenState
+from pdserve.gateway.errors import ApiError, bad_request
+from pdserve.gateway.protocol import GenerateBody, build_sampling, parse_body, with_seed
+from pdserve.gateway.serving import SSE_DONE, merge_streams, serve_generation, sse
+
+router = APIRouter()
+
+
+@router.post("/generate")
+async def generate(request: Request) -> Response:
+    gw = request.app.state.gw
+
+    batched = False  # a list in, a list out: batch prompts or n > 1
+
+    def parse(raw: dict, received: float) -> tuple[list[GenInput], bool, str]:
+        nonlocal batched
+        body: GenerateBody = parse_body(GenerateBody, raw)
+        inputs, batched = _inputs(gw, body, received)
+        return inputs, body.stream, "text" if body.text is not None else "input_ids"
+
+    def full(states: list[GenState]) -> object:
+        out = [result(st) for st in states]
+        return out if batched else out[0]
+
+    def chunks(inputs: list[GenInput]) -> AsyncIterator[bytes]:
+        return stream_chunks(gw.engine, inputs, batched)
+
+    return await serve_generation(request, gw.admission, gw.engine, parse, full, chunks)
+
+
+def _is_batch_ids(ids: object) -> bool:
+    return isinstance(ids, list) and bool(ids) and isinstance(ids[0], list)
+
+
+def _inputs(gw, body: GenerateBody, received: float) -> tuple[list[GenInput], bool]:
+    sp = body.sampling_params
+    if body.text is not None:
+        texts = [body.text] if isinstance(body.text, str) else body.text
+        if not texts:
+            raise bad_request("text is an empty list", "text")
+        for t in texts:
+            if t == "":
+                raise bad_request("the prompt is empty", "text")
+        prompts = [gw.tokenizer.encode(t) for t in texts]
+        batched = isinstance(body.text, list)
+    else:
+        ids = body.input_ids
+        batched = _is_batch_ids(ids)
+        prompts = ids if batched else [ids]
+        if not prompts:
+            raise bad_request("input_ids is empty", "input_ids")
+    sampling = build_sampling(
+        sp, sp.max_new_tokens, body.return_logprob, body.top_logprobs_num, "sampling_params"
+    )
+    rids = body.rid if isinstance(body.rid, list) else [body.rid] * len(prompts)
+    if len(rids) != len(prompts):
+        raise bad_request(f"rid has {len(rids)} entries for {len(prompts)} prompts", "rid")
+    inputs = []
+    for p, rid in zip(prompts, rids):
+        for j in range(sp.n):
+            seed = None if sampling.seed is None else sampling.seed + j
+            base = rid or uuid.uuid4().hex
+            inputs.append(
+                GenInput(
+                    rid=base if sp.n == 1 or rid is None else f"{base}-{j}",
+                    input_ids=list(p),
+                    sampling=with_seed(sampling, seed),
+                    max_new_tokens_given=sp.max_new_tokens is not None,
+                    received_ts=received,
+                    skip_special_tokens=sp.skip_special_tokens,
+                )
+            )
+    return inputs, batched or sp.n > 1
+
+
+def result(st: GenState) -> dict:
+    return {"text": st.text, "output_ids": list(st.output_ids), "meta_info": st.meta_info}
+
+
+def _partial_meta(st: GenState, finish_reason: dict | None = None) -> dict:
+    return {
+        "id": st.rid,
+        "finish_reason": finish_reason,
+        "prompt_tokens": st.prompt_tokens,
+        "weight_version": "default",
+        "completion_tokens": len(st.output_ids),
+        "cached_tokens": st.cached_tokens,
+    }
+
+
+async def stream_chunks(engine, inputs: list[GenInput], batched: bool) -> AsyncIterator[bytes]:
+    """Cumulative text and output_ids in every chunk (SGLang's default streaming), then [DONE]."""
+    last: dict[int, GenState] = {}
+    try:
+        async for i, st in merge_streams(engine, inputs):
+            last[i] = st
+            chunk = result(st) if st.finished else {**result(st), "meta_info": _partial_meta(st)}
+            if batched:
+                chunk["index"] = i
+            yield sse(chunk)
+    except ApiError as e:
+        for i, inp in enumerate(inputs):
+            st = last.get(i)
+            if st is not None and st.finished:
+                continue
+            st = st or GenState(inp.rid, len(inp.input_ids))
+            chunk = {**result(st), "meta_info": _partial_meta(st, {"type": "abort", "message": e.message})}
+            if batched:
+                chunk["index"] = i
+            yield sse(chunk)
+        yield sse(e.body())
+    yield SSE_DONE

@@ -1,0 +1,137 @@
+"""The gateway process: FastAPI app (HTTP) + control plane (zmq), one asyncio loop.
+
+`create_app(cfg)` builds everything in-process (tests drive it with an ASGI client); its lifespan
+starts and stops the control plane. `run(cfg)` serves it with uvicorn.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response
+
+from pdserve.gateway import native_api, openai_api
+from pdserve.gateway.config import GatewayConfig
+from pdserve.gateway.control import ControlPlane
+from pdserve.gateway.engine import Engine
+from pdserve.gateway.errors import error_body, install_error_handlers
+from pdserve.gateway.metrics import CONTENT_TYPE, GatewayMetrics
+from pdserve.gateway.serving import Admission
+from pdserve.gateway.tokenizer import Tokenizer
+from pdserve.gateway.workers import WorkerRegistry
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class GatewayState:
+    """Everything the handlers reach through `request.app.state.gw`."""
+
+    cfg: GatewayConfig
+    tokenizer: Tokenizer
+    registry: WorkerRegistry
+    control: ControlPlane
+    metrics: GatewayMetrics
+    engine: Engine
+    admission: Admission
+    started: int
+
+
+def create_app(cfg: GatewayConfig, tokenizer: Tokenizer | None = None) -> FastAPI:
+    """Build the gateway app; pass `tokenizer` to reuse one already loaded."""
+    tok = tokenizer or Tokenizer.load(cfg.model_path)
+    registry = WorkerRegistry()
+    metrics = GatewayMetrics()
+    control = ControlPlane(cfg, registry, metrics)
+    gw = GatewayState(
+        cfg=cfg,
+        tokenizer=tok,
+        registry=registry,
+        control=control,
+        metrics=metrics,
+        engine=Engine(cfg, tok, registry, control, metrics),
+        admission=Admission(cfg.max_pending_requests, metrics),
+        started=int(time.time()),
+    )
+
+    @asynccontextmanager
+    async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        await control.start()
+        try:
+            yield
+        finally:
+            await control.stop()
+
+    app = FastAPI(title="pdserve gateway", lifespan=lifespan)
+    app.state.gw = gw
+    install_error_handlers(app)
+    app.include_router(native_api.router)
+    app.include_router(openai_api.router)
+
+    @app.get("/health")
+    async def health() -> Response:
+        if registry.healthy():
+            return Response(status_code=200)
+        missing = [r for r in ("prefill", "decode") if not registry.in_rotation(r)]
+        return JSONResponse(
+            error_body(503, f"no {' and no '.join(missing)} worker in rotation"), status_code=503
+        )
+
+    @app.get("/get_model_info")
+    async def model_info() -> dict:
+        return {
+            "model_path": cfg.model_path or "default",
+            "tokenizer_path": cfg.model_path,
+            "is_generation": True,
+        }
+
+    @app.get("/workers")
+    async def workers() -> dict:
+        return {
+            "workers": [
+                {
+                    "worker_id": w.worker_id,
+                    "role": w.role,
+                    "draining": w.draining,
+                    "bootstrap_addr": w.reg.bootstrap_addr,
+                    "clock_offset_s": w.clock.offset,
+                    "queued": w.queued,
+                    "running": w.running,
+                    "free_tokens": w.free_tokens,
+                    "inflight_requests": w.inflight_requests,
+                }
+                for w in registry.all()
+            ]
+        }
+
+    if cfg.enable_metrics:
+
+        @app.get("/metrics")
+        async def metrics_endpoint(_: Request) -> Response:
+            return Response(metrics.render(), media_type=CONTENT_TYPE)
+
+    return app
+
+
+def run(cfg: GatewayConfig) -> None:
+    """Serve until interrupted."""
+    import uvicorn
+
+    logging.basicConfig(level=cfg.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    app = create_app(cfg)
+    uvicorn.run(app, host=cfg.host, port=cfg.port, log_level=cfg.log_level, timeout_keep_alive=30)
+
+
+if __name__ == "__main__":
+    import argparse
+
+    from pdserve.gateway.config import add_cli_args, config_from_args
+
+    parser = argparse.ArgumentParser("pdserve gateway")
+    add_cli_args(parser)
+    run(config_from_args(parser.parse_args()))

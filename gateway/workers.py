@@ -1,0 +1,135 @@
+"""The worker registry: who is registered, who is in rotation, and where the next request goes.
+
+Plain bookkeeping, no sockets: `control.py` feeds it from the wire. A worker is in rotation when it
+is registered and not draining; a draining worker still serves (and is pinged for) the requests it
+holds. Routing picks, per role, the worker with the least outstanding work the gateway tracks
+(in-flight requests, then in-flight tokens), breaking ties round-robin.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from pdserve.gateway.clock import OffsetEstimator
+from pdserve.messages import Register, Role
+
+
+@dataclass
+class WorkerInfo:
+    worker_id: str
+    role: Role
+    identity: bytes  # zmq routing identity of the worker's DEALER socket
+    reg: Register
+    last_seen: float  # time.monotonic() of the last frame from this worker
+    clock: OffsetEstimator = field(default_factory=OffsetEstimator)
+    draining: bool = False
+    # Load reported by the last Pong.
+    queued: int = 0
+    running: int = 0
+    free_tokens: int = 0
+    # Work the gateway has sent and not yet seen finished (prefill: until PrefillDone).
+    inflight_requests: int = 0
+    inflight_tokens: int = 0
+
+    @property
+    def bootstrap_addr(self) -> str:
+        return self.reg.bootstrap_addr or ""
+
+
+@dataclass(frozen=True)
+class Limits:
+    """The tightest limits over the workers in rotation."""
+
+    context_length: int
+    vocab_size: int
+
+
+def fingerprint_mismatch(theirs: dict, ours: dict) -> list[str]:
+    keys = sorted(set(theirs) | set(ours))
+    return [k for k in keys if theirs.get(k) != ours.get(k)]
+
+
+class WorkerRegistry:
+    def __init__(self) -> None:
+        self._workers: dict[str, WorkerInfo] = {}
+        self._rr: dict[str, int] = {"prefill": 0, "decode": 0}
+
+    # ---- membership --------------------------------------------------------------------------
+
+    def check_fingerprint(self, reg: Register) -> str | None:
+        """None when `reg` matches every registered worker; else a reason naming the fields."""
+        for w in self._workers.values():
+            if w.worker_id == reg.worker_id:
+                continue
+            diff = fingerprint_mismatch(reg.fingerprint, w.reg.fingerprint)
+            if diff:
+                parts = ", ".join(
+                    f"{k}={reg.fingerprint.get(k)!r} (registered {w.worker_id!r} has {w.reg.fingerprint.get(k)!r})"
+                    for k in diff
+                )
+                return f"model fingerprint mismatch: {parts}"
+        return None
+
+    def add(self, reg: Register, identity: bytes, now_mono: float) -> WorkerInfo:
+        w = WorkerInfo(reg.worker_id, reg.role, identity, reg, last_seen=now_mono)
+        self._workers[reg.worker_id] = w
+        return w
+
+    def remove(self, worker_id: str) -> WorkerInfo | None:
+        return self._workers.pop(worker_id, None)
+
+    def get(self, worker_id: str) -> WorkerInfo | None:
+        return self._workers.get(worker_id)
+
+    def by_identity(self, identity: bytes) -> WorkerInfo | None:
+        w = self._workers.get(identity.decode(errors="replace"))
+        if w is not None and w.identity == identity:
+            return w
+        return next((w for w in self._workers.values() if w.identity == identity), None)
+
+    def all(self) -> list[WorkerInfo]:
+        return list(self._workers.values())
+
+    def in_rotation(self, role: Role) -> list[WorkerInfo]:
+        return sorted(
+            (w for w in self._workers.values() if w.role == role and not w.draining),
+            key=lambda w: w.worker_id,
+        )
+
+    def expired(self, now_mono: float, timeout_s: float) -> list[WorkerInfo]:
+        return [w for w in self._workers.values() if now_mono - w.last_seen > timeout_s]
+
+    def healthy(self) -> bool:
+        return bool(self.in_rotation("prefill")) and bool(self.in_rotation("decode"))
+
+    def limits(self) -> Limits | None:
+        live = self.in_rotation("prefill") + self.in_rotation("decode")
+        if not live:
+            return None
+        return Limits(
+            context_length=min(w.reg.context_length for w in live),
+            vocab_size=min(w.reg.vocab_size for w in live),
+        )
+
+    # ---- routing -----------------------------------------------------------------------------
+
+    def pick(self, role: Role) -> WorkerInfo | None:
+        """Least outstanding work; ties round-robin. Does not reserve: call `acquire`."""
+        cands = self.in_rotation(role)
+        if not cands:
+            return None
+        best = min((w.inflight_requests, w.inflight_tokens) for w in cands)
+        tied = [w for w in cands if (w.inflight_requests, w.inflight_tokens) == best]
+        w = tied[self._rr[role] % len(tied)]
+        self._rr[role] += 1
+        return w
+
+    @staticmethod
+    def acquire(w: WorkerInfo, tokens: int) -> None:
+        w.inflight_requests += 1
+        w.inflight_tokens += tokens
+
+    @staticmethod
+    def release(w: WorkerInfo, tokens: int) -> None:
+        w.inflight_requests = max(0, w.inflight_requests - 1)
+        w.inflight_tokens = max(0, w.inflight_tokens - tokens)
