@@ -1,0 +1,22 @@
+"""KV cache hand-off from prefill to decode nodes over per-pair torch.distributed groups.
+
+Prefill: KVSender(kv, fingerprint, host, bootstrap_port, config).start(); send(); poll(); abort().
+Decode:  KVReceiver(kv, fingerprint, config).start(); connect(); request(); poll(); abort().
+Byte layout: layout.py. Control messages: control.py. State machine: state.py.
+"""
+
+from pdserve.kv_transfer.config import TransferConfig, default_backend
+from pdserve.kv_transfer.handshake import FingerprintMismatch
+from pdserve.kv_transfer.receiver import KVReceiver
+from pdserve.kv_transfer.sender import KVSender
+from pdserve.kv_transfer.state import TransferResult, TransferState
+
+__all__ = [
+    "FingerprintMismatch",
+    "KVReceiver",
+    "KVSender",
+    "TransferConfig",
+    "TransferResult",
+    "TransferState",
+    "default_backend",
+]

@@ -1,0 +1,53 @@
+"""Configuration of the KV hand-off: one frozen dataclass, built at process start and passed down."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+BACKENDS = ("gloo", "nccl")
+
+
+@dataclass(frozen=True)
+class TransferConfig:
+    """Timeouts and limits of the KV transfer engine (both sides read the same fields).
+
+    backend: "gloo" (CPU pools, or CUDA pools staged through pinned host memory) or "nccl" (CUDA pools).
+    bootstrap_timeout_s: handshake reply and building a pair's process group.
+    waiting_timeout_s: a sender waiting for the decode's page list after send(); a receiver waiting for
+        the data after its page list reached the prefill node (includes the prefill's queueing + forward).
+    transfer_timeout_s: one send/recv operation on the pair group (a chunk or the metadata).
+    max_pairs: live pair groups kept per node; the least recently used idle pair is closed beyond it.
+    chunk_bytes: KV bytes per point-to-point operation; bounds the staging memory of a pair (2 buffers).
+    gloo_threads: gloo worker threads per pair group.
+    socket_ifname: network interface gloo binds to; None means GLOO_SOCKET_IFNAME, else the local
+        address that faces the peer.
+    orphan_request_ttl_s: how long a sender keeps a decode's page list for a room it has not seen yet.
+    """
+
+    backend: str = "gloo"
+    bootstrap_timeout_s: float = 30.0
+    waiting_timeout_s: float = 300.0
+    transfer_timeout_s: float = 60.0
+    max_pairs: int = 32
+    chunk_bytes: int = 32 << 20
+    gloo_threads: int = 2
+    socket_ifname: str | None = None
+    orphan_request_ttl_s: float = 600.0
+
+    def __post_init__(self) -> None:
+        if self.backend not in BACKENDS:
+            raise ValueError(f"kv transfer backend must be one of {BACKENDS}, got {self.backend!r}")
+        if self.max_pairs < 1:
+            raise ValueError(f"max_pairs must be >= 1, got {self.max_pairs}")
+        if self.chunk_bytes < 1:
+            raise ValueError(f"chunk_bytes must be >= 1, got {self.chunk_bytes}")
+        for name in ("bootstrap_timeout_s", "waiting_timeout_s", "transfer_timeout_s"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
+
+
+def default_backend(kv: torch.Tensor) -> str:
+    """nccl when the pool lives on CUDA, gloo otherwise (the explicit default for --kv-transfer-backend)."""
+    return "nccl" if kv.is_cuda else "gloo"

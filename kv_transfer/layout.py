@@ -1,0 +1,114 @@
+"""Byte layout of the KV hand-off: the one place that knows how pages become bytes on the wire.
+
+Pool:  kv[num_layers, 2 (K=0, V=1), num_pages, page_size, kv_heads, head_dim], contiguous.
+A request's token i lives in page pages[i // page_size] at offset i % page_size; pages move whole.
+
+Wire format of one transfer (all over the pair's process group, in this order):
+  1. ceil(n_pages / chunk_pages) chunks; chunk c carries pages [c*chunk_pages, ...) of the request as
+     the C-contiguous tensor kv[:, :, chunk_page_ids] of shape [L, 2, c_pages, P, H, D] in the pool's
+     dtype, native byte order, sent as raw uint8.
+  2. the trailer: UTF-8 JSON {"room", "num_tokens", "metadata"}, raw uint8. The receiver commits only if
+     the trailer's room equals the room announced on the control channel.
+The chunk size and trailer length travel in the control-plane announcement that precedes the data.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+# Tags of one transfer: base tag per transfer sequence number, plus the chunk index; the trailer uses
+# the last slot. Distinct tags make a desynchronised pair time out instead of mixing rooms.
+MAX_CHUNKS = 1023
+_TAG_STRIDE = MAX_CHUNKS + 1
+
+
+@dataclass(frozen=True)
+class PoolGeometry:
+    num_layers: int
+    num_pages: int
+    page_size: int
+    kv_heads: int
+    head_dim: int
+    dtype: torch.dtype
+
+    @property
+    def page_shape(self) -> tuple[int, int, int, int, int]:
+        """Shape of one page across the pool: [L, 2, P, H, D]."""
+        return (self.num_layers, 2, self.page_size, self.kv_heads, self.head_dim)
+
+    @property
+    def page_bytes(self) -> int:
+        return math.prod(self.page_shape) * torch.empty((), dtype=self.dtype).element_size()
+
+
+def pool_tensor(kv: Any) -> torch.Tensor:
+    """Accept the pool tensor itself or an object holding it as `.kv`."""
+    tensor = kv if isinstance(kv, torch.Tensor) else getattr(kv, "kv", None)
+    if not isinstance(tensor, torch.Tensor):
+        raise TypeError(f"expected a KV pool tensor or an object with a .kv tensor, got {type(kv).__name__}")
+    return tensor
+
+
+def geometry_of(kv: torch.Tensor) -> PoolGeometry:
+    if kv.dim() != 6 or kv.shape[1] != 2:
+        raise ValueError(
+            f"KV pool must be [layers, 2, pages, page_size, kv_heads, head_dim], got {tuple(kv.shape)}"
+        )
+    if not kv.is_contiguous():
+        raise ValueError("KV pool must be contiguous")
+    layers, _, pages, page_size, heads, head_dim = kv.shape
+    return PoolGeometry(layers, pages, page_size, heads, head_dim, kv.dtype)
+
+
+def pages_for(num_tokens: int, page_size: int) -> int:
+    return -(-num_tokens // page_size)
+
+
+def chunk_pages(geometry: PoolGeometry, num_pages: int, chunk_bytes: int) -> int:
+    """Pages per chunk: as many as fit in chunk_bytes (at least one), and at most MAX_CHUNKS chunks."""
+    per_chunk = max(1, chunk_bytes // geometry.page_bytes)
+    return max(per_chunk, pages_for(num_pages, MAX_CHUNKS))
+
+
+def chunk_ranges(num_pages: int, per_chunk: int) -> list[tuple[int, int]]:
+    return [(start, min(start + per_chunk, num_pages)) for start in range(0, num_pages, per_chunk)]
+
+
+def chunk_tag(seq: int, chunk: int) -> int:
+    return (seq % (1 << 20)) * _TAG_STRIDE + chunk
+
+
+def trailer_tag(seq: int) -> int:
+    return chunk_tag(seq, MAX_CHUNKS)
+
+
+def chunk_view(flat: torch.Tensor, geometry: PoolGeometry, n_pages: int) -> torch.Tensor:
+    """View the first n_pages pages' worth of a flat uint8 staging buffer as [L, 2, n, P, H, D]."""
+    nbytes = n_pages * geometry.page_bytes
+    layers, two, page_size, heads, head_dim = geometry.page_shape
+    typed = flat[:nbytes].view(geometry.dtype)
+    return typed.view(layers, two, n_pages, page_size, heads, head_dim)
+
+
+def gather_pages(kv: torch.Tensor, page_ids: torch.Tensor, out: torch.Tensor) -> None:
+    """out[L, 2, n, P, H, D] = kv[:, :, page_ids]; page_ids on kv's device."""
+    torch.index_select(kv, 2, page_ids, out=out)
+
+
+def scatter_pages(kv: torch.Tensor, page_ids: torch.Tensor, buf: torch.Tensor) -> None:
+    """kv[:, :, page_ids] = buf[L, 2, n, P, H, D]; page_ids on kv's device."""
+    kv.index_copy_(2, page_ids, buf)
+
+
+def encode_trailer(room: str, num_tokens: int, metadata: dict) -> bytes:
+    return json.dumps({"room": room, "num_tokens": num_tokens, "metadata": metadata}).encode()
+
+
+def decode_trailer(data: bytes) -> tuple[str, int, dict]:
+    obj = json.loads(data.decode())
+    return str(obj["room"]), int(obj["num_tokens"]), obj["metadata"]

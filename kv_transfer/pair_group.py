@@ -1,0 +1,188 @@
+"""One pair's two-rank process group (rank 0 = prefill/sender, rank 1 = decode/receiver) and its data path.
+
+No global init_process_group: each pair builds ProcessGroupGloo / ProcessGroupNCCL directly over
+PrefixStore(f"pair/{pair_id}/{gen}", TCPStore client). The sender hosts the TCPStore server; every build
+opens its own store client because a gloo group resets its store's timeout. A group that saw a timeout or
+a peer failure is dead for good: the owner drops it and builds generation gen+1.
+
+Called only from a pair's own thread; every operation here may block up to its timeout.
+"""
+
+from __future__ import annotations
+
+import os
+from datetime import timedelta
+
+import torch
+from torch._C._distributed_c10d import PrefixStore, ProcessGroupGloo, TCPStore
+
+from pdserve.kv_transfer.config import TransferConfig
+from pdserve.kv_transfer.layout import (
+    PoolGeometry,
+    chunk_ranges,
+    chunk_tag,
+    chunk_view,
+    gather_pages,
+    scatter_pages,
+    trailer_tag,
+)
+
+SENDER_RANK = 0
+RECEIVER_RANK = 1
+
+
+def _gloo_device(config: TransferConfig, local_host: str) -> ProcessGroupGloo.Device:
+    ifname = config.socket_ifname or os.environ.get("GLOO_SOCKET_IFNAME")
+    if ifname:
+        return ProcessGroupGloo.create_device(interface=ifname)
+    return ProcessGroupGloo.create_device(hostname=local_host)
+
+
+class PairGroup:
+    """A live process group for one (prefill, decode) pair and generation, with reusable staging buffers."""
+
+    def __init__(
+        self,
+        *,
+        store_host: str,
+        store_port: int,
+        pair_id: str,
+        gen: int,
+        rank: int,
+        local_host: str,
+        kv: torch.Tensor,
+        config: TransferConfig,
+    ) -> None:
+        self.gen = gen
+        self.rank = rank
+        self._peer = RECEIVER_RANK if rank == SENDER_RANK else SENDER_RANK
+        self._config = config
+        self._device = kv.device
+        # gloo moves host memory: a CUDA pool is staged through pinned host buffers.
+        self._stage_on_host = config.backend == "gloo" and kv.is_cuda
+        connect_timeout = timedelta(seconds=config.bootstrap_timeout_s)
+        store = TCPStore(store_host, store_port, None, False, connect_timeout)
+        prefixed = PrefixStore(f"pair/{pair_id}/{gen}", store)
+        if config.backend == "gloo":
+            opts = ProcessGroupGloo._Options()
+            opts._timeout = connect_timeout  # connect; each op waits with transfer_timeout_s
+            opts._threads = config.gloo_threads
+            opts._devices = [_gloo_device(config, local_host)]
+            self._pg = ProcessGroupGloo(prefixed, rank, 2, opts)
+        else:
+            if not kv.is_cuda:
+                raise ValueError("the nccl kv transfer backend needs the KV pool on a CUDA device")
+            from torch._C._distributed_c10d import ProcessGroupNCCL
+
+            torch.cuda.set_device(kv.device)
+            nccl_opts = ProcessGroupNCCL.Options()
+            nccl_opts._timeout = timedelta(seconds=config.transfer_timeout_s)
+            self._pg = ProcessGroupNCCL(prefixed, rank, 2, nccl_opts)
+            # NCCL communicators are created lazily at the first op; connect now, on this control thread.
+            self._pg.eager_connect_single_device(kv.device)
+        self._buffers: list[tuple[torch.Tensor, torch.Tensor]] = []  # (compute-side, wire-side) flat uint8
+        self._buffer_bytes = 0
+
+    def close(self) -> None:
+        self._pg = None
+        self._buffers = []
+
+    # ---- data path -----------------------------------------------------------------------
+
+    def _staging(self, nbytes: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Two (compute, wire) flat byte buffers of at least nbytes: one gathers while the other is sent."""
+        if nbytes > self._buffer_bytes:
+            self._buffers = []
+            for _ in range(2):
+                compute = torch.empty(nbytes, dtype=torch.uint8, device=self._device)
+                wire = (
+                    torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+                    if self._stage_on_host
+                    else compute
+                )
+                self._buffers.append((compute, wire))
+            self._buffer_bytes = nbytes
+        return self._buffers
+
+    def _wait(self, work) -> None:
+        if not work.wait(timedelta(seconds=self._config.transfer_timeout_s)):
+            raise TimeoutError(f"pair group op timed out after {self._config.transfer_timeout_s}s")
+
+    def send_pages(
+        self,
+        kv: torch.Tensor,
+        geometry: PoolGeometry,
+        page_ids: list[int],
+        per_chunk: int,
+        seq: int,
+        trailer: bytes,
+    ) -> int:
+        """Gather page_ids chunk by chunk and send them, then the trailer. Returns KV bytes sent."""
+        ids = torch.tensor(page_ids, dtype=torch.long, device=kv.device)
+        ranges = chunk_ranges(len(page_ids), per_chunk)
+        buffers = self._staging(min(per_chunk, len(page_ids)) * geometry.page_bytes)
+        pending: list = [None, None]
+        for index, (start, end) in enumerate(ranges):
+            slot = index % 2
+            if pending[slot] is not None:
+                self._wait(pending[slot])  # the buffer is free again once its send completed
+            compute, wire = buffers[slot]
+            nbytes = (end - start) * geometry.page_bytes
+            gather_pages(kv, ids[start:end], chunk_view(compute, geometry, end - start))
+            if self._stage_on_host:
+                wire[:nbytes].copy_(compute[:nbytes])  # deliberate device sync: gloo reads host memory
+            pending[slot] = self._pg.send([wire[:nbytes]], self._peer, chunk_tag(seq, index))
+        for work in pending:
+            if work is not None:
+                self._wait(work)
+        tail = torch.frombuffer(bytearray(trailer), dtype=torch.uint8)
+        if self._config.backend == "nccl":
+            tail = tail.to(self._device)
+        self._wait(self._pg.send([tail], self._peer, trailer_tag(seq)))
+        if self._config.backend == "nccl":
+            torch.cuda.current_stream(self._device).synchronize()  # deliberate: report only when sent
+        return len(page_ids) * geometry.page_bytes
+
+    def recv_pages(
+        self,
+        kv: torch.Tensor,
+        geometry: PoolGeometry,
+        page_ids: list[int] | None,
+        num_pages: int,
+        per_chunk: int,
+        seq: int,
+        trailer_len: int,
+    ) -> bytes:
+        """Receive num_pages pages chunk by chunk and scatter them into page_ids (None: drain and discard).
+
+        Returns the trailer bytes. The next chunk's recv is posted before the current one is scattered.
+        """
+        ids = None if page_ids is None else torch.tensor(page_ids, dtype=torch.long, device=kv.device)
+        ranges = chunk_ranges(num_pages, per_chunk)
+        buffers = self._staging(min(per_chunk, max(num_pages, 1)) * geometry.page_bytes)
+
+        def post(index: int):
+            start, end = ranges[index]
+            wire = buffers[index % 2][1]
+            return self._pg.recv(
+                [wire[: (end - start) * geometry.page_bytes]], self._peer, chunk_tag(seq, index)
+            )
+
+        pending = post(0) if ranges else None
+        for index, (start, end) in enumerate(ranges):
+            following = post(index + 1) if index + 1 < len(ranges) else None
+            self._wait(pending)
+            if ids is not None:
+                compute, wire = buffers[index % 2]
+                nbytes = (end - start) * geometry.page_bytes
+                if self._stage_on_host:
+                    compute[:nbytes].copy_(wire[:nbytes])
+                scatter_pages(kv, ids[start:end], chunk_view(compute, geometry, end - start))
+            pending = following
+        tail = torch.empty(
+            trailer_len, dtype=torch.uint8, device=self._device if self._config.backend == "nccl" else "cpu"
+        )
+        self._wait(self._pg.recv([tail], self._peer, trailer_tag(seq)))
+        if self._config.backend == "nccl":
+            torch.cuda.current_stream(self._device).synchronize()  # deliberate: commit only landed pages
+        return bytes(tail.cpu().numpy().tobytes())

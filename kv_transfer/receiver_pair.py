@@ -1,0 +1,141 @@
+"""The decode side of one pair: a control thread that owns the pair group and receives in announced order.
+
+Jobs arrive in the order the prefill node announced them (one zmq connection keeps order), so both ends
+of the pair group post matching operations. The thread reports to the receiver's I/O thread through
+its mailbox: ("done", room, error | None, metadata | None, num_bytes) and ("dead", addr, gen, reason).
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+from dataclasses import dataclass
+
+import torch
+
+from pdserve.kv_transfer.config import TransferConfig
+from pdserve.kv_transfer.control import Mailbox, local_address_towards
+from pdserve.kv_transfer.layout import PoolGeometry, decode_trailer
+from pdserve.kv_transfer.pair_group import RECEIVER_RANK, PairGroup
+
+
+@dataclass
+class RecvJob:
+    room: str
+    dst_pages: list[int] | None  # None: the room is gone here; drain the data to keep the pair in step
+    num_pages: int
+    chunk_pages: int
+    seq: int
+    gen: int
+    trailer_len: int
+
+
+@dataclass
+class _Build:
+    gen: int
+    store_port: int
+    pair_id: str
+
+
+class ReceiverPair:
+    """One prefill peer as seen from the decode node: a job queue served by one thread."""
+
+    def __init__(
+        self,
+        *,
+        addr: str,
+        store_host: str,
+        kv: torch.Tensor,
+        geometry: PoolGeometry,
+        config: TransferConfig,
+        mailbox: Mailbox,
+    ) -> None:
+        self.addr = addr
+        self._store_host = store_host
+        self._kv, self._geometry, self._config, self._mailbox = kv, geometry, config, mailbox
+        self._jobs: queue.SimpleQueue[RecvJob | _Build | None] = queue.SimpleQueue()
+        self._group: PairGroup | None = None
+        self._thread = threading.Thread(target=self._run, name=f"kv-recv-pair-{addr}", daemon=True)
+        self._thread.start()
+
+    def build(self, gen: int, store_port: int, pair_id: str) -> None:
+        self._jobs.put(_Build(gen, store_port, pair_id))
+
+    def submit(self, job: RecvJob) -> None:
+        self._jobs.put(job)
+
+    def close(self) -> None:
+        """Stop after the current job; the group is dropped on the pair's own thread."""
+        self._jobs.put(None)
+
+    def join(self, timeout_s: float) -> None:
+        self._thread.join(timeout=timeout_s)
+
+    def _run(self) -> None:
+        while True:
+            job = self._jobs.get()
+            if job is None:
+                break
+            if isinstance(job, _Build):
+                self._build(job)
+            else:
+                self._receive(job)
+        if self._group is not None:
+            self._group.close()
+
+    def _build(self, job: _Build) -> None:
+        if self._group is not None:
+            self._group.close()
+            self._group = None
+        try:
+            self._group = PairGroup(
+                store_host=self._store_host,
+                store_port=job.store_port,
+                pair_id=job.pair_id,
+                gen=job.gen,
+                rank=RECEIVER_RANK,
+                local_host=local_address_towards(self._store_host),
+                kv=self._kv,
+                config=self._config,
+            )
+        except Exception as exc:  # noqa: BLE001 - the sender sees its own build fail and rebuilds
+            self._mailbox.post(
+                ("dead", self.addr, job.gen, f"building pair group gen {job.gen} failed: {exc}")
+            )
+
+    def _receive(self, job: RecvJob) -> None:
+        group = self._group
+        if group is None or group.gen != job.gen:
+            live = None if group is None else group.gen
+            self._mailbox.post(
+                ("done", job.room, f"pair group gen {job.gen} is not live here (live: {live})", None, 0)
+            )
+            return
+        try:
+            trailer = group.recv_pages(
+                self._kv,
+                self._geometry,
+                job.dst_pages,
+                job.num_pages,
+                job.chunk_pages,
+                job.seq,
+                job.trailer_len,
+            )
+        except Exception as exc:  # noqa: BLE001 - timeout or peer failure: this generation is dead
+            group.close()
+            self._group = None
+            reason = f"receiving KV failed (pair gen {job.gen} discarded): {exc}"
+            self._mailbox.post(("dead", self.addr, job.gen, reason))
+            self._mailbox.post(("done", job.room, reason, None, 0))
+            return
+        try:
+            room, _num_tokens, metadata = decode_trailer(trailer)
+        except (ValueError, KeyError) as exc:
+            self._mailbox.post(("done", job.room, f"unreadable transfer trailer: {exc}", None, 0))
+            return
+        if room != job.room:
+            self._mailbox.post(
+                ("done", job.room, f"room id mismatch: expected {job.room}, data is for {room}", None, 0)
+            )
+            return
+        self._mailbox.post(("done", job.room, None, metadata, job.num_pages * self._geometry.page_bytes))

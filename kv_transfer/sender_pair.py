@@ -1,0 +1,165 @@
+"""The prefill side of one pair: a control thread that owns the pair group and runs its transfers in order.
+
+Transfers of one pair are serialised on this thread (several may be queued). The thread reports to the
+sender's I/O thread through its mailbox: ("out", identity, frame) to send a control message,
+("started", room), ("done", room, error | None, num_bytes).
+"""
+
+from __future__ import annotations
+
+import itertools
+import queue
+import threading
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from pdserve.kv_transfer import control
+from pdserve.kv_transfer.config import TransferConfig
+from pdserve.kv_transfer.control import Mailbox
+from pdserve.kv_transfer.layout import PoolGeometry, chunk_pages, encode_trailer
+from pdserve.kv_transfer.pair_group import SENDER_RANK, PairGroup
+
+
+@dataclass
+class SendJob:
+    room: str
+    src_pages: list[int]  # exactly the pages that travel
+    num_tokens: int
+    metadata: dict
+    # Set by the I/O thread on abort; checked before the transfer starts.
+    cancelled: threading.Event = field(default_factory=threading.Event)
+
+
+@dataclass
+class _Build:
+    gen: int
+
+
+class SenderPair:
+    """One decode peer as seen from the prefill node: a job queue served by one thread."""
+
+    def __init__(
+        self,
+        *,
+        identity: bytes,
+        kv: torch.Tensor,
+        geometry: PoolGeometry,
+        store_host: str,
+        store_port: int,
+        config: TransferConfig,
+        mailbox: Mailbox,
+    ) -> None:
+        self.identity = identity
+        self.pair_id = identity.decode()
+        self.last_used = time.monotonic()
+        self.inflight = 0  # jobs queued or running; I/O thread only
+        # A generation the receiver reported dead; the thread drops its group if it matches (atomic write).
+        self.discard_gen: int = -1
+        self._kv, self._geometry, self._config, self._mailbox = kv, geometry, config, mailbox
+        self._store_host, self._store_port = store_host, store_port
+        self._gens = itertools.count()
+        self._gen_lock = threading.Lock()
+        self._jobs: queue.SimpleQueue[SendJob | _Build | None] = queue.SimpleQueue()
+        self._group: PairGroup | None = None
+        self._seq = itertools.count()
+        self._thread = threading.Thread(
+            target=self._run, name=f"kv-send-pair-{self.pair_id[:8]}", daemon=True
+        )
+        self._thread.start()
+
+    def new_gen(self) -> int:
+        with self._gen_lock:
+            return next(self._gens)
+
+    def build(self, gen: int) -> None:
+        """Queue building generation `gen` (the receiver was told the same gen in HELLO_ACK)."""
+        self._jobs.put(_Build(gen))
+
+    def submit(self, job: SendJob) -> None:
+        self.inflight += 1
+        self.last_used = time.monotonic()
+        self._jobs.put(job)
+
+    def close(self) -> None:
+        """Stop after the current job; the group is dropped on the pair's own thread."""
+        self._jobs.put(None)
+
+    def join(self, timeout_s: float) -> None:
+        self._thread.join(timeout=timeout_s)
+
+    def _out(self, kind: str, **fields) -> None:
+        self._mailbox.post(("out", self.identity, control.encode(kind, **fields)))
+
+    def _build(self, gen: int) -> str | None:
+        if self._group is not None:
+            self._group.close()
+            self._group = None
+        try:
+            self._group = PairGroup(
+                store_host=self._store_host,
+                store_port=self._store_port,
+                pair_id=self.pair_id,
+                gen=gen,
+                rank=SENDER_RANK,
+                local_host=self._store_host,
+                kv=self._kv,
+                config=self._config,
+            )
+            return None
+        except Exception as exc:  # noqa: BLE001 - any build failure means "no group", reported upward
+            return f"building pair group gen {gen} failed: {exc}"
+
+    def _run(self) -> None:
+        while True:
+            job = self._jobs.get()
+            if job is None:
+                break
+            if isinstance(job, _Build):
+                self._build(job.gen)
+                continue
+            self._transfer(job)
+        if self._group is not None:
+            self._group.close()
+
+    def _transfer(self, job: SendJob) -> None:
+        if job.cancelled.is_set():
+            self._mailbox.post(("done", job.room, "aborted before the transfer started", 0))
+            return
+        if self._group is not None and self._group.gen == self.discard_gen:
+            self._group.close()
+            self._group = None
+        if self._group is None:
+            gen = self.new_gen()
+            self._out(control.BUILD, gen=gen)
+            error = self._build(gen)
+            if error is not None:
+                self._mailbox.post(("done", job.room, error, 0))
+                return
+        group = self._group
+        assert group is not None
+        self._mailbox.post(("started", job.room))
+        seq = next(self._seq)
+        per_chunk = chunk_pages(self._geometry, len(job.src_pages), self._config.chunk_bytes)
+        trailer = encode_trailer(job.room, job.num_tokens, job.metadata)
+        self._out(
+            control.ANNOUNCE,
+            room=job.room,
+            seq=seq,
+            gen=group.gen,
+            num_pages=len(job.src_pages),
+            chunk_pages=per_chunk,
+            trailer_len=len(trailer),
+            num_tokens=job.num_tokens,
+        )
+        try:
+            num_bytes = group.send_pages(self._kv, self._geometry, job.src_pages, per_chunk, seq, trailer)
+        except Exception as exc:  # noqa: BLE001 - timeout or peer failure: this generation is dead
+            group.close()
+            self._group = None
+            self._mailbox.post(
+                ("done", job.room, f"sending KV failed (pair gen {group.gen} discarded): {exc}", 0)
+            )
+            return
+        self._mailbox.post(("done", job.room, None, num_bytes))

@@ -1,0 +1,98 @@
+"""Transfer state machine shared by sender and receiver: states, legal transitions, results.
+
+Sender:   [send() + page list known] BOOTSTRAPPING (pair group being built) -> TRANSFERRING -> SUCCESS
+          [send() before page list]  WAITING_FOR_INPUT -> BOOTSTRAPPING/TRANSFERRING -> ...
+Receiver: request() -> BOOTSTRAPPING (handshake) -> WAITING_FOR_INPUT (page list sent, waiting for the
+          data) -> TRANSFERRING (receiving) -> SUCCESS
+Any non-terminal state may go to FAILED (timeout, abort, peer failure, mismatch). Only the owning
+engine's I/O thread calls `transition`, so rooms need no lock.
+"""
+
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+
+class TransferState(enum.Enum):
+    BOOTSTRAPPING = "bootstrapping"
+    WAITING_FOR_INPUT = "waiting_for_input"
+    TRANSFERRING = "transferring"
+    SUCCESS = "success"
+    FAILED = "failed"
+
+
+_TERMINAL = frozenset({TransferState.SUCCESS, TransferState.FAILED})
+_ALLOWED: dict[TransferState, frozenset[TransferState]] = {
+    TransferState.BOOTSTRAPPING: frozenset(
+        {TransferState.WAITING_FOR_INPUT, TransferState.TRANSFERRING, TransferState.FAILED}
+    ),
+    TransferState.WAITING_FOR_INPUT: frozenset(
+        {TransferState.BOOTSTRAPPING, TransferState.TRANSFERRING, TransferState.FAILED}
+    ),
+    TransferState.TRANSFERRING: frozenset({TransferState.SUCCESS, TransferState.FAILED}),
+    TransferState.SUCCESS: frozenset(),
+    TransferState.FAILED: frozenset(),
+}
+
+
+@dataclass
+class TransferResult:
+    """What poll() returns once per finished room. On FAILED, `error` says why; free the pages then."""
+
+    room: str
+    state: TransferState
+    metadata: dict | None
+    error: str | None
+    num_bytes: int
+    seconds: float
+
+
+@dataclass
+class Room:
+    """One room's bookkeeping on one side. `deadline` is a time.monotonic() value or None (no timer)."""
+
+    room: str
+    state: TransferState
+    started: float = field(default_factory=time.monotonic)
+    deadline: float | None = None
+    aborted: bool = False
+    # Side-specific payload (pages, metadata, peer) kept by the engine.
+    info: dict[str, Any] = field(default_factory=dict)
+
+    @classmethod
+    def enter(cls, room: str, state: TransferState, timeout_s: float | None, started: float) -> Room:
+        """A new room in its first state, with a timer of timeout_s seconds (None: no timer)."""
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        return cls(room=room, state=state, started=started, deadline=deadline)
+
+    @property
+    def terminal(self) -> bool:
+        return self.state in _TERMINAL
+
+    def transition(self, new: TransferState, timeout_s: float | None = None) -> None:
+        """Move to `new`; arm a timer of `timeout_s` seconds for the new state (None: no timer)."""
+        if new not in _ALLOWED[self.state]:
+            raise RuntimeError(
+                f"room {self.room}: illegal transfer transition {self.state.name} -> {new.name}"
+            )
+        self.state = new
+        self.deadline = None if timeout_s is None else time.monotonic() + timeout_s
+
+    def expired(self, now: float) -> bool:
+        return self.deadline is not None and now >= self.deadline
+
+    def result(
+        self, metadata: dict | None = None, error: str | None = None, num_bytes: int = 0
+    ) -> TransferResult:
+        assert self.terminal, self.state
+        return TransferResult(
+            room=self.room,
+            state=self.state,
+            metadata=metadata,
+            error=error,
+            num_bytes=num_bytes,
+            seconds=time.monotonic() - self.started,
+        )
