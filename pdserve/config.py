@@ -79,3 +79,62 @@ def add_runtime_args(parser: argparse.ArgumentParser) -> None:
 def runtime_config_from_args(args: argparse.Namespace) -> RuntimeConfig:
     names = {f.name for f in fields(RuntimeConfig)}
     return RuntimeConfig(**{k: v for k, v in vars(args).items() if k in names})
+
+
+@dataclass(frozen=True)
+class WorkerConfig:
+    """A prefill or decode worker: its runtime plus how it reaches the gateway and its peers."""
+
+    role: str  # "prefill" | "decode"
+    runtime: RuntimeConfig
+    # The gateway's control socket, host:port (its --control-port).
+    gateway_addr: str = "127.0.0.1:30001"
+    worker_id: str = ""
+    # Address peers use to reach this node (the pod IP in Kubernetes).
+    host: str = "127.0.0.1"
+    # Prefill only: the KV bootstrap port decode nodes connect to (0: any free port).
+    bootstrap_port: int = 0
+    kv_transfer_backend: str = "auto"  # auto: nccl for CUDA pools, gloo otherwise
+    transfer_timeout_s: float = 30.0
+    register_timeout_s: float = 120.0
+    # Seconds added to this worker's clock: a test hook for the gateway's clock-offset estimation.
+    clock_skew_s: float = 0.0
+    drain_timeout_s: float = 600.0
+
+
+def add_worker_args(parser: argparse.ArgumentParser, role: str) -> None:
+    add_runtime_args(parser)
+    env = os.environ.get
+    parser.add_argument(
+        "--gateway",
+        dest="gateway_addr",
+        default=env("PDSERVE_GATEWAY", "127.0.0.1:30001"),
+        help="host:port of the gateway's control socket (env PDSERVE_GATEWAY)",
+    )
+    parser.add_argument("--worker-id", default=env("PDSERVE_WORKER_ID", ""))
+    parser.add_argument(
+        "--host",
+        default=env("PDSERVE_HOST", "127.0.0.1"),
+        help="address peers reach this worker at (env PDSERVE_HOST, e.g. the pod IP)",
+    )
+    if role == "prefill":
+        parser.add_argument(
+            "--disaggregation-bootstrap-port",
+            dest="bootstrap_port",
+            type=int,
+            default=int(env("PDSERVE_BOOTSTRAP_PORT", "8998")),
+        )
+    parser.add_argument("--kv-transfer-backend", default="auto", choices=["auto", "gloo", "nccl"])
+    parser.add_argument("--transfer-timeout", dest="transfer_timeout_s", type=float, default=30.0)
+    parser.add_argument("--drain-timeout", dest="drain_timeout_s", type=float, default=600.0)
+    parser.add_argument("--log-level", default=env("PDSERVE_LOG_LEVEL", "info"))
+
+
+def worker_config_from_args(args: argparse.Namespace, role: str) -> WorkerConfig:
+    import uuid
+
+    names = {f.name for f in fields(WorkerConfig)} - {"role", "runtime"}
+    kw = {k: v for k, v in vars(args).items() if k in names}
+    kw["worker_id"] = kw.get("worker_id") or f"{role}-{uuid.uuid4().hex[:8]}"
+    skew = float(os.environ.get("PDSERVE_TEST_CLOCK_SKEW_S", "0"))
+    return WorkerConfig(role=role, runtime=runtime_config_from_args(args), clock_skew_s=skew, **kw)

@@ -1,0 +1,77 @@
+"""What prefill and decode workers share: the clock, registration, signals and the drain flag."""
+
+from __future__ import annotations
+
+import signal
+import threading
+import time
+from collections.abc import Callable
+
+from pdserve import messages as m
+from pdserve.config import WorkerConfig
+
+
+def make_clock(cfg: WorkerConfig) -> Callable[[], float]:
+    """Epoch seconds on this worker's clock (shifted by the test hook, if set)."""
+    skew = cfg.clock_skew_s
+    return (lambda: time.time() + skew) if skew else time.time
+
+
+class DrainSignal:
+    """SIGTERM/SIGINT set `draining`: stop taking new requests, finish running ones, then exit.
+
+    A second signal exits at once (`stop`).
+    """
+
+    def __init__(self) -> None:
+        self.draining = threading.Event()
+        self.stop = threading.Event()
+
+    def install(self) -> None:
+        signal.signal(signal.SIGTERM, self._on_signal)
+        signal.signal(signal.SIGINT, self._on_signal)
+
+    def _on_signal(self, signum, frame) -> None:
+        if self.draining.is_set():
+            self.stop.set()
+        self.draining.set()
+
+
+def register_factory(
+    cfg: WorkerConfig, runner, clock: Callable[[], float], bootstrap_addr: str | None = None
+) -> Callable[[], m.Register]:
+    spec = runner.spec
+
+    def make() -> m.Register:
+        return m.Register(
+            worker_id=cfg.worker_id,
+            role=cfg.role,  # type: ignore[arg-type]
+            bootstrap_addr=bootstrap_addr,
+            fingerprint=runner.fingerprint(),
+            model_name=cfg.runtime.model_path or "default",
+            max_total_tokens=runner.max_total_tokens,
+            max_running_requests=cfg.runtime.max_running_requests,
+            context_length=runner.context_length,
+            vocab_size=spec.vocab_size,
+            t_send=clock(),
+        )
+
+    return make
+
+
+def run_worker(role: str, args, worker_cls) -> int:
+    """Entry of `pdserve prefill|decode`: build the worker, serve until drained; CLI errors exit 2."""
+    import sys
+
+    from pdserve.config import worker_config_from_args
+    from pdserve.model_source import ModelSourceError
+    from pdserve.worker_link import RegistrationRefused
+
+    signals = DrainSignal()
+    signals.install()
+    try:
+        worker_cls(worker_config_from_args(args, role), signals).serve()
+    except (ValueError, ModelSourceError, RegistrationRefused, TimeoutError) as e:
+        print(f"pdserve {role}: {e}", file=sys.stderr)
+        return 2
+    return 0

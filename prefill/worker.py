@@ -1,0 +1,162 @@
+"""The prefill worker: batch prompts, compute their KV and first token, hand both to a decode node.
+
+Loop: receive -> schedule -> run -> hand off -> reply (see `step`). A request's pages are held
+until its KV transfer ends (Success or Failed), then freed.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+from pdserve import messages as m
+from pdserve.config import WorkerConfig
+from pdserve.kv_transfer import KVSender, TransferConfig, TransferState, default_backend
+from pdserve.runtime.batch import ForwardMode
+from pdserve.runtime.extend_scheduler import ExtendScheduler
+from pdserve.runtime.request import Request
+from pdserve.runtime.runner import ModelRunner, append_samples
+from pdserve.worker_common import DrainSignal, make_clock, register_factory
+from pdserve.worker_link import WorkerLink
+
+log = logging.getLogger(__name__)
+
+
+class PrefillWorker:
+    def __init__(self, cfg: WorkerConfig, signals: DrainSignal | None = None):
+        self.cfg = cfg
+        self.clock = make_clock(cfg)
+        self.signals = signals or DrainSignal()
+        self.runner = ModelRunner(cfg.runtime)
+        rc = cfg.runtime
+        self.sched = ExtendScheduler(
+            self.runner,
+            rc.chunked_prefill_size,
+            rc.max_running_requests,
+            reserve_tokens=lambda r: len(r.prompt_ids),
+        )
+        backend = cfg.kv_transfer_backend
+        if backend == "auto":
+            backend = default_backend(self.runner.pool.kv)
+        self.sender = KVSender(
+            self.runner.pool.kv,
+            self.runner.fingerprint(),
+            cfg.host,
+            cfg.bootstrap_port,
+            TransferConfig(
+                backend=backend,
+                waiting_timeout_s=cfg.transfer_timeout_s,
+                transfer_timeout_s=cfg.transfer_timeout_s,
+            ),
+        )
+        self.rooms: dict[str, Request] = {}  # queued, prefilling or transferring
+        self.events: dict[str, dict[str, float]] = {}
+        self.link: WorkerLink | None = None
+
+    def serve(self) -> None:
+        self.sender.start()
+        self.link = WorkerLink(
+            self.cfg.gateway_addr,
+            register_factory(self.cfg, self.runner, self.clock, self.sender.addr),
+            self.clock,
+        )
+        self.link.start()
+        self.link.wait_registered(self.cfg.register_timeout_s)
+        log.info("prefill worker %s registered; KV bootstrap at %s", self.cfg.worker_id, self.sender.addr)
+        drain_deadline = None
+        try:
+            while not self.signals.stop.is_set():
+                if self.signals.draining.is_set() and drain_deadline is None:
+                    drain_deadline = time.monotonic() + self.cfg.drain_timeout_s
+                    self.link.load.draining = True
+                    self.link.send(m.Deregister(worker_id=self.cfg.worker_id))
+                    log.info("draining: %d requests left", len(self.rooms))
+                if drain_deadline is not None and (not self.rooms or time.monotonic() > drain_deadline):
+                    break
+                self.step()
+        finally:
+            self.sender.close()
+            self.link.close()
+
+    def step(self) -> None:
+        assert self.link is not None
+        idle = not len(self.sched)
+        for msg in self.link.recv(0.005 if self.rooms else 0.05) if idle else self.link.recv(0):
+            self._on_message(msg)
+        reqs, chunks = self.sched.schedule()
+        if reqs:
+            self._run(reqs, chunks)
+        for res in self.sender.poll():
+            self._on_transfer_end(res.room, res.state, res.error)
+        ld = self.link.load
+        ld.queued, ld.running = len(self.sched.waiting), len(self.rooms)
+        ld.free_tokens = self.runner.allocator.num_free * self.runner.page_size
+
+    def _on_message(self, msg) -> None:
+        assert self.link is not None
+        if isinstance(msg, m.GenerateRequest):
+            self._admit(msg)
+        elif isinstance(msg, m.AbortRequest):
+            r = self.rooms.get(msg.room)
+            if r is None:
+                return
+            if r in self.sched.waiting or r in self.sched.prefilling:
+                self.sched.remove(r)
+                self._forget(msg.room)
+            else:
+                self.sender.abort(msg.room)  # poll() reports Failed, then the pages are freed
+
+    def _admit(self, req: m.GenerateRequest) -> None:
+        assert self.link is not None
+        if self.signals.draining.is_set():
+            self._fail(req.room, "draining", "the prefill worker is draining")
+            return
+        try:
+            self.runner.check_fits(len(req.input_ids), req.sampling.max_new_tokens)
+        except ValueError as e:
+            self._fail(req.room, "bad_request", str(e))
+            return
+        r = Request(req.room, req.input_ids, req.sampling, self.runner.spec.eos_token_ids)
+        self.rooms[req.room] = r
+        self.events[req.room] = {"queue_entry": self.clock()}
+        self.sched.add(r)
+
+    def _run(self, reqs: list[Request], chunks: list[list[int]]) -> None:
+        assert self.link is not None
+        now = self.clock()
+        for r in reqs:
+            self.events[r.rid].setdefault("forward_entry", now)
+        logits = self.runner.forward(ForwardMode.EXTEND, reqs, chunks)
+        done, rows = self.sched.take_completed(reqs)
+        if not done:
+            return
+        append_samples(done, self.runner.sample(done, logits[rows]))
+        now = self.clock()
+        for r in done:
+            ev = self.events.pop(r.rid)
+            ev["prefill_finished"] = now
+            meta = {
+                "first_token": r.output_ids[0],
+                "logprob": r.output_logprobs[0] if r.output_logprobs else None,
+                "top_logprobs": r.output_top_logprobs[0] if r.output_top_logprobs else None,
+                "cached_tokens": 0,
+            }
+            self.sender.send(r.rid, r.pages, len(r.prompt_ids), meta)
+            self.link.send(m.PrefillDone(room=r.rid, events=ev, cached_tokens=0))
+
+    def _on_transfer_end(self, room: str, state: TransferState, error: str | None) -> None:
+        r = self.rooms.pop(room, None)
+        if r is not None:
+            self.runner.release(r)
+        if state is TransferState.FAILED:
+            log.warning("KV transfer of %s failed: %s", room, error)
+            self._fail(room, "transfer", f"KV transfer failed: {error}")
+
+    def _fail(self, room: str, code: str, message: str) -> None:
+        assert self.link is not None
+        self._forget(room)
+        self.link.send(m.RequestFailed(room=room, role="prefill", code=code, message=message))
+
+    def _forget(self, room: str) -> None:
+        self.rooms.pop(room, None)
+        self.events.pop(room, None)
