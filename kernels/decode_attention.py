@@ -14,6 +14,7 @@ import functools
 import torch
 import triton
 import triton.language as tl
+
 from pdserve.kernels._checks import (
     FLOAT_DTYPES,
     cdiv,

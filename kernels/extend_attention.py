@@ -14,6 +14,7 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+
 from pdserve.kernels._checks import (
     FLOAT_DTYPES,
     cdiv,

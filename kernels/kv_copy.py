@@ -82,7 +82,9 @@ def _launch_page_copy(src: torch.Tensor, dst: torch.Tensor, page_ids: torch.Tens
     )  # fmt: skip
 
 
-def gather_kv_pages(kv: torch.Tensor, page_ids: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+def gather_kv_pages(
+    kv: torch.Tensor, page_ids: torch.Tensor, out: torch.Tensor | None = None
+) -> torch.Tensor:
     """Copy pages `page_ids` [n] of every layer's K and V out of the pool `kv` [L, 2, P, ps, H, D].
 
     Returns the transfer buffer [L, 2, n, ps, H, D] (written into `out` when given).
@@ -161,7 +163,11 @@ def _store_kv_kernel(
 
 
 def store_kv(
-    k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out_cache_loc: torch.Tensor
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    out_cache_loc: torch.Tensor,
 ) -> None:
     """Write new tokens' k/v [T, H, D] into k_cache/v_cache [num_pages, page_size, H, D].
 
@@ -195,7 +201,11 @@ def store_kv(
 
 
 def store_kv_ref(
-    k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out_cache_loc: torch.Tensor
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    out_cache_loc: torch.Tensor,
 ) -> None:
     keep = out_cache_loc >= 0
     loc = out_cache_loc[keep].long()

@@ -25,7 +25,9 @@ CASES = [
 
 
 @pytest.mark.parametrize("seq_lens,hkv,group,dim,page,dtype,splits", CASES)
-def test_decode_matches_reference(make_paged_kv, check, device, seq_lens, hkv, group, dim, page, dtype, splits):
+def test_decode_matches_reference(
+    make_paged_kv, check, device, seq_lens, hkv, group, dim, page, dtype, splits
+):
     k, v, table = make_paged_kv(seq_lens, page, hkv, dim, dtype, seed=len(seq_lens) + dim)
     B = len(seq_lens)
     q = torch.randn(B, hkv * group, dim, generator=torch.Generator().manual_seed(1)).to(dtype).to(device)
@@ -55,7 +57,9 @@ def test_strided_query_view(make_paged_kv, check, device):
     qkv = torch.randn(2, (6 + 2 + 2) * 64).to(device)
     q = qkv[:, : 6 * 64].view(2, 6, 64)
     lens = torch.tensor([12, 30], dtype=torch.int32, device=device)
-    check(decode_attention(q, k, v, table, lens, 0.125, 30), decode_attention_ref(q, k, v, table, lens, 0.125))
+    check(
+        decode_attention(q, k, v, table, lens, 0.125, 30), decode_attention_ref(q, k, v, table, lens, 0.125)
+    )
 
 
 def test_wrapper_rejects_bad_arguments(make_paged_kv, device):

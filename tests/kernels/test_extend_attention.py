@@ -15,8 +15,14 @@ def _inputs(make_paged_kv, prefix_lens, extend_lens, hkv, group, dim, page, dtyp
     seq_lens = [p + e for p, e in zip(prefix_lens, extend_lens)]
     k, v, table = make_paged_kv(seq_lens, page, hkv, dim, dtype, seed=seed)
     T = sum(extend_lens)
-    q = torch.randn(T, hkv * group, dim, generator=torch.Generator().manual_seed(seed + 1)).to(dtype).to(device)
-    indptr = torch.tensor([0, *torch.tensor(extend_lens).cumsum(0).tolist()], dtype=torch.int32, device=device)
+    q = (
+        torch.randn(T, hkv * group, dim, generator=torch.Generator().manual_seed(seed + 1))
+        .to(dtype)
+        .to(device)
+    )
+    indptr = torch.tensor(
+        [0, *torch.tensor(extend_lens).cumsum(0).tolist()], dtype=torch.int32, device=device
+    )
     lens = torch.tensor(seq_lens, dtype=torch.int32, device=device)
     return q, k, v, table, indptr, lens
 
