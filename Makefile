@@ -1,0 +1,32 @@
+# Set-up and the two everyday commands. Everything installs into ./.venv on first use.
+PY ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+
+.PHONY: up test lint bench-engine bench-serving clean
+
+$(STAMP): pyproject.toml
+	$(PY) -m venv $(VENV)
+	# The CPU wheel of torch; an unpinned torch would pull a multi-GB CUDA build.
+	$(BIN)/pip install -q torch==2.13.0
+	$(BIN)/pip install -q -e '.[test]'
+	touch $(STAMP)
+
+## Start a local cluster (gateway + 1 prefill + 1 decode) on the bundled model at http://127.0.0.1:30000
+up: $(STAMP)
+	$(BIN)/pdserve up
+
+## Lint, then the whole test suite (CPU)
+test: $(STAMP)
+	$(BIN)/ruff check .
+	$(BIN)/python -m pytest
+
+bench-engine: $(STAMP)
+	$(BIN)/pdserve bench engine
+
+bench-serving: $(STAMP)
+	$(BIN)/pdserve bench serving
+
+clean:
+	rm -rf $(VENV) build *.egg-info
