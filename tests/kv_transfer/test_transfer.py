@@ -1,0 +1,162 @@
+"""KV hand-off between two real processes over loopback gloo: exactness, handshake refusal, peer death."""
+
+from __future__ import annotations
+
+import random
+import signal
+import time
+
+import pytest
+import torch
+
+PAGE = 16
+GEOM = ["--layers", "2", "--heads", "2", "--head-dim", "8", "--page-size", str(PAGE)]
+
+
+def _pages(rng: random.Random, pool: list[int], num_tokens: int) -> list[int]:
+    """Take ceil(num_tokens / PAGE) random page ids out of `pool` (no page used twice)."""
+    n = -(-num_tokens // PAGE)
+    picked = rng.sample(pool, n)
+    for page in picked:
+        pool.remove(page)
+    return picked
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_transfers_are_byte_exact_and_touch_only_destination_pages(spawn, tmp_path, dtype):
+    prefill = spawn("prefill", "--seed", "1", "--pages", "150", "--dtype", dtype, *GEOM)
+    decode = spawn("decode", "--seed", "2", "--pages", "120", "--dtype", dtype, *GEOM)
+    prefill.call("dump", path=str(tmp_path / "src.pt"))
+    decode.call("dump", path=str(tmp_path / "dst_before.pt"))
+    assert decode.call("connect", addr=prefill.addr)["ok"]
+
+    rng = random.Random(7)
+    src_free, dst_free = list(range(150)), list(range(120))
+    rooms = {}
+    for name, tokens in [("r1", 1), ("r17", 17), ("r1000", 1000), ("r33", 33)]:
+        rooms[name] = (tokens, _pages(rng, src_free, tokens), _pages(rng, dst_free, tokens))
+    # Both orders: send() before the decode's page list (r1, r33) and after it (r17); r1000 interleaved.
+    for name in ["r1", "r33"]:
+        tokens, src, _ = rooms[name]
+        prefill.call(
+            "send", room=name, pages=src, num_tokens=tokens, metadata={"first_token": tokens, "room": name}
+        )
+    for name in ["r17", "r1000", "r1", "r33"]:
+        tokens, _, dst = rooms[name]
+        decode.call("request", room=name, addr=prefill.addr, pages=dst, num_tokens=tokens)
+    for name in ["r1000", "r17"]:
+        tokens, src, _ = rooms[name]
+        prefill.call(
+            "send", room=name, pages=src, num_tokens=tokens, metadata={"first_token": tokens, "room": name}
+        )
+
+    got = decode.call("wait", rooms=list(rooms), timeout=60)["results"]
+    sent = prefill.call("wait", rooms=list(rooms), timeout=30)["results"]
+    for name, (tokens, _src, _dst) in rooms.items():
+        assert got[name]["state"] == "SUCCESS", got[name]
+        assert got[name]["metadata"] == {"first_token": tokens, "room": name}
+        assert sent[name]["state"] == "SUCCESS", sent[name]
+        assert got[name]["num_bytes"] == sent[name]["num_bytes"] > 0
+
+    decode.call("dump", path=str(tmp_path / "dst_after.pt"))
+    src_kv = torch.load(tmp_path / "src.pt")
+    expected = torch.load(tmp_path / "dst_before.pt")  # [L, 2, 120, P, H, D]
+    for _tokens, src, dst in rooms.values():
+        expected[:, :, dst] = src_kv[:, :, src]
+    after = torch.load(tmp_path / "dst_after.pt")
+    assert after.dtype == expected.dtype
+    # Byte-exact at destination pages and untouched everywhere else.
+    assert torch.equal(after.view(torch.uint8), expected.view(torch.uint8))
+
+
+@pytest.mark.timeout(90)
+def test_fingerprint_mismatch_is_refused_on_both_sides(spawn):
+    prefill = spawn("prefill", "--page-size", "16")
+    decode = spawn("decode", "--page-size", "32")
+    reply = decode.call("connect", addr=prefill.addr)
+    assert not reply["ok"] and reply["type"] == "FingerprintMismatch", reply
+    assert "page_size: local=32 decode" not in reply["error"]
+    assert "page_size: local=16 decode=32" in reply["error"], reply["error"]
+    errors = prefill.call("errors")["errors"]
+    assert len(errors) == 1 and "page_size: local=16 decode=32" in errors[0], errors
+
+    # A request to the refusing node fails fast with the same reason instead of waiting for data.
+    start = time.monotonic()
+    decode.call("request", room="x", addr=prefill.addr, pages=[0], num_tokens=5)
+    result = decode.call("wait", rooms=["x"], timeout=20)["results"]["x"]
+    assert result["state"] == "FAILED" and "page_size" in result["error"], result
+    assert time.monotonic() - start < 5
+
+
+def _stall_transfer(prefill, decode, room: str, pages: int) -> None:
+    """Freeze the decode process (SIGSTOP) with its page list sent, then start the transfer: the socket
+    buffers fill up and the sender is stuck mid-send."""
+    decode.call("request", room=room, addr=prefill.addr, pages=list(range(pages)), num_tokens=pages * PAGE)
+    assert decode.call("wait_state", room=room, state="WAITING_FOR_INPUT", timeout=30)["ok"]
+    time.sleep(0.2)  # let zmq's I/O thread flush the page list before the freeze
+    decode.signal(signal.SIGSTOP)
+    prefill.call("send", room=room, pages=list(range(pages)), num_tokens=pages * PAGE, metadata={})
+    assert prefill.call("wait_state", room=room, state="TRANSFERRING", timeout=30)["ok"]
+    time.sleep(0.2)
+    assert prefill.call("wait", rooms=[room], timeout=0)["results"] == {}  # still sending
+
+
+BIG = ["--pages", "1200", "--page-size", str(PAGE), "--heads", "4", "--head-dim", "32", "--layers", "2"]
+# 1200 pages x 32 KiB = 38 MiB: far more than the loopback socket buffers hold.
+
+
+@pytest.mark.timeout(120)
+def test_decode_killed_mid_transfer_fails_the_sender_then_a_new_pair_works(spawn):
+    prefill = spawn("prefill", "--transfer-timeout", "4", *BIG)
+    decode = spawn("decode", "--transfer-timeout", "4", *BIG)
+    _stall_transfer(prefill, decode, "doomed", pages=1200)
+    killed_at = time.monotonic()
+    decode.kill()
+    result = prefill.call("wait", rooms=["doomed"], timeout=30)["results"]["doomed"]
+    assert result["state"] == "FAILED", result
+    assert time.monotonic() - killed_at < 4 + 2  # within transfer_timeout (+ slack for a loaded machine)
+
+    fresh = spawn("decode", "--seed", "5", *BIG)
+    fresh.call("request", room="after", addr=prefill.addr, pages=[3, 4], num_tokens=20)
+    prefill.call("send", room="after", pages=[10, 11], num_tokens=20, metadata={"ok": 1})
+    assert fresh.call("wait", rooms=["after"], timeout=30)["results"]["after"]["state"] == "SUCCESS"
+    assert prefill.call("wait", rooms=["after"], timeout=30)["results"]["after"]["state"] == "SUCCESS"
+
+
+@pytest.mark.timeout(120)
+def test_prefill_killed_mid_transfer_fails_the_receiver_then_a_new_pair_works(spawn):
+    prefill = spawn("prefill", "--transfer-timeout", "4", *BIG)
+    decode = spawn("decode", "--transfer-timeout", "4", *BIG)
+    _stall_transfer(prefill, decode, "doomed", pages=1200)
+    prefill.kill()
+    killed_at = time.monotonic()
+    decode.signal(signal.SIGCONT)
+    result = decode.call("wait", rooms=["doomed"], timeout=30)["results"]["doomed"]
+    assert result["state"] == "FAILED", result
+    assert time.monotonic() - killed_at < 4 + 2
+
+    fresh = spawn("prefill", "--seed", "9", *BIG)
+    decode.call("request", room="after", addr=fresh.addr, pages=[7], num_tokens=3)
+    fresh.call("send", room="after", pages=[1], num_tokens=3, metadata={"first_token": 42})
+    result = decode.call("wait", rooms=["after"], timeout=30)["results"]["after"]
+    assert result["state"] == "SUCCESS" and result["metadata"] == {"first_token": 42}, result
+
+
+@pytest.mark.timeout(120)
+def test_timed_out_pair_is_rebuilt_under_a_new_generation(spawn):
+    prefill = spawn("prefill", "--transfer-timeout", "2", *BIG)
+    decode = spawn("decode", "--transfer-timeout", "2", *BIG)
+    _stall_transfer(prefill, decode, "stalled", pages=1200)
+    result = prefill.call("wait", rooms=["stalled"], timeout=30)["results"]["stalled"]
+    assert result["state"] == "FAILED" and "timed out" in result["error"].lower(), result
+    assert "gen 0" in result["error"], result
+    decode.signal(signal.SIGCONT)
+    result = decode.call("wait", rooms=["stalled"], timeout=30)["results"]["stalled"]
+    assert result["state"] == "FAILED", result
+
+    # Same two processes: the next transfer builds generation 1 and succeeds.
+    decode.call("request", room="again", addr=prefill.addr, pages=[5, 6, 7], num_tokens=40)
+    prefill.call("send", room="again", pages=[8, 9, 10], num_tokens=40, metadata={"n": 40})
+    result = decode.call("wait", rooms=["again"], timeout=30)["results"]["again"]
+    assert result["state"] == "SUCCESS" and result["metadata"] == {"n": 40}, result
