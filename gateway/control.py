@@ -185,9 +185,8 @@ class ControlPlane:
             return
         worker = self.registry.by_identity(identity)
         if worker is None:
-            log.warning("%s from unregistered peer %r; asking it to register", msg.kind, identity)
-            ack = RegisterAck(accepted=False, reason="not registered: send Register first")
-            self._outbox.put_nowait((identity, encode(ack)))
+            # Not pinged any more, the worker re-registers by itself once it hears nothing.
+            log.warning("%s from unregistered peer %r dropped", msg.kind, identity)
             return
         worker.last_seen = time.monotonic()
         if isinstance(msg, Pong):

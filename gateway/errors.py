@@ -62,9 +62,17 @@ def error_body(status: int, message: str, param: str | None = None) -> dict:
     }
 
 
+_TYPE_TAGS = {"str", "int", "float", "bool", "dict", "list", "none", "is-instance"}
+
+
 def _loc_to_param(loc: tuple) -> str | None:
-    # ("body", "sampling_params", "temperature") -> "sampling_params.temperature"
-    parts = [str(p) for p in loc if p not in ("body",)]
+    # ("body", "text", "list[str]", 0) -> "text.0": union member tags are not field names.
+    parts = [
+        str(p)
+        for p in loc
+        if p != "body"
+        and not (isinstance(p, str) and (p in _TYPE_TAGS or "[" in p or p.startswith("function-")))
+    ]
     return ".".join(parts) or None
 
 
@@ -77,15 +85,21 @@ def validation_error_to_api(err: ValidationError | RequestValidationError, prefi
     param = _loc_to_param(tuple(first.get("loc", ())))
     if prefix:
         param = f"{prefix}.{param}" if param else prefix
-    msg = first.get("msg", "invalid value")
+    msg = str(first.get("msg", "invalid value")).removeprefix("Value error, ")
     if first.get("type") == "json_invalid":
         return bad_request(f"malformed JSON body: {msg}")
     if first.get("type") == "extra_forbidden":
         msg = f"unrecognized request argument supplied: {param}"
     elif param:
         msg = f"{param}: {msg}"
-    if len(errors) > 1:
-        msg += f" (and {len(errors) - 1} more error(s))"
+    # The alternatives of one union field fail together: one message is enough.
+    others = [
+        e
+        for e in errors[1:]
+        if _loc_to_param(tuple(e.get("loc", ()))) not in (_loc_to_param(tuple(first.get("loc", ()))),)
+    ]
+    if others:
+        msg += f" (and {len(others)} more error(s))"
     return bad_request(msg, param)
 
 

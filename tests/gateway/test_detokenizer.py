@@ -1,0 +1,117 @@
+"""Incremental detokenization and stop strings, on the bundled tokenizer and real text."""
+
+from __future__ import annotations
+
+import pytest
+
+from pdserve.gateway.detokenizer import IncrementalDetokenizer, StopStringMatcher
+
+TEXTS = [
+    "The capital of France is Paris. Ça va? Naïve café — “quotes” …",
+    "日本語のテキストと中文混合, 한국어도 있어요. Emoji: 🚀🔥👍🏽 and 🇫🇷 flags.",
+    "Code:\n\tdef f(x):\n\t\treturn x ** 2  # ünïcödé\n\n\n  spaces   here",
+]
+
+
+def _stream(tokenizer, prompt_ids: list[int], ids: list[int]) -> tuple[list[str], str]:
+    detok = IncrementalDetokenizer(lambda t: tokenizer.decode(t), prompt_ids)
+    pieces = [detok.add(t) for t in ids]
+    pieces.append(detok.flush())
+    return pieces, "".join(pieces)
+
+
+@pytest.mark.parametrize("text", TEXTS)
+def test_streaming_equals_full_decode(tokenizer, text):
+    prompt = tokenizer.encode("Say something:")
+    ids = tokenizer.encode(text)
+    pieces, streamed = _stream(tokenizer, prompt, ids)
+    assert streamed == tokenizer.decode(ids)
+    # Multi-byte characters span several byte-level tokens: no piece may show half of one.
+    assert all("\ufffd" not in p for p in pieces)
+
+
+def test_multibyte_split_is_held_until_complete(tokenizer):
+    ids = tokenizer.encode("🚀")
+    assert len(ids) > 1  # the emoji needs several byte tokens, or this test proves nothing
+    detok = IncrementalDetokenizer(lambda t: tokenizer.decode(t), tokenizer.encode("Go"))
+    out = [detok.add(t) for t in ids]
+    assert out[:-1] == [""] * (len(ids) - 1)
+    assert out[-1] == "🚀"
+
+
+def test_incomplete_character_flushes_as_replacement(tokenizer):
+    ids = tokenizer.encode("🚀")[:-1]
+    detok = IncrementalDetokenizer(lambda t: tokenizer.decode(t), [])
+    assert "".join(detok.add(t) for t in ids) == ""
+    assert detok.flush() == tokenizer.decode(ids)
+
+
+def test_special_tokens_skipped(tokenizer):
+    ids = tokenizer.encode("Hello") + [tokenizer.eos_token_id]
+    _, streamed = _stream(tokenizer, [], ids)
+    assert streamed == "Hello"
+
+
+# ---- stop strings ------------------------------------------------------------------------------
+
+
+def _feed_chars(m: StopStringMatcher, text: str, step: int) -> str:
+    out = ""
+    for i in range(0, len(text), step):
+        out += m.feed(text[i : i + step])
+        if m.matched is not None:
+            return out
+    return out + m.finish()
+
+
+@pytest.mark.parametrize("step", [1, 2, 3, 7, 100])
+def test_stop_string_cuts_before_match(step):
+    m = StopStringMatcher(["\n\n", "END"])
+    out = _feed_chars(m, "first line\nsecond END third\n\nmore", step)
+    assert out == "first line\nsecond "
+    assert m.matched == "END"
+
+
+@pytest.mark.parametrize("step", [1, 2, 5])
+def test_earliest_stop_wins(step):
+    m = StopStringMatcher(["cd", "bcx", "b"])
+    assert _feed_chars(m, "aabcdx", step) == "aa"
+    assert m.matched == "b"
+
+
+def test_hold_back_only_possible_prefixes():
+    m = StopStringMatcher(["STOP"])
+    assert m.feed("abc ST") == "abc "  # "ST" could start STOP
+    assert m.feed("x") == "STx"  # no longer can
+    assert m.feed("S") == ""
+    assert m.feed("TOP tail") == ""
+    assert m.matched == "STOP"
+    assert m.text == "abc STx"
+
+
+def test_no_stop_strings_release_everything():
+    m = StopStringMatcher([])
+    assert m.feed("abc") == "abc"
+    assert m.finish() == ""
+
+
+def test_held_text_released_at_finish():
+    m = StopStringMatcher(["</end>"])
+    assert m.feed("value </e") == "value "
+    assert m.finish() == "</e"
+    assert m.matched is None
+
+
+def test_stop_on_real_tokens(tokenizer):
+    text = "One. Two. Three. Four."
+    ids = tokenizer.encode(text)
+    detok = IncrementalDetokenizer(lambda t: tokenizer.decode(t), [])
+    m = StopStringMatcher(["Three"])
+    out, used = "", 0
+    for t in ids:
+        used += 1
+        out += m.feed(detok.add(t))
+        if m.matched:
+            break
+    assert out == "One. Two. "
+    assert tokenizer.decode(ids[:used]).endswith("Three")
