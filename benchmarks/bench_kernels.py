@@ -171,7 +171,8 @@ def bench_small_ops(tokens: int = 8192) -> list[Row]:
     out, res = rms_norm(x, w, 1e-5, residual=r)
     ro, rr = rms_norm_ref(x, w, 1e-5, residual=r)
     err, ok = _err(out, ro, 3e-2)
-    ok = ok and torch.equal(res, rr)
+    err_res, ok_res = _err(res, rr, 1e-2)
+    err, ok = max(err, err_res), ok and ok_res
     rows.append(Row("rms_norm+residual", f"T={tokens} N={hidden}",
                     _bench_us(lambda: rms_norm(x, w, 1e-5, residual=r)),
                     _bench_us(lambda: rms_norm_ref(x, w, 1e-5, residual=r)),
