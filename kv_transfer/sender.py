@@ -178,10 +178,13 @@ class _SenderIO:
         room.transition(state)
         self.rooms.pop(room.room, None)
         self.o._states.pop(room.room, None)
-        self.finished[room.room] = error or "success"
+        self.remember(room.room, error or "success")
+        self.o._results.append(room.result(metadata=None, error=error, num_bytes=num_bytes))
+
+    def remember(self, name: str, outcome: str) -> None:
+        self.finished[name] = outcome
         while len(self.finished) > _FINISHED_MEMORY:
             self.finished.popitem(last=False)
-        self.o._results.append(room.result(metadata=None, error=error, num_bytes=num_bytes))
 
     def fail(self, room: Room, error: str) -> None:
         peer = room.info.get("peer")
@@ -223,10 +226,10 @@ class _SenderIO:
         kind = item[0]
         if kind == "send":
             _, name, pages, num_tokens, metadata, t0 = item
-            if name in self.rooms:
-                self.o._results.append(
-                    TransferResult(name, TransferState.FAILED, None, f"room {name} sent twice", 0, 0.0)
-                )
+            if name in self.rooms or name in self.finished:
+                outcome = "in progress" if name in self.rooms else self.finished[name]
+                error = f"room {name} cannot be sent: already {outcome}"
+                self.o._results.append(TransferResult(name, TransferState.FAILED, None, error, 0, 0.0))
                 return
             room = Room.enter(name, TransferState.WAITING_FOR_INPUT, self.cfg.waiting_timeout_s, started=t0)
             room.info.update(src_pages=pages, num_tokens=num_tokens, metadata=metadata)
@@ -263,6 +266,7 @@ class _SenderIO:
         self.requests.pop(name, None)
         room = self.rooms.get(name)
         if room is None:
+            self.remember(name, reason)  # a send() that comes later fails at once
             return
         if room.state == TransferState.WAITING_FOR_INPUT:
             self.fail(room, reason)
