@@ -38,7 +38,12 @@ def test_not_an_object(client, path):
         ("/generate", {"text": 5}, "text", None),
         ("/generate", {"text": "a", "sampling_params": {"temperature": "hot"}}, "temperature", None),
         ("/generate", {"text": "a", "sampling_params": {"max_new_tokens": 2.5}}, "max_new_tokens", None),
-        ("/generate", {"text": "a", "sampling_params": {"bogus": 1}}, "unrecognized", "sampling_params.bogus"),
+        (
+            "/generate",
+            {"text": "a", "sampling_params": {"bogus": 1}},
+            "unrecognized",
+            "sampling_params.bogus",
+        ),
         ("/generate", {"text": "a", "unknown_field": 1}, "unrecognized", "unknown_field"),
         ("/generate", {"text": "a", "stream": "yes"}, "stream", "stream"),
         ("/v1/chat/completions", {}, "messages", "messages"),

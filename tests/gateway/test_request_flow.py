@@ -1,0 +1,414 @@
+"""Requests through the gateway to workers speaking the real wire protocol (scripted outputs)."""
+
+from __future__ import annotations
+
+import json
+import time
+
+import pytest
+
+from pdserve import messages as m
+
+SEED_META_KEYS = [
+    "id",
+    "finish_reason",
+    "prompt_tokens",
+    "weight_version",
+    "num_retractions",
+    "storage_prefetch_wait",
+    "storage_staging_wait",
+    "forward_entry_time",
+    "prefill_finished_time",
+    "queue_time",
+    "reasoning_tokens",
+    "completion_tokens",
+    "cached_tokens",
+    "weight_versions",
+    "cached_tokens_details",
+    "dp_rank",
+    "e2e_latency",
+    "spec_accept_rate",
+    "spec_accept_length",
+    "spec_num_correct_drafts",
+    "spec_num_proposed_drafts",
+    "spec_verify_ct",
+    "spec_correct_drafts_histogram",
+    "request_received_ts",
+    "first_token_latency",
+    "api_server_dispatch_finish_ts",
+    "request_finished_ts",
+    "decode_throughput",
+    "response_sent_to_client_ts",
+]
+ORDERED_TS = [
+    "request_received_ts",
+    "api_server_dispatch_finish_ts",
+    "forward_entry_time",
+    "prefill_finished_time",
+    "request_finished_ts",
+    "response_sent_to_client_ts",
+]
+
+pytestmark = pytest.mark.timeout(60)
+
+
+def _sse(resp) -> list:
+    events = []
+    for line in resp.iter_lines():
+        if line.startswith("data: "):
+            data = line[len("data: ") :]
+            events.append(data if data == "[DONE]" else json.loads(data))
+    return events
+
+
+def _check_meta(meta: dict, completion_tokens: int) -> None:
+    assert list(meta)[: len(SEED_META_KEYS)] == SEED_META_KEYS
+    assert meta["completion_tokens"] == completion_tokens
+    assert meta["weight_versions"] == [{"version": "default", "start": 0, "end": completion_tokens}]
+    ts = [meta[k] for k in ORDERED_TS]
+    assert ts == sorted(ts), dict(zip(ORDERED_TS, ts))
+    first = meta["request_received_ts"] + meta["first_token_latency"]
+    assert meta["prefill_finished_time"] <= first <= meta["request_finished_ts"]
+    assert meta["e2e_latency"] == pytest.approx(meta["request_finished_ts"] - meta["request_received_ts"])
+    for k in (
+        "storage_prefetch_wait",
+        "storage_staging_wait",
+        "queue_time",
+        "e2e_latency",
+        "decode_throughput",
+    ):
+        assert isinstance(meta[k], float)
+    assert meta["dp_rank"] is None and meta["reasoning_tokens"] == 0
+
+
+def test_generate_full_response(cluster, tokenizer):
+    r = cluster.client.post(
+        "/generate", json={"text": "The capital of France is", "sampling_params": {"max_new_tokens": 64}}
+    )
+    assert r.status_code == 200, r.text
+    out = r.json()
+    reply_ids = tokenizer.encode(cluster.reply)
+    assert out["output_ids"] == reply_ids + [tokenizer.eos_token_id]
+    assert out["text"] == cluster.reply
+    meta = out["meta_info"]
+    _check_meta(meta, len(reply_ids) + 1)
+    assert meta["finish_reason"] == {"type": "stop", "matched": tokenizer.eos_token_id}
+    assert meta["prompt_tokens"] == len(tokenizer.encode("The capital of France is"))
+    assert meta["cached_tokens"] == 1 and meta["cached_tokens_details"] == {"device": 1, "host": 0}
+    steps = -(-(len(reply_ids) + 1) // 2)
+    assert meta["spec_verify_ct"] == steps
+    assert meta["spec_accept_length"] == pytest.approx((len(reply_ids) + 1) / steps)
+    assert meta["spec_correct_drafts_histogram"] == [1, 2, 0, 0]
+    # Both legs got the same request with the prefill's bootstrap address.
+    (preq,), (dreq,) = cluster.prefill.requests(), cluster.decode.requests()
+    assert preq == dreq and preq.prefill_bootstrap_addr == "127.0.0.1:9"
+    assert preq.prefill_worker == "p0" and preq.decode_worker == "d0" and len(preq.room) == 32
+
+
+def test_generate_length_and_logprobs(cluster):
+    body = {
+        "input_ids": [1, 2, 3],
+        "sampling_params": {"max_new_tokens": 5},
+        "return_logprob": True,
+        "top_logprobs_num": 2,
+    }
+    out = cluster.client.post("/generate", json=body).json()
+    assert len(out["output_ids"]) == 5
+    meta = out["meta_info"]
+    assert meta["finish_reason"] == {"type": "length", "length": 5}
+    assert meta["output_token_logprobs"] == [[-0.5, t, None] for t in out["output_ids"]]
+    assert meta["output_top_logprobs"][0] == [
+        [-0.5, out["output_ids"][0], None],
+        [-1.5, out["output_ids"][0] + 1, None],
+    ]
+
+
+def test_stop_string_cuts_text_and_aborts_decode(cluster, tokenizer):
+    body = {"text": "Q:", "sampling_params": {"max_new_tokens": 64, "stop": ["Paris"]}}
+    out = cluster.client.post("/generate", json=body).json()
+    assert out["text"] == "The capital of France is "
+    assert out["meta_info"]["finish_reason"] == {"type": "stop", "matched": "Paris"}
+    assert tokenizer.decode(out["output_ids"]).endswith("Paris")
+    room = cluster.decode.requests()[0].room
+    deadline = time.monotonic() + 2
+    while room not in cluster.decode.aborted and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert room in cluster.decode.aborted
+    ab = [x for x in cluster.decode.received if isinstance(x, m.AbortRequest)][0]
+    assert ab.reason == "stop"
+
+
+def test_generate_batch_and_n(cluster):
+    out = cluster.client.post(
+        "/generate", json={"text": ["a", "b"], "sampling_params": {"max_new_tokens": 3, "n": 2}}
+    ).json()
+    assert isinstance(out, list) and len(out) == 4
+    assert all(o["meta_info"]["completion_tokens"] == 3 for o in out)
+    assert len({o["meta_info"]["id"] for o in out}) == 4
+
+
+def test_generate_stream_cumulative(cluster):
+    body = {"text": "Hi", "sampling_params": {"max_new_tokens": 64}, "stream": True}
+    with cluster.client.stream("POST", "/generate", json=body) as r:
+        assert r.status_code == 200
+        events = _sse(r)
+    assert events[-1] == "[DONE]"
+    chunks = events[:-1]
+    assert len(chunks) > 3
+    for a, b in zip(chunks, chunks[1:]):
+        assert b["text"].startswith(a["text"]) and b["output_ids"][: len(a["output_ids"])] == a["output_ids"]
+    assert chunks[-1]["text"] == cluster.reply
+    _check_meta(chunks[-1]["meta_info"], len(chunks[-1]["output_ids"]))
+    assert all(c["meta_info"]["finish_reason"] is None for c in chunks[:-1])
+
+
+def test_chat_completion_shape(cluster, tokenizer):
+    body = {
+        "model": "default",
+        "messages": [{"role": "user", "content": "Capital of France?"}],
+        "max_tokens": 64,
+    }
+    out = cluster.client.post("/v1/chat/completions", json=body).json()
+    assert list(out) == ["id", "object", "created", "model", "choices", "usage", "metadata"]
+    assert out["object"] == "chat.completion" and out["model"] == "default"
+    (choice,) = out["choices"]
+    assert choice == {
+        "index": 0,
+        "message": {"role": "assistant", "content": cluster.reply, "reasoning_content": None},
+        "logprobs": None,
+        "finish_reason": "stop",
+        "matched_stop": tokenizer.eos_token_id,
+    }
+    n_out = len(tokenizer.encode(cluster.reply)) + 1
+    prompt = tokenizer.hf.apply_chat_template(body["messages"], add_generation_prompt=True, tokenize=True)
+    prompt = prompt["input_ids"] if isinstance(prompt, dict) or hasattr(prompt, "keys") else prompt
+    assert cluster.prefill.requests()[0].input_ids == list(prompt)
+    assert out["usage"] == {
+        "prompt_tokens": len(prompt),
+        "total_tokens": len(prompt) + n_out,
+        "completion_tokens": n_out,
+        "prompt_tokens_details": {"cached_tokens": 1},
+        "reasoning_tokens": 0,
+    }
+    assert out["metadata"] == {
+        "weight_version": "default",
+        "weight_versions": [{"version": "default", "start": 0, "end": n_out}],
+    }
+
+
+def test_chat_logprobs_and_n(cluster):
+    body = {
+        "messages": [{"role": "user", "content": "x"}],
+        "max_tokens": 3,
+        "n": 2,
+        "logprobs": True,
+        "top_logprobs": 1,
+        "seed": 7,
+    }
+    out = cluster.client.post("/v1/chat/completions", json=body).json()
+    assert [c["index"] for c in out["choices"]] == [0, 1]
+    assert all(c["finish_reason"] == "length" and c["matched_stop"] is None for c in out["choices"])
+    content = out["choices"][0]["logprobs"]["content"]
+    assert len(content) == 3
+    assert set(content[0]) == {"token", "logprob", "bytes", "top_logprobs"}
+    assert content[0]["bytes"] == list(content[0]["token"].encode())
+    assert len(content[0]["top_logprobs"]) == 1
+    seeds = sorted(r.sampling.seed for r in cluster.decode.requests())
+    assert seeds == [7, 8]
+
+
+def test_chat_stream_with_usage(cluster):
+    body = {
+        "messages": [{"role": "user", "content": "x"}],
+        "max_tokens": 64,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+        "stop": "France",
+    }
+    with cluster.client.stream("POST", "/v1/chat/completions", json=body) as r:
+        events = _sse(r)
+    assert events[-1] == "[DONE]"
+    chunks = events[:-1]
+    assert all(c["object"] == "chat.completion.chunk" for c in chunks)
+    assert chunks[0]["choices"][0]["delta"] == {"role": "assistant", "content": ""}
+    content = [c for c in chunks if c["choices"]]
+    text = "".join(c["choices"][0]["delta"].get("content", "") for c in content)
+    assert text == "The capital of "
+    assert content[-1]["choices"][0]["finish_reason"] == "stop"
+    assert content[-1]["choices"][0]["matched_stop"] == "France"
+    assert all(c["choices"][0]["finish_reason"] is None for c in content[:-1])
+    usage_chunk = chunks[-1]
+    assert usage_chunk["choices"] == [] and usage_chunk["usage"]["completion_tokens"] > 0
+
+
+def test_completions(cluster):
+    out = cluster.client.post(
+        "/v1/completions", json={"prompt": ["a", "b"], "max_tokens": 4, "logprobs": 1}
+    ).json()
+    assert out["object"] == "text_completion"
+    assert [c["index"] for c in out["choices"]] == [0, 1]
+    lp = out["choices"][0]["logprobs"]
+    assert len(lp["tokens"]) == 4 and lp["token_logprobs"] == [-0.5] * 4 and lp["text_offset"][0] == 0
+    assert out["usage"]["completion_tokens"] == 8
+    with cluster.client.stream(
+        "POST", "/v1/completions", json={"prompt": "a", "max_tokens": 64, "stream": True}
+    ) as r:
+        events = _sse(r)
+    assert "".join(e["choices"][0]["text"] for e in events[:-1]) == cluster.reply
+
+
+def test_context_length_checks(cluster):
+    # The workers register context_length 2048.
+    r = cluster.client.post(
+        "/generate", json={"input_ids": [5] * 2000, "sampling_params": {"max_new_tokens": 100}}
+    )
+    assert r.status_code == 400 and "context length is 2048" in r.json()["error"]["message"]
+    r = cluster.client.post("/generate", json={"input_ids": [5] * 2048})
+    assert r.status_code == 400
+    # Not given: capped to the remaining context.
+    r = cluster.client.post("/generate", json={"input_ids": [5] * 2040, "sampling_params": {"n": 1}})
+    assert r.status_code == 200
+    assert cluster.decode.requests()[-1].sampling.max_new_tokens == 8
+
+
+def test_prefill_failure_is_an_error_and_aborts_decode(cluster):
+    cluster.prefill.fail_code = "transfer"
+    r = cluster.client.post("/generate", json={"text": "hi"})
+    assert r.status_code == 500
+    msg = r.json()["error"]["message"]
+    assert "prefill" in msg and "p0" in msg and "transfer" in msg
+    room = cluster.decode.requests()[0].room
+    deadline = time.monotonic() + 2
+    while room not in cluster.decode.aborted and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert room in cluster.decode.aborted
+    assert "pdserve_kv_transfer_failures_total 1.0" in cluster.client.get("/metrics").text
+
+
+def test_decode_failure_streaming_ends_with_abort_and_error(cluster):
+    cluster.decode.fail_code = "oom"
+    body = {"messages": [{"role": "user", "content": "x"}], "stream": True}
+    with cluster.client.stream("POST", "/v1/chat/completions", json=body) as r:
+        events = _sse(r)
+    assert events[-1] == "[DONE]"
+    assert events[-3]["choices"][0]["finish_reason"] == "abort"
+    assert "decode" in events[-2]["error"]["message"] and "oom" in events[-2]["error"]["message"]
+
+
+@pytest.mark.timeout(60)
+def test_decode_death_fails_in_flight_request(cluster):
+    # A decode that never finishes; then it dies.
+    cluster.decode.step_s = 0.2
+    cluster.reply = " word" * 200
+    import threading
+
+    result = {}
+
+    def call() -> None:
+        result["r"] = cluster.client.post(
+            "/generate", json={"text": "hi", "sampling_params": {"max_new_tokens": 300}}
+        )
+
+    t = threading.Thread(target=call)
+    t.start()
+    time.sleep(0.5)
+    cluster.decode.stop()
+    t.join(timeout=10)
+    r = result["r"]
+    assert r.status_code == 503
+    assert "decode worker d0 stopped responding" in r.json()["error"]["message"]
+    room = cluster.prefill.requests()[0].room
+    # Prefill had finished its part (PrefillDone), so it is not aborted; health reflects the loss.
+    assert cluster.client.get("/health").status_code == 503
+    assert room
+
+
+def test_client_disconnect_aborts_both_legs(cluster):
+    cluster.decode.step_s = 0.05
+    cluster.reply = " word" * 200
+    cluster.prefill.prefill_delay_s = 5.0  # prefill still holds the request when the client leaves
+    body = {"text": "hi", "sampling_params": {"max_new_tokens": 300}, "stream": True}
+    with cluster.client.stream("POST", "/generate", json=body) as r:
+        for line in r.iter_lines():
+            if line.startswith("data: "):
+                break
+    room = cluster.decode.requests()[0].room
+    deadline = time.monotonic() + 3
+    while (
+        not (room in cluster.decode.aborted and room in cluster.prefill.aborted)
+        and time.monotonic() < deadline
+    ):
+        time.sleep(0.01)
+    assert room in cluster.decode.aborted and room in cluster.prefill.aborted
+
+
+def test_overload_answers_503_at_once(tokenizer):
+    from .conftest import WireWorker, control_addr, gateway_client, text_script
+
+    with gateway_client(tokenizer, max_pending_requests=1) as c:
+        addr = control_addr(c)
+        ws = [
+            WireWorker(addr, "p0", "prefill").start(),
+            WireWorker(addr, "d0", "decode", script=text_script(tokenizer, " x" * 100), step_s=0.05).start(),
+        ]
+        try:
+            import threading
+
+            t = threading.Thread(
+                target=lambda: c.post(
+                    "/generate", json={"text": "a", "sampling_params": {"max_new_tokens": 40}}
+                )
+            )
+            t.start()
+            time.sleep(0.3)
+            t0 = time.monotonic()
+            r = c.post("/generate", json={"text": "b"})
+            assert time.monotonic() - t0 < 0.5
+            assert r.status_code == 503 and r.headers["retry-after"] == "1"
+            assert "limit of 1 pending" in r.json()["error"]["message"]
+            t.join(10)
+            assert (
+                c.post("/generate", json={"text": "b", "sampling_params": {"max_new_tokens": 2}}).status_code
+                == 200
+            )
+        finally:
+            for w in ws:
+                w.stop()
+
+
+def test_skewed_worker_clocks_give_ordered_timeline(tokenizer):
+    from .conftest import WireWorker, control_addr, gateway_client, text_script
+
+    with gateway_client(tokenizer) as c:
+        addr = control_addr(c)
+        ws = [
+            WireWorker(addr, "p0", "prefill", skew_s=5.0).start(),
+            WireWorker(
+                addr, "d0", "decode", skew_s=-5.0, script=text_script(tokenizer, "Hello there friend")
+            ).start(),
+        ]
+        try:
+            time.sleep(0.3)  # a few ping round trips
+            out = c.post("/generate", json={"text": "a", "sampling_params": {"max_new_tokens": 16}}).json()
+            meta = out["meta_info"]
+            _check_meta(meta, len(out["output_ids"]))
+            # Offsets were estimated: mapped prefill times land near the gateway's dispatch, not 5 s away.
+            assert abs(meta["forward_entry_time"] - meta["api_server_dispatch_finish_ts"]) < 0.5
+            assert meta["e2e_latency"] < 2.0
+        finally:
+            for w in ws:
+                w.stop()
+
+
+def test_routing_spreads_over_workers(cluster):
+    cluster.add("d1", "decode")
+    cluster.add("p1", "prefill")
+    for _ in range(4):
+        assert (
+            cluster.client.post(
+                "/generate", json={"text": "a", "sampling_params": {"max_new_tokens": 2}}
+            ).status_code
+            == 200
+        )
+    per = {w.worker_id: len(w.requests()) for w in cluster.workers}
+    assert per == {"p0": 2, "p1": 2, "d0": 2, "d1": 2}
