@@ -42,8 +42,9 @@ def _page_copy_kernel(
     i = tl.program_id(0)  # i-th page of the list
     lc = tl.program_id(1)  # layer * 2 + (0: K, 1: V)
     chunk = tl.program_id(2)
-    layer = lc // 2
-    kind = lc % 2
+    # int64: layer * layer_stride overflows int32 on pools over 2^31 elements
+    layer = (lc // 2).to(tl.int64)
+    kind = (lc % 2).to(tl.int64)
     page = tl.load(PageIds + i).to(tl.int64)
     if GATHER:
         src_page = page

@@ -1,22 +1,27 @@
 """Kernel tests run the Triton kernels on CPU through Triton's interpreter when there is no GPU.
 
-Triton picks interpreted or compiled kernels when `@triton.jit` runs, i.e. when a kernel module
-is imported, so TRITON_INTERPRET must be set before any `pdserve.kernels` module loads. If one
-was already imported (by tests collected earlier), it is reloaded so its kernels are rebuilt.
+Triton reads TRITON_INTERPRET when `import triton` builds its language library and when each
+`@triton.jit` runs (a kernel module's import), so it must be set before triton is first imported.
+If something collected earlier imported triton already, the kernels stay compiled-for-GPU and the
+wrappers raise a clear error on CPU tensors; setting TRITON_INTERPRET=1 in the environment (or in
+a top-level conftest) avoids that.
 """
 
 from __future__ import annotations
 
-import importlib
 import os
 import sys
+import warnings
 
 import torch
 
 if not torch.cuda.is_available():
+    if "triton" in sys.modules and os.environ.get("TRITON_INTERPRET") != "1":
+        warnings.warn(
+            "triton was imported before TRITON_INTERPRET=1 could be set: kernel tests will fail on CPU",
+            stacklevel=1,
+        )
     os.environ["TRITON_INTERPRET"] = "1"
-    for _name in [m for m in sys.modules if m.startswith("pdserve.kernels.")]:
-        importlib.reload(sys.modules[_name])
 
 import pytest  # noqa: E402
 
