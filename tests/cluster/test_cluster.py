@@ -1,0 +1,210 @@
+"""The disaggregated cluster end to end: real processes, real sockets, the bundled model."""
+
+from __future__ import annotations
+
+import json
+import os
+from concurrent.futures import ThreadPoolExecutor
+
+import httpx
+import pytest
+from harness import start_roles, start_up
+
+pytestmark = pytest.mark.timeout(600)
+
+PROMPTS = [
+    "The capital of France is",
+    "def fibonacci(n):",
+    "Once upon a time, in a land far away, there lived a",
+    "List three primary colors:",
+]
+SEED_FILE = os.path.join(os.path.dirname(__file__), "..", "data", "seed_responses.txt")
+
+
+def load_seed() -> dict[str, dict]:
+    """The reference response of each endpoint, keyed by 'POST /generate' etc."""
+    text = open(SEED_FILE).read()
+    out, head, buf = {}, None, []
+    for line in text.splitlines():
+        if line.startswith("POST "):
+            if head:
+                out[head] = json.loads("\n".join(buf))
+            head, buf = line.strip(), []
+        else:
+            buf.append(line)
+    out[head] = json.loads("\n".join(buf))
+    return out
+
+
+def assert_same_shape(ours, ref, path="") -> None:
+    """Every key of the reference is present in ours with the same JSON type (null matches anything)."""
+    if isinstance(ref, dict):
+        assert isinstance(ours, dict), f"{path}: expected an object, got {ours!r}"
+        for k, v in ref.items():
+            assert k in ours, f"{path}.{k} missing"
+            assert_same_shape(ours[k], v, f"{path}.{k}")
+    elif isinstance(ref, list):
+        assert isinstance(ours, list), f"{path}: expected a list"
+        if ref and ours and not isinstance(ref[0], (int, float)):
+            assert_same_shape(ours[0], ref[0], f"{path}[0]")
+    elif ref is None:
+        return
+    elif isinstance(ref, bool):
+        assert isinstance(ours, bool), f"{path}: expected bool, got {ours!r}"
+    elif isinstance(ref, float):
+        assert isinstance(ours, float), f"{path}: expected a float, got {ours!r}"
+    elif isinstance(ref, int):
+        assert isinstance(ours, int) and not isinstance(ours, bool), f"{path}: expected an int, got {ours!r}"
+    else:
+        assert isinstance(ours, type(ref)), f"{path}: expected {type(ref).__name__}, got {ours!r}"
+
+
+def tokenize(cluster, texts: list[str]) -> list[list[int]]:
+    from transformers import AutoTokenizer
+
+    from pdserve.model_source import resolve_model_source
+    from pdserve.runtime.loader import model_folder
+
+    tok = AutoTokenizer.from_pretrained(model_folder(resolve_model_source(None)))
+    return [tok(t).input_ids for t in texts]
+
+
+def generate(url: str, body: dict, timeout: float = 300) -> dict:
+    r = httpx.post(url + "/generate", json=body, timeout=timeout)
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+def test_greedy_generate_equals_engine_and_transformers(cluster, engine_reference):
+    ids = tokenize(cluster, PROMPTS)
+    ours_engine, hf = engine_reference(ids, 16)
+    batch = generate(cluster.url, {"input_ids": ids, "sampling_params": {"max_new_tokens": 16, "temperature": 0}})
+    assert isinstance(batch, list) and len(batch) == len(PROMPTS)
+    for out, eng, ref in zip(batch, ours_engine, hf):
+        assert out["output_ids"] == eng
+        assert out["output_ids"] == ref[: len(out["output_ids"])]
+    # Text prompts are tokenized by the gateway exactly like transformers does.
+    single = generate(cluster.url, {"text": PROMPTS[0], "sampling_params": {"max_new_tokens": 16, "temperature": 0}})
+    assert single["output_ids"] == hf[0][: len(single["output_ids"])]
+    assert single["meta_info"]["prompt_tokens"] == len(ids[0])
+
+
+def test_generate_meta_info_matches_seed_shape_and_order(cluster):
+    seed = load_seed()["POST /generate"]
+    out = generate(cluster.url, {"text": "The capital of France is",
+                                 "sampling_params": {"max_new_tokens": 12, "temperature": 0, "ignore_eos": True}})
+    assert list(out) == list(seed)
+    assert_same_shape(out, seed)
+    mi = out["meta_info"]
+    assert list(mi) == list(seed["meta_info"])
+    assert mi["finish_reason"] == {"type": "length", "length": 12}
+    assert mi["completion_tokens"] == len(out["output_ids"]) == 12
+    t = [mi["request_received_ts"], mi["api_server_dispatch_finish_ts"], mi["forward_entry_time"],
+         mi["prefill_finished_time"], mi["request_received_ts"] + mi["first_token_latency"],
+         mi["request_finished_ts"], mi["response_sent_to_client_ts"]]
+    assert t == sorted(t), t
+    assert mi["e2e_latency"] == pytest.approx(mi["request_finished_ts"] - mi["request_received_ts"], abs=1e-6)
+
+
+def test_streamed_generate_equals_non_streamed(cluster):
+    body = {"text": PROMPTS[2], "sampling_params": {"max_new_tokens": 20, "temperature": 0}}
+    full = generate(cluster.url, body)
+    chunks = []
+    with httpx.stream("POST", cluster.url + "/generate", json={**body, "stream": True}, timeout=300) as r:
+        assert r.status_code == 200
+        for line in r.iter_lines():
+            if line.startswith("data: ") and line != "data: [DONE]":
+                chunks.append(json.loads(line[6:]))
+    assert chunks, "no streamed chunks"
+    assert chunks[-1]["text"] == full["text"]
+    assert chunks[-1]["output_ids"] == full["output_ids"]
+    assert chunks[-1]["meta_info"]["finish_reason"] == full["meta_info"]["finish_reason"]
+
+
+def test_openai_client_chat_stream_completions_models(cluster):
+    import openai
+
+    client = openai.OpenAI(base_url=cluster.url + "/v1", api_key="none", timeout=300)
+    models = client.models.list()
+    assert [m.id for m in models.data] == ["default"]
+
+    seed = load_seed()["POST /v1/chat/completions"]
+    msgs = [{"role": "user", "content": "What is the third planet from the sun? Answer in one word."}]
+    chat = client.chat.completions.create(model="default", messages=msgs, max_tokens=16, temperature=0)
+    assert_same_shape(chat.model_dump(), {k: v for k, v in seed.items()})
+    assert chat.choices[0].message.content
+    assert chat.usage.completion_tokens >= 1
+    assert chat.choices[0].finish_reason in ("stop", "length")
+
+    stream = client.chat.completions.create(model="default", messages=msgs, max_tokens=16, temperature=0,
+                                            stream=True, stream_options={"include_usage": True})
+    parts, usage, finish = [], None, None
+    for chunk in stream:
+        if chunk.usage:
+            usage = chunk.usage
+        for c in chunk.choices:
+            parts.append(c.delta.content or "")
+            finish = c.finish_reason or finish
+    assert "".join(parts) == chat.choices[0].message.content
+    assert finish == chat.choices[0].finish_reason
+    assert usage is not None and usage.completion_tokens == chat.usage.completion_tokens
+
+    comp = client.completions.create(model="default", prompt="The capital of France is", max_tokens=8,
+                                     temperature=0)
+    assert comp.choices[0].text.startswith(" Paris")
+    assert comp.usage.prompt_tokens == 5
+
+
+def test_bad_input_with_live_workers(cluster):
+    cases = [
+        ({"input_ids": [1, 2, 10**7], "sampling_params": {"max_new_tokens": 4}}, "vocab"),
+        ({"input_ids": [1] * 9000, "sampling_params": {"max_new_tokens": 4}}, "context"),
+        ({"text": "hi", "sampling_params": {"temperature": -1}}, "temperature"),
+    ]
+    for body, word in cases:
+        r = httpx.post(cluster.url + "/generate", json=body, timeout=60)
+        assert r.status_code == 400, (body, r.text)
+        assert word in r.json()["error"]["message"].lower()
+    assert generate(cluster.url, {"text": "hi", "sampling_params": {"max_new_tokens": 2}})["output_ids"]
+
+
+def test_two_by_two_cluster_serves_32_concurrent_requests(tmp_path, engine_reference):
+    ids = tokenize(None, PROMPTS)
+    ref, _ = engine_reference(ids, 8)
+    c = start_up(tmp_path, num_prefill=2, num_decode=2)
+    try:
+        c.wait_healthy(workers=4)
+
+        def one(i: int) -> tuple[int, dict]:
+            body = {"input_ids": ids[i % len(ids)], "sampling_params": {"max_new_tokens": 8, "temperature": 0}}
+            return i, generate(c.url, body, timeout=500)
+
+        with ThreadPoolExecutor(32) as pool:
+            results = list(pool.map(one, range(32)))
+        assert len(results) == 32
+        for i, out in results:
+            assert out["output_ids"] == ref[i % len(ids)], i
+        used = httpx.get(c.url + "/workers", timeout=5).json()["workers"]
+        assert len(used) == 4
+    finally:
+        c.stop()
+
+
+def test_timeline_ordered_under_clock_skew(tmp_path):
+    # The prefill clock runs 7 s ahead, the decode clock 4 s behind.
+    c = start_roles(tmp_path, [("prefill", {"PDSERVE_TEST_CLOCK_SKEW_S": "7"}),
+                               ("decode", {"PDSERVE_TEST_CLOCK_SKEW_S": "-4"})])
+    try:
+        c.wait_healthy()
+        for _ in range(3):
+            mi = generate(c.url, {"text": PROMPTS[0], "sampling_params": {"max_new_tokens": 8, "temperature": 0}})[
+                "meta_info"]
+            t = [mi["request_received_ts"], mi["api_server_dispatch_finish_ts"], mi["forward_entry_time"],
+                 mi["prefill_finished_time"], mi["request_received_ts"] + mi["first_token_latency"],
+                 mi["request_finished_ts"], mi["response_sent_to_client_ts"]]
+            assert t == sorted(t), t
+            # Mapped onto the gateway clock: within the request's own lifetime, not seconds away.
+            assert mi["request_received_ts"] <= mi["forward_entry_time"] <= mi["response_sent_to_client_ts"]
+            assert 0 <= mi["queue_time"] < mi["e2e_latency"]
+    finally:
+        c.stop()
