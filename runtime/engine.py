@@ -8,15 +8,16 @@ from __future__ import annotations
 
 import itertools
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
+from pdserve.config import RuntimeConfig
 from pdserve.runtime.batch import ForwardMode
 from pdserve.runtime.extend_scheduler import ExtendScheduler
 from pdserve.runtime.loader import LoadedModel
 from pdserve.runtime.request import Request, RequestState
 from pdserve.runtime.runner import ModelRunner, append_samples
-
-from pdserve.config import RuntimeConfig
 from pdserve.sampling_params import SamplingParams
 
 
@@ -30,12 +31,21 @@ class GenerateOutput:
     output_top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
     prefill_seconds: float = 0.0
     total_seconds: float = 0.0
+    stats: dict = field(default_factory=dict)  # the decode stepper's per-request counters
 
 
 class Engine:
-    def __init__(self, cfg: RuntimeConfig, loaded: LoadedModel | None = None):
+    def __init__(
+        self,
+        cfg: RuntimeConfig,
+        loaded: LoadedModel | None = None,
+        make_stepper: Callable[[ModelRunner], Any] | None = None,
+    ):
+        """`make_stepper` (e.g. `pdserve.decode.stepper.make_stepper`) replaces the plain decode step
+        with a decode-node stepper (speculative decoding); runtime does not import decode itself."""
         self.runner = ModelRunner(cfg, loaded)
         self.cfg = cfg
+        self.stepper = make_stepper(self.runner) if make_stepper is not None else None
         # Admission reserves prompt + max_new_tokens, so a running request never runs out of
         # pages and this engine needs no retraction.
         self.extend = ExtendScheduler(
@@ -75,6 +85,8 @@ class Engine:
                     self._times[r.rid].append(now)
                     r.state = RequestState.RUNNING
                     self.running.append(r)
+        elif self.running and self.stepper is not None:
+            self.stepper.step(self.running)
         elif self.running:
             reqs = self.running
             logits = self.runner.forward(ForwardMode.DECODE, reqs, [[r.output_ids[-1]] for r in reqs])
@@ -87,6 +99,10 @@ class Engine:
         for r in [r for r in self.running if r.finished]:
             self.running.remove(r)
             r.state = RequestState.FINISHED
+            stats = {}
+            if self.stepper is not None:
+                stats = self.stepper.stats(r)
+                self.stepper.forget(r)
             self.runner.release(r)
             t = self._times.pop(r.rid)
             outs.append(
@@ -99,6 +115,7 @@ class Engine:
                     r.output_top_logprobs,
                     t[1] - t[0],
                     now - t[0],
+                    stats,
                 )
             )
         return outs
