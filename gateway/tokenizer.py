@@ -7,7 +7,11 @@ this matches `apply_chat_template(..., tokenize=True)` token for token.
 
 from __future__ import annotations
 
+import hashlib
 import logging
+import os
+import shutil
+import tempfile
 from dataclasses import dataclass
 
 from pdserve.model_source import resolve_model_source
@@ -26,7 +30,10 @@ class Tokenizer:
         from transformers import AutoTokenizer  # heavy import, kept out of module import time
 
         src = resolve_model_source(model_path)
-        hf = AutoTokenizer.from_pretrained(src.folder, gguf_file=src.gguf_file)
+        if src.gguf_path is None:
+            hf = AutoTokenizer.from_pretrained(src.folder)
+        else:
+            hf = _load_gguf_cached(src.gguf_path, src.folder, src.gguf_file)
         log.info("tokenizer loaded from %s (vocab %d)", src.gguf_path or src.folder, len(hf))
         return cls(hf)
 
@@ -54,3 +61,42 @@ class Tokenizer:
     def token_text(self, token_id: int) -> str:
         """One token's text as OpenAI logprobs show it (bytes of a partial character become U+FFFD)."""
         return self.hf.decode([token_id], skip_special_tokens=False)
+
+
+def _cache_root() -> str:
+    base = os.environ.get("PDSERVE_CACHE_DIR") or os.path.join(
+        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "pdserve"
+    )
+    return os.path.join(base, "tokenizers")
+
+
+def _load_gguf_cached(gguf_path: str, folder: str, gguf_file: str):  # -> PreTrainedTokenizerBase
+    """Building a tokenizer from GGUF metadata takes seconds; its saved form loads in a fraction.
+
+    The cache key covers the file's path, size and mtime; a cache that cannot be written is skipped.
+    """
+    from transformers import AutoTokenizer
+
+    st = os.stat(gguf_path)
+    key = hashlib.sha256(f"{os.path.abspath(gguf_path)}|{st.st_size}|{st.st_mtime_ns}".encode()).hexdigest()[
+        :24
+    ]
+    cached = os.path.join(_cache_root(), key)
+    if os.path.isfile(os.path.join(cached, "tokenizer_config.json")):
+        try:
+            return AutoTokenizer.from_pretrained(cached)
+        except Exception as e:  # a damaged cache entry: rebuild it
+            log.warning("tokenizer cache %s unreadable (%s); rebuilding", cached, e)
+            shutil.rmtree(cached, ignore_errors=True)
+    hf = AutoTokenizer.from_pretrained(folder, gguf_file=gguf_file)
+    tmp = None
+    try:
+        os.makedirs(_cache_root(), exist_ok=True)
+        tmp = tempfile.mkdtemp(dir=_cache_root(), prefix=".tmp-")
+        hf.save_pretrained(tmp)
+        os.replace(tmp, cached)  # atomic: readers never see a half-written entry
+    except OSError as e:  # read-only home, or another process won the race
+        log.info("tokenizer cache not written (%s)", e)
+        if tmp is not None:
+            shutil.rmtree(tmp, ignore_errors=True)
+    return hf

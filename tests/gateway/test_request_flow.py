@@ -412,3 +412,36 @@ def test_routing_spreads_over_workers(cluster):
         )
     per = {w.worker_id: len(w.requests()) for w in cluster.workers}
     assert per == {"p0": 2, "p1": 2, "d0": 2, "d1": 2}
+
+
+def test_request_timeout_is_504_and_aborts_both(tokenizer):
+    from .conftest import WireWorker, control_addr, gateway_client, text_script
+
+    with gateway_client(tokenizer, request_timeout_s=0.5) as c:
+        addr = control_addr(c)
+        p = WireWorker(addr, "p0", "prefill", prefill_delay_s=5.0).start()
+        d = WireWorker(addr, "d0", "decode", script=text_script(tokenizer, " x" * 100), step_s=0.2).start()
+        try:
+            t0 = time.monotonic()
+            r = c.post("/generate", json={"text": "a", "sampling_params": {"max_new_tokens": 90}})
+            assert 0.4 < time.monotonic() - t0 < 2.0
+            assert r.status_code == 504 and "timed out" in r.json()["error"]["message"]
+            room = d.requests()[0].room
+            deadline = time.monotonic() + 2
+            while not (room in d.aborted and room in p.aborted) and time.monotonic() < deadline:
+                time.sleep(0.01)
+            assert room in d.aborted and room in p.aborted
+        finally:
+            p.stop()
+            d.stop()
+
+
+def test_late_prefill_done_is_awaited_for_the_timeline(cluster):
+    cluster.prefill.prefill_delay_s = 0.4  # PrefillDone arrives after the decode has finished
+    out = cluster.client.post(
+        "/generate", json={"text": "a", "sampling_params": {"max_new_tokens": 2}}
+    ).json()
+    meta = out["meta_info"]
+    # queue_time comes only from PrefillDone's events (forward_entry - queue_entry = 1 ms there).
+    assert meta["queue_time"] == pytest.approx(0.001, abs=1e-6)
+    _check_meta(meta, 2)
