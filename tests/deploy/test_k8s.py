@@ -1,0 +1,250 @@
+"""deploy/k8s: each overlay builds, validates against the Kubernetes schemas, and hangs together.
+
+Cross-references checked on the built objects: Service and PDB selectors match pod labels, probe
+and Service ports exist in the containers, the environment the workers read is set, the worker
+command lines parse with pdserve's own argument parsers, GPU requests equal limits, /dev/shm is
+memory-backed, the grace period outlasts the drain, scrape annotations name a real port.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import re
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+
+yaml = pytest.importorskip("yaml")
+kubernetes_validate = pytest.importorskip("kubernetes_validate")
+
+REPO = Path(__file__).resolve().parents[2]
+K8S = REPO / "deploy" / "k8s"
+OVERLAYS = ["gpu", "cpu-demo"]
+K8S_VERSION = "1.32"
+WORKERS = ("prefill", "decode")
+POD_IP, POD_NAME = "10.1.2.3", "pdserve-x-0"
+
+
+@pytest.fixture(scope="module", params=OVERLAYS)
+def built(request) -> tuple[str, list[dict]]:
+    if shutil.which("kubectl") is None:
+        pytest.skip("kubectl is not installed")
+    out = subprocess.run(
+        ["kubectl", "kustomize", str(K8S / "overlays" / request.param)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert out.returncode == 0, out.stderr
+    return request.param, [d for d in yaml.safe_load_all(out.stdout) if d]
+
+
+def objs(docs: list[dict], kind: str) -> list[dict]:
+    return [d for d in docs if d["kind"] == kind]
+
+
+def one(docs: list[dict], kind: str, name: str) -> dict:
+    found = [d for d in objs(docs, kind) if d["metadata"]["name"] == name]
+    assert len(found) == 1, f"{kind}/{name}: {len(found)} found"
+    return found[0]
+
+
+def workloads(docs: list[dict]) -> list[dict]:
+    return objs(docs, "Deployment") + objs(docs, "StatefulSet")
+
+
+def component(w: dict) -> str:
+    return w["spec"]["template"]["metadata"]["labels"]["app.kubernetes.io/component"]
+
+
+def container(w: dict) -> dict:
+    cs = w["spec"]["template"]["spec"]["containers"]
+    assert len(cs) == 1
+    return cs[0]
+
+
+def config(docs: list[dict], c: dict) -> dict[str, str]:
+    """Every env var the container gets: its ConfigMaps, then its own env (fieldRefs filled in)."""
+    env: dict[str, str] = {}
+    for src in c.get("envFrom", []):
+        env.update(one(docs, "ConfigMap", src["configMapRef"]["name"])["data"])
+    for e in c.get("env", []):
+        if "value" in e:
+            env[e["name"]] = e["value"]
+        else:
+            field = e["valueFrom"]["fieldRef"]["fieldPath"]
+            env[e["name"]] = {"status.podIP": POD_IP, "metadata.name": POD_NAME}[field]
+    return env
+
+
+def container_port(c: dict, port: int | str) -> int:
+    for p in c.get("ports", []):
+        if port in (p["containerPort"], p.get("name")):
+            return p["containerPort"]
+    raise AssertionError(f"port {port!r} is not a port of container {c['name']}")
+
+
+def argv_of(c: dict, env: dict[str, str]) -> list[str]:
+    """The argv the container's shell line execs, expanded by a real shell with the pod's env."""
+    assert c["command"] == ["/bin/sh", "-c"]
+    line = c["args"][0]
+    assert line.startswith("exec pdserve "), line
+    script = "printf '%s\\0' " + line.removeprefix("exec pdserve ")
+    out = subprocess.run(["/bin/sh", "-c", script], env=env, capture_output=True, text=True, check=True)
+    return out.stdout.split("\0")[:-1]
+
+
+def test_every_object_validates(built):
+    _, docs = built
+    kinds = sorted({d["kind"] for d in docs})
+    assert kinds == ["ConfigMap", "Deployment", "PodDisruptionBudget", "Service", "StatefulSet"]
+    for d in docs:
+        kubernetes_validate.validate(d, K8S_VERSION, strict=True)
+
+
+def test_validation_rejects_a_broken_object(built):
+    # The schema check above can fail: a misspelled field and a wrong type are caught.
+    _, docs = built
+    bad = copy.deepcopy(one(docs, "StatefulSet", "pdserve-decode"))
+    bad["spec"]["template"]["spec"]["containers"][0]["livenessProbe"]["httpGet"]["prot"] = 1
+    with pytest.raises(kubernetes_validate.ValidationError):
+        kubernetes_validate.validate(bad, K8S_VERSION, strict=True)
+    bad = copy.deepcopy(one(docs, "Service", "pdserve-gateway"))
+    bad["spec"]["ports"][0]["port"] = "http"
+    with pytest.raises(kubernetes_validate.ValidationError):
+        kubernetes_validate.validate(bad, K8S_VERSION, strict=True)
+
+
+def test_selectors_and_ports_match(built):
+    _, docs = built
+    assert sorted(component(w) for w in workloads(docs)) == ["decode", "gateway", "prefill"]
+    for w in workloads(docs):
+        labels = w["spec"]["template"]["metadata"]["labels"]
+        assert w["spec"]["selector"]["matchLabels"].items() <= labels.items()
+    for svc in objs(docs, "Service"):
+        sel = svc["spec"]["selector"]
+        matched = [
+            w for w in workloads(docs) if sel.items() <= w["spec"]["template"]["metadata"]["labels"].items()
+        ]
+        assert len(matched) == 1, f"Service {svc['metadata']['name']} selects {len(matched)} workloads"
+        for p in svc["spec"]["ports"]:
+            container_port(container(matched[0]), p.get("targetPort", p["port"]))
+    for sts in objs(docs, "StatefulSet"):
+        svc = one(docs, "Service", sts["spec"]["serviceName"])
+        assert svc["spec"]["clusterIP"] == "None", "a StatefulSet's service must be headless"
+    pdbs = {component_of_selector(p["spec"]["selector"]) for p in objs(docs, "PodDisruptionBudget")}
+    assert pdbs == {"prefill", "decode"}
+    for p in objs(docs, "PodDisruptionBudget"):
+        assert p["spec"].get("maxUnavailable", 0) >= 1 or "minAvailable" in p["spec"]
+
+
+def component_of_selector(sel: dict) -> str:
+    return sel["matchLabels"]["app.kubernetes.io/component"]
+
+
+def test_probes_and_scrape_ports_exist(built):
+    _, docs = built
+    for w in workloads(docs):
+        c = container(w)
+        for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
+            assert probe in c, f"{component(w)} has no {probe}"
+            container_port(c, c[probe]["httpGet"]["port"])
+        ann = w["spec"]["template"]["metadata"]["annotations"]
+        assert ann["prometheus.io/scrape"] == "true"
+        container_port(c, int(ann["prometheus.io/port"]))
+        assert ann["prometheus.io/path"] == "/metrics"
+
+
+def test_workers_get_what_they_read_and_drain_in_time(built, monkeypatch):
+    overlay, docs = built
+    gateway = one(docs, "Deployment", "pdserve-gateway")
+    for role in WORKERS:
+        sts = one(docs, "StatefulSet", f"pdserve-{role}")
+        spec, c = sts["spec"]["template"]["spec"], container(sts)
+        env = config(docs, c)
+        # The gateway through its control Service, published before the gateway is ready.
+        host, port = env["PDSERVE_GATEWAY"].rsplit(":", 1)
+        svc = one(docs, "Service", host)
+        assert svc["spec"]["publishNotReadyAddresses"] is True
+        (sp,) = [p for p in svc["spec"]["ports"] if p["port"] == int(port)]
+        assert container_port(container(gateway), sp["targetPort"]) == int(port)
+        # The pod IP and name through the downward API.
+        assert env["PDSERVE_HOST"] == POD_IP and env["PDSERVE_WORKER_ID"] == POD_NAME
+        # Probes hit the worker's health port.
+        assert container_port(c, c["livenessProbe"]["httpGet"]["port"]) == int(env["PDSERVE_HEALTH_PORT"])
+        if role == "prefill":
+            assert container_port(c, "bootstrap") == int(env["PDSERVE_BOOTSTRAP_PORT"])
+        # Start-up covers weight loading; readiness answers fast so a draining pod leaves at once.
+        start = c["startupProbe"]
+        assert start["periodSeconds"] * start["failureThreshold"] >= 600
+        assert c["readinessProbe"]["httpGet"]["path"] == "/readyz"
+        assert c["readinessProbe"]["periodSeconds"] * c["readinessProbe"]["failureThreshold"] <= 10
+        assert "kill -TERM 1" in " ".join(c["lifecycle"]["preStop"]["exec"]["command"])
+        assert spec["terminationGracePeriodSeconds"] > float(env["PDSERVE_DRAIN_TIMEOUT"])
+        # A memory-backed /dev/shm.
+        (mount,) = [m for m in c["volumeMounts"] if m["mountPath"] == "/dev/shm"]
+        (vol,) = [v for v in spec["volumes"] if v["name"] == mount["name"]]
+        assert vol["emptyDir"]["medium"] == "Memory"
+        # The command line, expanded as the container's shell does, parses with pdserve's parser.
+        # Flag defaults come from the environment when the parser is built, as in the pod.
+        for k, v in env.items():
+            monkeypatch.setenv(k, v)
+        cfg = _worker_config(role, argv_of(c, env))
+        assert cfg.gateway_addr == env["PDSERVE_GATEWAY"] and cfg.host == POD_IP
+        assert cfg.worker_id == POD_NAME and cfg.drain_timeout_s == float(env["PDSERVE_DRAIN_TIMEOUT"])
+        assert cfg.runtime.device == {"gpu": "cuda", "cpu-demo": "cpu"}[overlay]
+        if role == "prefill":
+            assert cfg.bootstrap_port == container_port(c, "bootstrap")
+        if hasattr(cfg, "health_port"):
+            assert cfg.health_port == container_port(c, "health")
+
+
+def _worker_config(role: str, argv: list[str]):
+    from pdserve.config import add_worker_args, worker_config_from_args
+
+    assert argv[0] == role
+    p = argparse.ArgumentParser(exit_on_error=False)
+    add_worker_args(p, role)
+    return worker_config_from_args(p.parse_args(argv[1:]), role)
+
+
+def test_gateway_command_parses(built):
+    from pdserve.gateway.config import add_cli_args, config_from_args
+
+    _, docs = built
+    c = container(one(docs, "Deployment", "pdserve-gateway"))
+    argv = argv_of(c, config(docs, c))
+    assert argv[0] == "gateway"
+    p = argparse.ArgumentParser(exit_on_error=False)
+    add_cli_args(p)
+    cfg = config_from_args(p.parse_args(argv[1:]))
+    assert cfg.port == container_port(c, "http") and cfg.control_port == container_port(c, "control")
+    assert c["readinessProbe"]["httpGet"]["path"] == "/health"
+    strategy = one(docs, "Deployment", "pdserve-gateway")["spec"]
+    assert strategy["replicas"] == 1 and strategy["strategy"]["type"] == "Recreate"
+
+
+def test_gpu_requests_equal_limits(built):
+    overlay, docs = built
+    for w in workloads(docs):
+        res = container(w).get("resources", {})
+        req, lim = res.get("requests", {}), res.get("limits", {})
+        assert req.get("nvidia.com/gpu") == lim.get("nvidia.com/gpu")
+        if overlay == "gpu" and component(w) in WORKERS:
+            assert int(lim["nvidia.com/gpu"]) >= 1
+        else:
+            assert "nvidia.com/gpu" not in lim
+    if overlay == "gpu":
+        assert all(w["spec"]["replicas"] == 2 for w in objs(docs, "StatefulSet"))
+
+
+def test_shell_lines_only_use_defined_variables(built):
+    _, docs = built
+    for w in workloads(docs):
+        c = container(w)
+        env = config(docs, c)
+        used = set(re.findall(r"\$\{?([A-Z_][A-Z0-9_]*)", c["args"][0]))
+        assert used <= env.keys(), used - env.keys()
