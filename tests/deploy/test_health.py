@@ -1,0 +1,120 @@
+"""pdserve.health: a worker's /livez, /readyz and /metrics follow its link to a real gateway process."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import httpx
+import pytest
+
+from pdserve import messages as m
+from pdserve.health import HealthServer, start_health_server
+from pdserve.worker_common import DrainSignal
+from pdserve.worker_link import WorkerLink
+
+PORT = 32200
+
+
+@pytest.fixture(scope="module")
+def gateway():
+    cmd = [sys.executable, "-m", "pdserve.cli", "gateway", "--host", "127.0.0.1", "--port", str(PORT)]
+    cmd += ["--control-host", "127.0.0.1", "--control-port", str(PORT + 1), "--log-level", "warning"]
+    p = subprocess.Popen(cmd, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 60
+        while True:
+            assert p.poll() is None, "the gateway exited"
+            try:
+                if httpx.get(f"http://127.0.0.1:{PORT}/v1/models", timeout=1).status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            assert time.monotonic() < deadline, "the gateway did not start"
+            time.sleep(0.2)
+        yield f"127.0.0.1:{PORT + 1}"
+    finally:
+        os.killpg(p.pid, signal.SIGTERM)
+        try:
+            p.wait(timeout=15)
+        except subprocess.TimeoutExpired:
+            os.killpg(p.pid, signal.SIGKILL)
+            p.wait()
+
+
+def _link(gateway: str, worker_id: str, arch: str) -> WorkerLink:
+    def register() -> m.Register:
+        return m.Register(
+            worker_id=worker_id,
+            role="decode",
+            fingerprint={"arch": arch},
+            model_name="default",
+            max_total_tokens=4096,
+            max_running_requests=8,
+            context_length=2048,
+            vocab_size=49152,
+            t_send=time.time(),
+        )
+
+    return WorkerLink(gateway, register, time.time)
+
+
+def _get(server: HealthServer, path: str) -> httpx.Response:
+    return httpx.get(f"http://127.0.0.1:{server.port}{path}", timeout=5)
+
+
+def _metric(text: str, name: str, worker_id: str) -> float:
+    for line in text.splitlines():
+        if line.startswith(f'pdserve_worker_{name}{{worker_id="{worker_id}"}}'):
+            return float(line.split()[-1])
+    raise AssertionError(f"{name} not in\n{text}")
+
+
+@pytest.mark.timeout(90)
+def test_readiness_follows_registration_and_drain(gateway):
+    assert start_health_server(0, _link(gateway, "unused", "a"), DrainSignal()) is None  # 0: no port
+    link, signals = _link(gateway, "h-decode", "a"), DrainSignal()
+    server = HealthServer("127.0.0.1", 0, link, signals)
+    try:
+        assert _get(server, "/livez").status_code == 200
+        r = _get(server, "/readyz")
+        assert r.status_code == 503 and "not registered" in r.text
+        link.start()
+        link.wait_registered(30)
+        assert _get(server, "/readyz").status_code == 200
+        link.load.running, link.load.free_tokens = 3, 1024
+        text = _get(server, "/metrics").text
+        assert _metric(text, "ready", "h-decode") == 1 and _metric(text, "running_requests", "h-decode") == 3
+        assert _metric(text, "free_kv_tokens", "h-decode") == 1024
+
+        signals.draining.set()  # what the first SIGTERM does
+        r = _get(server, "/readyz")
+        assert r.status_code == 503 and "draining" in r.text
+        assert _get(server, "/livez").status_code == 200  # draining is not dead
+        text = _get(server, "/metrics").text
+        assert _metric(text, "draining", "h-decode") == 1 and _metric(text, "ready", "h-decode") == 0
+        assert _get(server, "/nope").status_code == 404
+    finally:
+        server.close()
+        link.close()
+
+
+@pytest.mark.timeout(60)
+def test_refused_registration_is_not_ready(gateway):
+    first, second = _link(gateway, "h-a", "a"), _link(gateway, "h-b", "b")
+    server = HealthServer("127.0.0.1", 0, second, DrainSignal())
+    try:
+        first.start()
+        first.wait_registered(30)
+        second.start()
+        with pytest.raises(Exception, match="fingerprint mismatch"):
+            second.wait_registered(30)
+        r = _get(server, "/readyz")
+        assert r.status_code == 503 and "registration refused" in r.text
+    finally:
+        server.close()
+        first.close()
+        second.close()
