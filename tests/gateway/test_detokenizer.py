@@ -115,3 +115,18 @@ def test_stop_on_real_tokens(tokenizer):
             break
     assert out == "One. Two. "
     assert tokenizer.decode(ids[:used]).endswith("Three")
+
+
+def test_cached_tokenizer_matches_gguf_build(tmp_path, monkeypatch, tokenizer):
+    from pdserve.gateway.tokenizer import Tokenizer
+
+    monkeypatch.setenv("PDSERVE_CACHE_DIR", str(tmp_path))
+    built = Tokenizer.load(None)  # from GGUF metadata, then saved
+    assert any(tmp_path.rglob("tokenizer_config.json"))
+    cached = Tokenizer.load(None)  # from the saved copy
+    msgs = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": TEXTS[1]}]
+    assert cached.encode_chat(msgs) == built.encode_chat(msgs)
+    for t in TEXTS:
+        assert cached.encode(t) == built.encode(t)
+        assert cached.decode(built.encode(t)) == t
+    assert (cached.vocab_size, cached.eos_token_id) == (built.vocab_size, built.eos_token_id)

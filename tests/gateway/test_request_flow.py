@@ -445,3 +445,12 @@ def test_late_prefill_done_is_awaited_for_the_timeline(cluster):
     # queue_time comes only from PrefillDone's events (forward_entry - queue_entry = 1 ms there).
     assert meta["queue_time"] == pytest.approx(0.001, abs=1e-6)
     _check_meta(meta, 2)
+
+
+def test_stop_token_id_counted_but_not_shown(cluster, tokenizer):
+    (period,) = tokenizer.encode(".")
+    body = {"text": "a", "sampling_params": {"max_new_tokens": 64, "stop_token_ids": [period]}}
+    out = cluster.client.post("/generate", json=body).json()
+    assert out["meta_info"]["finish_reason"] == {"type": "stop", "matched": period}
+    assert out["output_ids"][-1] == period
+    assert out["text"] == "The capital of France is Paris"
