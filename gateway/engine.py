@@ -37,7 +37,7 @@ from pdserve.sampling_params import SamplingParams
 
 log = logging.getLogger(__name__)
 
-_FAIL_STATUS = {"bad_request": 400, "oom": 503, "worker_lost": 503, "shutdown": 503}
+_FAIL_STATUS = {"bad_request": 400, "oom": 503, "draining": 503, "worker_lost": 503, "shutdown": 503}
 
 
 @dataclass(frozen=True)
@@ -99,7 +99,10 @@ class Engine:
             raise ApiError(
                 503, f"no {' and no '.join(missing)} worker in rotation", headers={"Retry-After": "1"}
             )
-        ctx = limits.context_length
+        # A request must fit the context and the KV pool of whichever decode worker it lands on.
+        ctx, what = limits.context_length, "the context length"
+        if limits.decode_capacity < ctx:
+            ctx, what = limits.decode_capacity, "the decode workers' KV capacity"
         out = []
         for inp in inputs:
             n, m = len(inp.input_ids), inp.sampling.max_new_tokens
@@ -107,11 +110,11 @@ class Engine:
                 if n + m > ctx:
                     raise bad_request(
                         f"requested {n + m} tokens ({n} in the prompt + {m} to generate), "
-                        f"but the context length is {ctx} tokens",
+                        f"but {what} is {ctx} tokens",
                         param,
                     )
             elif n >= ctx:
-                raise bad_request(f"the prompt has {n} tokens; the context length is {ctx} tokens", param)
+                raise bad_request(f"the prompt has {n} tokens; {what} is {ctx} tokens", param)
             else:
                 inp = replace(inp, sampling=with_max_new_tokens(inp.sampling, min(m, ctx - n)))
             out.append(inp)
@@ -235,7 +238,8 @@ class Engine:
         )
         s = c.stats
         ct = len(st.output_ids)
-        cached = int(s.get("cached_tokens", pd.cached_tokens if pd is not None else 0) or 0)
+        # The prefill node owns the prefix cache: its count wins over the decode's.
+        cached = int(pd.cached_tokens if pd is not None else s.get("cached_tokens", 0) or 0)
         st.cached_tokens = cached
         correct, proposed = (
             int(s.get("spec_num_correct_drafts", 0)),

@@ -42,6 +42,8 @@ class Limits:
 
     context_length: int
     vocab_size: int
+    # The most tokens (prompt + output) one request may hold on any decode worker's KV pool.
+    decode_capacity: int
 
 
 def fingerprint_mismatch(theirs: dict, ours: dict) -> list[str]:
@@ -106,9 +108,11 @@ class WorkerRegistry:
         live = self.in_rotation("prefill") + self.in_rotation("decode")
         if not live:
             return None
+        decodes = self.in_rotation("decode")
         return Limits(
             context_length=min(w.reg.context_length for w in live),
             vocab_size=min(w.reg.vocab_size for w in live),
+            decode_capacity=min((w.reg.max_total_tokens for w in decodes), default=0),
         )
 
     # ---- routing -----------------------------------------------------------------------------

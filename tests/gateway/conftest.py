@@ -76,12 +76,14 @@ class WireWorker:
         vocab_size: int = 49152,
         fail_code: str | None = None,
         prefill_delay_s: float = 0.0,
+        max_total_tokens: int = 4096,
     ) -> None:
         self.worker_id, self.role, self.script = worker_id, role, script
         self.skew_s, self.step_s, self.fail_code = skew_s, step_s, fail_code
         self.prefill_delay_s = prefill_delay_s
         self.fingerprint = fingerprint or dict(FINGERPRINT)
         self.context_length, self.vocab_size = context_length, vocab_size
+        self.max_total_tokens = max_total_tokens
         self.received: list = []
         self.aborted: list[str] = []
         self._active: dict[str, list[m.TokenOutput]] = {}
@@ -100,7 +102,7 @@ class WireWorker:
             bootstrap_addr="127.0.0.1:9" if self.role == "prefill" else None,
             fingerprint=self.fingerprint,
             model_name="smollm2",
-            max_total_tokens=4096,
+            max_total_tokens=self.max_total_tokens,
             max_running_requests=16,
             context_length=self.context_length,
             vocab_size=self.vocab_size,

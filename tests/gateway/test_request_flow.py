@@ -454,3 +454,20 @@ def test_stop_token_id_counted_but_not_shown(cluster, tokenizer):
     assert out["meta_info"]["finish_reason"] == {"type": "stop", "matched": period}
     assert out["output_ids"][-1] == period
     assert out["text"] == "The capital of France is Paris"
+
+
+def test_request_larger_than_decode_pool_refused(tokenizer):
+    from .conftest import WireWorker, control_addr, gateway_client
+
+    with gateway_client(tokenizer) as c:
+        addr = control_addr(c)
+        ws = [
+            WireWorker(addr, "p0", "prefill").start(),
+            WireWorker(addr, "d0", "decode", max_total_tokens=256).start(),
+        ]
+        try:
+            r = c.post("/generate", json={"input_ids": [5] * 200, "sampling_params": {"max_new_tokens": 100}})
+            assert r.status_code == 400 and "KV capacity is 256" in r.json()["error"]["message"]
+        finally:
+            for w in ws:
+                w.stop()
