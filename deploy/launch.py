@@ -161,17 +161,24 @@ def _get_json(url: str) -> dict | None:
         return None
 
 
-def _ready(args: argparse.Namespace, url: str | None, worker_ids: list[str]) -> bool:
+def _ready(url: str | None, worker_ids: list[str], whole_cluster: bool) -> bool:
+    """Whether what this launcher started is serving.
+
+    A whole cluster: the gateway's /health (>= 1 prefill and >= 1 decode) and every worker listed.
+    Workers joining a remote gateway: every one of them listed there. A lone gateway: it answers.
+    """
     if url is None:
         return True
-    if not worker_ids or not args.no_gateway:
+    if not worker_ids:
+        return _get_json(url + "/v1/models") is not None
+    if whole_cluster:
         try:
             with urllib.request.urlopen(url + "/health", timeout=2) as r:
                 if r.status != 200:
                     return False
         except OSError:
             return False
-    listed = _get_json(url + "/workers") if worker_ids else {"workers": []}
+    listed = _get_json(url + "/workers")
     if listed is None:
         return False
     live = {w["worker_id"] for w in listed.get("workers", []) if not w.get("draining")}
@@ -199,7 +206,7 @@ class Launcher:
             for c in children:
                 self._start(c)
             deadline = time.monotonic() + args.startup_timeout
-            while not _ready(args, url, worker_ids):
+            while not _ready(url, worker_ids, whole_cluster=not args.no_gateway):
                 why = self._failed() or ("stopped" if self.stopping else None)
                 if why is None and time.monotonic() > deadline:
                     why = f"not healthy within {args.startup_timeout:.0f} s"
