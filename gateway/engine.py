@@ -183,7 +183,7 @@ class Engine:
         remaining = inp.received_ts + self.cfg.request_timeout_s - time.time()
         try:
             return await asyncio.wait_for(room.inbox.get(), timeout=max(0.0, remaining))
-        except TimeoutError:
+        except asyncio.TimeoutError:  # an alias of TimeoutError from 3.11
             self.metrics.errors.labels("gateway", "timeout").inc()
             raise ApiError(
                 504,
@@ -193,14 +193,16 @@ class Engine:
 
     def _leg_failed(self, room: Room, ev: LegFailed) -> ApiError:
         self.metrics.errors.labels(ev.role, ev.code).inc()
-        worker = room.prefill if ev.role == "prefill" else room.decode
         status = _FAIL_STATUS.get(ev.code, 500)
+        if ev.role not in ("prefill", "decode"):
+            return ApiError(status, f"request aborted [{ev.code}]: {ev.message}")
+        worker = room.prefill if ev.role == "prefill" else room.decode
         return ApiError(status, f"{ev.role} leg ({worker.worker_id}) failed [{ev.code}]: {ev.message}")
 
     async def _wait_prefill_done(self, room: Room) -> None:
         # PrefillDone may trail the decode's first tokens; its event times are worth a short wait.
         if room.prefill_done is None:
-            with contextlib.suppress(TimeoutError):
+            with contextlib.suppress(asyncio.TimeoutError):
                 await asyncio.wait_for(room.prefill_event.wait(), self.cfg.prefill_done_grace_s)
         if room.prefill_done is None:
             log.warning("room %s: no PrefillDone; timeline without prefill events", room.room)
