@@ -1,0 +1,596 @@
+"""Online serving benchmark: TTFT, ITL, TPOT, E2E and throughput against OpenAI-compatible servers.
+
+    pdserve bench serving --base-url http://127.0.0.1:30000 --dataset chat --num-prompts 32 \\
+        --max-concurrency 1,8,32 --output-len 64 --ignore-eos
+
+Compare servers side by side in one run (the workload is identical; runs are interleaved, the order
+alternating per round, because a shared machine drifts by tens of percent within minutes):
+
+    pdserve bench serving --targets pdserve=http://127.0.0.1:30000,peer=http://127.0.0.1:8000 ...
+    pdserve bench serving --launch-pdserve --launch-transformers-serve --dataset chat ...
+
+Ratios in the comparison table are first target / other target. Requests always stream.
+TTFT is the time to the first non-empty content chunk, ITL the gaps between content chunks,
+TPOT (e2e - ttft) / (output_tokens - 1). Output tokens come from the server's `usage`
+(requested with stream_options.include_usage unless --no-usage), else from tokenizing the text.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import random
+import shlex
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field, replace
+
+import httpx
+import numpy as np
+
+BACKEND_PATHS = {
+    "openai-chat": "/v1/chat/completions",
+    "openai": "/v1/completions",
+    "pdserve-native": "/generate",
+}
+
+# ---- datasets ----------------------------------------------------------------------------------
+
+_TOPICS = [
+    "volcanoes", "the Roman Empire", "machine learning", "coffee brewing", "black holes", "honeybees",
+    "the French Revolution", "sourdough bread", "jazz music", "electric cars", "ocean tides", "chess openings",
+    "photosynthesis", "the stock market", "mountain hiking", "ancient Egypt", "quantum computing", "origami",
+    "the water cycle", "medieval castles", "solar panels", "the human heart", "rainforests", "the printing press",
+]  # fmt: skip
+_INSTRUCTIONS = [
+    "Explain {t} to a curious twelve-year-old.", "Write a short poem about {t}.",
+    "List five surprising facts about {t}.", "Summarize the history of {t} in one paragraph.",
+    "What are the main advantages and drawbacks of {t}?", "Give me a step-by-step guide to learning about {t}.",
+    "Describe {t} as if you were a museum tour guide.", "Compare {t} with {u} in a few sentences.",
+    "Write a short story in which {t} plays a central role.", "What are common misconceptions about {t}?",
+]  # fmt: skip
+_CONTEXT = [
+    "I am preparing a talk for my local library.", "Please keep the tone friendly and simple.",
+    "My background is in accounting, not science.", "I only have a few minutes to read the answer.",
+    "This is for a school newsletter.", "Avoid jargon where you can, and define any term you must use.",
+    "I already know the basics, so focus on details that are less well known.",
+    "Use concrete examples that a general audience would recognise.",
+    "My friend claims the topic is boring, and I want to prove them wrong.",
+    "Structure the answer so it is easy to skim.",
+]  # fmt: skip
+
+
+@dataclass(frozen=True)
+class Prompt:
+    text: str  # the user turn (chat) or the whole prompt (completions, native)
+    system: str | None
+    output_len: int
+
+
+def chat_prompts(n: int, output_len: int, seed: int) -> list[Prompt]:
+    """Chat-like prompts from a fixed local list: instruction x topic, plus 0-6 context sentences."""
+    rng = random.Random(seed)
+    out = []
+    for _ in range(n):
+        t, u = rng.sample(_TOPICS, 2)
+        parts = rng.sample(_CONTEXT, rng.randint(0, 6)) + [rng.choice(_INSTRUCTIONS).format(t=t, u=u)]
+        system = "You are a helpful assistant." if rng.random() < 0.3 else None
+        out.append(Prompt(" ".join(parts), system, output_len))
+    return out
+
+
+def random_prompts(
+    n: int, input_len: int, output_len: int, ratio: float, seed: int, tokenizer
+) -> list[Prompt]:
+    """SGLang's `random`: lengths uniform in [len * ratio, len], text decoded from random token ids."""
+    rng = random.Random(seed)
+    special = set(tokenizer.all_special_ids)
+    vocab = [i for i in range(len(tokenizer)) if i not in special]
+    out = []
+    for _ in range(n):
+        n_in = rng.randint(max(1, int(input_len * ratio)), input_len)
+        n_out = rng.randint(max(1, int(output_len * ratio)), output_len)
+        ids = [rng.choice(vocab) for _ in range(n_in)]
+        out.append(Prompt(tokenizer.decode(ids), None, n_out))
+    return out
+
+
+def load_tokenizer(path: str | None):
+    from transformers import AutoTokenizer
+
+    if path is None:
+        from pdserve.model_source import resolve_model_source
+        from pdserve.runtime.loader import model_folder
+
+        path = model_folder(resolve_model_source(None))
+    return AutoTokenizer.from_pretrained(path)
+
+
+# ---- one request -------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Target:
+    name: str
+    url: str
+    model: str | None = None
+    usage: bool = True  # send stream_options.include_usage
+    ignore_eos: bool = False
+    extra_body: dict = field(default_factory=dict)
+
+
+@dataclass
+class RequestResult:
+    ok: bool = False
+    ttft: float = 0.0
+    e2e: float = 0.0
+    itl: list[float] = field(default_factory=list)
+    output_tokens: int = 0
+    prompt_tokens: int = 0
+    text: str = ""
+    error: str = ""
+    status: int = 0
+
+
+@dataclass(frozen=True)
+class RunConfig:
+    backend: str
+    temperature: float
+    timeout_s: float
+    fresh_connections: bool
+
+
+def request_body(backend: str, t: Target, p: Prompt, temperature: float, max_tokens: int) -> dict:
+    if backend == "pdserve-native":
+        sp = {"max_new_tokens": max_tokens, "temperature": temperature}
+        if t.ignore_eos:
+            sp["ignore_eos"] = True
+        text = p.text if p.system is None else f"{p.system}\n\n{p.text}"
+        return {"text": text, "sampling_params": sp, "stream": True, **t.extra_body}
+    body: dict = {"model": t.model, "max_tokens": max_tokens, "temperature": temperature, "stream": True}
+    if backend == "openai-chat":
+        system = [{"role": "system", "content": p.system}] if p.system else []
+        body["messages"] = system + [{"role": "user", "content": p.text}]
+    else:
+        body["prompt"] = p.text if p.system is None else f"{p.system}\n\n{p.text}"
+    if t.usage:
+        body["stream_options"] = {"include_usage": True}
+    if t.ignore_eos:
+        body["ignore_eos"] = True
+    return {**body, **t.extra_body}
+
+
+def _parse_chunk(backend: str, obj: dict, text_so_far: str) -> tuple[str, int | None, int | None]:
+    """(new content, completion tokens if reported, prompt tokens if reported) of one SSE chunk."""
+    if backend == "pdserve-native":
+        meta = obj.get("meta_info") or {}
+        return (
+            obj.get("text", "")[len(text_so_far) :],
+            meta.get("completion_tokens"),
+            meta.get("prompt_tokens"),
+        )
+    choices = obj.get("choices") or []
+    delta = ""
+    if choices:
+        c = choices[0]
+        delta = (
+            (c.get("delta") or {}).get("content") or "" if backend == "openai-chat" else c.get("text") or ""
+        )
+    usage = obj.get("usage") or {}
+    return delta, usage.get("completion_tokens"), usage.get("prompt_tokens")
+
+
+async def send_request(
+    client: httpx.AsyncClient,
+    cfg: RunConfig,
+    t: Target,
+    p: Prompt,
+    count_tokens: Callable[[str], int] | None,
+    max_tokens: int | None = None,
+) -> RequestResult:
+    """Stream one request; times are perf_counter seconds measured from just before the send."""
+    res = RequestResult()
+    body = request_body(cfg.backend, t, p, cfg.temperature, max_tokens or p.output_len)
+    chunks = 0
+    usage_out: int | None = None
+    start = time.perf_counter()
+    last = start
+    try:
+        async with client.stream("POST", t.url + BACKEND_PATHS[cfg.backend], json=body) as r:
+            res.status = r.status_code
+            if r.status_code != 200:
+                res.error = f"HTTP {r.status_code}: {(await r.aread()).decode(errors='replace')[:300]}"
+                return res
+            async for line in r.aiter_lines():
+                if not line.startswith("data:"):
+                    continue
+                data = line[5:].strip()
+                if data == "[DONE]":
+                    break
+                now = time.perf_counter()
+                obj = json.loads(data)
+                if "error" in obj:
+                    res.error = json.dumps(obj["error"])[:300]
+                    return res
+                delta, n_out, n_in = _parse_chunk(cfg.backend, obj, res.text)
+                usage_out = n_out if n_out is not None else usage_out
+                res.prompt_tokens = n_in if n_in is not None else res.prompt_tokens
+                if not delta:
+                    continue
+                if chunks == 0:
+                    res.ttft = now - start
+                else:
+                    res.itl.append(now - last)
+                last = now
+                chunks += 1
+                res.text += delta
+        res.e2e = time.perf_counter() - start
+    except (httpx.HTTPError, json.JSONDecodeError) as e:
+        res.error = f"{type(e).__name__}: {e}"
+        return res
+    if usage_out is not None:
+        res.output_tokens = usage_out
+    else:  # no usage from this server: tokenize what came back, or count chunks as a last resort
+        res.output_tokens = count_tokens(res.text) if count_tokens else chunks
+    if not res.prompt_tokens and count_tokens:  # approximate: the prompt without any chat template
+        res.prompt_tokens = count_tokens(p.text if p.system is None else f"{p.system}\n\n{p.text}")
+    res.ok = chunks > 0
+    res.error = "" if res.ok else "no content in the stream"
+    return res
+
+
+def _client(cfg: RunConfig, concurrency: int) -> httpx.AsyncClient:
+    # A pool of 0 keep-alive connections makes each request open its own (servers that close idle ones).
+    keep = 0 if cfg.fresh_connections else concurrency
+    limits = httpx.Limits(max_connections=None, max_keepalive_connections=keep)
+    return httpx.AsyncClient(timeout=httpx.Timeout(cfg.timeout_s, connect=30.0), limits=limits)
+
+
+async def run_level(
+    cfg: RunConfig,
+    t: Target,
+    prompts: list[Prompt],
+    concurrency: int,
+    rate: float,
+    seed: int,
+    count_tokens: Callable[[str], int] | None,
+) -> tuple[list[RequestResult], float]:
+    """Send every prompt (Poisson arrivals at `rate`/s, at most `concurrency` in flight); wall time."""
+    rng = np.random.default_rng(seed)
+    sem = asyncio.Semaphore(concurrency)
+    async with _client(cfg, concurrency) as client:
+
+        async def one(p: Prompt) -> RequestResult:
+            async with sem:
+                return await send_request(client, cfg, t, p, count_tokens)
+
+        start = time.perf_counter()
+        tasks = []
+        for i, p in enumerate(prompts):
+            if i and rate != float("inf"):
+                await asyncio.sleep(rng.exponential(1.0 / rate))
+            tasks.append(asyncio.create_task(one(p)))
+        results = await asyncio.gather(*tasks)
+        return list(results), time.perf_counter() - start
+
+
+# ---- metrics -----------------------------------------------------------------------------------
+
+
+def summarize(results: list[RequestResult], duration: float) -> dict:
+    ok = [r for r in results if r.ok]
+    out_tokens = sum(r.output_tokens for r in ok)
+    in_tokens = sum(r.prompt_tokens for r in ok)
+    m: dict = {
+        "completed": len(ok),
+        "failed": len(results) - len(ok),
+        "duration_s": duration,
+        "total_input_tokens": in_tokens,
+        "total_output_tokens": out_tokens,
+        "mean_output_len": out_tokens / len(ok) if ok else 0.0,
+        "request_throughput": len(ok) / duration if duration else 0.0,
+        "input_throughput": in_tokens / duration if duration else 0.0,
+        "output_throughput": out_tokens / duration if duration else 0.0,
+        "concurrency": sum(r.e2e for r in ok) / duration if duration else 0.0,
+    }
+    series = {
+        "ttft": [r.ttft for r in ok],
+        "itl": [x for r in ok for x in r.itl],
+        "tpot": [(r.e2e - r.ttft) / (r.output_tokens - 1) for r in ok if r.output_tokens > 1],
+        "e2e": [r.e2e for r in ok],
+    }
+    for name, xs in series.items():
+        a = np.asarray(xs, dtype=np.float64) * 1e3  # ms
+        for stat, fn in (("mean", np.mean), ("median", np.median), ("p99", lambda v: np.percentile(v, 99))):
+            m[f"{stat}_{name}_ms"] = float(fn(a)) if a.size else float("nan")
+    errors = sorted({r.error for r in results if not r.ok})
+    if errors:
+        m["errors"] = errors[:5]
+    return m
+
+
+_ROWS = [  # (label, metric key)
+    ("Successful requests", "completed"), ("Failed requests", "failed"),
+    ("Benchmark duration (s)", "duration_s"), ("Total input tokens", "total_input_tokens"),
+    ("Total generated tokens", "total_output_tokens"), ("Mean output tokens/request", "mean_output_len"),
+    ("Request throughput (req/s)", "request_throughput"), ("Input token throughput (tok/s)", "input_throughput"),
+    ("Output token throughput (tok/s)", "output_throughput"), ("Concurrency (observed)", "concurrency"),
+] + [
+    (f"{s.capitalize()} {n.upper()} (ms)", f"{s}_{n}_ms")
+    for n in ("ttft", "itl", "tpot", "e2e") for s in ("mean", "median", "p99")
+]  # fmt: skip
+
+
+def _fmt(v: float) -> str:
+    return f"{v:.0f}" if isinstance(v, int) else f"{v:.2f}"
+
+
+def format_result(name: str, backend: str, concurrency: int, rate: float, m: dict) -> str:
+    lines = [
+        f"{' Serving Benchmark Result: ' + name + ' ':=^56}",
+        f"{'Backend:':<40}{backend:>16}",
+        f"{'Traffic request rate:':<40}{rate:>16}",
+        f"{'Max request concurrency:':<40}{concurrency:>16}",
+    ]
+    for label, key in _ROWS:
+        lines.append(f"{label + ':':<40}{_fmt(m[key]):>16}")
+    lines += [f"  error: {e}" for e in m.get("errors", [])] + ["=" * 56]
+    return "\n".join(lines)
+
+
+def format_comparison(title: str, names: list[str], ms: list[dict]) -> str:
+    """Side by side; ratio columns are first target / each other target."""
+    ref = names[0]
+    head = f"{'metric':<32}" + "".join(f"{n:>14}" for n in names)
+    head += "".join(f"{ref + '/' + n:>{max(14, len(ref) + len(n) + 3)}}" for n in names[1:])
+    lines = [f"== {title} ==", head]
+    for label, key in _ROWS:
+        vals = [m[key] for m in ms]
+        row = f"{label:<32}" + "".join(f"{_fmt(v):>14}" for v in vals)
+        for n, v in zip(names[1:], vals[1:]):
+            ratio = vals[0] / v if v else float("nan")
+            row += f"{ratio:>{max(14, len(ref) + len(n) + 3)}.2f}"
+        lines.append(row)
+    for n, m in zip(names, ms):
+        lines += [f"  {n} error: {e}" for e in m.get("errors", [])]
+    return "\n".join(lines)
+
+
+# ---- launching servers -------------------------------------------------------------------------
+
+
+@dataclass
+class Launched:
+    name: str
+    url: str
+    proc: subprocess.Popen
+    log: str
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            try:
+                os.killpg(self.proc.pid, signal.SIGTERM)
+                self.proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait()
+            except ProcessLookupError:
+                pass
+
+
+def launch(name: str, argv: list[str], port: int, log_dir: str) -> Launched:
+    log = os.path.join(log_dir, f"{name}.log")
+    with open(log, "ab") as out:  # the child keeps its own descriptor
+        proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+    print(f"launched {name} (pid {proc.pid}): {shlex.join(argv)}; log {log}", flush=True)
+    return Launched(name, f"http://127.0.0.1:{port}", proc, log)
+
+
+def wait_healthy(s: Launched, timeout_s: float) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if s.proc.poll() is not None:
+            raise RuntimeError(f"{s.name} exited with {s.proc.returncode}; see {s.log}")
+        try:
+            if httpx.get(s.url + "/v1/models", timeout=5).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(1.0)
+    raise TimeoutError(f"{s.name} not healthy within {timeout_s:.0f} s; see {s.log}")
+
+
+def _launch_all(args: argparse.Namespace, log_dir: str) -> list[Launched]:
+    out = []
+    if args.launch_pdserve:
+        port = args.launch_port
+        argv = [sys.executable, "-m", "pdserve.cli", "up", "--port", str(port),
+                "--log-dir", os.path.join(log_dir, "pdserve"), *shlex.split(args.pdserve_args)]  # fmt: skip
+        out.append(launch("pdserve", argv, port, log_dir))
+    if args.launch_transformers_serve:
+        from pdserve.model_source import resolve_model_source
+        from pdserve.runtime.loader import model_folder
+
+        port = args.launch_port + 10
+        exe = os.path.join(os.path.dirname(sys.executable), "transformers")
+        argv = [exe, "serve", model_folder(resolve_model_source(None)), "--continuous-batching",
+                "--device", "cpu", "--dtype", "float32", "--host", "127.0.0.1", "--port", str(port),
+                *shlex.split(args.transformers_args)]  # fmt: skip
+        out.append(launch("transformers", argv, port, log_dir))
+    return out
+
+
+# ---- driver ------------------------------------------------------------------------------------
+
+
+def _model_id(url: str) -> str:
+    r = httpx.get(url + "/v1/models", timeout=30)
+    r.raise_for_status()
+    return r.json()["data"][0]["id"]
+
+
+async def warm_up(cfg: RunConfig, t: Target, prompts: list[Prompt], n: int, count_tokens) -> Target:
+    """A few short requests; a field the server rejects (4xx) is dropped from this target's requests."""
+    async with _client(cfg, 1) as client:
+        for i in range(n):
+            p = prompts[i % len(prompts)]
+            r = await send_request(client, cfg, t, p, count_tokens, max_tokens=min(8, p.output_len))
+            if not r.ok and 400 <= r.status < 500 and (t.usage or t.ignore_eos):
+                print(f"{t.name}: rejected a request ({r.error[:120]}); retrying without "
+                      "stream_options/ignore_eos (outputs may then end early at EOS)", flush=True)  # fmt: skip
+                t = replace(t, usage=False, ignore_eos=False)
+                r = await send_request(client, cfg, t, p, count_tokens, max_tokens=min(8, p.output_len))
+            if not r.ok:
+                raise RuntimeError(f"warm-up request to {t.name} failed: {r.error}")
+    return t
+
+
+def _targets(args: argparse.Namespace, launched: list[Launched]) -> list[Target]:
+    pairs: list[tuple[str, str]] = [(s.name, s.url) for s in launched if s.name == "pdserve"]
+    if args.targets:
+        pairs += [tuple(x.split("=", 1)) for x in args.targets.split(",")]
+    if args.compare:
+        pairs += [(u.split("//")[-1], u) for u in args.compare.split(",")]
+    pairs += [(s.name, s.url) for s in launched if s.name != "pdserve"]
+    if not pairs:
+        pairs = [("server", args.base_url)]
+    extra = json.loads(args.extra_body) if args.extra_body else {}
+    per = {k: json.loads(v) for k, v in (x.split("=", 1) for x in args.target_extra)}
+    if args.ignore_eos and any(s.name == "transformers" for s in launched):
+        # transformers serve rejects ignore_eos; an EOS id of -1 in its generation_config disables EOS.
+        per.setdefault("transformers", {"generation_config": json.dumps({"eos_token_id": -1})})
+    out = []
+    for name, url in pairs:
+        url = url.rstrip("/")
+        body = {**extra, **per.get(name, {})}
+        ignore = args.ignore_eos and "generation_config" not in body
+        out.append(Target(name, url, args.model, not args.no_usage, ignore, body))
+    return out
+
+
+def _levels(args: argparse.Namespace) -> list[tuple[int, int]]:
+    concs = [int(x) for x in str(args.max_concurrency).split(",")]
+    nums = [int(x) for x in str(args.num_prompts).split(",")]
+    if len(nums) == 1:
+        nums = nums * len(concs)
+    if len(nums) != len(concs):
+        raise SystemExit("--num-prompts takes one value or one per --max-concurrency value")
+    return list(zip(concs, nums))
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="pdserve bench serving", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
+    p.add_argument("--base-url", default="http://127.0.0.1:30000")
+    p.add_argument("--compare", default="", help="URL_A,URL_B,...: run the same workload against each")
+    p.add_argument("--targets", default="", help="name=url,name=url,...: like --compare, with names")
+    p.add_argument("--target-extra", action="append", default=[], help="name=JSON: extra body for one target")
+    p.add_argument("--backend", choices=sorted(BACKEND_PATHS), default="openai-chat")
+    p.add_argument("--model", default=None, help="default: the first id from GET /v1/models")
+    p.add_argument("--dataset", choices=["random", "chat"], default="chat")
+    p.add_argument("--num-prompts", default="32", help="one value, or one per concurrency level")
+    p.add_argument("--max-concurrency", default="8", help="one value or a comma list to sweep, e.g. 1,8,32")
+    p.add_argument("--request-rate", type=float, default=float("inf"), help="Poisson arrivals per second")
+    p.add_argument("--random-input-len", type=int, default=256)
+    p.add_argument("--random-output-len", type=int, default=64)
+    p.add_argument("--random-range-ratio", type=float, default=0.0)
+    p.add_argument("--output-len", type=int, default=None, help="fixed max_tokens for every request")
+    p.add_argument(
+        "--ignore-eos", action="store_true", help="send ignore_eos: true (comparable output lengths)"
+    )
+    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--extra-body", default=None, help="JSON merged into every request body")
+    p.add_argument("--no-usage", action="store_true", help="do not send stream_options; tokenize the output")
+    p.add_argument(
+        "--tokenizer", default=None, help="for the random dataset and --no-usage (default: bundled)"
+    )
+    p.add_argument("--fresh-connections", action="store_true", help="a new connection for every request")
+    p.add_argument("--rounds", type=int, default=1, help="repeat every (target, level); results are pooled")
+    p.add_argument("--warmup-requests", type=int, default=2)
+    p.add_argument("--request-timeout", type=float, default=600.0)
+    p.add_argument("--seed", type=int, default=1)
+    p.add_argument("--output-json", default=None)
+    p.add_argument("--launch-pdserve", action="store_true", help="start `pdserve up` and stop it at the end")
+    p.add_argument("--pdserve-args", default="", help="extra flags for the launched `pdserve up`")
+    p.add_argument("--launch-transformers-serve", action="store_true", help="start `transformers serve` too")
+    p.add_argument("--transformers-args", default="", help="extra flags for the launched transformers serve")
+    p.add_argument("--launch-port", type=int, default=33100, help="pdserve's port; transformers gets +10")
+    p.add_argument("--launch-timeout", type=float, default=600.0)
+    p.add_argument("--launch-log-dir", default=None)
+    return p.parse_args(argv)
+
+
+def _pool(runs: list[tuple[list[RequestResult], float]]) -> dict:
+    return summarize([r for rs, _ in runs for r in rs], sum(d for _, d in runs))
+
+
+async def _bench(args: argparse.Namespace, targets: list[Target]) -> tuple[list[dict], list[dict]]:
+    cfg = RunConfig(args.backend, args.temperature, args.request_timeout, args.fresh_connections)
+    levels = _levels(args)
+    need_tok = args.dataset == "random" or args.no_usage or args.tokenizer is not None
+    tok = load_tokenizer(args.tokenizer) if need_tok else None
+    count_tokens = (lambda s: len(tok.encode(s, add_special_tokens=False))) if tok else None
+    n_max = max(n for _, n in levels)
+    if args.dataset == "chat":
+        prompts = chat_prompts(n_max, args.output_len or 64, args.seed)
+    else:
+        r = args.random_range_ratio
+        prompts = random_prompts(n_max, args.random_input_len, args.random_output_len, r, args.seed, tok)
+        if args.output_len:
+            prompts = [replace(p, output_len=args.output_len) for p in prompts]
+    for i, t in enumerate(targets):
+        t = t if t.model else replace(t, model=_model_id(t.url))
+        targets[i] = await warm_up(cfg, t, prompts, args.warmup_requests, count_tokens)
+    pooled: dict[tuple[str, int], list] = {}
+    runs = []
+    for li, (conc, n) in enumerate(levels):
+        for rnd in range(args.rounds):
+            order = targets if (li + rnd) % 2 == 0 else targets[::-1]
+            for t in order:
+                res, dur = await run_level(
+                    cfg, t, prompts[:n], conc, args.request_rate, args.seed, count_tokens
+                )
+                m = summarize(res, dur)
+                pooled.setdefault((t.name, conc), []).append((res, dur))
+                runs.append({"target": t.name, "url": t.url, "concurrency": conc, "num_prompts": n,
+                             "round": rnd, "metrics": m})  # fmt: skip
+                print(format_result(t.name, args.backend, conc, args.request_rate, m), flush=True)
+    summary = []
+    for conc, n in levels:
+        ms = [_pool(pooled[(t.name, conc)]) for t in targets]
+        summary += [{"target": t.name, "concurrency": conc, "num_prompts": n, "metrics": m}
+                    for t, m in zip(targets, ms)]  # fmt: skip
+        if len(targets) > 1:
+            title = f"concurrency {conc}, {n} prompts x {args.rounds} round(s), dataset {args.dataset}"
+            print(format_comparison(title, [t.name for t in targets], ms), flush=True)
+    return runs, summary
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    log_dir = args.launch_log_dir or tempfile.mkdtemp(prefix="pdserve-bench-")
+    os.makedirs(log_dir, exist_ok=True)
+    launched = _launch_all(args, log_dir)
+    try:
+        for s in launched:
+            wait_healthy(s, args.launch_timeout)
+        targets = _targets(args, launched)
+        runs, summary = asyncio.run(_bench(args, targets))
+    finally:
+        for s in launched:
+            s.stop()
+    if args.output_json:
+        with open(args.output_json, "w") as f:
+            json.dump({"config": vars(args), "targets": [asdict(t) for t in targets], "runs": runs,
+                       "summary": summary}, f, indent=2)  # fmt: skip
+    return 0 if all(r["metrics"]["failed"] == 0 for r in runs) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
