@@ -12,6 +12,7 @@ reports the room (SUCCESS or FAILED); free them then, not before.
 from __future__ import annotations
 
 import collections
+import itertools
 import threading
 import time
 from datetime import timedelta
@@ -70,6 +71,9 @@ class KVSender:
         self._ctx = zmq.Context()
         router = self._ctx.socket(zmq.ROUTER)
         router.setsockopt(zmq.LINGER, 0)
+        # A decode node that reconnects (after a refusal, eviction or timeout) reuses its identity: let the
+        # new connection take it over instead of having its messages dropped as a duplicate.
+        router.setsockopt(zmq.ROUTER_HANDOVER, 1)
         if self._port == 0:
             port = router.bind_to_random_port(f"tcp://{self._host}")
         else:
@@ -136,6 +140,13 @@ class _SenderIO:
         self.requests: dict[str, tuple[bytes, list[int], int, float]] = {}  # room -> (peer, pages, tokens, t)
         self.pairs: dict[bytes, SenderPair] = {}
         self.finished: collections.OrderedDict[str, str] = collections.OrderedDict()  # room -> outcome
+        self._gens = itertools.count()
+        self._gen_lock = threading.Lock()
+
+    def next_gen(self) -> int:
+        """A pair group generation never used before on this sender's store (any thread)."""
+        with self._gen_lock:
+            return next(self._gens)
 
     def run(self) -> None:
         poller = zmq.Poller()
@@ -332,6 +343,7 @@ class _SenderIO:
                 store_port=self.o._store.port,
                 config=self.cfg,
                 mailbox=self.o._mailbox,
+                gens=self.next_gen,
             )
             self.pairs[identity] = pair
         gen = pair.new_gen()

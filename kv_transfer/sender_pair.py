@@ -11,6 +11,7 @@ import itertools
 import queue
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -50,6 +51,7 @@ class SenderPair:
         store_port: int,
         config: TransferConfig,
         mailbox: Mailbox,
+        gens: Callable[[], int],
     ) -> None:
         self.identity = identity
         self.pair_id = identity.decode()
@@ -59,8 +61,9 @@ class SenderPair:
         self.discard_gen: int = -1
         self._kv, self._geometry, self._config, self._mailbox = kv, geometry, config, mailbox
         self._store_host, self._store_port = store_host, store_port
-        self._gens = itertools.count()
-        self._gen_lock = threading.Lock()
+        # Generations come from one counter per sender, so a pair re-created for the same decode node
+        # never reuses a store prefix whose keys still hold a dead group's addresses.
+        self.new_gen = gens
         self._jobs: queue.SimpleQueue[SendJob | _Build | None] = queue.SimpleQueue()
         self._group: PairGroup | None = None
         self._seq = itertools.count()
@@ -68,10 +71,6 @@ class SenderPair:
             target=self._run, name=f"kv-send-pair-{self.pair_id[:8]}", daemon=True
         )
         self._thread.start()
-
-    def new_gen(self) -> int:
-        with self._gen_lock:
-            return next(self._gens)
 
     def build(self, gen: int) -> None:
         """Queue building generation `gen` (the receiver was told the same gen in HELLO_ACK)."""
