@@ -81,6 +81,12 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     )
     p.add_argument("--bootstrap-port-base", type=int, default=8998, help="prefill i listens on base+i")
     p.add_argument(
+        "--health-port-base",
+        type=int,
+        default=0,
+        help="worker k (prefill first, then decode) serves /livez, /readyz, /metrics on base+k (0: off)",
+    )
+    p.add_argument(
         "--worker-id-prefix",
         default=env("PDSERVE_WORKER_ID_PREFIX", socket.gethostname() + "-"),
         help="worker ids are <prefix>prefill-<i>; must differ between hosts",
@@ -141,12 +147,16 @@ def plan(args: argparse.Namespace) -> list[Child]:
     common += model
     if args.device == "cpu" and "--num-threads" not in args.worker_flags:
         common += ["--num-threads", str(threads)]
+    k = 0
     for role, slots in (("prefill", args.prefill_slots), ("decode", args.decode_slots)):
         for i, gpu in enumerate(slots):
             name = f"{role}-{i}"
             argv = exe + [role, "--worker-id", args.worker_id_prefix + name] + common
             if role == "prefill":
                 argv += ["--disaggregation-bootstrap-port", str(args.bootstrap_port_base + i)]
+            if args.health_port_base:
+                argv += ["--health-port", str(args.health_port_base + k)]
+            k += 1
             # CPU workers see no GPU at all, so nothing is allocated there by accident.
             env = {"CUDA_VISIBLE_DEVICES": gpu if gpu is not None else ""}
             children.append(Child(name, argv + args.worker_flags, env))

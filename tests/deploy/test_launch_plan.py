@@ -1,0 +1,113 @@
+"""deploy/launch.py's plan: which processes it would start on GPUs, with which pins, ports and flags.
+
+The GPU topology cannot run here; its command lines are checked against pdserve's own parsers.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture(scope="module")
+def launch():
+    spec = importlib.util.spec_from_file_location("pdserve_deploy_launch", REPO / "deploy" / "launch.py")
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = mod  # dataclasses look their module up while the file executes
+    try:
+        spec.loader.exec_module(mod)
+        yield mod
+    finally:
+        del sys.modules[spec.name]
+
+
+@pytest.fixture(autouse=True)
+def _clean_env(monkeypatch):
+    # The launcher's defaults come from these; the tests spell everything out.
+    for var in (
+        "PDSERVE_PREFILL_GPUS",
+        "PDSERVE_DECODE_GPUS",
+        "PDSERVE_GATEWAY",
+        "PDSERVE_DEVICE",
+        "PDSERVE_HOST",
+    ):
+        monkeypatch.delenv(var, raising=False)
+
+
+def _parse_worker(argv: list[str]):
+    from pdserve.config import add_worker_args, worker_config_from_args
+
+    role = argv[3]
+    p = argparse.ArgumentParser(exit_on_error=False)
+    add_worker_args(p, role)
+    args, unknown = p.parse_known_args(argv[4:])
+    return worker_config_from_args(args, role), unknown
+
+
+def test_gpu_lists_pin_one_worker_per_gpu(launch):
+    args = launch.parse_args(
+        [
+            "--prefill-gpus",
+            "0,1",
+            "--decode-gpus",
+            "2,3",
+            "--worker-id-prefix",
+            "h-",
+            "--",
+            "--page-size",
+            "32",
+        ]
+    )
+    children = launch.plan(args)
+    assert [c.name for c in children] == ["gateway", "prefill-0", "prefill-1", "decode-0", "decode-1"]
+    pins = {c.name: c.env.get("CUDA_VISIBLE_DEVICES") for c in children[1:]}
+    assert pins == {"prefill-0": "0", "prefill-1": "1", "decode-0": "2", "decode-1": "3"}
+    for c in children[1:]:
+        cfg, unknown = _parse_worker(c.argv)
+        assert unknown == [] and cfg.runtime.device == "cuda" and cfg.runtime.page_size == 32
+        assert cfg.gateway_addr == "127.0.0.1:30001" and cfg.worker_id == "h-" + c.name
+        if cfg.role == "prefill":
+            assert cfg.bootstrap_port == 8998 + int(c.name[-1])
+        assert "--num-threads" not in c.argv  # GPU workers keep torch's default
+
+
+def test_cpu_counts_and_worker_only_hosts(launch):
+    args = launch.parse_args(
+        ["--device", "cpu", "--num-prefill", "2", "--num-decode", "1", "--threads-per-worker", "3"]
+    )
+    children = launch.plan(args)
+    assert [c.name for c in children] == ["gateway", "prefill-0", "prefill-1", "decode-0"]
+    assert all(c.env["CUDA_VISIBLE_DEVICES"] == "" for c in children[1:])
+    cfg, _ = _parse_worker(children[1].argv)
+    assert cfg.runtime.device == "cpu" and cfg.runtime.num_threads == 3
+
+    args = launch.parse_args(
+        ["--no-gateway", "--gateway", "10.0.0.1:30001", "--host", "10.0.0.2", "--prefill-gpus", "4,5"]
+    )
+    children = launch.plan(args)
+    assert [c.name for c in children] == ["prefill-0", "prefill-1"]
+    cfg, _ = _parse_worker(children[0].argv)
+    assert cfg.gateway_addr == "10.0.0.1:30001" and cfg.host == "10.0.0.2"
+    assert [c.name for c in launch.plan(launch.parse_args(["--gateway-only"]))] == ["gateway"]
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        [],  # nothing to start
+        ["--prefill-gpus", "0"],  # a local cluster without a decode worker
+        ["--num-prefill", "1", "--num-decode", "1"],  # counts are for CPU; GPUs are listed
+        ["--no-gateway", "--prefill-gpus", "0"],  # where is the gateway?
+        ["--no-gateway", "--gateway-only", "--gateway", "a:1"],
+    ],
+)
+def test_bad_topologies_are_refused(launch, argv):
+    with pytest.raises(SystemExit) as e:
+        launch.parse_args(argv)
+    assert e.value.code == 2
