@@ -1,0 +1,70 @@
+"""The serving benchmark against a real `pdserve up` cluster, and its pure parts on fixed inputs."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+from harness import start_up
+
+from pdserve.bench.bench_serving import RequestResult, chat_prompts, main, summarize
+
+
+def test_chat_prompts_are_seeded_and_varied():
+    a, b = chat_prompts(16, 64, seed=3), chat_prompts(16, 64, seed=3)
+    assert a == b
+    assert chat_prompts(16, 64, seed=4) != a
+    lengths = {len(p.text.split()) for p in a}
+    assert len(lengths) > 4, lengths  # context sentences vary the prompt length
+    assert all(p.output_len == 64 for p in a)
+
+
+def test_summarize_known_numbers():
+    ok = RequestResult(ok=True, ttft=0.1, e2e=1.1, itl=[0.2] * 5, output_tokens=6, prompt_tokens=10)
+    bad = RequestResult(ok=False, error="HTTP 500: boom")
+    m = summarize([ok, ok, bad], duration=2.0)
+    assert (m["completed"], m["failed"]) == (2, 1)
+    assert m["output_throughput"] == pytest.approx(6.0)  # 12 tokens / 2 s
+    assert m["request_throughput"] == pytest.approx(1.0)
+    assert m["median_ttft_ms"] == pytest.approx(100.0)
+    assert m["mean_tpot_ms"] == pytest.approx(200.0)  # (1.1 - 0.1) / (6 - 1)
+    assert m["p99_itl_ms"] == pytest.approx(200.0)
+    assert m["concurrency"] == pytest.approx(1.1)
+    assert m["errors"] == ["HTTP 500: boom"]
+
+
+@pytest.mark.timeout(300)
+def test_bench_against_cluster(tmp_path):
+    c = start_up(tmp_path)
+    try:
+        c.wait_healthy()
+        out = tmp_path / "result.json"
+        common = ["--dataset", "chat", "--num-prompts", "4", "--max-concurrency", "2", "--output-len", "8",
+                  "--ignore-eos", "--warmup-requests", "1"]  # fmt: skip
+        rc = main(["--base-url", c.url, *common, "--output-json", str(out)])
+        # Two names for one server: the comparison path, over the native streaming API.
+        cmp_out = tmp_path / "compare.json"
+        cmp_rc = main([f"--targets=a={c.url},b={c.url}", "--backend", "pdserve-native", *common,
+                       "--fresh-connections", "--output-json", str(cmp_out)])  # fmt: skip
+    finally:
+        c.stop()
+    assert rc == 0
+    data = json.loads(out.read_text())
+    (run,) = data["runs"]
+    m = run["metrics"]
+    assert (m["completed"], m["failed"]) == (4, 0)
+    assert m["total_output_tokens"] == 32  # ignore_eos: every request runs to its 8 tokens
+    assert m["output_throughput"] > 0 and m["request_throughput"] > 0
+    for name in ("ttft", "itl", "tpot", "e2e"):
+        assert 0 < m[f"median_{name}_ms"] <= m[f"p99_{name}_ms"], name
+    assert m["median_ttft_ms"] < m["median_e2e_ms"]
+    assert m["total_input_tokens"] > 0  # usage came back through stream_options
+
+    assert cmp_rc == 0
+    cmp = json.loads(cmp_out.read_text())
+    assert [s["target"] for s in cmp["summary"]] == ["a", "b"]
+    for s in cmp["summary"]:
+        assert s["metrics"]["completed"] == 4
+        assert s["metrics"]["total_output_tokens"] == 32
+        assert not math.isnan(s["metrics"]["median_itl_ms"])
