@@ -153,10 +153,13 @@ class DraftModelDrafter:
             )
         # Its own pool sized in tokens like the target's, so every admitted request fits.
         draft_cfg = replace(
-            cfg, model_path=draft_path, max_total_tokens=target.max_total_tokens, speculative_algorithm=None
+            cfg,
+            model_path=draft_path,
+            max_total_tokens=target.max_total_tokens,
+            context_length=None,
+            speculative_algorithm=None,
         )
         self.runner = ModelRunner(draft_cfg, loaded)
-        self.context_length = target.context_length
         self._shadow: dict[str, Request] = {}
         self._seconds = 0.0  # EMA of one draft forward (decode-shaped)
         self._batch = 0
@@ -164,6 +167,8 @@ class DraftModelDrafter:
     def _shadow_of(self, req: Request) -> Request | None:
         s = self._shadow.get(req.rid)
         if s is None:
+            if req.max_total_tokens > self.runner.context_length:
+                return None  # beyond the draft model's context: not drafted
             s = Request(req.rid, req.prompt_ids, req.params)
             if not self.runner.reserve(s, req.max_total_tokens):
                 return None  # draft pool short: this request is not drafted

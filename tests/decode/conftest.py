@@ -9,7 +9,7 @@ import torch
 
 
 def write_tiny_llama(folder: str, vocab: int, seed: int, hidden: int = 32, sharpness: float = 1.0) -> str:
-    """A random 2-layer Llama; `sharpness` scales the embeddings so next-token distributions are peaky."""
+    """A random 2-layer Llama; `sharpness` scales the output head (larger: peakier next-token distributions)."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(seed)
@@ -21,7 +21,7 @@ def write_tiny_llama(folder: str, vocab: int, seed: int, hidden: int = 32, sharp
         num_attention_heads=2,
         num_key_value_heads=1,
         max_position_embeddings=512,
-        tie_word_embeddings=True,
+        tie_word_embeddings=False,
         bos_token_id=0,
         eos_token_id=1,
         pad_token_id=0,
@@ -29,7 +29,9 @@ def write_tiny_llama(folder: str, vocab: int, seed: int, hidden: int = 32, sharp
     model = LlamaForCausalLM(cfg)
     with torch.no_grad():
         emb = model.model.embed_tokens.weight
-        emb.copy_(torch.randn_like(emb) * sharpness)
+        emb.copy_(torch.randn_like(emb))
+        head = model.lm_head.weight
+        head.copy_(torch.randn_like(head) * sharpness / hidden**0.5)
     model.save_pretrained(folder)
     return folder
 

@@ -24,12 +24,8 @@ def run_to_completion(runner: ModelRunner, sched: DecodeScheduler, reqs: list[Re
     for _ in range(2000):
         sched.resume_retracted()
         for r in sched.admit():
-            runner.forward(ForwardMode.EXTEND, [r], [r.prompt_ids])  # stands in for the KV transfer
-            logits = runner.forward  # noqa: F841 (keeps the flow readable)
-        for rid in list(sched.transferring):
-            r = sched.transferring.pop(rid)
-            batch_logits = runner.model  # noqa: F841
-            r.num_computed = 0
+            # Stands in for the KV transfer: the prompt's KV is computed here, into the pages admitted.
+            del sched.transferring[r.rid]
             logits = runner.forward(ForwardMode.EXTEND, [r], [r.prompt_ids])
             append_samples([r], runner.sample([r], logits))
             r.state = RequestState.RUNNING
@@ -50,8 +46,9 @@ def test_small_pool_retracts_resumes_and_matches_engine(bundled, make_engine):
     ref = [o.output_ids for o in make_engine(bundled).generate(PROMPTS, params)]
 
     # 14 pages of 16 tokens: each request needs 5 pages over its life; the four together need 20.
-    runner = ModelRunner(RuntimeConfig(device="cpu", max_total_tokens=224, page_size=16, attention_backend="torch"),
-                         bundled)
+    runner = ModelRunner(
+        RuntimeConfig(device="cpu", max_total_tokens=224, page_size=16, attention_backend="torch"), bundled
+    )
     sched = DecodeScheduler(runner, max_running=8, lookahead=1)
     reqs = [Request(f"r{i}", p, params, runner.spec.eos_token_ids) for i, p in enumerate(PROMPTS)]
     retractions = run_to_completion(runner, sched, reqs)

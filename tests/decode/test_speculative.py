@@ -37,7 +37,7 @@ def batch_params() -> list[SamplingParams]:
 
 
 def engine(loaded, make_stepper=None) -> Engine:
-    cfg = RuntimeConfig(device="cpu", max_total_tokens=2048, attention_backend="torch")
+    cfg = RuntimeConfig(device="cpu", max_total_tokens=2048, attention_backend="torch", num_threads=1)
     return Engine(cfg, loaded, make_stepper)
 
 
