@@ -47,7 +47,7 @@ class CostModel:
     speculation yet) still has a sensible slope.
     """
 
-    def __init__(self, prior_tokens: float, decay: float = 0.97, ridge: float = 4.0):
+    def __init__(self, prior_tokens: float, decay: float = 0.97, ridge: float = 1.0):
         self.prior_tokens, self.decay, self.ridge = prior_tokens, decay, ridge
         self._w = self._t = self._y = self._tt = self._ty = 0.0
 
