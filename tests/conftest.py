@@ -82,6 +82,19 @@ def write_tiny_checkpoint(name: str, folder: str, seed: int = 0) -> str:
     return folder
 
 
+@pytest.fixture(scope="session", autouse=True)
+def _torch_threads():
+    """One intra-op thread unless PDSERVE_TEST_THREADS says otherwise.
+
+    Test shapes are small, and on a loaded machine an OpenMP team waits for a descheduled
+    thread at every op: two threads measured over 10x slower than one there.
+    """
+    before = torch.get_num_threads()
+    torch.set_num_threads(int(os.environ.get("PDSERVE_TEST_THREADS", "1")))
+    yield
+    torch.set_num_threads(before)
+
+
 @pytest.fixture(scope="session")
 def tiny_folders(tmp_path_factory) -> dict[str, str]:
     """name -> folder holding a tiny random checkpoint (config.json + model.safetensors)."""
@@ -118,9 +131,8 @@ def tokenizer(bundled):
 @pytest.fixture
 def make_engine() -> Callable:
     """Build an Engine on an already loaded model with a small KV pool (keeps tests light)."""
-    from pdserve.runtime.engine import Engine
-
     from pdserve.config import RuntimeConfig
+    from pdserve.runtime.engine import Engine
 
     def make(loaded, **overrides):
         kw = dict(device="cpu", max_total_tokens=4096, attention_backend="torch")

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+
 from pdserve.runtime.attention import TorchAttention
 from pdserve.runtime.batch import ForwardBatch, ForwardMode
 from pdserve.runtime.kv_pool import KVGeometry, KVPool, PageAllocator
@@ -13,7 +14,9 @@ REL_TOL = 1e-4  # max |ours - ref| / max |ref|
 TINY_NAMES = ["llama3-rope-tied", "llama-untied", "qwen2-bias", "qwen3-qknorm"]
 
 
-def batched_extend_logits(loaded: LoadedModel, prompts: list[list[int]], page_size: int) -> list[torch.Tensor]:
+def batched_extend_logits(
+    loaded: LoadedModel, prompts: list[list[int]], page_size: int
+) -> list[torch.Tensor]:
     """Every position's logits for each prompt, all prompts in ONE extend forward."""
     spec = loaded.spec
     geo = KVGeometry(spec.num_layers, spec.num_kv_heads, spec.head_dim, page_size, loaded.dtype)
