@@ -1,0 +1,108 @@
+"""Page allocator bookkeeping against a plain model of reference counts; KV pool layout."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from pdserve.runtime.kv_pool import KVGeometry, KVPool, OutOfPages, PageAllocator
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_random_alloc_incref_free_keeps_invariants(seed):
+    rng = random.Random(seed)
+    n = 37
+    alloc = PageAllocator(n)
+    refs = [0] * n  # the model: what each page's count must be
+    held: list[list[int]] = []  # one entry per outstanding reference set
+    for _ in range(2000):
+        op = rng.random()
+        if op < 0.4:
+            k = rng.randint(0, 6)
+            if k <= alloc.num_free:
+                pages = alloc.alloc(k)
+                assert len(set(pages)) == k and all(refs[p] == 0 for p in pages)
+                for p in pages:
+                    refs[p] = 1
+                held.append(pages)
+            else:
+                with pytest.raises(OutOfPages):
+                    alloc.alloc(k)
+        elif op < 0.6 and held:
+            shared = rng.choice(held)
+            sub = rng.sample(shared, rng.randint(0, len(shared)))
+            alloc.incref(sub)
+            for p in sub:
+                refs[p] += 1
+            held.append(sub)
+        elif held:
+            pages = held.pop(rng.randrange(len(held)))
+            alloc.free(pages)
+            for p in pages:
+                refs[p] -= 1
+        alloc.check_invariants()
+        assert alloc.num_free == refs.count(0)
+        assert alloc._refs == refs
+    for pages in held:
+        alloc.free(pages)
+    alloc.check_invariants()
+    assert alloc.num_free == n
+
+
+def test_double_free_and_bad_incref_raise():
+    alloc = PageAllocator(4)
+    pages = alloc.alloc(2)
+    alloc.free(pages)
+    with pytest.raises(ValueError, match="freed twice"):
+        alloc.free(pages[:1])
+    with pytest.raises(ValueError, match="not allocated"):
+        alloc.incref(pages[:1])
+    alloc.check_invariants()
+    assert alloc.num_free == 4
+
+
+def test_shared_page_is_free_only_after_last_reference():
+    alloc = PageAllocator(3)
+    (p,) = alloc.alloc(1)
+    alloc.incref([p])
+    alloc.free([p])
+    assert alloc.num_free == 2 and not alloc.can_alloc(3)
+    alloc.free([p])
+    assert alloc.num_free == 3 and alloc.can_alloc(3)
+    with pytest.raises(OutOfPages):
+        alloc.alloc(4)
+
+
+def test_check_invariants_catches_corruption():
+    alloc = PageAllocator(4)
+    alloc.alloc(1)
+    alloc._free.append(alloc._free[0])  # a page listed twice
+    with pytest.raises(AssertionError):
+        alloc.check_invariants()
+    alloc = PageAllocator(4)
+    (p,) = alloc.alloc(1)
+    alloc._refs[p] = 0  # count says free, but it is off the free list
+    with pytest.raises(AssertionError):
+        alloc.check_invariants()
+
+
+def test_pool_layout_and_views():
+    geo = KVGeometry(num_layers=3, kv_heads=2, head_dim=8, page_size=4, dtype=torch.float16)
+    assert geo.bytes_per_token == 3 * 2 * 2 * 8 * 2
+    assert KVPool.pages_for(geo, 9) == 3 and KVPool.pages_for(geo, 8) == 2
+    pool = KVPool(geo, num_pages=5)
+    assert pool.kv.shape == (3, 2, 5, 4, 2, 8) and pool.kv.dtype == torch.float16
+    assert pool.page_size == 4
+    # k(layer) / v(layer) are views: writes through them land in the one pool tensor.
+    pool.k(1)[3, 2] = 1.0
+    pool.v(2)[0, 1, 1] = 2.0
+    assert pool.kv[1, 0, 3, 2].eq(1.0).all() and pool.kv[2, 1, 0, 1, 1].eq(2.0).all()
+    assert pool.kv.sum().item() == 2 * 8 * 1.0 + 8 * 2.0
+    assert pool.k(1).data_ptr() == pool.kv[1, 0].data_ptr()
+    # Slot arithmetic the batch uses: slot = page * page_size + offset in the flat per-layer view.
+    flat = pool.k(1).view(-1, 2, 8)
+    assert flat[3 * 4 + 2].eq(1.0).all()
+    with pytest.raises(ValueError):
+        KVPool(geo, num_pages=0)
