@@ -31,7 +31,7 @@ class TransferConfig:
     waiting_timeout_s: float = 300.0
     transfer_timeout_s: float = 60.0
     max_pairs: int = 32
-    chunk_bytes: int = 32 << 20
+    chunk_bytes: int = 16 << 20
     gloo_threads: int = 2
     socket_ifname: str | None = None
     orphan_request_ttl_s: float = 600.0

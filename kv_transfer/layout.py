@@ -95,14 +95,23 @@ def chunk_view(flat: torch.Tensor, geometry: PoolGeometry, n_pages: int) -> torc
     return typed.view(layers, two, n_pages, page_size, heads, head_dim)
 
 
+def _as_rows(t: torch.Tensor) -> torch.Tensor:
+    """[L, 2, n, P, H, D] -> [L*2, n, words]: same bytes, fewer and wider elements (8-byte words when
+    a page row allows), which makes index_select / index_copy_ markedly faster than on the 6-d view."""
+    rows = t.view(t.shape[0] * 2, t.shape[2], -1)
+    if (rows.shape[2] * rows.element_size()) % 8 == 0:
+        return rows.view(torch.uint8).view(torch.int64)
+    return rows
+
+
 def gather_pages(kv: torch.Tensor, page_ids: torch.Tensor, out: torch.Tensor) -> None:
-    """out[L, 2, n, P, H, D] = kv[:, :, page_ids]; page_ids on kv's device."""
-    torch.index_select(kv, 2, page_ids, out=out)
+    """out[L, 2, n, P, H, D] = kv[:, :, page_ids]; page_ids on kv's device, out contiguous."""
+    torch.index_select(_as_rows(kv), 1, page_ids, out=_as_rows(out))
 
 
 def scatter_pages(kv: torch.Tensor, page_ids: torch.Tensor, buf: torch.Tensor) -> None:
-    """kv[:, :, page_ids] = buf[L, 2, n, P, H, D]; page_ids on kv's device."""
-    kv.index_copy_(2, page_ids, buf)
+    """kv[:, :, page_ids] = buf[L, 2, n, P, H, D]; page_ids on kv's device, buf contiguous."""
+    _as_rows(kv).index_copy_(1, page_ids, _as_rows(buf))
 
 
 def encode_trailer(room: str, num_tokens: int, metadata: dict) -> bytes:

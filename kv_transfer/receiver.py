@@ -117,6 +117,9 @@ class _ReceiverIO:
         self.peers: dict[str, _Peer] = {}
         self.by_sock: dict[zmq.Socket, _Peer] = {}
         self.rooms: dict[str, Room] = {}
+        # Closed pairs whose threads may still be finishing; joined at shutdown so that no pair thread
+        # is torn down inside a process group's destructor at interpreter exit.
+        self.closing: list[ReceiverPair] = []
 
     def run(self) -> None:
         self.poller.register(self.o._mailbox.fileno(), zmq.POLLIN)
@@ -136,11 +139,10 @@ class _ReceiverIO:
             self.on_timers(time.monotonic())
 
     def shutdown(self) -> None:
-        pairs = [peer.pair for peer in self.peers.values() if peer.pair is not None]
         for peer in list(self.peers.values()):
             self.send(peer, control.BYE, reason="decode node shutting down")
             self.drop_peer(peer, "receiver closed")
-        for pair in pairs:
+        for pair in self.closing:
             pair.join(timeout_s=2.0)
 
     def send(self, peer: _Peer, kind: str, **fields: Any) -> None:
@@ -190,6 +192,7 @@ class _ReceiverIO:
         peer.sock.close(linger=0)
         if peer.pair is not None:
             peer.pair.close()
+            self.closing = [p for p in self.closing if p.alive] + [peer.pair]
 
     # ---- rooms ----------------------------------------------------------------------------------
 

@@ -71,6 +71,10 @@ class ReceiverPair:
     def join(self, timeout_s: float) -> None:
         self._thread.join(timeout=timeout_s)
 
+    @property
+    def alive(self) -> bool:
+        return self._thread.is_alive()
+
     def _run(self) -> None:
         while True:
             job = self._jobs.get()

@@ -142,6 +142,9 @@ class _SenderIO:
         self.finished: collections.OrderedDict[str, str] = collections.OrderedDict()  # room -> outcome
         self._gens = itertools.count()
         self._gen_lock = threading.Lock()
+        # Closed pairs whose threads may still be finishing; joined at shutdown so that no pair thread
+        # is torn down inside a process group's destructor at interpreter exit.
+        self.closing: list[SenderPair] = []
 
     def next_gen(self) -> int:
         """A pair group generation never used before on this sender's store (any thread)."""
@@ -168,11 +171,16 @@ class _SenderIO:
             self.on_timers(time.monotonic())
 
     def shutdown(self) -> None:
-        for pair in self.pairs.values():
+        for pair in list(self.pairs.values()):
             self.to_peer(pair.identity, control.BYE, reason="prefill node shutting down")
-            pair.close()
-        for pair in self.pairs.values():
+            self.close_pair(pair)
+        for pair in self.closing:
             pair.join(timeout_s=2.0)
+
+    def close_pair(self, pair: SenderPair) -> None:
+        pair.close()
+        self.pairs.pop(pair.identity, None)
+        self.closing = [p for p in self.closing if p.alive] + [pair]
 
     def to_peer(self, identity: bytes, kind: str, **fields: Any) -> None:
         self.send_raw(identity, control.encode(kind, **fields))
@@ -320,9 +328,9 @@ class _SenderIO:
             if pair is not None:
                 pair.discard_gen = int(msg["gen"])
         elif kind == control.BYE:
-            pair = self.pairs.pop(identity, None)
+            pair = self.pairs.get(identity)
             if pair is not None:
-                pair.close()
+                self.close_pair(pair)
 
     def on_hello(self, identity: bytes, msg: dict) -> None:
         error = compare_identities(self.o._identity, msg.get("identity", {}), "decode")
@@ -360,8 +368,7 @@ class _SenderIO:
             return False
         victim = min(idle, key=lambda p: p.last_used)
         self.to_peer(victim.identity, control.BYE, reason="pair evicted (max_pairs)")
-        victim.close()
-        del self.pairs[victim.identity]
+        self.close_pair(victim)
         return True
 
     def on_timers(self, now: float) -> None:

@@ -88,6 +88,10 @@ class SenderPair:
     def join(self, timeout_s: float) -> None:
         self._thread.join(timeout=timeout_s)
 
+    @property
+    def alive(self) -> bool:
+        return self._thread.is_alive()
+
     def _out(self, kind: str, **fields) -> None:
         self._mailbox.post(("out", self.identity, control.encode(kind, **fields)))
 
