@@ -1,0 +1,149 @@
+"""Offline throughput: pdserve's Engine against transformers' `generate` on the same prompts.
+
+Every batch size runs ours, then transformers, in turn (`--repeats` times), so machine noise hits
+both; the best run of each is reported. Prompts are random token ids from a fixed seed; generation
+is greedy with EOS ignored, so both produce exactly `--new-tokens` tokens per prompt. Throughput
+is output tokens over the whole `generate` call, prefill included; ours is also shown decode-only.
+
+    pdserve bench engine [--prompt-len 128] [--new-tokens 128] [--batch-sizes 1,8,32] [--skip-hf]
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from dataclasses import dataclass
+
+import torch
+
+from pdserve.config import RuntimeConfig
+from pdserve.runtime.engine import Engine
+from pdserve.runtime.loader import LoadedModel, load_model
+from pdserve.sampling_params import SamplingParams
+
+
+@dataclass
+class Run:
+    seconds: float
+    decode_seconds: float | None = None  # after the last first token (ours only)
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="pdserve bench engine", description=__doc__.splitlines()[0])
+    p.add_argument("--model-path", default=None, help="default: the bundled SmolLM2-135M-Instruct")
+    p.add_argument("--prompt-len", type=int, default=128)
+    p.add_argument("--new-tokens", type=int, default=128)
+    p.add_argument("--batch-sizes", default="1,8,32", help="comma-separated")
+    p.add_argument("--repeats", type=int, default=1, help="alternating runs per batch size; best is kept")
+    p.add_argument("--skip-hf", action="store_true", help="only time pdserve's engine")
+    p.add_argument("--dtype", default="float32", choices=["auto", "float32", "bfloat16", "float16"])
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--num-threads", type=int, default=None, help="torch threads; default: torch's")
+    p.add_argument("--seed", type=int, default=0)
+    args = p.parse_args(argv)
+    args.batch_sizes = [int(b) for b in args.batch_sizes.split(",") if b]
+    return args
+
+
+def make_prompts(vocab: int, n: int, length: int, seed: int) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    # Ids from 3 up avoid the special tokens at the start of the vocabulary.
+    return torch.randint(3, vocab, (n, length), generator=g).tolist()
+
+
+def run_ours(engine: Engine, prompts: list[list[int]], new_tokens: int) -> Run:
+    params = SamplingParams(max_new_tokens=new_tokens, temperature=0.0, ignore_eos=True)
+    t0 = time.perf_counter()
+    outs = engine.generate(prompts, params)
+    seconds = time.perf_counter() - t0
+    assert all(len(o.output_ids) == new_tokens for o in outs)
+    return Run(seconds, seconds - max(o.prefill_seconds for o in outs))
+
+
+def run_hf(hf, prompts: list[list[int]], new_tokens: int, pad_id: int, device: str) -> Run:
+    ids = torch.tensor(prompts, device=device)  # equal lengths: the padded batch has no pad tokens
+    t0 = time.perf_counter()
+    with torch.inference_mode():
+        out = hf.generate(
+            ids,
+            attention_mask=torch.ones_like(ids),
+            do_sample=False,
+            min_new_tokens=new_tokens,
+            max_new_tokens=new_tokens,
+            pad_token_id=pad_id,
+        )
+    seconds = time.perf_counter() - t0
+    assert out.shape == (len(prompts), ids.shape[1] + new_tokens)
+    return Run(seconds)
+
+
+def make_engine(args: argparse.Namespace, loaded: LoadedModel) -> Engine:
+    biggest = max(args.batch_sizes)
+    cfg = RuntimeConfig(
+        model_path=args.model_path,
+        dtype=args.dtype,
+        device=args.device,
+        max_total_tokens=biggest * (args.prompt_len + args.new_tokens) + 64,
+        max_running_requests=max(biggest, 1),
+        attention_backend="auto",
+    )
+    return Engine(cfg, loaded)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    if args.num_threads:
+        torch.set_num_threads(args.num_threads)
+    loaded = load_model(args.model_path, args.dtype, args.device)
+    engine = make_engine(args, loaded)
+    hf = None
+    if not args.skip_hf:
+        from transformers import AutoModelForCausalLM
+
+        hf = AutoModelForCausalLM.from_pretrained(loaded.folder, dtype=loaded.dtype).to(args.device).eval()
+    pad_id = (loaded.spec.eos_token_ids or (0,))[0]
+    vocab = loaded.spec.vocab_size
+
+    # Warm-up: first calls pay for allocator growth and lazy initialization.
+    warm = make_prompts(vocab, 2, 16, args.seed + 1)
+    run_ours(engine, warm, 4)
+    if hf is not None:
+        run_hf(hf, warm, 4, pad_id, args.device)
+
+    print(
+        f"model {loaded.spec.architecture} ({loaded.folder}), dtype {loaded.dtype}, device {args.device}, "
+        f"torch threads {torch.get_num_threads()}, prompt {args.prompt_len}, new tokens {args.new_tokens}",
+        flush=True,
+    )
+    rows = []
+    for bs in args.batch_sizes:
+        prompts = make_prompts(vocab, bs, args.prompt_len, args.seed)
+        ours: list[Run] = []
+        theirs: list[Run] = []
+        for _ in range(args.repeats):
+            ours.append(run_ours(engine, prompts, args.new_tokens))
+            if hf is not None:
+                theirs.append(run_hf(hf, prompts, args.new_tokens, pad_id, args.device))
+        out_tokens = bs * args.new_tokens
+        best = min(ours, key=lambda r: r.seconds)
+        row = {
+            "batch": bs,
+            "ours": out_tokens / best.seconds,
+            "ours_decode": bs * (args.new_tokens - 1) / max(best.decode_seconds or 0.0, 1e-9),
+            "hf": out_tokens / min(r.seconds for r in theirs) if theirs else None,
+        }
+        rows.append(row)
+        print(f"  batch {bs}: done ({best.seconds:.1f} s ours)", file=sys.stderr, flush=True)
+
+    print(f"{'batch':>5} {'pdserve tok/s':>14} {'(decode only)':>14} {'transformers tok/s':>19} {'ratio':>6}")
+    for r in rows:
+        hf_s = f"{r['hf']:19.1f}" if r["hf"] else f"{'-':>19}"
+        ratio = f"{r['ours'] / r['hf']:6.2f}" if r["hf"] else f"{'-':>6}"
+        print(f"{r['batch']:>5} {r['ours']:14.1f} {r['ours_decode']:14.1f} {hf_s} {ratio}")
+    print("output tokens/s over whole generate calls (prefill included); best of", args.repeats, "run(s)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
