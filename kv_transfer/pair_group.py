@@ -78,10 +78,16 @@ class PairGroup:
             nccl_opts = ProcessGroupNCCL.Options()
             nccl_opts._timeout = timedelta(seconds=config.transfer_timeout_s)
             self._pg = ProcessGroupNCCL(prefixed, rank, 2, nccl_opts)
-            # NCCL communicators are created lazily at the first op; connect now, on this control thread.
+            # NCCL communicators are created lazily at the first op; connect now, on this control thread,
+            # and pass one byte so the point-to-point path is set up before the first transfer.
             self._pg.eager_connect_single_device(kv.device)
         self._buffers: list[tuple[torch.Tensor, torch.Tensor]] = []  # (compute-side, wire-side) flat uint8
         self._buffer_bytes = 0
+        if config.backend == "nccl":
+            probe = torch.zeros(1, dtype=torch.uint8, device=kv.device)
+            op = self._pg.send if rank == SENDER_RANK else self._pg.recv
+            self._wait(op([probe], self._peer, 0))
+            torch.cuda.current_stream(kv.device).synchronize()  # deliberate: the build is complete here
 
     def close(self) -> None:
         self._pg = None
