@@ -100,6 +100,8 @@ class WorkerConfig:
     # Seconds added to this worker's clock: a test hook for the gateway's clock-offset estimation.
     clock_skew_s: float = 0.0
     drain_timeout_s: float = 600.0
+    # /livez, /readyz and /metrics for orchestrators (0: off); see pdserve/health.py.
+    health_port: int = 0
 
 
 def add_worker_args(parser: argparse.ArgumentParser, role: str) -> None:
@@ -127,6 +129,12 @@ def add_worker_args(parser: argparse.ArgumentParser, role: str) -> None:
     parser.add_argument("--kv-transfer-backend", default="auto", choices=["auto", "gloo", "nccl"])
     parser.add_argument("--transfer-timeout", dest="transfer_timeout_s", type=float, default=30.0)
     parser.add_argument("--drain-timeout", dest="drain_timeout_s", type=float, default=600.0)
+    parser.add_argument(
+        "--health-port",
+        type=int,
+        default=int(env("PDSERVE_HEALTH_PORT", "0")),
+        help="serve /livez, /readyz and /metrics here (env PDSERVE_HEALTH_PORT; 0: off)",
+    )
     parser.add_argument("--log-level", default=env("PDSERVE_LOG_LEVEL", "info"))
 
 

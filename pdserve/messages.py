@@ -93,7 +93,7 @@ class GenerateRequest(_Msg):
     prefill_worker: str
     prefill_bootstrap_addr: str
     decode_worker: str
-    # Gateway clock when dispatched (for the decode node's deadline; not for the timeline).
+    # Absolute deadline on the gateway's clock (received time + request timeout); informational.
     deadline_s: float | None = None
 
 

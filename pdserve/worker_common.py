@@ -75,3 +75,31 @@ def run_worker(role: str, args, worker_cls) -> int:
         print(f"pdserve {role}: {e}", file=sys.stderr)
         return 2
     return 0
+
+
+def serve_until_drained(
+    cfg: WorkerConfig, link, signals: DrainSignal, step: Callable[[], None], outstanding: Callable[[], int]
+) -> None:
+    """Run `step` until stopped; on drain: deregister, keep stepping until nothing is outstanding
+    (or the drain timeout), then return. Serves the health port meanwhile, when one is set."""
+    import logging
+
+    from pdserve.health import start_health_server
+
+    log = logging.getLogger(f"pdserve.{cfg.role}")
+    health = start_health_server(cfg.health_port, link, signals)
+    drain_deadline = None
+    try:
+        while not signals.stop.is_set():
+            if signals.draining.is_set() and drain_deadline is None:
+                drain_deadline = time.monotonic() + cfg.drain_timeout_s
+                link.load.draining = True
+                link.send(m.Deregister(worker_id=cfg.worker_id))
+                log.info("draining: %d requests left", outstanding())
+            if drain_deadline is not None and (not outstanding() or time.monotonic() > drain_deadline):
+                log.info("drained; exiting")
+                break
+            step()
+    finally:
+        if health is not None:
+            health.close()

@@ -67,11 +67,14 @@ class WorkerLink:
     def start(self) -> None:
         self._thread.start()
 
-    def wait_registered(self, timeout_s: float) -> None:
+    def wait_registered(self, timeout_s: float, cancel: threading.Event | None = None) -> None:
+        """Block until the gateway accepts us; `cancel` (a drain signal) gives up early."""
         deadline = time.monotonic() + timeout_s
         while not self.registered.is_set():
             if self.refused:
                 raise RegistrationRefused(self.refused)
+            if cancel is not None and cancel.is_set():
+                raise TimeoutError("stopped before the gateway answered")
             if time.monotonic() > deadline:
                 raise TimeoutError(
                     f"no answer from the gateway at {self.gateway_addr} within {timeout_s:.0f} s"

@@ -7,7 +7,6 @@ until its KV transfer ends (Success or Failed), then freed.
 from __future__ import annotations
 
 import logging
-import time
 
 from pdserve import messages as m
 from pdserve.config import WorkerConfig
@@ -16,7 +15,7 @@ from pdserve.runtime.batch import ForwardMode
 from pdserve.runtime.extend_scheduler import ExtendScheduler
 from pdserve.runtime.request import Request
 from pdserve.runtime.runner import ModelRunner, append_samples
-from pdserve.worker_common import DrainSignal, make_clock, register_factory
+from pdserve.worker_common import DrainSignal, make_clock, register_factory, serve_until_drained
 from pdserve.worker_link import WorkerLink
 
 log = logging.getLogger(__name__)
@@ -61,19 +60,10 @@ class PrefillWorker:
             self.clock,
         )
         self.link.start()
-        self.link.wait_registered(self.cfg.register_timeout_s)
+        self.link.wait_registered(self.cfg.register_timeout_s, cancel=self.signals.draining)
         log.info("prefill worker %s registered; KV bootstrap at %s", self.cfg.worker_id, self.sender.addr)
-        drain_deadline = None
         try:
-            while not self.signals.stop.is_set():
-                if self.signals.draining.is_set() and drain_deadline is None:
-                    drain_deadline = time.monotonic() + self.cfg.drain_timeout_s
-                    self.link.load.draining = True
-                    self.link.send(m.Deregister(worker_id=self.cfg.worker_id))
-                    log.info("draining: %d requests left", len(self.rooms))
-                if drain_deadline is not None and (not self.rooms or time.monotonic() > drain_deadline):
-                    break
-                self.step()
+            serve_until_drained(self.cfg, self.link, self.signals, self.step, lambda: len(self.rooms))
         finally:
             self.sender.close()
             self.link.close()

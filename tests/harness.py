@@ -37,7 +37,9 @@ class Cluster:
         while time.monotonic() < deadline:
             for p in self.procs:
                 if p.poll() is not None:
-                    raise RuntimeError(f"a cluster process exited with {p.returncode}; logs in {self.log_dir}")
+                    raise RuntimeError(
+                        f"a cluster process exited with {p.returncode}; logs in {self.log_dir}"
+                    )
             try:
                 r = httpx.get(self.url + "/health", timeout=2)
                 if r.status_code == 200 and (workers is None or self.live_workers() >= workers):
@@ -69,17 +71,37 @@ class Cluster:
 
 def spawn(argv: list[str], log_path: str, env: dict | None = None) -> subprocess.Popen:
     out = open(log_path, "ab")
-    return subprocess.Popen([sys.executable, "-m", "pdserve.cli", *argv], stdout=out, stderr=subprocess.STDOUT,
-                            start_new_session=True, env={**os.environ, **(env or {})})
+    return subprocess.Popen(
+        [sys.executable, "-m", "pdserve.cli", *argv],
+        stdout=out,
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+        env={**os.environ, **(env or {})},
+    )
 
 
 def start_up(tmp_path, num_prefill: int = 1, num_decode: int = 1, extra: list[str] | None = None) -> Cluster:
     """`pdserve up` as one process (it starts and stops its own children)."""
     port = free_port()
     c = Cluster(f"http://127.0.0.1:{port}", free_port(), log_dir=str(tmp_path))
-    argv = ["up", "--port", str(port), "--control-port", str(c.control_port), "--num-prefill", str(num_prefill),
-            "--num-decode", str(num_decode), "--threads-per-worker", "1", "--max-total-tokens", "8192",
-            "--log-dir", str(tmp_path), *(extra or [])]
+    argv = [
+        "up",
+        "--port",
+        str(port),
+        "--control-port",
+        str(c.control_port),
+        "--num-prefill",
+        str(num_prefill),
+        "--num-decode",
+        str(num_decode),
+        "--threads-per-worker",
+        "1",
+        "--max-total-tokens",
+        "8192",
+        "--log-dir",
+        str(tmp_path),
+        *(extra or []),
+    ]
     c.procs.append(spawn(argv, os.path.join(tmp_path, "up.log")))
     return c
 
@@ -88,8 +110,12 @@ def start_roles(tmp_path, workers: list[tuple[str, dict]], gateway_flags: list[s
     """The gateway and each worker as separate processes; `workers` is [(role, extra env)]."""
     port = free_port()
     c = Cluster(f"http://127.0.0.1:{port}", free_port(), log_dir=str(tmp_path))
-    c.procs.append(spawn(["gateway", "--port", str(port), "--control-port", str(c.control_port),
-                          *(gateway_flags or [])], os.path.join(tmp_path, "gateway.log")))
+    c.procs.append(
+        spawn(
+            ["gateway", "--port", str(port), "--control-port", str(c.control_port), *(gateway_flags or [])],
+            os.path.join(tmp_path, "gateway.log"),
+        )
+    )
     for i, (role, env) in enumerate(workers):
         argv = [role, "--gateway", f"127.0.0.1:{c.control_port}", "--worker-id", f"{role}-{i}", *WORKER_FLAGS]
         if role == "prefill":

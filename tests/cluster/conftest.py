@@ -36,7 +36,7 @@ def engine_reference():
         theirs = []
         for p in prompts:
             out = hf.generate(torch.tensor([p]), max_new_tokens=max_new_tokens, do_sample=False)
-            theirs.append(out[0, len(p):].tolist())
+            theirs.append(out[0, len(p) :].tolist())
         return ours, theirs
 
     return run

@@ -78,30 +78,45 @@ def generate(url: str, body: dict, timeout: float = 300) -> dict:
 def test_greedy_generate_equals_engine_and_transformers(cluster, engine_reference):
     ids = tokenize(cluster, PROMPTS)
     ours_engine, hf = engine_reference(ids, 16)
-    batch = generate(cluster.url, {"input_ids": ids, "sampling_params": {"max_new_tokens": 16, "temperature": 0}})
+    batch = generate(
+        cluster.url, {"input_ids": ids, "sampling_params": {"max_new_tokens": 16, "temperature": 0}}
+    )
     assert isinstance(batch, list) and len(batch) == len(PROMPTS)
     for out, eng, ref in zip(batch, ours_engine, hf):
         assert out["output_ids"] == eng
         assert out["output_ids"] == ref[: len(out["output_ids"])]
     # Text prompts are tokenized by the gateway exactly like transformers does.
-    single = generate(cluster.url, {"text": PROMPTS[0], "sampling_params": {"max_new_tokens": 16, "temperature": 0}})
+    single = generate(
+        cluster.url, {"text": PROMPTS[0], "sampling_params": {"max_new_tokens": 16, "temperature": 0}}
+    )
     assert single["output_ids"] == hf[0][: len(single["output_ids"])]
     assert single["meta_info"]["prompt_tokens"] == len(ids[0])
 
 
 def test_generate_meta_info_matches_seed_shape_and_order(cluster):
     seed = load_seed()["POST /generate"]
-    out = generate(cluster.url, {"text": "The capital of France is",
-                                 "sampling_params": {"max_new_tokens": 12, "temperature": 0, "ignore_eos": True}})
+    out = generate(
+        cluster.url,
+        {
+            "text": "The capital of France is",
+            "sampling_params": {"max_new_tokens": 12, "temperature": 0, "ignore_eos": True},
+        },
+    )
     assert list(out) == list(seed)
     assert_same_shape(out, seed)
     mi = out["meta_info"]
     assert list(mi) == list(seed["meta_info"])
     assert mi["finish_reason"] == {"type": "length", "length": 12}
     assert mi["completion_tokens"] == len(out["output_ids"]) == 12
-    t = [mi["request_received_ts"], mi["api_server_dispatch_finish_ts"], mi["forward_entry_time"],
-         mi["prefill_finished_time"], mi["request_received_ts"] + mi["first_token_latency"],
-         mi["request_finished_ts"], mi["response_sent_to_client_ts"]]
+    t = [
+        mi["request_received_ts"],
+        mi["api_server_dispatch_finish_ts"],
+        mi["forward_entry_time"],
+        mi["prefill_finished_time"],
+        mi["request_received_ts"] + mi["first_token_latency"],
+        mi["request_finished_ts"],
+        mi["response_sent_to_client_ts"],
+    ]
     assert t == sorted(t), t
     assert mi["e2e_latency"] == pytest.approx(mi["request_finished_ts"] - mi["request_received_ts"], abs=1e-6)
 
@@ -136,8 +151,14 @@ def test_openai_client_chat_stream_completions_models(cluster):
     assert chat.usage.completion_tokens >= 1
     assert chat.choices[0].finish_reason in ("stop", "length")
 
-    stream = client.chat.completions.create(model="default", messages=msgs, max_tokens=16, temperature=0,
-                                            stream=True, stream_options={"include_usage": True})
+    stream = client.chat.completions.create(
+        model="default",
+        messages=msgs,
+        max_tokens=16,
+        temperature=0,
+        stream=True,
+        stream_options={"include_usage": True},
+    )
     parts, usage, finish = [], None, None
     for chunk in stream:
         if chunk.usage:
@@ -149,8 +170,9 @@ def test_openai_client_chat_stream_completions_models(cluster):
     assert finish == chat.choices[0].finish_reason
     assert usage is not None and usage.completion_tokens == chat.usage.completion_tokens
 
-    comp = client.completions.create(model="default", prompt="The capital of France is", max_tokens=8,
-                                     temperature=0)
+    comp = client.completions.create(
+        model="default", prompt="The capital of France is", max_tokens=8, temperature=0
+    )
     assert comp.choices[0].text.startswith(" Paris")
     assert comp.usage.prompt_tokens == 5
 
@@ -176,7 +198,10 @@ def test_two_by_two_cluster_serves_32_concurrent_requests(tmp_path, engine_refer
         c.wait_healthy(workers=4)
 
         def one(i: int) -> tuple[int, dict]:
-            body = {"input_ids": ids[i % len(ids)], "sampling_params": {"max_new_tokens": 8, "temperature": 0}}
+            body = {
+                "input_ids": ids[i % len(ids)],
+                "sampling_params": {"max_new_tokens": 8, "temperature": 0},
+            }
             return i, generate(c.url, body, timeout=500)
 
         with ThreadPoolExecutor(32) as pool:
@@ -192,16 +217,25 @@ def test_two_by_two_cluster_serves_32_concurrent_requests(tmp_path, engine_refer
 
 def test_timeline_ordered_under_clock_skew(tmp_path):
     # The prefill clock runs 7 s ahead, the decode clock 4 s behind.
-    c = start_roles(tmp_path, [("prefill", {"PDSERVE_TEST_CLOCK_SKEW_S": "7"}),
-                               ("decode", {"PDSERVE_TEST_CLOCK_SKEW_S": "-4"})])
+    c = start_roles(
+        tmp_path,
+        [("prefill", {"PDSERVE_TEST_CLOCK_SKEW_S": "7"}), ("decode", {"PDSERVE_TEST_CLOCK_SKEW_S": "-4"})],
+    )
     try:
         c.wait_healthy()
         for _ in range(3):
-            mi = generate(c.url, {"text": PROMPTS[0], "sampling_params": {"max_new_tokens": 8, "temperature": 0}})[
-                "meta_info"]
-            t = [mi["request_received_ts"], mi["api_server_dispatch_finish_ts"], mi["forward_entry_time"],
-                 mi["prefill_finished_time"], mi["request_received_ts"] + mi["first_token_latency"],
-                 mi["request_finished_ts"], mi["response_sent_to_client_ts"]]
+            mi = generate(
+                c.url, {"text": PROMPTS[0], "sampling_params": {"max_new_tokens": 8, "temperature": 0}}
+            )["meta_info"]
+            t = [
+                mi["request_received_ts"],
+                mi["api_server_dispatch_finish_ts"],
+                mi["forward_entry_time"],
+                mi["prefill_finished_time"],
+                mi["request_received_ts"] + mi["first_token_latency"],
+                mi["request_finished_ts"],
+                mi["response_sent_to_client_ts"],
+            ]
             assert t == sorted(t), t
             # Mapped onto the gateway clock: within the request's own lifetime, not seconds away.
             assert mi["request_received_ts"] <= mi["forward_entry_time"] <= mi["response_sent_to_client_ts"]
