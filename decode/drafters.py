@@ -70,11 +70,15 @@ class _NgramIndex:
 
 
 class NgramDrafter:
-    """Prompt-lookup drafting with a per-request incremental index: O(max_n) work per new token."""
+    """Prompt-lookup drafting with a per-request incremental index: O(max_n) work per new token.
+
+    Matches of `max_n` down to `min_n` tokens; single-token matches (min_n = 1) are nearly always
+    available and rarely right, so by default a proposal needs a 2-token match.
+    """
 
     free = True
 
-    def __init__(self, max_n: int = 3, min_n: int = 1):
+    def __init__(self, max_n: int = 3, min_n: int = 2):
         if not 1 <= min_n <= max_n:
             raise ValueError("need 1 <= min_n <= max_n")
         self.max_n, self.min_n = max_n, min_n

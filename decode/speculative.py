@@ -47,7 +47,7 @@ class CostModel:
     speculation yet) still has a sensible slope.
     """
 
-    def __init__(self, prior_tokens: float, decay: float = 0.97, ridge: float = 1.0):
+    def __init__(self, prior_tokens: float, decay: float = 0.97, ridge: float = 2.0):
         self.prior_tokens, self.decay, self.ridge = prior_tokens, decay, ridge
         self._w = self._t = self._y = self._tt = self._ty = 0.0
 
@@ -66,7 +66,8 @@ class CostModel:
         var = self._tt / self._w - mt * mt
         cov = self._ty / self._w - mt * my
         prior_slope = my / (mt + self.prior_tokens)
-        slope = max((cov + self.ridge * prior_slope) / (max(var, 0.0) + self.ridge), 1e-3 * prior_slope)
+        # Floor: measurement noise must not make extra tokens look free.
+        slope = max((cov + self.ridge * prior_slope) / (max(var, 0.0) + self.ridge), 0.1 * prior_slope)
         return max(my - slope * mt, 1e-3 * my), slope
 
 
@@ -93,7 +94,7 @@ class AdaptivePolicy:
         prior_tokens: float,
         decay: float = 0.8,
         prior_weight: float = 2.0,
-        probe_every: int = 16,
+        probe_every: int = 8,
     ):
         self.cost = CostModel(prior_tokens)
         self.decay, self.prior_weight, self.probe_every = decay, prior_weight, probe_every
@@ -192,8 +193,19 @@ class SpeculativeStepper:
 
     def step(self, reqs: list[Request]) -> None:
         t_start = time.perf_counter()
+        ps = self.runner.page_size
+        # Drafts fit the token budget (a run never overshoots max_new_tokens) and the pages held:
+        # the verify forward writes KV for positions num_tokens - 1 .. num_tokens - 1 + k.
         caps = [
-            max(0, min(self.num_draft_tokens, r.params.max_new_tokens - len(r.output_ids) - 1)) for r in reqs
+            max(
+                0,
+                min(
+                    self.num_draft_tokens,
+                    r.params.max_new_tokens - len(r.output_ids) - 1,
+                    len(r.pages) * ps - r.num_tokens,
+                ),
+            )
+            for r in reqs
         ]
         draft_time = 0.0
         if self.drafter.free:

@@ -17,11 +17,12 @@ def req(rid: str, prompt: list[int], output: list[int] = ()) -> Request:
 
 
 def test_ngram_copies_what_followed_the_latest_match():
-    d = NgramDrafter(max_n=3)
+    d = NgramDrafter(max_n=3, min_n=1)
     assert d.lookup(req("a", [1, 2, 3, 4, 1, 2]), 4) == [3, 4, 1, 2]
     assert d.lookup(req("b", [1, 2, 9, 1, 2, 8, 1, 2]), 2) == [8, 1]  # most recent occurrence wins
     assert d.lookup(req("c", [1, 2, 3]), 3) == []  # nothing repeats
     assert d.lookup(req("d", [5, 9, 1, 2, 3, 4, 1]), 2) == [2, 3]  # falls back to a 1-gram
+    assert NgramDrafter(min_n=2).lookup(req("e", [5, 9, 1, 2, 3, 4, 1]), 2) == []
 
 
 def test_ngram_continues_a_periodic_pattern_past_the_end():
@@ -39,7 +40,7 @@ def test_ngram_index_follows_the_output_incrementally():
     r.output_ids += [99]
     assert d.lookup(r, 3) == []
     d.forget(r)
-    assert d.lookup(req("a", [1, 1]), 1) == [1]  # a new request under the same id starts afresh
+    assert d.lookup(req("a", [1, 1, 1]), 1) == [1]  # a new request under the same id starts afresh
 
 
 def test_cost_model_recovers_a_linear_cost():
@@ -47,8 +48,8 @@ def test_cost_model_recovers_a_linear_cost():
     for t in [4, 8, 12, 16, 20, 4, 8, 12, 16, 20] * 5:
         m.observe(t, 0.010 + 0.002 * t)
     c0, c1 = m.coefficients()
-    assert c0 == pytest.approx(0.010, rel=0.05)
-    assert c1 == pytest.approx(0.002, rel=0.05)
+    assert c0 == pytest.approx(0.010, rel=0.1)  # the ridge pulls slightly toward the prior
+    assert c1 == pytest.approx(0.002, rel=0.1)  # the ridge pulls slightly toward the prior
 
 
 def policy_with(c0: float, c1: float) -> AdaptivePolicy:
