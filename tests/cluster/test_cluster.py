@@ -59,6 +59,19 @@ def assert_same_shape(ours, ref, path="") -> None:
         assert isinstance(ours, type(ref)), f"{path}: expected {type(ref).__name__}, got {ours!r}"
 
 
+def timeline(mi: dict) -> list[float]:
+    """The stitched events in the order causality requires."""
+    return [
+        mi["request_received_ts"],
+        mi["api_server_dispatch_finish_ts"],
+        mi["forward_entry_time"],
+        mi["prefill_finished_time"],
+        mi["request_received_ts"] + mi["first_token_latency"],
+        mi["request_finished_ts"],
+        mi["response_sent_to_client_ts"],
+    ]
+
+
 def tokenize(cluster, texts: list[str]) -> list[list[int]]:
     from transformers import AutoTokenizer
 
@@ -108,15 +121,7 @@ def test_generate_meta_info_matches_seed_shape_and_order(cluster):
     assert list(mi) == list(seed["meta_info"])
     assert mi["finish_reason"] == {"type": "length", "length": 12}
     assert mi["completion_tokens"] == len(out["output_ids"]) == 12
-    t = [
-        mi["request_received_ts"],
-        mi["api_server_dispatch_finish_ts"],
-        mi["forward_entry_time"],
-        mi["prefill_finished_time"],
-        mi["request_received_ts"] + mi["first_token_latency"],
-        mi["request_finished_ts"],
-        mi["response_sent_to_client_ts"],
-    ]
+    t = timeline(mi)
     assert t == sorted(t), t
     assert mi["e2e_latency"] == pytest.approx(mi["request_finished_ts"] - mi["request_received_ts"], abs=1e-6)
 
@@ -227,15 +232,7 @@ def test_timeline_ordered_under_clock_skew(tmp_path):
             mi = generate(
                 c.url, {"text": PROMPTS[0], "sampling_params": {"max_new_tokens": 8, "temperature": 0}}
             )["meta_info"]
-            t = [
-                mi["request_received_ts"],
-                mi["api_server_dispatch_finish_ts"],
-                mi["forward_entry_time"],
-                mi["prefill_finished_time"],
-                mi["request_received_ts"] + mi["first_token_latency"],
-                mi["request_finished_ts"],
-                mi["response_sent_to_client_ts"],
-            ]
+            t = timeline(mi)
             assert t == sorted(t), t
             # Mapped onto the gateway clock: within the request's own lifetime, not seconds away.
             assert mi["request_received_ts"] <= mi["forward_entry_time"] <= mi["response_sent_to_client_ts"]
