@@ -519,7 +519,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--launch-pdserve", action="store_true", help="start `pdserve up` and stop it at the end")
     p.add_argument("--pdserve-args", default="", help="extra flags for the launched `pdserve up`")
     p.add_argument("--launch-transformers-serve", action="store_true", help="start `transformers serve` too")
-    p.add_argument("--transformers-args", default="", help="extra flags for the launched transformers serve")
+    # Unbounded, transformers' continuous batching sizes its KV cache to ~90% of free memory (host RAM
+    # on CPU); these match pdserve's default CPU pool (32768 tokens) and chunked prefill (2048).
+    p.add_argument("--transformers-args", default="--cb-num-blocks 128 --cb-max-batch-tokens 2048",
+                   help="extra flags for the launched transformers serve (default: %(default)s)")  # fmt: skip
     p.add_argument("--launch-port", type=int, default=33100, help="pdserve's port; transformers gets +10")
     p.add_argument("--launch-timeout", type=float, default=600.0)
     p.add_argument("--launch-log-dir", default=None)
