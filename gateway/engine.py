@@ -37,7 +37,25 @@ from pdserve.sampling_params import SamplingParams
 
 log = logging.getLogger(__name__)
 
-_FAIL_STATUS = {"bad_request": 400, "oom": 503, "draining": 503, "worker_lost": 503, "shutdown": 503}
+_FAIL_STATUS = {
+    "bad_request": 400,
+    "oom": 503,
+    "draining": 503,
+    "worker_lost": 503,
+    "shutdown": 503,
+    "transfer": 503,
+}
+# Failures that say nothing about the request itself: worth one retry on another pair while no token
+# has reached the client (the retry is invisible to it).
+_RETRY_CODES = frozenset({"worker_lost", "draining"})
+
+
+class _Retry(Exception):
+    """An attempt failed before the client saw anything; run it again on another pair."""
+
+    def __init__(self, worker_id: str, error: ApiError) -> None:
+        super().__init__(error.message)
+        self.worker_id, self.error = worker_id, error
 
 
 @dataclass(frozen=True)
@@ -123,7 +141,22 @@ class Engine:
     # ---- one generation ----------------------------------------------------------------------
 
     async def generate(self, inp: GenInput) -> AsyncIterator[GenState]:
-        prefill, decode = self.registry.pick("prefill"), self.registry.pick("decode")
+        """One generation; a leg lost (or draining) before the first yield is retried once on
+        another pair under a new room id, later failures raise `ApiError`."""
+        avoid: set[str] = set()
+        for attempt in range(2):
+            try:
+                async for st in self._attempt(inp, avoid, may_retry=attempt == 0):
+                    yield st
+                return
+            except _Retry as r:
+                avoid.add(r.worker_id)
+                self.metrics.retries.inc()
+                log.warning("request %s: retrying on another pair after: %s", inp.rid, r.error.message)
+
+    async def _attempt(self, inp: GenInput, avoid: set[str], may_retry: bool) -> AsyncIterator[GenState]:
+        prefill = self.registry.pick("prefill", avoid)
+        decode = self.registry.pick("decode", avoid)
         if prefill is None or decode is None:
             raise ApiError(503, "no worker of a role is in rotation", headers={"Retry-After": "1"})
         room = self.control.open_room(uuid.uuid4().hex, prefill, decode, len(inp.input_ids))
@@ -146,6 +179,7 @@ class Engine:
         # Legs to abort on the way out; cleared as the request reaches a clean end.
         abort_decode: str | None = "cancelled"
         abort_prefill: str | None = "cancelled"
+        yielded = False
         try:
             while not st.finished:
                 ev = await self._next_event(room, inp)
@@ -153,7 +187,11 @@ class Engine:
                     if ev.reported:
                         abort_decode = None if ev.role == "decode" else "other leg failed"
                         abort_prefill = None if ev.role == "prefill" else "other leg failed"
-                    raise self._leg_failed(room, ev)
+                    err = self._leg_failed(room, ev)
+                    if may_retry and not yielded and ev.code in _RETRY_CODES:
+                        worker = room.prefill if ev.role == "prefill" else room.decode
+                        raise _Retry(worker.worker_id, err)
+                    raise err
                 st.new_text, st.new_ids = "", 0
                 self._observe_itl(c, ev.t_recv, len(ev.output.token_ids))
                 if c.first_token_recv is None and ev.output.token_ids:
@@ -170,6 +208,7 @@ class Engine:
                     abort_prefill = None if room.prefill_done is not None else "finished"
                     break
                 if st.new_ids or st.new_text:
+                    yielded = True
                     yield st
             await self._wait_prefill_done(room)
             abort_prefill = None

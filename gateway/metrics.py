@@ -41,6 +41,9 @@ class GatewayMetrics:
         self.rejected = Counter(
             "pdserve_rejected_requests", "Requests refused by reason", ["reason"], registry=r
         )
+        self.retries = Counter(
+            "pdserve_request_retries", "Generations retried on another pair after a lost leg", registry=r
+        )
         self.transfer_failures = Counter(
             "pdserve_kv_transfer_failures", "KV transfers reported failed by a worker", registry=r
         )

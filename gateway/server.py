@@ -103,6 +103,7 @@ def create_app(cfg: GatewayConfig, tokenizer: Tokenizer | None = None) -> FastAP
                     "queued": w.queued,
                     "running": w.running,
                     "free_tokens": w.free_tokens,
+                    "max_total_tokens": w.reg.max_total_tokens,
                     "inflight_requests": w.inflight_requests,
                 }
                 for w in registry.all()

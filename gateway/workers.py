@@ -8,6 +8,7 @@ holds. Routing picks, per role, the worker with the least outstanding work the g
 
 from __future__ import annotations
 
+from collections.abc import Collection
 from dataclasses import dataclass, field
 
 from pdserve.gateway.clock import OffsetEstimator
@@ -117,9 +118,10 @@ class WorkerRegistry:
 
     # ---- routing -----------------------------------------------------------------------------
 
-    def pick(self, role: Role) -> WorkerInfo | None:
-        """Least outstanding work; ties round-robin. Does not reserve: call `acquire`."""
-        cands = self.in_rotation(role)
+    def pick(self, role: Role, avoid: Collection[str] = ()) -> WorkerInfo | None:
+        """Least outstanding work; ties round-robin; never a worker id in `avoid` (a failed attempt's).
+        Does not reserve: call `acquire`."""
+        cands = [w for w in self.in_rotation(role) if w.worker_id not in avoid]
         if not cands:
             return None
         best = min((w.inflight_requests, w.inflight_tokens) for w in cands)

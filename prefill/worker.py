@@ -7,6 +7,8 @@ until its KV transfer ends (Success or Failed), then freed.
 from __future__ import annotations
 
 import logging
+import os
+import time
 
 from pdserve import messages as m
 from pdserve.config import WorkerConfig
@@ -21,9 +23,21 @@ from pdserve.worker_link import WorkerLink
 log = logging.getLogger(__name__)
 
 
+STALL_ENV = "PDSERVE_TEST_STALL_KV_SEND_S"
+
+
 class PrefillWorker:
-    def __init__(self, cfg: WorkerConfig, signals: DrainSignal | None = None):
+    def __init__(
+        self, cfg: WorkerConfig, signals: DrainSignal | None = None, stall_kv_send_s: float | None = None
+    ):
+        """`stall_kv_send_s`: a test hook that holds each finished prefill this long before its KV is
+        handed to the sender, as a stuck transfer path would (None: env PDSERVE_TEST_STALL_KV_SEND_S)."""
         self.cfg = cfg
+        if stall_kv_send_s is None:
+            stall_kv_send_s = float(os.environ.get(STALL_ENV, "0") or 0)
+        self.stall_kv_send_s = stall_kv_send_s
+        # Sends held back by the stall hook: (due time.monotonic(), room, pages, tokens, metadata).
+        self.stalled: list[tuple[float, str, list[int], int, dict]] = []
         self.clock = make_clock(cfg)
         self.signals = signals or DrainSignal()
         self.runner = ModelRunner(cfg.runtime)
@@ -76,6 +90,8 @@ class PrefillWorker:
         reqs, chunks = self.sched.schedule()
         if reqs:
             self._run(reqs, chunks)
+        if self.stalled:
+            self._release_stalled(time.monotonic())
         for res in self.sender.poll():
             self._on_transfer_end(res.room, res.state, res.error)
         ld = self.link.load
@@ -92,6 +108,10 @@ class PrefillWorker:
                 return
             if r in self.sched.waiting or r in self.sched.prefilling:
                 self.sched.remove(r)
+                self._forget(msg.room)
+            elif any(x[1] == msg.room for x in self.stalled):
+                self.stalled = [x for x in self.stalled if x[1] != msg.room]
+                self.runner.release(r)
                 self._forget(msg.room)
             else:
                 self.sender.abort(msg.room)  # poll() reports Failed, then the pages are freed
@@ -131,8 +151,19 @@ class PrefillWorker:
                 "top_logprobs": r.output_top_logprobs[0] if r.output_top_logprobs else None,
                 "cached_tokens": 0,
             }
-            self.sender.send(r.rid, r.pages, len(r.prompt_ids), meta)
+            if self.stall_kv_send_s > 0:
+                due = time.monotonic() + self.stall_kv_send_s
+                self.stalled.append((due, r.rid, r.pages, len(r.prompt_ids), meta))
+            else:
+                self.sender.send(r.rid, r.pages, len(r.prompt_ids), meta)
             self.link.send(m.PrefillDone(room=r.rid, events=ev, cached_tokens=0))
+
+    def _release_stalled(self, now: float) -> None:
+        due = [x for x in self.stalled if x[0] <= now]
+        self.stalled = [x for x in self.stalled if x[0] > now]
+        for _, room, pages, tokens, meta in due:
+            # An aborted room was remembered by the sender: this send fails at once and frees the pages.
+            self.sender.send(room, pages, tokens, meta)
 
     def _on_transfer_end(self, room: str, state: TransferState, error: str | None) -> None:
         r = self.rooms.pop(room, None)

@@ -106,8 +106,13 @@ def start_up(tmp_path, num_prefill: int = 1, num_decode: int = 1, extra: list[st
     return c
 
 
-def start_roles(tmp_path, workers: list[tuple[str, dict]], gateway_flags: list[str] | None = None) -> Cluster:
-    """The gateway and each worker as separate processes; `workers` is [(role, extra env)]."""
+def start_roles(
+    tmp_path, workers: list[tuple[str, dict] | tuple[str, dict, list[str]]], gateway_flags: list[str] | None = None
+) -> Cluster:
+    """The gateway and each worker as separate processes; `workers` is [(role, extra env[, extra flags])].
+
+    Worker i is named f"{role}-{i}"; extra flags come last, so they override the defaults.
+    """
     port = free_port()
     c = Cluster(f"http://127.0.0.1:{port}", free_port(), log_dir=str(tmp_path))
     c.procs.append(
@@ -116,9 +121,16 @@ def start_roles(tmp_path, workers: list[tuple[str, dict]], gateway_flags: list[s
             os.path.join(tmp_path, "gateway.log"),
         )
     )
-    for i, (role, env) in enumerate(workers):
-        argv = [role, "--gateway", f"127.0.0.1:{c.control_port}", "--worker-id", f"{role}-{i}", *WORKER_FLAGS]
-        if role == "prefill":
-            argv += ["--disaggregation-bootstrap-port", "0"]
-        c.procs.append(spawn(argv, os.path.join(tmp_path, f"{role}-{i}.log"), env))
+    for i, (role, env, *flags) in enumerate(workers):
+        c.procs.append(start_worker(c, role, f"{role}-{i}", env, flags[0] if flags else None))
     return c
+
+
+def start_worker(
+    c: Cluster, role: str, worker_id: str, env: dict | None = None, flags: list[str] | None = None
+) -> subprocess.Popen:
+    """One worker of cluster `c` (not added to `c.procs`: the caller decides, e.g. for a restart)."""
+    argv = [role, "--gateway", f"127.0.0.1:{c.control_port}", "--worker-id", worker_id, *WORKER_FLAGS]
+    if role == "prefill":
+        argv += ["--disaggregation-bootstrap-port", "0"]
+    return spawn([*argv, *(flags or [])], os.path.join(c.log_dir, f"{worker_id}.log"), env)
