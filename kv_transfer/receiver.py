@@ -186,6 +186,9 @@ class _ReceiverIO:
         for future in peer.futures:
             if not future.done():
                 future.set_exception(exc_type(reason))
+        self.close_peer(peer)
+
+    def close_peer(self, peer: _Peer) -> None:
         self.peers.pop(peer.addr, None)
         self.by_sock.pop(peer.sock, None)
         self.poller.unregister(peer.sock)
@@ -193,6 +196,28 @@ class _ReceiverIO:
         if peer.pair is not None:
             peer.pair.close()
             self.closing = [p for p in self.closing if p.alive] + [peer.pair]
+
+    def rehandshake(self, peer: _Peer) -> None:
+        """The prefill node at peer.addr restarted and does not know our pair: close the old pair and
+        handshake anew; its rooms not mid-transfer go back to bootstrapping and resend their page lists."""
+        if self.peers.get(peer.addr) is not peer or not peer.ready:
+            return
+        rooms = [
+            r
+            for r in self.rooms.values()
+            if r.info["addr"] == peer.addr and r.state != TransferState.TRANSFERRING
+        ]
+        for r in rooms:
+            if r.state == TransferState.WAITING_FOR_INPUT:
+                self.move(r, TransferState.BOOTSTRAPPING, self.cfg.bootstrap_timeout_s)
+        self.close_peer(peer)
+        fresh = self.peer_for(peer.addr)
+        if isinstance(fresh, str):
+            for r in rooms:
+                self.fail(r, fresh)
+            return
+        fresh.pending.extend(r.room for r in rooms)
+        fresh.futures.extend(peer.futures)
 
     # ---- rooms ----------------------------------------------------------------------------------
 
@@ -323,6 +348,10 @@ class _ReceiverIO:
             self.on_announce(peer, msg)
         elif kind == control.ABORT:
             room = self.rooms.get(msg["room"])
+            if msg.get("unknown_pair"):
+                if room is not None and room.info["addr"] == peer.addr:
+                    self.rehandshake(peer)
+                return
             if (
                 room is not None
                 and room.info["addr"] == peer.addr

@@ -306,7 +306,15 @@ class _SenderIO:
         elif kind == control.REQUEST:
             name = msg["room"]
             if identity not in self.pairs:
-                self.to_peer(identity, control.ABORT, room=name, reason="page list before a handshake")
+                # A decode node that paired with an earlier process at this address (this node
+                # restarted): `unknown_pair` tells it to handshake again and resend the page list.
+                self.to_peer(
+                    identity,
+                    control.ABORT,
+                    room=name,
+                    reason="page list before a handshake",
+                    unknown_pair=True,
+                )
                 return
             self.pairs[identity].last_used = time.monotonic()
             room = self.rooms.get(name)

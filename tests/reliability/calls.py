@@ -15,8 +15,16 @@ import httpx
 
 # Short protocol timeouts, generous waits: the machine is small and shared.
 GATEWAY_FLAGS = ["--heartbeat-interval", "0.5", "--heartbeat-timeout", "3", "--log-level", "warning"]
-TRANSFER_TIMEOUT_S = 4.0
-WORKER_FLAGS = ["--transfer-timeout", str(TRANSFER_TIMEOUT_S), "--log-level", "warning"]
+# The decode's wait for KV data covers the prefill's queue and forward too: under the load of these
+# tests on two shared cores that takes seconds, so only the stall test uses a short transfer timeout.
+TRANSFER_TIMEOUT_S = 20.0
+
+
+def worker_flags(transfer_timeout_s: float = TRANSFER_TIMEOUT_S) -> list[str]:
+    return ["--transfer-timeout", str(transfer_timeout_s), "--log-level", "warning"]
+
+
+WORKER_FLAGS = worker_flags()
 PROMPT = "The three most important inventions of the last century are"
 
 
