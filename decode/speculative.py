@@ -85,8 +85,9 @@ class AdaptivePolicy:
 
     a_i blends the request's exponentially decayed counts (accepted, trials = accepted + 1 if a
     draft was rejected) with the global estimate as a prior of weight `prior_weight` trials. A
-    request left without drafts for `probe_every` steps is offered one at the prior's rate, so a
-    pattern that starts repeating later is noticed.
+    request left without drafts for its probe interval (`probe_every` steps, doubled after each
+    probe that accepted nothing, up to `max_probe_every`) is offered drafts at the global rate, so
+    a pattern that starts repeating later is noticed while hopeless requests cost next to nothing.
     """
 
     def __init__(
@@ -95,26 +96,33 @@ class AdaptivePolicy:
         decay: float = 0.8,
         prior_weight: float = 2.0,
         probe_every: int = 8,
+        max_probe_every: int = 64,
     ):
         self.cost = CostModel(prior_tokens)
-        self.decay, self.prior_weight, self.probe_every = decay, prior_weight, probe_every
-        self._acc: dict[str, tuple[float, float, int]] = {}  # rid -> (accepted, trials, idle steps)
+        self.decay, self.prior_weight = decay, prior_weight
+        self.probe_every, self.max_probe_every = probe_every, max_probe_every
+        self._req: dict[str, _RequestAcceptance] = {}
         self._global = (1.0, 2.0)  # accepted, trials: prior rate 0.5
+
+    def _state(self, rid: str) -> _RequestAcceptance:
+        st = self._req.get(rid)
+        if st is None:
+            st = self._req[rid] = _RequestAcceptance(probe_every=self.probe_every)
+        return st
 
     def rate(self, rid: str) -> float:
         ga, gt = self._global
-        a, t, _ = self._acc.get(rid, (0.0, 0.0, 0))
-        return min((a + self.prior_weight * ga / gt) / (t + self.prior_weight), 0.99)
+        st = self._state(rid)
+        return min((st.accepted + self.prior_weight * ga / gt) / (st.trials + self.prior_weight), 0.99)
 
     def choose(self, reqs: list[Request], caps: list[int], draft_seconds: float) -> list[int]:
         c0, c1 = self.cost.coefficients()
+        ga, gt = self._global
         rates = []
         for r, cap in zip(reqs, caps):
-            idle = self._acc.get(r.rid, (0.0, 0.0, 0))[2]
-            ga, gt = self._global
-            rates.append(
-                max(self.rate(r.rid), ga / gt) if idle >= self.probe_every and cap else self.rate(r.rid)
-            )
+            st = self._state(r.rid)
+            st.probing = cap > 0 and st.idle >= st.probe_every
+            rates.append(max(self.rate(r.rid), ga / gt) if st.probing else self.rate(r.rid))
         best_ks, best_rate = [0] * len(reqs), -1.0
         for K in range(0, max(caps, default=0) + 1):
             ks = [0] * len(reqs)
@@ -135,10 +143,6 @@ class AdaptivePolicy:
                     heapq.heappush(heap, (neg_gain * rates[i], i))
             if tokens / cost > best_rate * (1.0 + 1e-9):
                 best_ks, best_rate = ks, tokens / cost
-        for r, k in zip(reqs, best_ks):
-            if k == 0 and r.rid in self._acc:
-                a, t, idle = self._acc[r.rid]
-                self._acc[r.rid] = (a, t, idle + 1)
         return best_ks
 
     def observe(self, forward_tokens: int, seconds: float, outcomes: list[tuple[str, int, int]]) -> None:
@@ -146,17 +150,30 @@ class AdaptivePolicy:
         self.cost.observe(forward_tokens, seconds)
         ga, gt = self._global
         for rid, k, acc in outcomes:
+            st = self._state(rid)
             if k == 0:
-                self._acc.setdefault(rid, (0.0, 0.0, 0))
+                st.idle += 1
                 continue
+            if st.probing:
+                st.probe_every = self.probe_every if acc else min(2 * st.probe_every, self.max_probe_every)
             trials = acc + (1 if acc < k else 0)
-            a, t, _ = self._acc.get(rid, (0.0, 0.0, 0))
-            self._acc[rid] = (self.decay * a + acc, self.decay * t + trials, 0)
+            st.accepted = self.decay * st.accepted + acc
+            st.trials = self.decay * st.trials + trials
+            st.idle = 0
             ga, gt = 0.98 * ga + acc, 0.98 * gt + trials
         self._global = (ga, gt)
 
     def forget(self, rid: str) -> None:
-        self._acc.pop(rid, None)
+        self._req.pop(rid, None)
+
+
+@dataclass
+class _RequestAcceptance:
+    probe_every: int
+    accepted: float = 0.0  # exponentially decayed accepted drafts
+    trials: float = 0.0  # ... and trials (accepted + 1 per rejection)
+    idle: int = 0  # steps since the request last had drafts
+    probing: bool = False  # this step's drafts (if any) are a probe
 
 
 class FixedPolicy:

@@ -92,9 +92,20 @@ def test_policy_prefers_the_requests_that_accept_and_probes_the_others():
     train(p, [bad], 4, 0)
     ks = p.choose([good, bad], [4, 4], 0.0)
     assert ks[0] >= 3 and ks[1] == 0
-    for _ in range(p.probe_every):
-        p.choose([good, bad], [4, 4], 0.0)
-    assert p.choose([good, bad], [4, 4], 0.0)[1] >= 1  # idle long enough: offered a probe
+
+    def idle_steps_until_probe() -> int:
+        for n in range(1000):
+            ks = p.choose([good, bad], [4, 4], 0.0)
+            if ks[1]:
+                return n
+            p.observe(2 + ks[0], 0.012, [("good", ks[0], ks[0]), ("bad", 0, 0)])
+        raise AssertionError("never probed")
+
+    assert idle_steps_until_probe() == p.probe_every  # idle long enough: offered a probe
+    p.observe(2 + 4, 0.012, [("good", 4, 4), ("bad", 1, 0)])  # the probe fails
+    assert idle_steps_until_probe() == 2 * p.probe_every
+    p.observe(2 + 4, 0.012, [("good", 4, 4), ("bad", 1, 0)])  # and fails again
+    assert idle_steps_until_probe() == 4 * p.probe_every  # hopeless requests are probed ever more rarely
 
 
 def test_policy_counts_draft_model_forwards():
