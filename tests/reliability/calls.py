@@ -80,6 +80,8 @@ def stream(url: str, req: dict, timeout: float = 120.0, first_chunk=None, stop_a
         if r.status_code != 200:
             r.read()
             return Outcome(r.status_code, False, _error_message(r.json()), seconds=time.monotonic() - t0)
+        if stop_after == 0:
+            return Outcome(499, False, "client disconnected", seconds=time.monotonic() - t0)
         for line in r.iter_lines():
             if not line.startswith("data: "):
                 continue

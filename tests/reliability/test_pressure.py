@@ -1,0 +1,150 @@
+"""A decode pool far too small, bursts far above the gateway's bound, and clients that walk away.
+
+One cluster: the decode pool holds 256 tokens (16 pages), the gateway admits 6 requests at a time.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import httpx
+import psutil
+import pytest
+from harness import start_roles
+from reliability.calls import (
+    GATEWAY_FLAGS,
+    WORKER_FLAGS,
+    body,
+    generate,
+    metric,
+    pool_sizes,
+    stream,
+    wait_pools,
+)
+
+pytestmark = pytest.mark.timeout(400)
+
+MAX_PENDING = 6
+PROMPTS = [
+    "The capital of France is",
+    "def fibonacci(n):",
+    "Once upon a time, in a land far away,",
+    "List three primary colors:",
+    "The best way to learn a language is",
+    "Water boils at",
+]
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory):
+    c = start_roles(
+        tmp_path_factory.mktemp("pressure"),
+        [("prefill", {}, WORKER_FLAGS), ("decode", {}, [*WORKER_FLAGS, "--max-total-tokens", "256"])],
+        gateway_flags=[*GATEWAY_FLAGS, "--max-pending-requests", str(MAX_PENDING)],
+    )
+    try:
+        c.wait_healthy(workers=2)
+        c.idle = pool_sizes(c.url)
+        yield c
+    finally:
+        c.stop()
+
+
+def _ids(texts: list[str]) -> list[list[int]]:
+    from pdserve.gateway.tokenizer import Tokenizer
+
+    tok = Tokenizer.load(None)
+    return [tok.encode(t) for t in texts]
+
+
+def _offline(prompts: list[list[int]], max_new_tokens: int) -> list[list[int]]:
+    """Greedy ids from the offline engine with a pool that never retracts."""
+    from pdserve.config import RuntimeConfig
+    from pdserve.runtime.engine import Engine
+    from pdserve.sampling_params import SamplingParams
+
+    engine = Engine(RuntimeConfig(max_total_tokens=4096, num_threads=1))
+    params = SamplingParams(temperature=0, max_new_tokens=max_new_tokens, ignore_eos=True)
+    return [o.output_ids for o in engine.generate(prompts, params)]
+
+
+def test_tiny_decode_pool_retracts_and_resumes_with_exact_output(cluster):
+    c = cluster
+    ids = _ids(PROMPTS)
+    n = 100
+
+    def one(p: list[int]):
+        req = {"input_ids": p, "sampling_params": {"max_new_tokens": n, "temperature": 0, "ignore_eos": True}}
+        return generate(c.url, req, 300)
+
+    with ThreadPoolExecutor(len(ids)) as pool:
+        outs = list(pool.map(one, ids))
+    assert all(o.ok for o in outs), [o.error for o in outs]
+    retractions = [o.meta["num_retractions"] for o in outs]
+    print("num_retractions:", retractions)
+    assert sum(retractions) > 0
+    assert [o.output_ids for o in outs] == _offline(ids, n)
+    wait_pools(c.url, c.idle)
+
+
+def test_burst_above_the_bound_gets_fast_503_and_memory_stays_bounded(cluster):
+    c = cluster
+    gateway = psutil.Process(c.procs[0].pid)
+    reference = generate(c.url, body(6)).output_ids
+
+    def burst() -> list:
+        with ThreadPoolExecutor(40) as pool:
+            return list(pool.map(lambda _: _timed_post(c.url, body(6)), range(40)))
+
+    burst()  # warm up the gateway's allocations
+    rss0 = gateway.memory_info().rss
+    for _ in range(3):
+        results = burst()
+        refused = [r for r in results if r[0].status_code == 503]
+        served = [r for r in results if r[0].status_code == 200]
+        assert len(refused) + len(served) == len(results), [r[0].status_code for r in results]
+        assert refused and served
+        for r, dt in refused:
+            assert r.headers.get("retry-after") == "1"
+            assert "pending requests" in r.json()["error"]["message"]
+            assert dt < 3.0, dt  # refused at once, not queued
+        for r, _ in served:
+            assert r.json()["output_ids"] == reference
+    growth = gateway.memory_info().rss - rss0
+    print(f"gateway RSS {rss0 / 2**20:.0f} MiB, growth over 3 bursts {growth / 2**20:.1f} MiB")
+    assert growth < 32 * 2**20
+    wait_pools(c.url, c.idle)
+
+
+def _timed_post(url: str, req: dict) -> tuple[httpx.Response, float]:
+    t0 = time.monotonic()
+    r = httpx.post(url + "/generate", json=req, timeout=120)
+    return r, time.monotonic() - t0
+
+
+def test_fifty_client_disconnects_free_every_page(cluster):
+    c = cluster
+    rng = random.Random(0)
+
+    def leave(i: int) -> None:
+        kind = i % 3
+        if kind == 2:  # a plain request whose client gives up
+            try:
+                httpx.post(c.url + "/generate", json=body(100), timeout=rng.uniform(0.2, 1.5))
+            except httpx.TimeoutException:
+                return
+        else:  # a stream left right after the headers, or after a few chunks
+            stream(c.url, body(100, stream=True), 60, stop_after=rng.choice([0, 1, 3]) if kind else 0)
+
+    with ThreadPoolExecutor(MAX_PENDING - 1) as pool:
+        list(pool.map(leave, range(50)))
+    wait_pools(c.url, c.idle)
+    deadline = time.monotonic() + 10
+    while metric(c.url, "pdserve_pending_requests") and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert metric(c.url, "pdserve_pending_requests") == 0
+    assert generate(c.url, body(6)).ok  # and the cluster still serves
+    assert os.path.exists(c.log_dir)
