@@ -21,6 +21,7 @@ from pdserve.gateway.control import ControlPlane
 from pdserve.gateway.engine import Engine
 from pdserve.gateway.errors import error_body, install_error_handlers
 from pdserve.gateway.metrics import CONTENT_TYPE, GatewayMetrics
+from pdserve.gateway.openapi import install_openapi
 from pdserve.gateway.serving import Admission
 from pdserve.gateway.tokenizer import Tokenizer
 from pdserve.gateway.workers import WorkerRegistry
@@ -70,6 +71,7 @@ def create_app(cfg: GatewayConfig, tokenizer: Tokenizer | None = None) -> FastAP
     app = FastAPI(title="pdserve gateway", lifespan=lifespan)
     app.state.gw = gw
     install_error_handlers(app)
+    install_openapi(app)
     app.include_router(native_api.router)
     app.include_router(openai_api.router)
 
