@@ -80,8 +80,9 @@ class AdaptivePolicy:
     fit on measured steps), K = max_i k_i draft-model forwards of d seconds each (0 for NGRAM).
     For each K, drafts are handed out greedily by marginal gain a_i^(k_i + 1) while the gain beats
     the current rate times the extra cost c1 (the rate N/C rises with N); the K with the best rate
-    wins. All-zero is plain decoding, so the estimated rate never falls below it: speculation
-    switches itself off for large batches (the gain must exceed ~B*c1 / (c0 + B*c1)) or low acceptance.
+    wins if it beats plain decoding (all k = 0) by `margin`, else nobody drafts. So speculation
+    switches itself off for large batches (the gain must exceed ~B*c1 / (c0 + B*c1)) or low
+    acceptance, and model error near break-even does not turn into a slowdown.
 
     a_i blends the request's exponentially decayed counts (accepted, trials = accepted + 1 if a
     draft was rejected) with the global estimate as a prior of weight `prior_weight` trials. A
@@ -97,10 +98,12 @@ class AdaptivePolicy:
         prior_weight: float = 2.0,
         probe_every: int = 8,
         max_probe_every: int = 64,
+        margin: float = 0.05,
     ):
         self.cost = CostModel(prior_tokens)
         self.decay, self.prior_weight = decay, prior_weight
         self.probe_every, self.max_probe_every = probe_every, max_probe_every
+        self.margin = margin
         self._req: dict[str, _RequestAcceptance] = {}
         self._global = (1.0, 2.0)  # accepted, trials: prior rate 0.5
 
@@ -123,8 +126,9 @@ class AdaptivePolicy:
             st = self._state(r.rid)
             st.probing = cap > 0 and st.idle >= st.probe_every
             rates.append(max(self.rate(r.rid), ga / gt) if st.probing else self.rate(r.rid))
-        best_ks, best_rate = [0] * len(reqs), -1.0
-        for K in range(0, max(caps, default=0) + 1):
+        plain_rate = len(reqs) / (c0 + c1 * len(reqs))
+        best_ks, best_rate = [0] * len(reqs), plain_rate
+        for K in range(1, max(caps, default=0) + 1):
             ks = [0] * len(reqs)
             tokens = float(len(reqs))
             cost = c0 + c1 * len(reqs) + K * draft_seconds
@@ -141,9 +145,10 @@ class AdaptivePolicy:
                 cost += c1
                 if ks[i] < min(caps[i], K):
                     heapq.heappush(heap, (neg_gain * rates[i], i))
-            if tokens / cost > best_rate * (1.0 + 1e-9):
+            if tokens / cost > best_rate:
                 best_ks, best_rate = ks, tokens / cost
-        return best_ks
+        # Model error must not turn into a slowdown: speculate only for a clear predicted win.
+        return best_ks if best_rate > plain_rate * (1.0 + self.margin) else [0] * len(reqs)
 
     def observe(self, forward_tokens: int, seconds: float, outcomes: list[tuple[str, int, int]]) -> None:
         """Record one step: its target-forward size and time, and (rid, drafts, accepted) per request."""
