@@ -107,7 +107,9 @@ def start_up(tmp_path, num_prefill: int = 1, num_decode: int = 1, extra: list[st
 
 
 def start_roles(
-    tmp_path, workers: list[tuple[str, dict] | tuple[str, dict, list[str]]], gateway_flags: list[str] | None = None
+    tmp_path,
+    workers: list[tuple[str, dict] | tuple[str, dict, list[str]]],
+    gateway_flags: list[str] | None = None,
 ) -> Cluster:
     """The gateway and each worker as separate processes; `workers` is [(role, extra env[, extra flags])].
 

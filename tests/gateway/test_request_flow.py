@@ -274,7 +274,7 @@ def test_context_length_checks(cluster):
 def test_prefill_failure_is_an_error_and_aborts_decode(cluster):
     cluster.prefill.fail_code = "transfer"
     r = cluster.client.post("/generate", json={"text": "hi"})
-    assert r.status_code == 500
+    assert r.status_code == 503
     msg = r.json()["error"]["message"]
     assert "prefill" in msg and "p0" in msg and "transfer" in msg
     room = cluster.decode.requests()[0].room
@@ -471,3 +471,26 @@ def test_request_larger_than_decode_pool_refused(tokenizer):
         finally:
             for w in ws:
                 w.stop()
+
+
+def test_decode_draining_before_first_token_is_retried_once_on_another_pair(cluster):
+    cluster.decode.fail_code = "draining"
+    d1 = cluster.add("d1", "decode")
+    rooms_before = len(d1.requests())
+    r = cluster.client.post("/generate", json={"text": "hi", "sampling_params": {"max_new_tokens": 4}})
+    assert r.status_code == 200, r.text
+    tried = cluster.decode.requests() + d1.requests()[rooms_before:]
+    # One attempt on each decode worker, each under its own room id; the prefill saw both.
+    assert len(cluster.decode.requests()) == 1 and len(d1.requests()) - rooms_before == 1
+    assert len({q.room for q in tried}) == 2
+    assert len(cluster.prefill.requests()) == 2
+    assert "pdserve_request_retries_total 1.0" in cluster.client.get("/metrics").text
+
+
+def test_a_second_lost_leg_is_an_error_not_another_retry(cluster):
+    cluster.decode.fail_code = "draining"
+    cluster.add("d1", "decode", fail_code="draining")
+    r = cluster.client.post("/generate", json={"text": "hi", "sampling_params": {"max_new_tokens": 4}})
+    assert r.status_code == 503
+    assert "draining" in r.json()["error"]["message"]
+    assert len(cluster.prefill.requests()) == 2  # the first try and exactly one retry

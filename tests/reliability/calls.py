@@ -38,6 +38,7 @@ class Outcome:
     meta: dict | None = None
     seconds: float = 0.0
     events: int = 0  # streamed chunks seen
+    ended: float = field(default_factory=time.monotonic)  # when the call returned (monotonic clock)
 
 
 def body(max_new_tokens: int, stream: bool = False, text: str = PROMPT) -> dict:
@@ -70,7 +71,9 @@ def generate(url: str, req: dict, timeout: float = 120.0) -> Outcome:
     return Outcome(200, True, "", out["output_ids"], fr, out["meta_info"], dt)
 
 
-def stream(url: str, req: dict, timeout: float = 120.0, first_chunk=None, stop_after: int | None = None) -> Outcome:
+def stream(
+    url: str, req: dict, timeout: float = 120.0, first_chunk=None, stop_after: int | None = None
+) -> Outcome:
     """POST /generate with stream; `first_chunk()` is called once the first chunk arrived;
     `stop_after`: disconnect after that many chunks (the outcome is then `status=499`)."""
     t0 = time.monotonic()
@@ -93,7 +96,9 @@ def stream(url: str, req: dict, timeout: float = 120.0, first_chunk=None, stop_a
             if len(chunks) == 1 and first_chunk is not None:
                 first_chunk()
             if stop_after is not None and len(chunks) >= stop_after:
-                return Outcome(499, False, "client disconnected", seconds=time.monotonic() - t0, events=len(chunks))
+                return Outcome(
+                    499, False, "client disconnected", seconds=time.monotonic() - t0, events=len(chunks)
+                )
     dt = time.monotonic() - t0
     assert done, f"stream ended without [DONE] after {len(chunks)} chunks"
     assert chunks, "a stream with no events"

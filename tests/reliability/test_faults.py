@@ -16,10 +16,8 @@ import pytest
 from harness import free_port, start_roles, start_worker
 from reliability.calls import (
     GATEWAY_FLAGS,
-    TRANSFER_TIMEOUT_S,
     WORKER_FLAGS,
     body,
-    free_tokens,
     generate,
     metric,
     pool_sizes,
@@ -77,7 +75,7 @@ def _check(c, outcomes, n_tokens: int) -> dict[str, int]:
             assert o.output_ids == c.reference[:n_tokens]
             kinds["ok"] = kinds.get("ok", 0) + 1
         else:
-            assert o.status >= 500 or o.status == 200  # an HTTP error, or an error event in a stream
+            assert o.status in (200, 503)  # an HTTP error, or an error event in a stream
             kinds[o.error.split(":")[0][:60]] = kinds.get(o.error.split(":")[0][:60], 0) + 1
     return kinds
 
@@ -93,18 +91,22 @@ def test_decode_killed_while_streaming(cluster, record_property):
     with ThreadPoolExecutor(16) as pool:
         streams = [pool.submit(one, i) for i in range(8)]
         started.wait(120)  # every stream has its first tokens
-        assert workers(c.url)["decode-3"]["running"] > 0 or workers(c.url)["decode-3"]["inflight_requests"] > 0
+        assert (
+            workers(c.url)["decode-3"]["running"] > 0 or workers(c.url)["decode-3"]["inflight_requests"] > 0
+        )
         t_kill = _kill(c, "decode-3")
         # New requests while the gateway still believes decode-3 alive: those routed there are retried.
         late = [pool.submit(generate, c.url, body(24), 90) for _ in range(4)]
         outs = [f.result(timeout=120) for f in streams]
         late_outs = [f.result(timeout=120) for f in late]
-    t_detect = max(t_kill + o.seconds for o in outs if not o.ok) - t_kill if not all(o.ok for o in outs) else 0
+    failed = [o for o in outs if not o.ok]
+    assert failed, "no stream was on the killed decode worker"
+    t_detect = max(o.ended for o in failed) - t_kill
     kinds = _check(c, outs, 64)
     print("streams:", kinds, "late:", _check(c, late_outs, 24))
     # The streams on decode-3 had shown tokens: a clear error, found by the heartbeat timeout.
-    failed = [o for o in outs if not o.ok]
-    assert failed, "no stream was on the killed decode worker"
+    print(f"dead decode worker detected and its streams ended {t_detect:.2f} s after the kill")
+    assert t_detect < HEARTBEAT_TIMEOUT_S + 5
     assert all("decode" in o.error for o in failed)
     assert all(o.ok for o in late_outs), [o.error for o in late_outs]  # retried on decode-2
     assert metric(c.url, "pdserve_request_retries_total") > retries_before
@@ -159,4 +161,3 @@ def test_restarted_workers_rejoin_and_pairs_rebuild(cluster):
     assert all(o.ok for o in outs), [o.error for o in outs if not o.ok]
     assert all(o.output_ids == c.reference[:24] for o in outs)
     wait_pools(c.url, c.idle)
-    assert TRANSFER_TIMEOUT_S and HEARTBEAT_TIMEOUT_S

@@ -45,7 +45,9 @@ def test_blocked_transfer_fails_within_the_timeout(cluster, record_property):
     with ThreadPoolExecutor(6) as pool:
         outs = list(pool.map(lambda f: f(), calls))
     slowest = max(o.seconds for o in outs)
-    print(f"blocked transfer: {len(outs)} requests failed after {min(o.seconds for o in outs):.2f}-{slowest:.2f} s")
+    print(
+        f"blocked transfer: {len(outs)} requests failed after {min(o.seconds for o in outs):.2f}-{slowest:.2f} s"
+    )
     record_property("blocked_transfer_fail_s", slowest)
     for o in outs:
         assert not o.ok
