@@ -77,8 +77,9 @@ class DecodeWorker:
             out = self._on_transfer_end(res.room, res.state, res.metadata, res.error)
             if out is not None:
                 outputs.append(out)
-        for r in s.grow_or_retract():
-            self.stepper.forget(r)
+        # Retracted requests keep their stepper state (speculative counters, drafter indexes):
+        # they resume where they stopped.
+        s.grow_or_retract()
         if s.running:
             before = {r.rid: len(r.output_ids) for r in s.running}
             self.stepper.step(s.running)
