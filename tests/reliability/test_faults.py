@@ -129,7 +129,12 @@ def test_prefill_killed_with_requests_queued(cluster):
         t_kill = _kill(c, "prefill-1")
         outs = [f.result(timeout=150) for f in futs]
     kinds = _check_any(outs)
-    print("prefill kill:", kinds, f"{time.monotonic() - t_kill:.1f}s")
+    retries = metric(c.url, "pdserve_request_retries_total")
+    print(
+        "prefill kill:",
+        kinds,
+        f"all ended {time.monotonic() - t_kill:.1f} s after the kill; retries so far {retries:g}",
+    )
     # Lost before any token: retried on prefill-0. A KV transfer cut by the kill: a clear error.
     assert sum(o.ok for o in outs) >= 1
     for o in outs:
