@@ -11,6 +11,7 @@ from typing import Protocol
 
 import torch
 import torch.nn.functional as F
+
 from pdserve.runtime.batch import ForwardBatch
 from pdserve.runtime.kv_pool import KVPool
 

@@ -18,11 +18,11 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
-from pdserve.runtime.model_config import ModelSpec, rope_inv_freq
-from pdserve.runtime.models.llama import CausalLM, Rotary
 from safetensors import safe_open
 
 from pdserve.model_source import ModelSource, ModelSourceError, resolve_model_source
+from pdserve.runtime.model_config import ModelSpec, rope_inv_freq
+from pdserve.runtime.models.llama import CausalLM, Rotary
 
 log = logging.getLogger(__name__)
 

@@ -9,14 +9,14 @@ from __future__ import annotations
 import logging
 
 import torch
+
+from pdserve.config import RuntimeConfig
 from pdserve.runtime.attention import make_attention_backend
 from pdserve.runtime.batch import ForwardBatch, ForwardMode
 from pdserve.runtime.kv_pool import KVGeometry, KVPool, PageAllocator
 from pdserve.runtime.loader import LoadedModel, load_model
 from pdserve.runtime.request import Request
 from pdserve.runtime.sampler import SampleOutput, Sampler, SamplingBatch
-
-from pdserve.config import RuntimeConfig
 
 log = logging.getLogger(__name__)
 

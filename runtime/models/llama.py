@@ -11,11 +11,12 @@ from collections.abc import Iterable
 
 import torch
 import torch.nn.functional as F
+from torch import nn
+
 from pdserve.runtime.attention import AttentionBackend
 from pdserve.runtime.batch import ForwardBatch
 from pdserve.runtime.kv_pool import KVPool
 from pdserve.runtime.model_config import ModelSpec
-from torch import nn
 
 # checkpoint name fragment -> (fused parameter fragment, shard index)
 _STACKED = {

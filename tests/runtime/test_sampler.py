@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import torch
-from pdserve.runtime.sampler import Sampler, SamplingBatch
 
+from pdserve.runtime.sampler import Sampler, SamplingBatch
 from pdserve.sampling_params import SamplingParams
 
 VOCAB = 64
