@@ -40,7 +40,7 @@ class DecodeWorker:
             self.runner.fingerprint(),
             TransferConfig(
                 backend=backend,
-                waiting_timeout_s=cfg.transfer_timeout_s,
+                waiting_timeout_s=cfg.kv_wait_timeout_s,
                 transfer_timeout_s=cfg.transfer_timeout_s,
             ),
         )

@@ -95,7 +95,11 @@ class WorkerConfig:
     # Prefill only: the KV bootstrap port decode nodes connect to (0: any free port).
     bootstrap_port: int = 0
     kv_transfer_backend: str = "auto"  # auto: nccl for CUDA pools, gloo otherwise
+    # One KV send/recv operation (a chunk or the metadata) once data flows.
     transfer_timeout_s: float = 30.0
+    # Waiting for the other side: the decode for the KV (the prefill's queue and forward included),
+    # the prefill for the decode's page list. Dead peers are caught sooner by the gateway's heartbeats.
+    kv_wait_timeout_s: float = 300.0
     register_timeout_s: float = 120.0
     # Seconds added to this worker's clock: a test hook for the gateway's clock-offset estimation.
     clock_skew_s: float = 0.0
@@ -127,7 +131,20 @@ def add_worker_args(parser: argparse.ArgumentParser, role: str) -> None:
             default=int(env("PDSERVE_BOOTSTRAP_PORT", "8998")),
         )
     parser.add_argument("--kv-transfer-backend", default="auto", choices=["auto", "gloo", "nccl"])
-    parser.add_argument("--transfer-timeout", dest="transfer_timeout_s", type=float, default=30.0)
+    parser.add_argument(
+        "--transfer-timeout",
+        dest="transfer_timeout_s",
+        type=float,
+        default=30.0,
+        help="seconds one KV send/recv may take once data flows",
+    )
+    parser.add_argument(
+        "--kv-wait-timeout",
+        dest="kv_wait_timeout_s",
+        type=float,
+        default=300.0,
+        help="seconds a KV transfer may wait for its peer (prefill queue + forward included)",
+    )
     parser.add_argument("--drain-timeout", dest="drain_timeout_s", type=float, default=600.0)
     parser.add_argument(
         "--health-port",

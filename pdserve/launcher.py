@@ -37,6 +37,7 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--log-dir", default=None, help="write each role's output to <dir>/<role>.log")
     parser.add_argument("--startup-timeout", type=float, default=600.0)
     parser.add_argument("--transfer-timeout", type=float, default=30.0)
+    parser.add_argument("--kv-wait-timeout", type=float, default=300.0)
 
 
 # Runtime flags forwarded verbatim to every worker.
@@ -96,6 +97,8 @@ def worker_commands(args: argparse.Namespace) -> list[tuple[str, list[str]]]:
         args.log_level,
         "--transfer-timeout",
         str(args.transfer_timeout),
+        "--kv-wait-timeout",
+        str(args.kv_wait_timeout),
     ]
     cmds = [("gateway", gw)]
     for i in range(args.num_prefill):

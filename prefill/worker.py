@@ -58,7 +58,7 @@ class PrefillWorker:
             cfg.bootstrap_port,
             TransferConfig(
                 backend=backend,
-                waiting_timeout_s=cfg.transfer_timeout_s,
+                waiting_timeout_s=cfg.kv_wait_timeout_s,
                 transfer_timeout_s=cfg.transfer_timeout_s,
             ),
         )

@@ -21,7 +21,14 @@ TRANSFER_TIMEOUT_S = 20.0
 
 
 def worker_flags(transfer_timeout_s: float = TRANSFER_TIMEOUT_S) -> list[str]:
-    return ["--transfer-timeout", str(transfer_timeout_s), "--log-level", "warning"]
+    return [
+        "--transfer-timeout",
+        str(transfer_timeout_s),
+        "--kv-wait-timeout",
+        str(transfer_timeout_s),
+        "--log-level",
+        "warning",
+    ]
 
 
 WORKER_FLAGS = worker_flags()
