@@ -13,7 +13,8 @@ from pdserve import messages as m
 from pdserve.config import WorkerConfig
 from pdserve.decode.scheduler import DecodeScheduler
 from pdserve.decode.stepper import make_stepper
-from pdserve.kv_transfer import KVReceiver, TransferConfig, TransferState, default_backend
+from pdserve.kv_transfer import KVReceiver, TransferState
+from pdserve.kv_transfer.config import config_for_pool
 from pdserve.runtime.request import Request, RequestState
 from pdserve.runtime.runner import ModelRunner
 from pdserve.worker_common import DrainSignal, make_clock, register_factory, serve_until_drained
@@ -32,14 +33,12 @@ class DecodeWorker:
         rc = cfg.runtime
         lookahead = 1 + (rc.speculative_num_draft_tokens if rc.speculative_algorithm else 0)
         self.sched = DecodeScheduler(self.runner, rc.max_running_requests, lookahead)
-        backend = cfg.kv_transfer_backend
-        if backend == "auto":
-            backend = default_backend(self.runner.pool.kv)
         self.receiver = KVReceiver(
             self.runner.pool.kv,
             self.runner.fingerprint(),
-            TransferConfig(
-                backend=backend,
+            config_for_pool(
+                self.runner.pool.kv,
+                cfg.kv_transfer_backend,
                 waiting_timeout_s=cfg.kv_wait_timeout_s,
                 transfer_timeout_s=cfg.transfer_timeout_s,
             ),

@@ -51,3 +51,8 @@ class TransferConfig:
 def default_backend(kv: torch.Tensor) -> str:
     """nccl when the pool lives on CUDA, gloo otherwise (the explicit default for --kv-transfer-backend)."""
     return "nccl" if kv.is_cuda else "gloo"
+
+
+def config_for_pool(kv: torch.Tensor, backend: str = "auto", **fields) -> TransferConfig:
+    """A TransferConfig whose backend `auto` is resolved from where the pool lives."""
+    return TransferConfig(backend=default_backend(kv) if backend == "auto" else backend, **fields)

@@ -11,6 +11,8 @@ Called only from a pair's own thread; every operation here may block up to its t
 from __future__ import annotations
 
 import os
+import queue
+import threading
 from datetime import timedelta
 
 import torch
@@ -192,3 +194,29 @@ class PairGroup:
         if self._config.backend == "nccl":
             torch.cuda.current_stream(self._device).synchronize()  # deliberate: commit only landed pages
         return bytes(tail.cpu().numpy().tobytes())
+
+
+class PairThread:
+    """One pair's control thread: a job queue served in order; `None` stops it after the current job.
+
+    Subclasses call `_start(name)` at the end of __init__ and implement `_run`, which owns the group.
+    """
+
+    def _start(self, name: str) -> None:
+        self._jobs: queue.SimpleQueue = queue.SimpleQueue()
+        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        raise NotImplementedError
+
+    def close(self) -> None:
+        """Stop after the current job; the group is dropped on the pair's own thread."""
+        self._jobs.put(None)
+
+    def join(self, timeout_s: float) -> None:
+        self._thread.join(timeout=timeout_s)
+
+    @property
+    def alive(self) -> bool:
+        return self._thread.is_alive()

@@ -10,7 +10,6 @@ prompt's KV (committed after the trailer's room id matched); on FAILED free them
 
 from __future__ import annotations
 
-import collections
 import concurrent.futures
 import threading
 import time
@@ -22,28 +21,20 @@ import zmq
 
 from pdserve.kv_transfer import control
 from pdserve.kv_transfer.config import TransferConfig
-from pdserve.kv_transfer.handshake import FingerprintMismatch, pair_identity
-from pdserve.kv_transfer.layout import geometry_of, pool_tensor
+from pdserve.kv_transfer.endpoint import Endpoint
+from pdserve.kv_transfer.handshake import FingerprintMismatch
 from pdserve.kv_transfer.receiver_pair import ReceiverPair, RecvJob
 from pdserve.kv_transfer.state import Room, TransferResult, TransferState
 
 _TICK_S = 0.02
 
 
-class KVReceiver:
+class KVReceiver(Endpoint):
     """Receives prompts' KV pages from prefill nodes into pre-allocated pages of the local pool."""
 
     def __init__(self, kv: Any, fingerprint: dict[str, str | int], config: TransferConfig) -> None:
-        self._kv = pool_tensor(kv)
-        self._geometry = geometry_of(self._kv)
-        self._identity = pair_identity(fingerprint, self._geometry, config.backend)
-        self._config = config
+        super().__init__(kv, fingerprint, config)
         self.receiver_id = uuid.uuid4().hex  # zmq identity and pair id; unique per process lifetime
-        self._mailbox = control.Mailbox()
-        self._results: collections.deque[TransferResult] = collections.deque()
-        self._states: dict[str, TransferState] = {}
-        self._thread: threading.Thread | None = None
-        self._ctx: zmq.Context | None = None
 
     def start(self) -> None:
         self._ctx = zmq.Context()
@@ -63,28 +54,9 @@ class KVReceiver:
             ("request", room, prefill_addr, list(dst_pages), int(num_tokens), time.monotonic())
         )
 
-    def poll(self) -> list[TransferResult]:
-        out = []
-        while self._results:
-            out.append(self._results.popleft())
-        return out
-
     def abort(self, room: str) -> None:
         """Give up on `room`; its FAILED result still comes out of poll() (free the pages then)."""
         self._mailbox.post(("abort", room))
-
-    def state(self, room: str) -> TransferState | None:
-        return self._states.get(room)
-
-    def close(self) -> None:
-        if self._thread is not None:
-            self._mailbox.post(("close",))
-            self._thread.join(timeout=5)
-            self._thread = None
-        if self._ctx is not None:
-            self._ctx.destroy(linger=0)
-            self._ctx = None
-        self._mailbox.close()
 
     def _io_loop(self) -> None:
         io = _ReceiverIO(self)

@@ -7,8 +7,6 @@ its mailbox: ("done", room, error | None, metadata | None, num_bytes) and ("dead
 
 from __future__ import annotations
 
-import queue
-import threading
 from dataclasses import dataclass
 
 import torch
@@ -16,7 +14,7 @@ import torch
 from pdserve.kv_transfer.config import TransferConfig
 from pdserve.kv_transfer.control import Mailbox, local_address_towards
 from pdserve.kv_transfer.layout import PoolGeometry, decode_trailer
-from pdserve.kv_transfer.pair_group import RECEIVER_RANK, PairGroup
+from pdserve.kv_transfer.pair_group import RECEIVER_RANK, PairGroup, PairThread
 
 
 @dataclass
@@ -37,7 +35,7 @@ class _Build:
     pair_id: str
 
 
-class ReceiverPair:
+class ReceiverPair(PairThread):
     """One prefill peer as seen from the decode node: a job queue served by one thread."""
 
     def __init__(
@@ -53,27 +51,14 @@ class ReceiverPair:
         self.addr = addr
         self._store_host = store_host
         self._kv, self._geometry, self._config, self._mailbox = kv, geometry, config, mailbox
-        self._jobs: queue.SimpleQueue[RecvJob | _Build | None] = queue.SimpleQueue()
         self._group: PairGroup | None = None
-        self._thread = threading.Thread(target=self._run, name=f"kv-recv-pair-{addr}", daemon=True)
-        self._thread.start()
+        self._start(f"kv-recv-pair-{addr}")
 
     def build(self, gen: int, store_port: int, pair_id: str) -> None:
         self._jobs.put(_Build(gen, store_port, pair_id))
 
     def submit(self, job: RecvJob) -> None:
         self._jobs.put(job)
-
-    def close(self) -> None:
-        """Stop after the current job; the group is dropped on the pair's own thread."""
-        self._jobs.put(None)
-
-    def join(self, timeout_s: float) -> None:
-        self._thread.join(timeout=timeout_s)
-
-    @property
-    def alive(self) -> bool:
-        return self._thread.is_alive()
 
     def _run(self) -> None:
         while True:

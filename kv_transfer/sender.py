@@ -23,8 +23,9 @@ from torch._C._distributed_c10d import TCPStore
 
 from pdserve.kv_transfer import control
 from pdserve.kv_transfer.config import TransferConfig
-from pdserve.kv_transfer.handshake import compare_identities, pair_identity
-from pdserve.kv_transfer.layout import geometry_of, pages_for, pool_tensor
+from pdserve.kv_transfer.endpoint import Endpoint
+from pdserve.kv_transfer.handshake import compare_identities
+from pdserve.kv_transfer.layout import pages_for
 from pdserve.kv_transfer.sender_pair import SenderPair, SendJob
 from pdserve.kv_transfer.state import Room, TransferResult, TransferState
 
@@ -32,7 +33,7 @@ _TICK_S = 0.02  # timer resolution of the I/O thread
 _FINISHED_MEMORY = 4096  # finished room ids remembered to answer late page lists
 
 
-class KVSender:
+class KVSender(Endpoint):
     """Sends finished prefills' KV pages to the decode nodes that ask for them."""
 
     def __init__(
@@ -43,16 +44,9 @@ class KVSender:
         bootstrap_port: int,
         config: TransferConfig,
     ) -> None:
-        self._kv = pool_tensor(kv)
-        self._geometry = geometry_of(self._kv)
-        self._identity = pair_identity(fingerprint, self._geometry, config.backend)
-        self._host, self._port, self._config = host, bootstrap_port, config
-        self._mailbox = control.Mailbox()
-        self._results: collections.deque[TransferResult] = collections.deque()
+        super().__init__(kv, fingerprint, config)
+        self._host, self._port = host, bootstrap_port
         self._errors: collections.deque[str] = collections.deque(maxlen=64)
-        self._states: dict[str, TransferState] = {}  # written by the I/O thread only
-        self._thread: threading.Thread | None = None
-        self._ctx: zmq.Context | None = None
         self._store: TCPStore | None = None
         self.addr = ""
 
@@ -89,33 +83,16 @@ class KVSender:
         """The prefill of `room` is done: send its pages once the decode's page list is here."""
         self._mailbox.post(("send", room, list(src_pages), int(num_tokens), dict(metadata), time.monotonic()))
 
-    def poll(self) -> list[TransferResult]:
-        """Rooms finished (SUCCESS or FAILED) since the last poll; their pages may be freed now."""
-        out = []
-        while self._results:
-            out.append(self._results.popleft())
-        return out
-
     def abort(self, room: str) -> None:
         """Give up on `room`; its FAILED result still comes out of poll() (free the pages then)."""
         self._mailbox.post(("abort", room, "aborted by prefill"))
-
-    def state(self, room: str) -> TransferState | None:
-        return self._states.get(room)
 
     def handshake_errors(self) -> list[str]:
         """Recent refused handshakes (fingerprint mismatches, too many pairs), oldest first."""
         return list(self._errors)
 
     def close(self) -> None:
-        if self._thread is not None:
-            self._mailbox.post(("close",))
-            self._thread.join(timeout=5)
-            self._thread = None
-        if self._ctx is not None:
-            self._ctx.destroy(linger=0)
-            self._ctx = None
-        self._mailbox.close()
+        super().close()
         self._store = None
 
     # ---- I/O thread ---------------------------------------------------------------------------

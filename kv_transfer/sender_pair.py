@@ -8,7 +8,6 @@ sender's I/O thread through its mailbox: ("out", identity, frame) to send a cont
 from __future__ import annotations
 
 import itertools
-import queue
 import threading
 import time
 from collections.abc import Callable
@@ -20,7 +19,7 @@ from pdserve.kv_transfer import control
 from pdserve.kv_transfer.config import TransferConfig
 from pdserve.kv_transfer.control import Mailbox
 from pdserve.kv_transfer.layout import PoolGeometry, chunk_pages, encode_trailer
-from pdserve.kv_transfer.pair_group import SENDER_RANK, PairGroup
+from pdserve.kv_transfer.pair_group import SENDER_RANK, PairGroup, PairThread
 
 
 @dataclass
@@ -38,7 +37,7 @@ class _Build:
     gen: int
 
 
-class SenderPair:
+class SenderPair(PairThread):
     """One decode peer as seen from the prefill node: a job queue served by one thread."""
 
     def __init__(
@@ -64,13 +63,9 @@ class SenderPair:
         # Generations come from one counter per sender, so a pair re-created for the same decode node
         # never reuses a store prefix whose keys still hold a dead group's addresses.
         self.new_gen = gens
-        self._jobs: queue.SimpleQueue[SendJob | _Build | None] = queue.SimpleQueue()
         self._group: PairGroup | None = None
         self._seq = itertools.count()
-        self._thread = threading.Thread(
-            target=self._run, name=f"kv-send-pair-{self.pair_id[:8]}", daemon=True
-        )
-        self._thread.start()
+        self._start(f"kv-send-pair-{self.pair_id[:8]}")
 
     def build(self, gen: int) -> None:
         """Queue building generation `gen` (the receiver was told the same gen in HELLO_ACK)."""
@@ -80,17 +75,6 @@ class SenderPair:
         self.inflight += 1
         self.last_used = time.monotonic()
         self._jobs.put(job)
-
-    def close(self) -> None:
-        """Stop after the current job; the group is dropped on the pair's own thread."""
-        self._jobs.put(None)
-
-    def join(self, timeout_s: float) -> None:
-        self._thread.join(timeout=timeout_s)
-
-    @property
-    def alive(self) -> bool:
-        return self._thread.is_alive()
 
     def _out(self, kind: str, **fields) -> None:
         self._mailbox.post(("out", self.identity, control.encode(kind, **fields)))

@@ -12,7 +12,8 @@ import time
 
 from pdserve import messages as m
 from pdserve.config import WorkerConfig
-from pdserve.kv_transfer import KVSender, TransferConfig, TransferState, default_backend
+from pdserve.kv_transfer import KVSender, TransferState
+from pdserve.kv_transfer.config import config_for_pool
 from pdserve.runtime.batch import ForwardMode
 from pdserve.runtime.extend_scheduler import ExtendScheduler
 from pdserve.runtime.request import Request
@@ -48,16 +49,14 @@ class PrefillWorker:
             rc.max_running_requests,
             reserve_tokens=lambda r: len(r.prompt_ids),
         )
-        backend = cfg.kv_transfer_backend
-        if backend == "auto":
-            backend = default_backend(self.runner.pool.kv)
         self.sender = KVSender(
             self.runner.pool.kv,
             self.runner.fingerprint(),
             cfg.host,
             cfg.bootstrap_port,
-            TransferConfig(
-                backend=backend,
+            config_for_pool(
+                self.runner.pool.kv,
+                cfg.kv_transfer_backend,
                 waiting_timeout_s=cfg.kv_wait_timeout_s,
                 transfer_timeout_s=cfg.transfer_timeout_s,
             ),
@@ -84,8 +83,9 @@ class PrefillWorker:
 
     def step(self) -> None:
         assert self.link is not None
-        idle = not len(self.sched)
-        for msg in self.link.recv(0.005 if self.rooms else 0.05) if idle else self.link.recv(0):
+        # Block briefly only when no prompt waits: longer when nothing at all is in flight.
+        wait = 0.0 if len(self.sched) else (0.005 if self.rooms else 0.05)
+        for msg in self.link.recv(wait):
             self._on_message(msg)
         reqs, chunks = self.sched.schedule()
         if reqs:

@@ -214,8 +214,8 @@ def test_two_by_two_cluster_serves_32_concurrent_requests(tmp_path, engine_refer
         assert len(results) == 32
         for i, out in results:
             assert out["output_ids"] == ref[i % len(ids)], i
-        used = httpx.get(c.url + "/workers", timeout=5).json()["workers"]
-        assert len(used) == 4
+        registered = httpx.get(c.url + "/workers", timeout=5).json()["workers"]
+        assert len(registered) == 4  # no worker dropped out under the load
     finally:
         c.stop()
 

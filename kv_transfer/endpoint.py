@@ -1,0 +1,53 @@
+"""What the two ends of the hand-off share: the caller-facing result queue and the I/O thread's life.
+
+`KVSender` and `KVReceiver` both let the caller's thread only post to a mailbox or read a deque; one
+I/O thread owns all room state, writes `_states` and appends to `_results`.
+"""
+
+from __future__ import annotations
+
+import collections
+import threading
+from typing import Any
+
+import zmq
+
+from pdserve.kv_transfer import control
+from pdserve.kv_transfer.config import TransferConfig
+from pdserve.kv_transfer.handshake import pair_identity
+from pdserve.kv_transfer.layout import geometry_of, pool_tensor
+from pdserve.kv_transfer.state import TransferResult, TransferState
+
+
+class Endpoint:
+    def __init__(self, kv: Any, fingerprint: dict[str, str | int], config: TransferConfig) -> None:
+        self._kv = pool_tensor(kv)
+        self._geometry = geometry_of(self._kv)
+        self._identity = pair_identity(fingerprint, self._geometry, config.backend)
+        self._config = config
+        self._mailbox = control.Mailbox()
+        self._results: collections.deque[TransferResult] = collections.deque()
+        self._states: dict[str, TransferState] = {}  # written by the I/O thread only
+        self._thread: threading.Thread | None = None
+        self._ctx: zmq.Context | None = None
+
+    def poll(self) -> list[TransferResult]:
+        """Rooms finished (SUCCESS or FAILED) since the last poll; their pages may be freed now."""
+        out = []
+        while self._results:
+            out.append(self._results.popleft())
+        return out
+
+    def state(self, room: str) -> TransferState | None:
+        return self._states.get(room)
+
+    def close(self) -> None:
+        """Stop the I/O thread (it closes the pairs), then the zmq context and the mailbox."""
+        if self._thread is not None:
+            self._mailbox.post(("close",))
+            self._thread.join(timeout=5)
+            self._thread = None
+        if self._ctx is not None:
+            self._ctx.destroy(linger=0)
+            self._ctx = None
+        self._mailbox.close()
