@@ -5,6 +5,11 @@ both; the best run of each is reported. Prompts are random token ids from a fixe
 is greedy with EOS ignored, so both produce exactly `--new-tokens` tokens per prompt. Throughput
 is output tokens over the whole `generate` call, prefill included; ours is also shown decode-only.
 
+The `matmul floor` column is what no implementation of this model in this dtype on this machine can
+beat: the time of the model's weight matmuls alone (every layer's qkv, o, gate_up and down projections
+and the LM head, nothing else), run bare with the model's own weights on the same shapes, for one
+prefill of the whole batch plus new_tokens - 1 decode steps.
+
     pdserve bench engine [--prompt-len 128] [--new-tokens 128] [--batch-sizes 1,8,32] [--skip-hf]
 """
 
@@ -78,13 +83,46 @@ def run_hf(hf, prompts: list[list[int]], new_tokens: int, pad_id: int, device: s
     return Run(seconds)
 
 
+def _matmul_stack_seconds(
+    model: torch.nn.Module, tokens: int, head_rows: int, dtype, device, reps: int
+) -> float:
+    """Best-of-reps time of the model's weight matmuls for `tokens` rows (the LM head on `head_rows`)."""
+    weights = [m.weight for m in model.modules() if isinstance(m, torch.nn.Linear)]
+    head = model.lm_head_weight
+    weights = [w for w in weights if w.data_ptr() != head.data_ptr()]
+    hidden = head.shape[1]
+    xs = {w.shape[1]: torch.randn(tokens, w.shape[1], dtype=dtype, device=device) for w in weights}
+    xh = torch.randn(head_rows, hidden, dtype=dtype, device=device)
+    best = float("inf")
+    with torch.inference_mode():
+        for _ in range(reps + 1):  # the first run warms up
+            t0 = time.perf_counter()
+            for w in weights:
+                torch.nn.functional.linear(xs[w.shape[1]], w)
+            torch.nn.functional.linear(xh, head)
+            if device != "cpu":
+                torch.cuda.synchronize()
+            best = min(best, time.perf_counter() - t0)
+    return best
+
+
+def matmul_floor(loaded: LoadedModel, batch: int, prompt_len: int, new_tokens: int, device: str) -> float:
+    """Output tokens/s if generate() took no time beyond its weight matmuls (see the module doc)."""
+    model, dtype = loaded.model, loaded.dtype
+    prefill = _matmul_stack_seconds(model, batch * prompt_len, batch, dtype, device, reps=1)
+    step = _matmul_stack_seconds(model, batch, batch, dtype, device, reps=5)
+    return batch * new_tokens / (prefill + (new_tokens - 1) * step)
+
+
 def make_engine(args: argparse.Namespace, loaded: LoadedModel) -> Engine:
     biggest = max(args.batch_sizes)
+    page = RuntimeConfig().page_size
+    per_request = -(-(args.prompt_len + args.new_tokens) // page) * page  # whole pages each
     cfg = RuntimeConfig(
         model_path=args.model_path,
         dtype=args.dtype,
         device=args.device,
-        max_total_tokens=biggest * (args.prompt_len + args.new_tokens) + 64,
+        max_total_tokens=biggest * per_request + page,
         max_running_requests=max(biggest, 1),
         attention_backend="auto",
     )
@@ -132,16 +170,24 @@ def main(argv: list[str] | None = None) -> int:
             "ours": out_tokens / best.seconds,
             "ours_decode": bs * (args.new_tokens - 1) / max(best.decode_seconds or 0.0, 1e-9),
             "hf": out_tokens / min(r.seconds for r in theirs) if theirs else None,
+            "floor": matmul_floor(loaded, bs, args.prompt_len, args.new_tokens, args.device),
         }
         rows.append(row)
         print(f"  batch {bs}: done ({best.seconds:.1f} s ours)", file=sys.stderr, flush=True)
 
-    print(f"{'batch':>5} {'pdserve tok/s':>14} {'(decode only)':>14} {'transformers tok/s':>19} {'ratio':>6}")
+    print(
+        f"{'batch':>5} {'pdserve tok/s':>14} {'(decode only)':>14} {'transformers tok/s':>19} {'ratio':>6} "
+        f"{'matmul floor tok/s':>19} {'floor/transformers':>19}"
+    )
     for r in rows:
         hf_s = f"{r['hf']:19.1f}" if r["hf"] else f"{'-':>19}"
         ratio = f"{r['ours'] / r['hf']:6.2f}" if r["hf"] else f"{'-':>6}"
-        print(f"{r['batch']:>5} {r['ours']:14.1f} {r['ours_decode']:14.1f} {hf_s} {ratio}")
+        floor_ratio = f"{r['floor'] / r['hf']:19.2f}" if r["hf"] else f"{'-':>19}"
+        print(
+            f"{r['batch']:>5} {r['ours']:14.1f} {r['ours_decode']:14.1f} {hf_s} {ratio} {r['floor']:19.1f} {floor_ratio}"
+        )
     print("output tokens/s over whole generate calls (prefill included); best of", args.repeats, "run(s)")
+    print("matmul floor: weight matmuls alone, same shapes and weights; no generate() can be faster")
     return 0
 
 
