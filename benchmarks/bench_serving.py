@@ -401,7 +401,9 @@ def wait_healthy(s: Launched, timeout_s: float) -> None:
             # /health is 200 only once a server can serve (pdserve: workers registered); a server
             # without /health (404) is ready when it lists its models.
             health = httpx.get(s.url + "/health", timeout=5).status_code
-            if health == 200 or (health == 404 and httpx.get(s.url + "/v1/models", timeout=5).status_code == 200):
+            if health == 200 or (
+                health == 404 and httpx.get(s.url + "/v1/models", timeout=5).status_code == 200
+            ):
                 return
         except httpx.HTTPError:
             pass

@@ -3,7 +3,8 @@
 Geometry of the bundled model's KV (30 layers, 3 kv heads, head_dim 64, fp32, page size 16). For each
 prompt length: the KV path's time runs from `sender.send()` (the decode's page list already delivered)
 to `receiver.poll()` reporting SUCCESS, gather and scatter included; the raw path sends the same number
-of bytes from one contiguous buffer with sendall/recv_into. Both processes live on one host, so their
+of bytes from one contiguous buffer with sendall/recv_into. Each size runs twice: with scattered page
+ids (staged copies) and with consecutive ones (pool to pool). Both processes live on one host, so their
 time.monotonic() clocks agree.
 
     python -m pdserve.bench.bench_transfer [--tokens 1024 4096 16384] [--reps 3]
@@ -34,7 +35,7 @@ FINGERPRINT = {
 
 
 def _pool(num_pages: int) -> torch.Tensor:
-    return torch.randn(LAYERS, 2, num_pages, PAGE_SIZE, KV_HEADS, HEAD_DIM)  # [L, 2, N, P, H, D]
+    return torch.randn(num_pages, LAYERS, 2, PAGE_SIZE, KV_HEADS, HEAD_DIM)  # [N, L, 2, P, H, D]
 
 
 def _prefill(conn, num_pages: int, config: TransferConfig) -> None:
@@ -137,17 +138,24 @@ def main() -> None:
           f"= {page_bytes / 2**10:.0f} KiB/page; chunk {args.chunk_mib} MiB; loopback gloo vs raw TCP socket")  # fmt: skip
     print("medians over rounds; ratio = kv/raw throughput per round; send->success = sender.send() called to")
     print("receiver.poll() reporting SUCCESS (page list already at the prefill node)")
-    print(f"{'tokens':>7} {'MiB':>8} {'kv GB/s':>8} {'raw GB/s':>9} {'ratio':>6} {'send->success ms':>17}")
+    print("pages: random = scattered page ids on both sides (staged through gather/scatter copies);")
+    print("       runs = consecutive page ids, as a fresh allocator hands them out (pool to pool, no copies)")
+    print(
+        f"{'tokens':>7} {'pages':>7} {'MiB':>8} {'kv GB/s':>8} {'raw GB/s':>9} {'ratio':>6} {'send->success ms':>17}"
+    )
     seq = 0
-    for tokens in args.tokens:
+    for tokens, order in [(t, o) for t in args.tokens for o in ("random", "runs")]:
         n_pages = -(-tokens // PAGE_SIZE)
         nbytes = n_pages * page_bytes
         kv_times, raw_times = [], []
         for rep in range(args.reps + 1):  # the first round warms up pair group, buffers and page faults
             seq += 1
             room = f"bench-{seq}"
-            src = torch.randperm(max_pages)[:n_pages].tolist()
-            dst = torch.randperm(max_pages)[:n_pages].tolist()
+            if order == "random":
+                src = torch.randperm(max_pages)[:n_pages].tolist()
+                dst = torch.randperm(max_pages)[:n_pages].tolist()
+            else:
+                src, dst = list(range(n_pages)), list(range(max_pages - n_pages, max_pages))
             d_conn.send(("request", room, dst, tokens))
             assert d_conn.recv() == "waiting"
             p_conn.send(("send", room, src, tokens))
@@ -163,7 +171,7 @@ def main() -> None:
         kv_s, raw_s = statistics.median(kv_times), statistics.median(raw_times)
         # Ratio per round (KV and raw run back to back, under the same machine load), then the median.
         ratio = statistics.median(r / k for k, r in zip(kv_times, raw_times))
-        print(f"{tokens:>7} {nbytes / 2**20:>8.1f} {nbytes / kv_s / 1e9:>8.2f} {nbytes / raw_s / 1e9:>9.2f} "
+        print(f"{tokens:>7} {order:>7} {nbytes / 2**20:>8.1f} {nbytes / kv_s / 1e9:>8.2f} {nbytes / raw_s / 1e9:>9.2f} "
               f"{ratio:>6.2f} {kv_s * 1e3:>17.1f}")  # fmt: skip
     for conn in (p_conn, d_conn):
         conn.send(("exit",))

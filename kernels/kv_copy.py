@@ -1,8 +1,12 @@
 """KV cache copies: page gather/scatter for KV transfer, and the store of new tokens' K/V.
 
-The pool is `[L, 2, num_pages, page_size, H, D]`; a page of one layer's K (or V) is one
-contiguous run of page_size * H * D elements, so gather and scatter are block copies of those
-runs between the pool and a contiguous transfer buffer `[L, 2, n, page_size, H, D]`.
+The page copies take a layer-major view `[L, 2, num_pages, page_size, H, D]` with any strides
+(pdserve's page-major pool passes `pool.kv.permute(1, 2, 0, 3, 4, 5)`); a page of one layer's K
+(or V) is one contiguous run of page_size * H * D elements, so gather and scatter are block copies
+of those runs between the pool and a contiguous buffer `[L, 2, n, page_size, H, D]`. KV transfer
+itself no longer uses them: with the page-major pool a page is one contiguous block, moved by
+`index_select` / `index_copy_` or sent as it is (`kv_transfer/layout.py`).
+`store_kv` writes new tokens into each layer's strided `[num_pages, page_size, H, D]` view.
 """
 
 from __future__ import annotations

@@ -20,6 +20,8 @@ class TransferConfig:
     transfer_timeout_s: one send/recv operation on the pair group (a chunk or the metadata).
     max_pairs: live pair groups kept per node; the least recently used idle pair is closed beyond it.
     chunk_bytes: KV bytes per point-to-point operation; bounds the staging memory of a pair (2 buffers).
+    direct_min_bytes: send pages straight from pool to pool, without staging copies, when both page
+        lists run consecutively in stretches of at least this many bytes on average.
     gloo_threads: gloo worker threads per pair group.
     socket_ifname: network interface gloo binds to; None means GLOO_SOCKET_IFNAME, else the local
         address that faces the peer.
@@ -32,6 +34,7 @@ class TransferConfig:
     transfer_timeout_s: float = 60.0
     max_pairs: int = 32
     chunk_bytes: int = 16 << 20
+    direct_min_bytes: int = 1 << 20
     gloo_threads: int = 2
     socket_ifname: str | None = None
     orphan_request_ttl_s: float = 600.0

@@ -4,8 +4,9 @@ Every message is one JSON frame {"t": <type>, ...}. Messages (r = receiver/decod
   HELLO     r->s  receiver_id, identity               handshake; s compares identities
   HELLO_ACK s->r  ok, error, store_port, gen           r builds the pair group `gen` on success
   REQUEST   r->s  room, pages, num_tokens              the decode's pre-allocated page list
-  ANNOUNCE  s->r  room, seq, gen, num_pages, chunk_pages, trailer_len, num_tokens
-                                                       data for `room` follows on the pair group
+  ANNOUNCE  s->r  room, seq, gen, num_pages, chunk_pages, runs, trailer_len, num_tokens
+                                                       data for `room` follows on the pair group:
+                                                       staged chunks, or pool-to-pool runs if given
   BUILD     s->r  gen                                  rebuild the pair group under generation `gen`
   PAIR_DEAD r->s  gen, reason                          the receiver discarded generation `gen`
   ABORT     both  room, reason                         the other side gave up on `room`

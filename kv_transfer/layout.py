@@ -1,12 +1,16 @@
 """Byte layout of the KV hand-off: the one place that knows how pages become bytes on the wire.
 
-Pool:  kv[num_layers, 2 (K=0, V=1), num_pages, page_size, kv_heads, head_dim], contiguous.
-A request's token i lives in page pages[i // page_size] at offset i % page_size; pages move whole.
+Pool:  kv[num_pages, num_layers, 2 (K=0, V=1), page_size, kv_heads, head_dim], contiguous: page-major,
+so each page is one contiguous block of page_bytes. A request's token i lives in page
+pages[i // page_size] at offset i % page_size; pages move whole.
 
 Wire format of one transfer (all over the pair's process group, in this order):
   1. ceil(n_pages / chunk_pages) chunks; chunk c carries pages [c*chunk_pages, ...) of the request as
-     the C-contiguous tensor kv[:, :, chunk_page_ids] of shape [L, 2, c_pages, P, H, D] in the pool's
-     dtype, native byte order, sent as raw uint8.
+     the C-contiguous tensor kv[chunk_page_ids] of shape [c_pages, L, 2, P, H, D] in the pool's
+     dtype, native byte order, sent as raw uint8 (the pages' blocks back to back).
+     Or, when both page lists run consecutively in long enough stretches (`direct_runs`), the pieces
+     of those runs straight from the sender's pool into the receiver's: piece r is kv[first:first + n]
+     on each side, no staging copy at all. The announcement says which of the two it is.
   2. the trailer: UTF-8 JSON {"room", "num_tokens", "metadata"}, raw uint8. The receiver commits only if
      the trailer's room equals the room announced on the control channel.
 The chunk size and trailer length travel in the control-plane announcement that precedes the data.
@@ -55,13 +59,13 @@ def pool_tensor(kv: Any) -> torch.Tensor:
 
 
 def geometry_of(kv: torch.Tensor) -> PoolGeometry:
-    if kv.dim() != 6 or kv.shape[1] != 2:
+    if kv.dim() != 6 or kv.shape[2] != 2:
         raise ValueError(
-            f"KV pool must be [layers, 2, pages, page_size, kv_heads, head_dim], got {tuple(kv.shape)}"
+            f"KV pool must be [pages, layers, 2, page_size, kv_heads, head_dim], got {tuple(kv.shape)}"
         )
     if not kv.is_contiguous():
         raise ValueError("KV pool must be contiguous")
-    layers, _, pages, page_size, heads, head_dim = kv.shape
+    pages, layers, _, page_size, heads, head_dim = kv.shape
     return PoolGeometry(layers, pages, page_size, heads, head_dim, kv.dtype)
 
 
@@ -79,6 +83,34 @@ def chunk_ranges(num_pages: int, per_chunk: int) -> list[tuple[int, int]]:
     return [(start, min(start + per_chunk, num_pages)) for start in range(0, num_pages, per_chunk)]
 
 
+def direct_runs(
+    src: list[int], dst: list[int], max_pages: int, min_bytes: int, page_bytes: int
+) -> list[int] | None:
+    """Piece lengths (at most max_pages each) over which src and dst both run consecutively, if they
+    average at least min_bytes and number at most MAX_CHUNKS; None means: use staged chunks."""
+    runs: list[int] = []
+    n = 0
+    for i in range(len(src)):
+        if n and (src[i] != src[i - 1] + 1 or dst[i] != dst[i - 1] + 1 or n == max_pages):
+            runs.append(n)
+            n = 0
+        n += 1
+    if n:
+        runs.append(n)
+    if not runs or len(runs) > MAX_CHUNKS or len(src) * page_bytes < min_bytes * len(runs):
+        return None
+    return runs
+
+
+def run_starts(runs: list[int]) -> list[int]:
+    """Index in the page list of each run's first page."""
+    starts, at = [], 0
+    for n in runs:
+        starts.append(at)
+        at += n
+    return starts
+
+
 def chunk_tag(seq: int, chunk: int) -> int:
     return (seq % (1 << 20)) * _TAG_STRIDE + chunk
 
@@ -88,30 +120,29 @@ def trailer_tag(seq: int) -> int:
 
 
 def chunk_view(flat: torch.Tensor, geometry: PoolGeometry, n_pages: int) -> torch.Tensor:
-    """View the first n_pages pages' worth of a flat uint8 staging buffer as [L, 2, n, P, H, D]."""
+    """View the first n_pages pages' worth of a flat uint8 staging buffer as [n, L, 2, P, H, D]."""
     nbytes = n_pages * geometry.page_bytes
-    layers, two, page_size, heads, head_dim = geometry.page_shape
     typed = flat[:nbytes].view(geometry.dtype)
-    return typed.view(layers, two, n_pages, page_size, heads, head_dim)
+    return typed.view(n_pages, *geometry.page_shape)
 
 
-def _as_rows(t: torch.Tensor) -> torch.Tensor:
-    """[L, 2, n, P, H, D] -> [L*2, n, words]: same bytes, fewer and wider elements (8-byte words when
-    a page row allows), which makes index_select / index_copy_ markedly faster than on the 6-d view."""
-    rows = t.view(t.shape[0] * 2, t.shape[2], -1)
-    if (rows.shape[2] * rows.element_size()) % 8 == 0:
-        return rows.view(torch.uint8).view(torch.int64)
-    return rows
+def _as_blocks(t: torch.Tensor) -> torch.Tensor:
+    """[n, L, 2, P, H, D] -> [n, words]: one row per page, in 8-byte words when a page allows, which
+    makes index_select / index_copy_ plain block copies."""
+    blocks = t.view(t.shape[0], -1)
+    if (blocks.shape[1] * blocks.element_size()) % 8 == 0:
+        return blocks.view(torch.uint8).view(torch.int64)
+    return blocks
 
 
 def gather_pages(kv: torch.Tensor, page_ids: torch.Tensor, out: torch.Tensor) -> None:
-    """out[L, 2, n, P, H, D] = kv[:, :, page_ids]; page_ids on kv's device, out contiguous."""
-    torch.index_select(_as_rows(kv), 1, page_ids, out=_as_rows(out))
+    """out[n, L, 2, P, H, D] = kv[page_ids]; page_ids on kv's device, out contiguous."""
+    torch.index_select(_as_blocks(kv), 0, page_ids, out=_as_blocks(out))
 
 
 def scatter_pages(kv: torch.Tensor, page_ids: torch.Tensor, buf: torch.Tensor) -> None:
-    """kv[:, :, page_ids] = buf[L, 2, n, P, H, D]; page_ids on kv's device, buf contiguous."""
-    _as_rows(kv).index_copy_(1, page_ids, _as_rows(buf))
+    """kv[page_ids] = buf[n, L, 2, P, H, D]; page_ids on kv's device, buf contiguous."""
+    _as_blocks(kv).index_copy_(0, page_ids, _as_blocks(buf))
 
 
 def encode_trailer(room: str, num_tokens: int, metadata: dict) -> bytes:

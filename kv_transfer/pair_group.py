@@ -25,6 +25,7 @@ from pdserve.kv_transfer.layout import (
     chunk_tag,
     chunk_view,
     gather_pages,
+    run_starts,
     scatter_pages,
     trailer_tag,
 )
@@ -116,6 +117,56 @@ class PairGroup:
         if not work.wait(timedelta(seconds=self._config.transfer_timeout_s)):
             raise TimeoutError(f"pair group op timed out after {self._config.transfer_timeout_s}s")
 
+    @property
+    def can_send_direct(self) -> bool:
+        """Whether pool memory can go on the wire as it is (not when gloo must stage a CUDA pool)."""
+        return not self._stage_on_host
+
+    def _send_trailer(self, seq: int, trailer: bytes) -> None:
+        tail = torch.frombuffer(bytearray(trailer), dtype=torch.uint8)
+        if self._config.backend == "nccl":
+            tail = tail.to(self._device)
+        self._wait(self._pg.send([tail], self._peer, trailer_tag(seq)))
+        if self._config.backend == "nccl":
+            torch.cuda.current_stream(self._device).synchronize()  # deliberate: report only when sent
+
+    def _recv_trailer(self, seq: int, trailer_len: int) -> bytes:
+        tail = torch.empty(
+            trailer_len, dtype=torch.uint8, device=self._device if self._config.backend == "nccl" else "cpu"
+        )
+        self._wait(self._pg.recv([tail], self._peer, trailer_tag(seq)))
+        if self._config.backend == "nccl":
+            torch.cuda.current_stream(self._device).synchronize()  # deliberate: commit only landed pages
+        return bytes(tail.cpu().numpy().tobytes())
+
+    def send_direct(
+        self, kv: torch.Tensor, page_ids: list[int], runs: list[int], seq: int, trailer: bytes
+    ) -> int:
+        """Send each run of consecutive pages straight from the pool (no copy), then the trailer."""
+        blocks = kv.view(kv.shape[0], -1).view(torch.uint8)  # [pages, page_bytes]
+        works = [
+            self._pg.send([blocks[page_ids[at] : page_ids[at] + n].view(-1)], self._peer, chunk_tag(seq, i))
+            for i, (at, n) in enumerate(zip(run_starts(runs), runs))
+        ]
+        for work in works:
+            self._wait(work)
+        self._send_trailer(seq, trailer)
+        return len(page_ids) * blocks.shape[1]
+
+    def recv_direct(
+        self, kv: torch.Tensor, page_ids: list[int] | None, runs: list[int], seq: int, trailer_len: int
+    ) -> bytes:
+        """Receive each run straight into its pool pages (None: drain into a scratch buffer)."""
+        blocks = kv.view(kv.shape[0], -1).view(torch.uint8)
+        scratch = None if page_ids is not None else torch.empty_like(blocks[: max(runs)])
+        works = []
+        for i, (at, n) in enumerate(zip(run_starts(runs), runs)):
+            dst = scratch[:n] if scratch is not None else blocks[page_ids[at] : page_ids[at] + n]
+            works.append(self._pg.recv([dst.view(-1)], self._peer, chunk_tag(seq, i)))
+        for work in works:
+            self._wait(work)
+        return self._recv_trailer(seq, trailer_len)
+
     def send_pages(
         self,
         kv: torch.Tensor,
@@ -143,12 +194,7 @@ class PairGroup:
         for work in pending:
             if work is not None:
                 self._wait(work)
-        tail = torch.frombuffer(bytearray(trailer), dtype=torch.uint8)
-        if self._config.backend == "nccl":
-            tail = tail.to(self._device)
-        self._wait(self._pg.send([tail], self._peer, trailer_tag(seq)))
-        if self._config.backend == "nccl":
-            torch.cuda.current_stream(self._device).synchronize()  # deliberate: report only when sent
+        self._send_trailer(seq, trailer)
         return len(page_ids) * geometry.page_bytes
 
     def recv_pages(
@@ -187,13 +233,7 @@ class PairGroup:
                     compute[:nbytes].copy_(wire[:nbytes])
                 scatter_pages(kv, ids[start:end], chunk_view(compute, geometry, end - start))
             pending = following
-        tail = torch.empty(
-            trailer_len, dtype=torch.uint8, device=self._device if self._config.backend == "nccl" else "cpu"
-        )
-        self._wait(self._pg.recv([tail], self._peer, trailer_tag(seq)))
-        if self._config.backend == "nccl":
-            torch.cuda.current_stream(self._device).synchronize()  # deliberate: commit only landed pages
-        return bytes(tail.cpu().numpy().tobytes())
+        return self._recv_trailer(seq, trailer_len)
 
 
 class PairThread:

@@ -347,6 +347,7 @@ class _ReceiverIO:
             dst_pages=room.info["pages"][: msg["num_pages"]] if live else None,
             num_pages=int(msg["num_pages"]),
             chunk_pages=int(msg["chunk_pages"]),
+            runs=_runs(msg.get("runs"), int(msg["num_pages"])),
             seq=int(msg["seq"]),
             gen=int(msg["gen"]),
             trailer_len=int(msg["trailer_len"]),
@@ -370,3 +371,13 @@ class _ReceiverIO:
                     room,
                     f"timed out after {self.cfg.bootstrap_timeout_s}s bootstrapping with {room.info['addr']}",
                 )
+
+
+def _runs(value: Any, num_pages: int) -> list[int] | None:
+    """The announced pool-to-pool pieces; they must cover exactly num_pages pages."""
+    if value is None:
+        return None
+    runs = [int(n) for n in value]
+    if any(n < 1 for n in runs) or sum(runs) != num_pages:
+        raise ValueError(f"announced runs {runs[:8]}... do not cover {num_pages} pages")
+    return runs

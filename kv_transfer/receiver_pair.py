@@ -23,6 +23,7 @@ class RecvJob:
     dst_pages: list[int] | None  # None: the room is gone here; drain the data to keep the pair in step
     num_pages: int
     chunk_pages: int
+    runs: list[int] | None  # pool-to-pool pieces (layout.direct_runs), or None for staged chunks
     seq: int
     gen: int
     trailer_len: int
@@ -101,15 +102,18 @@ class ReceiverPair(PairThread):
             )
             return
         try:
-            trailer = group.recv_pages(
-                self._kv,
-                self._geometry,
-                job.dst_pages,
-                job.num_pages,
-                job.chunk_pages,
-                job.seq,
-                job.trailer_len,
-            )
+            if job.runs is not None:
+                trailer = group.recv_direct(self._kv, job.dst_pages, job.runs, job.seq, job.trailer_len)
+            else:
+                trailer = group.recv_pages(
+                    self._kv,
+                    self._geometry,
+                    job.dst_pages,
+                    job.num_pages,
+                    job.chunk_pages,
+                    job.seq,
+                    job.trailer_len,
+                )
         except Exception as exc:  # noqa: BLE001 - timeout or peer failure: this generation is dead
             group.close()
             self._group = None

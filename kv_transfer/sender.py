@@ -211,7 +211,13 @@ class _SenderIO:
         if error is not None:
             self.fail(room, error)
             return
-        job = SendJob(room.room, room.info["src_pages"][:n_pages], num_tokens, room.info["metadata"])
+        job = SendJob(
+            room.room,
+            room.info["src_pages"][:n_pages],
+            dst_pages[:n_pages],
+            num_tokens,
+            room.info["metadata"],
+        )
         room.info["job"] = job
         self.move(room, TransferState.BOOTSTRAPPING)  # pair thread reports "started" -> TRANSFERRING
         pair.submit(job)

@@ -18,7 +18,7 @@ import torch
 from pdserve.kv_transfer import control
 from pdserve.kv_transfer.config import TransferConfig
 from pdserve.kv_transfer.control import Mailbox
-from pdserve.kv_transfer.layout import PoolGeometry, chunk_pages, encode_trailer
+from pdserve.kv_transfer.layout import PoolGeometry, chunk_pages, direct_runs, encode_trailer
 from pdserve.kv_transfer.pair_group import SENDER_RANK, PairGroup, PairThread
 
 
@@ -26,6 +26,7 @@ from pdserve.kv_transfer.pair_group import SENDER_RANK, PairGroup, PairThread
 class SendJob:
     room: str
     src_pages: list[int]  # exactly the pages that travel
+    dst_pages: list[int]  # where they land on the decode node, same length
     num_tokens: int
     metadata: dict
     # Set by the I/O thread on abort; checked before the transfer starts.
@@ -129,6 +130,15 @@ class SenderPair(PairThread):
         self._mailbox.post(("started", job.room))
         seq = next(self._seq)
         per_chunk = chunk_pages(self._geometry, len(job.src_pages), self._config.chunk_bytes)
+        runs = None
+        if group.can_send_direct:
+            runs = direct_runs(
+                job.src_pages,
+                job.dst_pages,
+                per_chunk,
+                self._config.direct_min_bytes,
+                self._geometry.page_bytes,
+            )
         trailer = encode_trailer(job.room, job.num_tokens, job.metadata)
         self._out(
             control.ANNOUNCE,
@@ -137,11 +147,15 @@ class SenderPair(PairThread):
             gen=group.gen,
             num_pages=len(job.src_pages),
             chunk_pages=per_chunk,
+            runs=runs,
             trailer_len=len(trailer),
             num_tokens=job.num_tokens,
         )
         try:
-            num_bytes = group.send_pages(self._kv, self._geometry, job.src_pages, per_chunk, seq, trailer)
+            if runs is not None:
+                num_bytes = group.send_direct(self._kv, job.src_pages, runs, seq, trailer)
+            else:
+                num_bytes = group.send_pages(self._kv, self._geometry, job.src_pages, per_chunk, seq, trailer)
         except Exception as exc:  # noqa: BLE001 - timeout or peer failure: this generation is dead
             group.close()
             self._group = None

@@ -49,11 +49,13 @@ class TorchAttention:
         self._uniform = min(batch.extend_lens_cpu) == self._qmax
         # A single prompt with no cached prefix needs neither a gather nor a mask: plain causal.
         self._plain_causal = B == 1 and batch.seq_lens_cpu[0] == batch.extend_lens_cpu[0]
+        self._out_rows = pool.slot_rows(batch.out_cache_loc.long())  # [T] rows of the new tokens
         if self._plain_causal:
             return
         j = torch.arange(lmax, device=dev)
-        # [B, lmax] KV slot of every key position (padding maps into page 0 and is masked out)
-        self._slots = batch.page_table[:, j // ps].long() * ps + (j % ps)
+        # [B * lmax] pool row of every key position (padding maps into page 0 and is masked out)
+        slots = batch.page_table[:, j // ps].long() * ps + (j % ps)
+        self._key_rows = pool.slot_rows(slots).view(-1)
         seq = batch.seq_lens.long()[:, None]  # [B, 1]
         prefix = seq - batch.extend_lens.long()[:, None]
         qi = torch.arange(self._qmax, device=dev)
@@ -75,10 +77,10 @@ class TorchAttention:
         assert batch is not None, "prepare() must run before forward()"
         T, Hq, D = q.shape
         Hkv = k.shape[1]
-        k_cache = pool.k(layer).view(-1, Hkv, D)  # [num_pages * page_size, Hkv, D]
-        v_cache = pool.v(layer).view(-1, Hkv, D)
-        k_cache.index_copy_(0, batch.out_cache_loc, k)
-        v_cache.index_copy_(0, batch.out_cache_loc, v)
+        rows = pool.rows()  # [all rows, Hkv, D]
+        k_off, v_off = pool.row_offset(layer, 0), pool.row_offset(layer, 1)
+        rows.index_copy_(0, self._out_rows + k_off, k)
+        rows.index_copy_(0, self._out_rows + v_off, v)
         if self._plain_causal:
             out = F.scaled_dot_product_attention(
                 q.transpose(0, 1),
@@ -90,11 +92,10 @@ class TorchAttention:
             )  # [Hq, T, D]
             return out.transpose(0, 1)
         B = batch.batch_size
-        # index_select on the flat slots, not k_cache[slots]: advanced indexing is several times
-        # slower on CPU for this gather, which is most of the decode step's attention time.
-        flat = self._slots.view(-1)  # [B * lmax]
-        keys = k_cache.index_select(0, flat).view(B, -1, Hkv, D).transpose(1, 2)  # [B, Hkv, lmax, D]
-        vals = v_cache.index_select(0, flat).view(B, -1, Hkv, D).transpose(1, 2)
+        # index_select on flat rows, not advanced indexing: several times faster on CPU for this
+        # gather, which is most of the decode step's attention time after SDPA.
+        keys = rows.index_select(0, self._key_rows + k_off).view(B, -1, Hkv, D).transpose(1, 2)
+        vals = rows.index_select(0, self._key_rows + v_off).view(B, -1, Hkv, D).transpose(1, 2)
         if self._uniform:
             qp = q.view(B, self._qmax, Hq, D)
         else:

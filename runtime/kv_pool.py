@@ -1,8 +1,12 @@
 """The paged KV cache: one tensor for all layers, and a page allocator with reference counts.
 
-Layout `[num_layers, 2, num_pages, page_size, kv_heads, head_dim]` (index 1: 0 = K, 1 = V), so a
-request's pages for every layer are gathered with one indexing op for KV transfer, and each layer's
-K (or V) is a `[num_pages, page_size, kv_heads, head_dim]` view.
+Layout `[num_pages, num_layers, 2, page_size, kv_heads, head_dim]` (index 2: 0 = K, 1 = V): page-major,
+so one page (all layers' K and V of page_size tokens) is one contiguous block. KV transfer moves a
+request's pages as whole blocks (memcpy-sized copies, or none where page runs are contiguous), and
+each layer's K (or V) is a strided `[num_pages, page_size, kv_heads, head_dim]` view.
+
+For torch indexing, `rows()` views the pool as rows of [kv_heads, head_dim]; token slot
+`page * page_size + offset` of layer l's K is row `slot_rows(slot) + row_offset(l, 0)`.
 """
 
 from __future__ import annotations
@@ -32,9 +36,9 @@ class KVPool:
         self.geometry = geometry
         self.num_pages = num_pages
         g = geometry
-        # [num_layers, 2, num_pages, page_size, kv_heads, head_dim]
+        # [num_pages, num_layers, 2, page_size, kv_heads, head_dim]
         self.kv = torch.zeros(
-            (g.num_layers, 2, num_pages, g.page_size, g.kv_heads, g.head_dim), dtype=g.dtype, device=device
+            (num_pages, g.num_layers, 2, g.page_size, g.kv_heads, g.head_dim), dtype=g.dtype, device=device
         )
 
     @property
@@ -42,10 +46,24 @@ class KVPool:
         return self.geometry.page_size
 
     def k(self, layer: int) -> torch.Tensor:
-        return self.kv[layer, 0]  # [num_pages, page_size, kv_heads, head_dim]
+        return self.kv[:, layer, 0]  # [num_pages, page_size, kv_heads, head_dim], strided over pages
 
     def v(self, layer: int) -> torch.Tensor:
-        return self.kv[layer, 1]
+        return self.kv[:, layer, 1]
+
+    def rows(self) -> torch.Tensor:
+        """The pool as [num_pages * num_layers * 2 * page_size, kv_heads, head_dim] rows (a view)."""
+        g = self.geometry
+        return self.kv.view(-1, g.kv_heads, g.head_dim)
+
+    def slot_rows(self, slots: torch.Tensor) -> torch.Tensor:
+        """Row in `rows()` of layer 0's K for each token slot (page * page_size + offset)."""
+        g = self.geometry
+        return (slots // g.page_size) * (g.num_layers * 2 * g.page_size) + slots % g.page_size
+
+    def row_offset(self, layer: int, kind: int) -> int:
+        """Add to `slot_rows` for layer `layer`'s K (kind 0) or V (kind 1)."""
+        return (2 * layer + kind) * self.geometry.page_size
 
     @staticmethod
     def pages_for(geometry: KVGeometry, max_total_tokens: int) -> int:
@@ -90,7 +108,9 @@ class PageAllocator:
             self._refs[p] += 1
 
     def free(self, pages: list[int]) -> None:
-        for p in pages:
+        # Pushed in reverse, so the next alloc pops them in their old order: a run of consecutive
+        # pages comes back as the same run, which KV transfer can move without staging copies.
+        for p in reversed(pages):
             if self._refs[p] <= 0:
                 raise ValueError(f"page {p} freed twice")
             self._refs[p] -= 1

@@ -45,6 +45,7 @@ def main() -> None:
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=0)
     parser.add_argument("--chunk-bytes", type=int, default=64 << 10)
+    parser.add_argument("--direct-min-bytes", type=int, default=1 << 20)
     parser.add_argument("--bootstrap-timeout", type=float, default=10.0)
     parser.add_argument("--waiting-timeout", type=float, default=20.0)
     parser.add_argument("--transfer-timeout", type=float, default=5.0)
@@ -53,8 +54,8 @@ def main() -> None:
 
     torch.set_num_threads(1)
     gen = torch.Generator().manual_seed(args.seed)
-    shape = (args.layers, 2, args.pages, args.page_size, args.heads, args.head_dim)
-    kv = torch.randn(shape, generator=gen).to(getattr(torch, args.dtype))  # [L, 2, pages, P, H, D]
+    shape = (args.pages, args.layers, 2, args.page_size, args.heads, args.head_dim)
+    kv = torch.randn(shape, generator=gen).to(getattr(torch, args.dtype))  # [pages, L, 2, P, H, D]
     fingerprint = {
         "architecture": "TestLM",
         "num_layers": args.layers,
@@ -71,6 +72,7 @@ def main() -> None:
         transfer_timeout_s=args.transfer_timeout,
         max_pairs=args.max_pairs,
         chunk_bytes=args.chunk_bytes,
+        direct_min_bytes=args.direct_min_bytes,
     )
     if args.role == "prefill":
         engine = KVSender(kv, fingerprint, args.host, args.port, config)

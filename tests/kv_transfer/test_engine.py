@@ -15,7 +15,7 @@ FAST = TransferConfig(bootstrap_timeout_s=5, waiting_timeout_s=0.5, transfer_tim
 
 
 def _pool(pages: int, seed: int) -> torch.Tensor:
-    return torch.randn(2, 2, pages, 4, 2, 8, generator=torch.Generator().manual_seed(seed))  # [L,2,N,P,H,D]
+    return torch.randn(pages, 2, 2, 4, 2, 8, generator=torch.Generator().manual_seed(seed))  # [N,L,2,P,H,D]
 
 
 def _wait(engine, rooms: set[str], timeout: float = 10.0) -> dict:
@@ -151,7 +151,7 @@ def test_cuda_pools_over_gloo_are_staged_through_host_memory():
     src = _pool(32, 1).cuda()
     dst = _pool(32, 2).cuda()
     expected = dst.clone()
-    expected[:, :, [5, 0, 9]] = src[:, :, [1, 30, 7]]
+    expected[[5, 0, 9]] = src[[1, 30, 7]]
     sender = KVSender(src, FP, "127.0.0.1", 0, config)
     receiver = KVReceiver(dst, FP, config)
     sender.start()

@@ -12,6 +12,7 @@ from pdserve.kv_transfer.layout import (
     chunk_ranges,
     chunk_view,
     decode_trailer,
+    direct_runs,
     encode_trailer,
     gather_pages,
     geometry_of,
@@ -23,15 +24,15 @@ from pdserve.kv_transfer.state import Room, TransferState
 
 def test_gather_chunks_then_scatter_reproduces_pages_exactly():
     torch.manual_seed(0)
-    src = torch.randn(3, 2, 40, 4, 2, 5)  # [L, 2, pages, P, H, D]
-    dst = torch.randn(3, 2, 30, 4, 2, 5)
+    src = torch.randn(40, 3, 2, 4, 2, 5)  # [pages, L, 2, P, H, D]
+    dst = torch.randn(30, 3, 2, 4, 2, 5)
     geometry = geometry_of(src)
     src_ids, dst_ids = [7, 3, 39, 0, 12], [29, 0, 4, 5, 11]
     per_chunk = chunk_pages(geometry, len(src_ids), chunk_bytes=2 * geometry.page_bytes)
     assert per_chunk == 2
     staging = torch.empty(per_chunk * geometry.page_bytes, dtype=torch.uint8)  # flat wire buffer
     expected = dst.clone()
-    expected[:, :, dst_ids] = src[:, :, src_ids]
+    expected[dst_ids] = src[src_ids]
     for start, end in chunk_ranges(len(src_ids), per_chunk):
         view = chunk_view(staging, geometry, end - start)
         gather_pages(src, torch.tensor(src_ids[start:end]), view)
@@ -43,7 +44,7 @@ def test_gather_chunks_then_scatter_reproduces_pages_exactly():
 
 
 def test_chunking_covers_every_page_once_and_caps_the_chunk_count():
-    geometry = geometry_of(torch.empty(1, 2, 5000, 16, 1, 1))
+    geometry = geometry_of(torch.empty(5000, 1, 2, 16, 1, 1))
     assert geometry.page_bytes == 2 * 16 * 4
     per_chunk = chunk_pages(geometry, 5000, chunk_bytes=1)  # tiny chunks requested
     ranges = chunk_ranges(5000, per_chunk)
@@ -56,7 +57,7 @@ def test_geometry_rejects_non_pool_tensors():
     with pytest.raises(ValueError, match="KV pool must be"):
         geometry_of(torch.empty(2, 3, 4, 5, 6, 7))
     with pytest.raises(ValueError, match="contiguous"):
-        geometry_of(torch.empty(2, 2, 4, 5, 6, 7).transpose(0, 2))
+        geometry_of(torch.empty(4, 2, 2, 5, 6, 7).transpose(0, 1))
 
 
 def test_trailer_round_trip():
@@ -81,8 +82,8 @@ def test_state_machine_allows_only_forward_transitions():
 
 
 def test_identity_comparison_names_every_differing_field_with_both_values():
-    kv16 = geometry_of(torch.empty(2, 2, 8, 16, 2, 4))
-    kv32 = geometry_of(torch.empty(2, 2, 8, 32, 2, 4))
+    kv16 = geometry_of(torch.empty(8, 2, 2, 16, 2, 4))
+    kv32 = geometry_of(torch.empty(8, 2, 2, 32, 2, 4))
     fp = {"architecture": "A", "page_size": 16, "weights_hash": "h1"}
     mine = pair_identity(fp, kv16, "gloo")
     assert compare_identities(mine, pair_identity(fp, kv16, "gloo"), "decode") is None
@@ -94,3 +95,13 @@ def test_identity_comparison_names_every_differing_field_with_both_values():
     assert "architecture" not in error
     missing = compare_identities(mine, {k: v for k, v in mine.items() if k != "weights_hash"}, "decode")
     assert "weights_hash: local='h1' decode='<missing>'" in missing
+
+
+def test_direct_runs_split_where_either_side_breaks_and_refuse_fragmented_lists():
+    src, dst = [4, 5, 6, 7, 20, 21], [10, 11, 30, 31, 32, 33]
+    assert direct_runs(src, dst, max_pages=8, min_bytes=1, page_bytes=1) == [2, 2, 2]
+    assert direct_runs(list(range(10)), list(range(5, 15)), 4, 1, 1) == [4, 4, 2]  # capped pieces
+    # Average run below min_bytes: staged chunks instead (None).
+    assert direct_runs(src, dst, max_pages=8, min_bytes=3, page_bytes=1) is None
+    assert direct_runs([3, 1, 2], [0, 1, 2], 8, 1, 1) == [1, 2]
+    assert direct_runs([], [], 8, 1, 1) is None

@@ -9,6 +9,8 @@ import time
 import pytest
 import torch
 
+from pdserve.kv_transfer.layout import direct_runs
+
 PAGE = 16
 GEOM = ["--layers", "2", "--heads", "2", "--head-dim", "8", "--page-size", str(PAGE)]
 
@@ -25,24 +27,32 @@ def _pages(rng: random.Random, pool: list[int], num_tokens: int) -> list[int]:
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_transfers_are_byte_exact_and_touch_only_destination_pages(spawn, tmp_path, dtype):
-    prefill = spawn("prefill", "--seed", "1", "--pages", "150", "--dtype", dtype, *GEOM)
-    decode = spawn("decode", "--seed", "2", "--pages", "120", "--dtype", dtype, *GEOM)
+    # Pages are 4 KiB here: runs of 2+ consecutive pages on both sides go pool to pool (no staging).
+    direct = ["--direct-min-bytes", "8192"]
+    prefill = spawn("prefill", "--seed", "1", "--pages", "150", "--dtype", dtype, *GEOM, *direct)
+    decode = spawn("decode", "--seed", "2", "--pages", "120", "--dtype", dtype, *GEOM, *direct)
     prefill.call("dump", path=str(tmp_path / "src.pt"))
     decode.call("dump", path=str(tmp_path / "dst_before.pt"))
     assert decode.call("connect", addr=prefill.addr)["ok"]
 
+    # r480 moves in three runs that are consecutive on both sides (pages 100-119 + 130-139 -> 60-74 +
+    # 80-94): the direct path; the other rooms use random pages: staged chunks, on the same pair.
+    run_src, run_dst = [*range(100, 120), *range(130, 140)], [*range(60, 75), *range(80, 95)]
+    assert direct_runs(run_src, run_dst, 1000, 8192, 4096) == [15, 5, 10]
+    src_free = [p for p in range(150) if p not in run_src]
+    dst_free = [p for p in range(120) if p not in run_dst]
     rng = random.Random(7)
-    src_free, dst_free = list(range(150)), list(range(120))
-    rooms = {}
+    rooms = {"r480": (480, run_src, run_dst)}
     for name, tokens in [("r1", 1), ("r17", 17), ("r1000", 1000), ("r33", 33)]:
         rooms[name] = (tokens, _pages(rng, src_free, tokens), _pages(rng, dst_free, tokens))
+    assert direct_runs(rooms["r1000"][1], rooms["r1000"][2], 1000, 8192, 4096) is None
     # Both orders: send() before the decode's page list (r1, r33) and after it (r17); r1000 interleaved.
-    for name in ["r1", "r33"]:
+    for name in ["r480", "r1", "r33"]:
         tokens, src, _ = rooms[name]
         prefill.call(
             "send", room=name, pages=src, num_tokens=tokens, metadata={"first_token": tokens, "room": name}
         )
-    for name in ["r17", "r1000", "r1", "r33"]:
+    for name in ["r17", "r1000", "r1", "r33", "r480"]:
         tokens, _, dst = rooms[name]
         decode.call("request", room=name, addr=prefill.addr, pages=dst, num_tokens=tokens)
     for name in ["r1000", "r17"]:
@@ -61,9 +71,9 @@ def test_transfers_are_byte_exact_and_touch_only_destination_pages(spawn, tmp_pa
 
     decode.call("dump", path=str(tmp_path / "dst_after.pt"))
     src_kv = torch.load(tmp_path / "src.pt")
-    expected = torch.load(tmp_path / "dst_before.pt")  # [L, 2, 120, P, H, D]
+    expected = torch.load(tmp_path / "dst_before.pt")  # [120, L, 2, P, H, D]
     for _tokens, src, dst in rooms.values():
-        expected[:, :, dst] = src_kv[:, :, src]
+        expected[dst] = src_kv[src]
     after = torch.load(tmp_path / "dst_after.pt")
     assert after.dtype == expected.dtype
     # Byte-exact at destination pages and untouched everywhere else.

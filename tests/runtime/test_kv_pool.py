@@ -93,16 +93,22 @@ def test_pool_layout_and_views():
     assert geo.bytes_per_token == 3 * 2 * 2 * 8 * 2
     assert KVPool.pages_for(geo, 9) == 3 and KVPool.pages_for(geo, 8) == 2
     pool = KVPool(geo, num_pages=5)
-    assert pool.kv.shape == (3, 2, 5, 4, 2, 8) and pool.kv.dtype == torch.float16
+    assert pool.kv.shape == (5, 3, 2, 4, 2, 8) and pool.kv.dtype == torch.float16
     assert pool.page_size == 4
+    # Page-major: one page of every layer's K and V is one contiguous block.
+    assert pool.kv[3].is_contiguous() and pool.kv[3].numel() == 3 * 2 * 4 * 2 * 8
     # k(layer) / v(layer) are views: writes through them land in the one pool tensor.
     pool.k(1)[3, 2] = 1.0
     pool.v(2)[0, 1, 1] = 2.0
-    assert pool.kv[1, 0, 3, 2].eq(1.0).all() and pool.kv[2, 1, 0, 1, 1].eq(2.0).all()
+    assert pool.kv[3, 1, 0, 2].eq(1.0).all() and pool.kv[0, 2, 1, 1, 1].eq(2.0).all()
     assert pool.kv.sum().item() == 2 * 8 * 1.0 + 8 * 2.0
-    assert pool.k(1).data_ptr() == pool.kv[1, 0].data_ptr()
-    # Slot arithmetic the batch uses: slot = page * page_size + offset in the flat per-layer view.
-    flat = pool.k(1).view(-1, 2, 8)
-    assert flat[3 * 4 + 2].eq(1.0).all()
+    assert pool.k(1).data_ptr() == pool.kv[0, 1, 0].data_ptr()
+    # Row arithmetic the torch attention uses: slot = page * page_size + offset.
+    rows = pool.rows()
+    slot = torch.tensor([3 * 4 + 2])
+    assert rows[pool.slot_rows(slot) + pool.row_offset(1, 0)].eq(1.0).all()
+    slot = torch.tensor([0 * 4 + 1])
+    assert rows[pool.slot_rows(slot) + pool.row_offset(2, 1)][0, 1].eq(2.0).all()
+    assert rows[pool.slot_rows(slot) + pool.row_offset(2, 0)].eq(0.0).all()
     with pytest.raises(ValueError):
         KVPool(geo, num_pages=0)
