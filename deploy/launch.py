@@ -91,7 +91,12 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         default=env("PDSERVE_WORKER_ID_PREFIX", socket.gethostname() + "-"),
         help="worker ids are <prefix>prefill-<i>; must differ between hosts",
     )
-    p.add_argument("--threads-per-worker", type=int, default=None, help="CPU: torch threads per worker")
+    p.add_argument(
+        "--threads-per-worker",
+        type=int,
+        default=None,
+        help="CPU: torch threads per worker (default: every core)",
+    )
     p.add_argument("--log-dir", default=env("PDSERVE_LOG_DIR", "pdserve-logs"))
     p.add_argument("--log-level", default="info")
     p.add_argument("--startup-timeout", type=float, default=600.0, help="seconds to wait for health")
@@ -133,7 +138,10 @@ def plan(args: argparse.Namespace) -> list[Child]:
         return children
     gateway = args.gateway or f"127.0.0.1:{args.control_port}"
     n_workers = len(args.prefill_slots) + len(args.decode_slots)
-    threads = args.threads_per_worker or max(1, (os.cpu_count() or 2) // n_workers)
+    threads = args.threads_per_worker or os.cpu_count() or 1
+    # Workers sharing cores: idle OpenMP threads sleep instead of spinning (as `pdserve up` does).
+    shared = args.device == "cpu" and n_workers * threads > (os.cpu_count() or 1)
+    omp = {"OMP_WAIT_POLICY": "PASSIVE"} if shared and "OMP_WAIT_POLICY" not in os.environ else {}
     common = [
         "--device",
         args.device,
@@ -158,7 +166,7 @@ def plan(args: argparse.Namespace) -> list[Child]:
                 argv += ["--health-port", str(args.health_port_base + k)]
             k += 1
             # CPU workers see no GPU at all, so nothing is allocated there by accident.
-            env = {"CUDA_VISIBLE_DEVICES": gpu if gpu is not None else ""}
+            env = {"CUDA_VISIBLE_DEVICES": gpu if gpu is not None else "", **omp}
             children.append(Child(name, argv + args.worker_flags, env))
     return children
 
