@@ -138,7 +138,7 @@ def plan(args: argparse.Namespace) -> list[Child]:
         return children
     gateway = args.gateway or f"127.0.0.1:{args.control_port}"
     n_workers = len(args.prefill_slots) + len(args.decode_slots)
-    threads = args.threads_per_worker or os.cpu_count() or 1
+    threads = args.threads_per_worker or max(1, (os.cpu_count() or 2) // n_workers)
     # Workers sharing cores: idle OpenMP threads sleep instead of spinning (as `pdserve up` does).
     shared = args.device == "cpu" and n_workers * threads > (os.cpu_count() or 1)
     omp = {"OMP_WAIT_POLICY": "PASSIVE"} if shared and "OMP_WAIT_POLICY" not in os.environ else {}

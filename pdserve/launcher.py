@@ -30,7 +30,8 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
         "--threads-per-worker",
         type=int,
         default=None,
-        help="torch threads per worker (default: every core; workers that share cores wait passively)",
+        help="torch threads per worker (default: cores split evenly among workers; more than that "
+        "shares cores, with idle OpenMP threads sleeping)",
     )
     parser.add_argument("--served-model-name", default="default")
     parser.add_argument("--log-level", default="info")
@@ -86,7 +87,7 @@ def worker_commands(args: argparse.Namespace) -> list[tuple[str, list[str]]]:
     ]
     if args.model_path:
         gw += ["--model-path", args.model_path]
-    threads = args.threads_per_worker or os.cpu_count() or 1
+    threads = _threads(args)
     common = _flags(args, _FORWARDED) + [
         "--gateway",
         f"127.0.0.1:{control}",
@@ -114,14 +115,18 @@ def worker_commands(args: argparse.Namespace) -> list[tuple[str, list[str]]]:
     return cmds
 
 
+def _threads(args: argparse.Namespace) -> int:
+    workers = args.num_prefill + args.num_decode
+    return args.threads_per_worker or max(1, (os.cpu_count() or 2) // workers)
+
+
 def worker_env(args: argparse.Namespace) -> dict[str, str]:
-    """Extra environment for the children. When the workers' threads outnumber the cores, their OpenMP
-    threads sleep when idle instead of spinning (OMP_WAIT_POLICY=PASSIVE, unless the user chose), so a
-    busy worker gets the cores an idle one is not using: on two cores, two workers of two threads each
-    serve 25% more at concurrency 32 than one thread each (docs/benchmarks.md), while spinning threads
-    made the same split 25% slower."""
-    threads = args.threads_per_worker or os.cpu_count() or 1
-    shared = (args.num_prefill + args.num_decode) * threads > (os.cpu_count() or 1)
+    """Extra environment for the children. When the workers' threads outnumber the cores (an explicit
+    --threads-per-worker above the even split), their OpenMP threads sleep when idle instead of spinning
+    (OMP_WAIT_POLICY=PASSIVE, unless the user chose), so a busy worker gets the cores an idle one leaves:
+    on two cores, two threads per worker then serve 25% more in a burst of 32 requests than the even
+    split, where spinning threads made the same setting 25% slower (docs/benchmarks.md)."""
+    shared = (args.num_prefill + args.num_decode) * _threads(args) > (os.cpu_count() or 1)
     if shared and "OMP_WAIT_POLICY" not in os.environ:
         return {"OMP_WAIT_POLICY": "PASSIVE"}
     return {}

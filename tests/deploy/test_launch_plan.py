@@ -113,29 +113,32 @@ def test_bad_topologies_are_refused(launch, argv):
     assert e.value.code == 2
 
 
-def test_cpu_workers_share_every_core_and_wait_passively(launch, monkeypatch):
-    """Default: each CPU worker may use every core; since they then share cores, their idle OpenMP
-    threads must sleep (OMP_WAIT_POLICY=PASSIVE), in both launchers. A user's own policy wins."""
+def test_cpu_threads_split_evenly_and_shared_cores_wait_passively(launch, monkeypatch):
+    """Default: the cores are split evenly among CPU workers. Asking for more threads than that makes
+    workers share cores, and then their idle OpenMP threads must sleep (OMP_WAIT_POLICY=PASSIVE), in
+    both launchers. A user's own policy wins."""
     import os
 
     from pdserve.launcher import add_cli_args, worker_commands, worker_env
 
     monkeypatch.delenv("OMP_WAIT_POLICY", raising=False)
     monkeypatch.setattr(os, "cpu_count", lambda: 4)
-    children = launch.plan(launch.parse_args(["--device", "cpu", "--num-prefill", "1", "--num-decode", "1"]))
-    for c in children[1:]:
+    cpu = ["--device", "cpu", "--num-prefill", "1", "--num-decode", "1"]
+    for c in launch.plan(launch.parse_args(cpu))[1:]:
+        cfg, _ = _parse_worker(c.argv)
+        assert cfg.runtime.num_threads == 2 and "OMP_WAIT_POLICY" not in c.env
+    for c in launch.plan(launch.parse_args([*cpu, "--threads-per-worker", "4"]))[1:]:
         cfg, _ = _parse_worker(c.argv)
         assert cfg.runtime.num_threads == 4 and c.env["OMP_WAIT_POLICY"] == "PASSIVE"
 
     parser = argparse.ArgumentParser()
     add_cli_args(parser)
-    up = parser.parse_args([])
-    workers = [argv for name, argv in worker_commands(up) if name != "gateway"]
-    assert all(argv[argv.index("--num-threads") + 1] == "4" for argv in workers)
-    assert worker_env(up) == {"OMP_WAIT_POLICY": "PASSIVE"}
-    # An even split does not share cores: nothing to change.
-    assert worker_env(parser.parse_args(["--threads-per-worker", "2"])) == {}
+    even, shared = parser.parse_args([]), parser.parse_args(["--threads-per-worker", "4"])
+    workers = [argv for name, argv in worker_commands(even) if name != "gateway"]
+    assert all(argv[argv.index("--num-threads") + 1] == "2" for argv in workers)
+    assert worker_env(even) == {}
+    assert worker_env(shared) == {"OMP_WAIT_POLICY": "PASSIVE"}
     monkeypatch.setenv("OMP_WAIT_POLICY", "ACTIVE")
-    assert worker_env(up) == {}
-    children = launch.plan(launch.parse_args(["--device", "cpu", "--num-prefill", "1", "--num-decode", "1"]))
+    assert worker_env(shared) == {}
+    children = launch.plan(launch.parse_args([*cpu, "--threads-per-worker", "4"]))
     assert all("OMP_WAIT_POLICY" not in c.env for c in children)
