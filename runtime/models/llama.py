@@ -124,6 +124,18 @@ class DecoderModel(nn.Module):
         self.norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
 
 
+def lm_head_logits(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """Logits [N, vocab] in float32 of hidden states x [N, hidden] and the head weight [vocab, hidden].
+
+    On CPU in fp32 with up to 128 rows, the CPU BLAS runs this skinny product 1.1-2.5x faster as
+    weight @ x^T (vocab as the long side) than as x @ weight^T: measured on the bundled model's head
+    (49152 x 576, 2 threads), 26 -> 19 ms at 32 rows, 17 -> 7 ms at 4 rows, equal at 1, slower from 256.
+    """
+    if x.device.type == "cpu" and x.dtype == torch.float32 and x.shape[0] <= 128:
+        return torch.mm(weight, x.t()).t().contiguous()
+    return F.linear(x, weight).float()
+
+
 class CausalLM(nn.Module):
     def __init__(self, spec: ModelSpec, rotary: Rotary):
         super().__init__()
@@ -147,7 +159,7 @@ class CausalLM(nn.Module):
         for layer in self.model.layers:
             x = layer(x, batch.positions, self.rotary, backend, pool)
         x = self.model.norm(x[batch.logits_indices])  # [N, hidden]
-        return F.linear(x, self.lm_head_weight).float()
+        return lm_head_logits(x, self.lm_head_weight)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Copy checkpoint tensors (HF names) into the fused parameters; every parameter must be set."""
