@@ -102,6 +102,13 @@ def direct_runs(
     return runs
 
 
+def runs_fit(pages: list[int], runs: list[int]) -> bool:
+    """Whether `pages` run consecutively over every piece of `runs` (the receiver's own check)."""
+    return all(
+        pages[at : at + n] == list(range(pages[at], pages[at] + n)) for at, n in zip(run_starts(runs), runs)
+    )
+
+
 def run_starts(runs: list[int]) -> list[int]:
     """Index in the page list of each run's first page."""
     starts, at = [], 0

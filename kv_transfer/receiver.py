@@ -23,6 +23,7 @@ from pdserve.kv_transfer import control
 from pdserve.kv_transfer.config import TransferConfig
 from pdserve.kv_transfer.endpoint import Endpoint
 from pdserve.kv_transfer.handshake import FingerprintMismatch
+from pdserve.kv_transfer.layout import runs_fit
 from pdserve.kv_transfer.receiver_pair import ReceiverPair, RecvJob
 from pdserve.kv_transfer.state import Room, TransferResult, TransferState
 
@@ -335,19 +336,25 @@ class _ReceiverIO:
 
     def on_announce(self, peer: _Peer, msg: dict) -> None:
         room = self.rooms.get(msg["room"])
+        num_pages = int(msg["num_pages"])
+        runs = _runs(msg.get("runs"), num_pages)
         live = (
             room is not None
             and room.info["addr"] == peer.addr
             and room.state == TransferState.WAITING_FOR_INPUT
         )
+        if live and runs is not None and not runs_fit(room.info["pages"][:num_pages], runs):
+            # Never receive in place into pages outside a run: drain the data, fail the room.
+            self.fail(room, "the prefill node announced page runs that do not match this node's page list")
+            live = False
         if live:
             self.move(room, TransferState.TRANSFERRING)
         job = RecvJob(
             room=msg["room"],
-            dst_pages=room.info["pages"][: msg["num_pages"]] if live else None,
-            num_pages=int(msg["num_pages"]),
+            dst_pages=room.info["pages"][:num_pages] if live else None,
+            num_pages=num_pages,
             chunk_pages=int(msg["chunk_pages"]),
-            runs=_runs(msg.get("runs"), int(msg["num_pages"])),
+            runs=runs,
             seq=int(msg["seq"]),
             gen=int(msg["gen"]),
             trailer_len=int(msg["trailer_len"]),

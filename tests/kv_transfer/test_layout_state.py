@@ -17,6 +17,7 @@ from pdserve.kv_transfer.layout import (
     gather_pages,
     geometry_of,
     pages_for,
+    runs_fit,
     scatter_pages,
 )
 from pdserve.kv_transfer.state import Room, TransferState
@@ -105,3 +106,6 @@ def test_direct_runs_split_where_either_side_breaks_and_refuse_fragmented_lists(
     assert direct_runs(src, dst, max_pages=8, min_bytes=3, page_bytes=1) is None
     assert direct_runs([3, 1, 2], [0, 1, 2], 8, 1, 1) == [1, 2]
     assert direct_runs([], [], 8, 1, 1) is None
+    # The receiver's own check of announced runs against its page list.
+    assert runs_fit(dst, [2, 2, 2]) and runs_fit(dst, [1, 1, 4])
+    assert not runs_fit(dst, [3, 3]) and not runs_fit([5, 4], [2])
