@@ -24,6 +24,7 @@ from pdserve.kernels._checks import (
     interpreted,
     next_pow2,
 )
+from pdserve.kernels._online_softmax import load_kv_tile, online_softmax_step
 
 _LOG2E = 1.4426950408889634
 
@@ -98,30 +99,11 @@ def _extend_kernel(
         page = tl.load(pt_row + kpos // PAGE_SIZE, mask=mask_n, other=0).to(tl.int64)
         in_page = kpos % PAGE_SIZE
         kv_mask = mask_n[:, None] & mask_d[None, :]
-        k = tl.load(
-            K + page[:, None] * stride_kp + in_page[:, None] * stride_ks + kvh * stride_kh + offs_d[None, :],
-            mask=kv_mask,
-            other=0.0,
-        )  # [BLOCK_N, BLOCK_D]
-        if UPCAST:
-            k = k.to(tl.float32)
-        qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * sm_scale_log2  # [BLOCK_M, BLOCK_N]
+        k = load_kv_tile(K, page, in_page, stride_kp, stride_ks, kvh * stride_kh, offs_d, kv_mask, UPCAST)
+        v = load_kv_tile(V, page, in_page, stride_vp, stride_vs, kvh * stride_vh, offs_d, kv_mask, UPCAST)
+        # Key 0 is in the first block and visible to every row, so the running max is finite from then on.
         visible = (kpos[None, :] <= q_pos[:, None]) & mask_n[None, :]
-        qk = tl.where(visible, qk, float("-inf"))
-        # Key 0 is in the first block and visible to every row, so m_new is finite from then on.
-        m_new = tl.maximum(m_i, tl.max(qk, 1))
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(qk - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
-        v = tl.load(
-            V + page[:, None] * stride_vp + in_page[:, None] * stride_vs + kvh * stride_vh + offs_d[None, :],
-            mask=kv_mask,
-            other=0.0,
-        )  # [BLOCK_N, BLOCK_D]
-        if UPCAST:
-            v = v.to(tl.float32)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
-        m_i = m_new
+        m_i, l_i, acc = online_softmax_step(q, k, v, visible, m_i, l_i, acc, sm_scale_log2, DOT_PRECISION)
 
     out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
     tl.store(

@@ -239,16 +239,34 @@ class PairGroup:
 class PairThread:
     """One pair's control thread: a job queue served in order; `None` stops it after the current job.
 
-    Subclasses call `_start(name)` at the end of __init__ and implement `_run`, which owns the group.
+    Subclasses set `_kv` and `_config`, call `_start(name)` at the end of __init__ and implement
+    `_handle(job)`. The thread owns `_group`: only it builds, uses and closes the pair group.
     """
 
+    _kv: torch.Tensor
+    _config: TransferConfig
+
     def _start(self, name: str) -> None:
+        self._group: PairGroup | None = None
         self._jobs: queue.SimpleQueue = queue.SimpleQueue()
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._thread.start()
 
     def _run(self) -> None:
+        while (job := self._jobs.get()) is not None:
+            self._handle(job)
+        if self._group is not None:
+            self._group.close()
+
+    def _handle(self, job) -> None:
         raise NotImplementedError
+
+    def _replace_group(self, **group_args) -> None:
+        """Close the current group, if any, and build a new one; raises what the build raises."""
+        if self._group is not None:
+            self._group.close()
+            self._group = None
+        self._group = PairGroup(kv=self._kv, config=self._config, **group_args)
 
     def close(self) -> None:
         """Stop after the current job; the group is dropped on the pair's own thread."""

@@ -14,7 +14,7 @@ import torch
 from pdserve.kv_transfer.config import TransferConfig
 from pdserve.kv_transfer.control import Mailbox, local_address_towards
 from pdserve.kv_transfer.layout import PoolGeometry, decode_trailer
-from pdserve.kv_transfer.pair_group import RECEIVER_RANK, PairGroup, PairThread
+from pdserve.kv_transfer.pair_group import RECEIVER_RANK, PairThread
 
 
 @dataclass
@@ -52,7 +52,6 @@ class ReceiverPair(PairThread):
         self.addr = addr
         self._store_host = store_host
         self._kv, self._geometry, self._config, self._mailbox = kv, geometry, config, mailbox
-        self._group: PairGroup | None = None
         self._start(f"kv-recv-pair-{addr}")
 
     def build(self, gen: int, store_port: int, pair_id: str) -> None:
@@ -61,32 +60,21 @@ class ReceiverPair(PairThread):
     def submit(self, job: RecvJob) -> None:
         self._jobs.put(job)
 
-    def _run(self) -> None:
-        while True:
-            job = self._jobs.get()
-            if job is None:
-                break
-            if isinstance(job, _Build):
-                self._build(job)
-            else:
-                self._receive(job)
-        if self._group is not None:
-            self._group.close()
+    def _handle(self, job: RecvJob | _Build) -> None:
+        if isinstance(job, _Build):
+            self._build(job)
+        else:
+            self._receive(job)
 
     def _build(self, job: _Build) -> None:
-        if self._group is not None:
-            self._group.close()
-            self._group = None
         try:
-            self._group = PairGroup(
+            self._replace_group(
                 store_host=self._store_host,
                 store_port=job.store_port,
                 pair_id=job.pair_id,
                 gen=job.gen,
                 rank=RECEIVER_RANK,
                 local_host=local_address_towards(self._store_host),
-                kv=self._kv,
-                config=self._config,
             )
         except Exception as exc:  # noqa: BLE001 - the sender sees its own build fail and rebuilds
             self._mailbox.post(

@@ -19,7 +19,7 @@ from pdserve.kv_transfer import control
 from pdserve.kv_transfer.config import TransferConfig
 from pdserve.kv_transfer.control import Mailbox
 from pdserve.kv_transfer.layout import PoolGeometry, chunk_pages, direct_runs, encode_trailer
-from pdserve.kv_transfer.pair_group import SENDER_RANK, PairGroup, PairThread
+from pdserve.kv_transfer.pair_group import SENDER_RANK, PairThread
 
 
 @dataclass
@@ -64,7 +64,6 @@ class SenderPair(PairThread):
         # Generations come from one counter per sender, so a pair re-created for the same decode node
         # never reuses a store prefix whose keys still hold a dead group's addresses.
         self.new_gen = gens
-        self._group: PairGroup | None = None
         self._seq = itertools.count()
         self._start(f"kv-send-pair-{self.pair_id[:8]}")
 
@@ -81,35 +80,24 @@ class SenderPair(PairThread):
         self._mailbox.post(("out", self.identity, control.encode(kind, **fields)))
 
     def _build(self, gen: int) -> str | None:
-        if self._group is not None:
-            self._group.close()
-            self._group = None
         try:
-            self._group = PairGroup(
+            self._replace_group(
                 store_host=self._store_host,
                 store_port=self._store_port,
                 pair_id=self.pair_id,
                 gen=gen,
                 rank=SENDER_RANK,
                 local_host=self._store_host,
-                kv=self._kv,
-                config=self._config,
             )
             return None
         except Exception as exc:  # noqa: BLE001 - any build failure means "no group", reported upward
             return f"building pair group gen {gen} failed: {exc}"
 
-    def _run(self) -> None:
-        while True:
-            job = self._jobs.get()
-            if job is None:
-                break
-            if isinstance(job, _Build):
-                self._build(job.gen)
-                continue
+    def _handle(self, job: SendJob | _Build) -> None:
+        if isinstance(job, _Build):
+            self._build(job.gen)
+        else:
             self._transfer(job)
-        if self._group is not None:
-            self._group.close()
 
     def _transfer(self, job: SendJob) -> None:
         if job.cancelled.is_set():

@@ -49,7 +49,7 @@ class TorchAttention:
         self._uniform = min(batch.extend_lens_cpu) == self._qmax
         # A single prompt with no cached prefix needs neither a gather nor a mask: plain causal.
         self._plain_causal = B == 1 and batch.seq_lens_cpu[0] == batch.extend_lens_cpu[0]
-        self._out_rows = pool.slot_rows(batch.out_cache_loc.long())  # [T] rows of the new tokens
+        self._out_rows = pool.slot_rows(batch.out_cache_loc)  # [T] rows of the new tokens
         if self._plain_causal:
             return
         j = torch.arange(lmax, device=dev)
