@@ -16,12 +16,13 @@ from dataclasses import dataclass, field
 
 import zmq
 import zmq.asyncio
-from pydantic import BaseModel, ValidationError
+from pydantic import BaseModel
 
 from pdserve.gateway.config import GatewayConfig
 from pdserve.gateway.metrics import GatewayMetrics
 from pdserve.gateway.workers import WorkerInfo, WorkerRegistry
-from pdserve.messages import (
+from pdserve.protocol.codec import ProtocolError, VersionMismatch
+from pdserve.protocol.gateway import (
     AbortRequest,
     Deregister,
     Ping,
@@ -32,7 +33,6 @@ from pdserve.messages import (
     RequestFailed,
     TokenBatch,
     TokenOutput,
-    WireVersionError,
     decode,
     encode,
 )
@@ -177,8 +177,11 @@ class ControlPlane:
         identity, payload = frames[0], frames[-1]
         try:
             msg = decode(payload)
-        except (ValidationError, WireVersionError, ValueError) as e:
-            log.warning("undecodable frame from %r: %s", identity, str(e).splitlines()[0])
+        except ProtocolError as e:
+            log.warning("refused a frame from %r: %s", identity, e)
+            if isinstance(e, VersionMismatch):
+                # Most likely a Register from a worker of another release: tell it why, in our version.
+                self._outbox.put_nowait((identity, encode(RegisterAck(accepted=False, reason=str(e)))))
             return
         if isinstance(msg, Register):
             self._on_register(identity, msg, t_recv)

@@ -32,7 +32,7 @@ from pdserve.gateway.timeline import (
 )
 from pdserve.gateway.tokenizer import Tokenizer
 from pdserve.gateway.workers import WorkerRegistry
-from pdserve.messages import GenerateRequest, TokenOutput
+from pdserve.protocol.gateway import GenerateRequest, TokenOutput
 from pdserve.sampling_params import SamplingParams
 
 log = logging.getLogger(__name__)

@@ -12,7 +12,7 @@ from collections.abc import Collection
 from dataclasses import dataclass, field
 
 from pdserve.gateway.clock import OffsetEstimator
-from pdserve.messages import Register, Role
+from pdserve.protocol.gateway import Register, Role
 
 
 @dataclass

@@ -12,10 +12,10 @@ from typing import Any
 
 import zmq
 
-from pdserve.kv_transfer import control
 from pdserve.kv_transfer.config import TransferConfig
 from pdserve.kv_transfer.handshake import pair_identity
 from pdserve.kv_transfer.layout import geometry_of, pool_tensor
+from pdserve.kv_transfer.mailbox import Close, Mailbox
 from pdserve.kv_transfer.state import TransferResult, TransferState
 
 
@@ -25,7 +25,7 @@ class Endpoint:
         self._geometry = geometry_of(self._kv)
         self._identity = pair_identity(fingerprint, self._geometry, config.backend)
         self._config = config
-        self._mailbox = control.Mailbox()
+        self._mailbox = Mailbox()
         self._results: collections.deque[TransferResult] = collections.deque()
         self._states: dict[str, TransferState] = {}  # written by the I/O thread only
         self._thread: threading.Thread | None = None
@@ -44,7 +44,7 @@ class Endpoint:
     def close(self) -> None:
         """Stop the I/O thread (it closes the pairs), then the zmq context and the mailbox."""
         if self._thread is not None:
-            self._mailbox.post(("close",))
+            self._mailbox.post(Close())
             self._thread.join(timeout=5)
             self._thread = None
         if self._ctx is not None:

@@ -2,14 +2,13 @@
 
 The compared identity is the caller's model fingerprint (architecture, layers, kv heads, head dim,
 dtype, page size, weights hash) plus what this package itself depends on: the pool's page geometry and
-the transfer backend. A mismatch refuses the pair on both sides, naming every differing field.
+the transfer backend. A mismatch refuses the pair on both sides, naming every differing field. The
+protocol version is checked before, on every frame (pdserve.protocol.codec).
 """
 
 from __future__ import annotations
 
 from pdserve.kv_transfer.layout import PoolGeometry
-
-PROTOCOL_VERSION = 1
 
 
 class FingerprintMismatch(RuntimeError):
@@ -20,7 +19,6 @@ def pair_identity(
     fingerprint: dict[str, str | int], geometry: PoolGeometry, backend: str
 ) -> dict[str, str | int]:
     ident: dict[str, str | int] = {str(k): v for k, v in fingerprint.items()}
-    ident["kv_transfer.protocol"] = PROTOCOL_VERSION
     ident["kv_transfer.backend"] = backend
     ident["kv_transfer.page_shape"] = "x".join(str(s) for s in geometry.page_shape)
     ident["kv_transfer.dtype"] = str(geometry.dtype).removeprefix("torch.")

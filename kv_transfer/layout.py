@@ -11,14 +11,14 @@ Wire format of one transfer (all over the pair's process group, in this order):
      Or, when both page lists run consecutively in long enough stretches (`direct_runs`), the pieces
      of those runs straight from the sender's pool into the receiver's: piece r is kv[first:first + n]
      on each side, no staging copy at all. The announcement says which of the two it is.
-  2. the trailer: UTF-8 JSON {"room", "num_tokens", "metadata"}, raw uint8. The receiver commits only if
-     the trailer's room equals the room announced on the control channel.
-The chunk size and trailer length travel in the control-plane announcement that precedes the data.
+  2. the trailer (pdserve.protocol.kv_trailer), raw uint8. The receiver commits only if the trailer's
+     room equals the room announced on the control channel.
+The chunk size and trailer length travel in the control-plane announcement (protocol.kv_control.Announce)
+that precedes the data.
 """
 
 from __future__ import annotations
 
-import json
 import math
 from dataclasses import dataclass
 from typing import Any
@@ -150,12 +150,3 @@ def gather_pages(kv: torch.Tensor, page_ids: torch.Tensor, out: torch.Tensor) ->
 def scatter_pages(kv: torch.Tensor, page_ids: torch.Tensor, buf: torch.Tensor) -> None:
     """kv[page_ids] = buf[n, L, 2, P, H, D]; page_ids on kv's device, buf contiguous."""
     _as_blocks(kv).index_copy_(0, page_ids, _as_blocks(buf))
-
-
-def encode_trailer(room: str, num_tokens: int, metadata: dict) -> bytes:
-    return json.dumps({"room": room, "num_tokens": num_tokens, "metadata": metadata}).encode()
-
-
-def decode_trailer(data: bytes) -> tuple[str, int, dict]:
-    obj = json.loads(data.decode())
-    return str(obj["room"]), int(obj["num_tokens"]), obj["metadata"]

@@ -11,6 +11,7 @@ prompt's KV (committed after the trailer's room id matched); on FAILED free them
 from __future__ import annotations
 
 import concurrent.futures
+import logging
 import threading
 import time
 import uuid
@@ -19,15 +20,18 @@ from typing import Any
 
 import zmq
 
-from pdserve.kv_transfer import control
+from pdserve.kv_transfer import mailbox as mb
 from pdserve.kv_transfer.config import TransferConfig
 from pdserve.kv_transfer.endpoint import Endpoint
 from pdserve.kv_transfer.handshake import FingerprintMismatch
+from pdserve.kv_transfer.io_loop import EndpointIO, split_addr
 from pdserve.kv_transfer.layout import runs_fit
 from pdserve.kv_transfer.receiver_pair import ReceiverPair, RecvJob
-from pdserve.kv_transfer.state import Room, TransferResult, TransferState
+from pdserve.kv_transfer.state import RecvRoom, TransferResult, TransferState
+from pdserve.protocol import kv_control as kc
+from pdserve.protocol.codec import ProtocolError, VersionMismatch
 
-_TICK_S = 0.02
+log = logging.getLogger("pdserve.kv_transfer")
 
 
 class KVReceiver(Endpoint):
@@ -46,18 +50,16 @@ class KVReceiver(Endpoint):
         """Handshake with a prefill node now (blocking). Raises FingerprintMismatch if the pair is refused,
         TimeoutError if the node does not answer within bootstrap_timeout_s (or timeout_s)."""
         future: concurrent.futures.Future[None] = concurrent.futures.Future()
-        self._mailbox.post(("connect", prefill_addr, future))
+        self._mailbox.post(mb.Connect(prefill_addr, future))
         future.result(timeout=timeout_s if timeout_s is not None else self._config.bootstrap_timeout_s + 5)
 
     def request(self, room: str, prefill_addr: str, dst_pages: list[int], num_tokens: int) -> None:
         """Ask the prefill node at prefill_addr to fill dst_pages with room's KV (num_tokens tokens)."""
-        self._mailbox.post(
-            ("request", room, prefill_addr, list(dst_pages), int(num_tokens), time.monotonic())
-        )
+        self._mailbox.post(mb.Request(room, prefill_addr, list(dst_pages), int(num_tokens), time.monotonic()))
 
     def abort(self, room: str) -> None:
         """Give up on `room`; its FAILED result still comes out of poll() (free the pages then)."""
-        self._mailbox.post(("abort", room))
+        self._mailbox.post(mb.Abort(room, "aborted by decode"))
 
     def _io_loop(self) -> None:
         io = _ReceiverIO(self)
@@ -80,80 +82,69 @@ class _Peer:
     store_port: int = 0
 
 
-class _ReceiverIO:
+class _ReceiverIO(EndpointIO):
     """State owned by the receiver's I/O thread; every room transition happens here."""
 
     def __init__(self, owner: KVReceiver) -> None:
+        super().__init__(owner._mailbox)
         self.o = owner
         self.cfg = owner._config
-        self.poller = zmq.Poller()
         self.peers: dict[str, _Peer] = {}
         self.by_sock: dict[zmq.Socket, _Peer] = {}
-        self.rooms: dict[str, Room] = {}
+        self.rooms: dict[str, RecvRoom] = {}
         # Closed pairs whose threads may still be finishing; joined at shutdown so that no pair thread
         # is torn down inside a process group's destructor at interpreter exit.
         self.closing: list[ReceiverPair] = []
 
-    def run(self) -> None:
-        self.poller.register(self.o._mailbox.fileno(), zmq.POLLIN)
-        while True:
-            events = dict(self.poller.poll(int(_TICK_S * 1000)))
-            for sock in [s for s in events if isinstance(s, zmq.Socket)]:
-                while sock in self.by_sock:
-                    try:
-                        frame = sock.recv(zmq.NOBLOCK)
-                    except zmq.Again:
-                        break
-                    control.guarded(self.on_peer, self.by_sock[sock], frame)
-            for item in self.o._mailbox.drain():
-                if item[0] == "close":
-                    return
-                control.guarded(self.on_local, item)
-            self.on_timers(time.monotonic())
+    def owns(self, sock: zmq.Socket) -> bool:
+        return sock in self.by_sock
+
+    def peer_of(self, sock: zmq.Socket, frames: list[bytes]) -> _Peer | None:
+        return self.by_sock.get(sock)
 
     def shutdown(self) -> None:
         for peer in list(self.peers.values()):
-            self.send(peer, control.BYE, reason="decode node shutting down")
+            self.send(peer, kc.Bye(reason="decode node shutting down"))
             self.drop_peer(peer, "receiver closed")
         for pair in self.closing:
             pair.join(timeout_s=2.0)
 
-    def send(self, peer: _Peer, kind: str, **fields: Any) -> None:
+    def send(self, peer: _Peer, msg: kc.Message) -> None:
         try:
-            peer.sock.send(control.encode(kind, **fields), zmq.NOBLOCK)
+            peer.sock.send(kc.encode(msg), zmq.NOBLOCK)
         except zmq.ZMQError:
             pass  # the peer's own timers handle a lost message
 
     # ---- peers ---------------------------------------------------------------------------------
 
     def peer_for(self, addr: str) -> _Peer | str:
-        """The peer for addr, saying HELLO if new; an error string if no pair slot is free."""
+        """The peer for addr, saying Hello if new; an error string if no pair slot is free."""
         peer = self.peers.get(addr)
         if peer is not None:
             return peer
         if len(self.peers) >= self.cfg.max_pairs:
-            busy = {r.info["addr"] for r in self.rooms.values()}
+            busy = {r.addr for r in self.rooms.values()}
             idle = [p for p in self.peers.values() if p.addr not in busy and not p.futures]
             if not idle:
                 return f"decode node at its limit of {self.cfg.max_pairs} prefill pairs, all busy"
             victim = min(idle, key=lambda p: p.last_used)
-            self.send(victim, control.BYE, reason="pair evicted (max_pairs)")
+            self.send(victim, kc.Bye(reason="pair evicted (max_pairs)"))
             self.drop_peer(victim, "evicted")
         sock = self.o._ctx.socket(zmq.DEALER)
         sock.setsockopt(zmq.LINGER, 0)
         sock.setsockopt(zmq.IDENTITY, self.o.receiver_id.encode())
-        host, port = control.split_addr(addr)
+        host, port = split_addr(addr)
         sock.connect(f"tcp://{addr}" if ":" not in host else f"tcp://[{host}]:{port}")
         peer = _Peer(addr, sock, hello_deadline=time.monotonic() + self.cfg.bootstrap_timeout_s)
         self.peers[addr] = peer
         self.by_sock[sock] = peer
         self.poller.register(sock, zmq.POLLIN)
-        self.send(peer, control.HELLO, receiver_id=self.o.receiver_id, identity=self.o._identity)
+        self.send(peer, kc.Hello(receiver_id=self.o.receiver_id, identity=self.o._identity))
         return peer
 
     def drop_peer(self, peer: _Peer, reason: str, exc_type: type[Exception] = ConnectionError) -> None:
         """Forget a peer: fail its rooms that are not mid-transfer, close its socket and pair thread."""
-        for room in [r for r in self.rooms.values() if r.info["addr"] == peer.addr]:
+        for room in [r for r in self.rooms.values() if r.addr == peer.addr]:
             if room.state != TransferState.TRANSFERRING:
                 self.finish(room, TransferState.FAILED, error=reason)
         for future in peer.futures:
@@ -176,9 +167,7 @@ class _ReceiverIO:
         if self.peers.get(peer.addr) is not peer or not peer.ready:
             return
         rooms = [
-            r
-            for r in self.rooms.values()
-            if r.info["addr"] == peer.addr and r.state != TransferState.TRANSFERRING
+            r for r in self.rooms.values() if r.addr == peer.addr and r.state != TransferState.TRANSFERRING
         ]
         for r in rooms:
             if r.state == TransferState.WAITING_FOR_INPUT:
@@ -194,13 +183,13 @@ class _ReceiverIO:
 
     # ---- rooms ----------------------------------------------------------------------------------
 
-    def move(self, room: Room, state: TransferState, timeout_s: float | None = None) -> None:
+    def move(self, room: RecvRoom, state: TransferState, timeout_s: float | None = None) -> None:
         room.transition(state, timeout_s)
         self.o._states[room.room] = state
 
     def finish(
         self,
-        room: Room,
+        room: RecvRoom,
         state: TransferState,
         metadata: dict | None = None,
         error: str | None = None,
@@ -211,153 +200,162 @@ class _ReceiverIO:
         self.o._states.pop(room.room, None)
         self.o._results.append(room.result(metadata=metadata, error=error, num_bytes=num_bytes))
 
-    def fail(self, room: Room, error: str) -> None:
+    def fail(self, room: RecvRoom, error: str) -> None:
         """Fail a room that is not mid-transfer and tell the prefill node (if it had the page list)."""
-        peer = self.peers.get(room.info["addr"])
+        peer = self.peers.get(room.addr)
         if peer is not None and room.state == TransferState.WAITING_FOR_INPUT:
-            self.send(peer, control.ABORT, room=room.room, reason=error)
+            self.send(peer, kc.Abort(room=room.room, reason=error))
         self.finish(room, TransferState.FAILED, error=error)
 
-    def send_request(self, peer: _Peer, room: Room) -> None:
-        info = room.info
-        self.send(peer, control.REQUEST, room=room.room, pages=info["pages"], num_tokens=info["num_tokens"])
+    def send_page_list(self, peer: _Peer, room: RecvRoom) -> None:
+        self.send(peer, kc.PageList(room=room.room, pages=room.pages, num_tokens=room.num_tokens))
         self.move(room, TransferState.WAITING_FOR_INPUT, self.cfg.waiting_timeout_s)
 
-    # ---- events -----------------------------------------------------------------------------------
+    # ---- events from this process ---------------------------------------------------------------
 
-    def on_local(self, item: tuple) -> None:
-        kind = item[0]
-        if kind == "request":
-            _, name, addr, pages, num_tokens, t0 = item
-            if name in self.rooms:
-                self.o._results.append(
-                    TransferResult(name, TransferState.FAILED, None, f"room {name} requested twice", 0, 0.0)
-                )
-                return
-            room = Room.enter(name, TransferState.BOOTSTRAPPING, self.cfg.bootstrap_timeout_s, started=t0)
-            room.info.update(addr=addr, pages=pages, num_tokens=num_tokens)
-            self.rooms[name] = room
-            self.o._states[name] = room.state
-            peer = self.peer_for(addr)
-            if isinstance(peer, str):
-                self.fail(room, peer)
-            elif peer.ready:
-                peer.last_used = time.monotonic()
-                self.send_request(peer, room)
-            else:
-                peer.pending.append(name)
-        elif kind == "connect":
-            _, addr, future = item
-            peer = self.peer_for(addr)
-            if isinstance(peer, str):
-                future.set_exception(ConnectionError(peer))
-            elif peer.ready:
-                future.set_result(None)
-            else:
-                peer.futures.append(future)
-        elif kind == "abort":
-            room = self.rooms.get(item[1])
-            if room is None:
-                return
-            if room.state == TransferState.TRANSFERRING:
-                room.aborted = True  # the pair thread is writing its pages; report when it is done
-            else:
-                self.fail(room, "aborted by decode")
-        elif kind == "done":
-            _, name, error, metadata, num_bytes = item
-            room = self.rooms.get(name)
-            if room is None or room.state != TransferState.TRANSFERRING:
-                return  # a drained transfer for a room that is already gone
-            if room.aborted:
-                error = "aborted by decode"
-            if error is None:
-                self.finish(room, TransferState.SUCCESS, metadata=metadata, num_bytes=num_bytes)
-            else:
-                self.finish(room, TransferState.FAILED, error=error)
-        elif kind == "dead":
-            _, addr, gen, reason = item
-            peer = self.peers.get(addr)
-            if peer is not None:
-                self.send(peer, control.PAIR_DEAD, gen=gen, reason=reason)
-
-    def on_peer(self, peer: _Peer, frame: bytes) -> None:
-        try:
-            msg = control.decode(frame)
-        except ValueError:
-            return
-        kind = msg["t"]
-        peer.last_used = time.monotonic()
-        if kind == control.HELLO_ACK:
-            if not msg["ok"]:
-                exc_type = FingerprintMismatch if msg.get("mismatch") else ConnectionError
-                self.drop_peer(peer, f"prefill {peer.addr} refused the pair: {msg['error']}", exc_type)
-                return
-            host, _ = control.split_addr(peer.addr)
-            if peer.pair is None:
-                peer.pair = ReceiverPair(
-                    addr=peer.addr,
-                    store_host=host,
-                    kv=self.o._kv,
-                    geometry=self.o._geometry,
-                    config=self.cfg,
-                    mailbox=self.o._mailbox,
-                )
-            peer.store_port = int(msg["store_port"])
-            peer.pair.build(int(msg["gen"]), peer.store_port, self.o.receiver_id)
-            peer.ready = True
-            for future in peer.futures:
-                if not future.done():
+    def on_local(self, item: mb.Item) -> None:
+        match item:
+            case mb.Request():
+                self.on_request(item)
+            case mb.Connect(addr=addr, future=future):
+                peer = self.peer_for(addr)
+                if isinstance(peer, str):
+                    future.set_exception(ConnectionError(peer))
+                elif peer.ready:
                     future.set_result(None)
-            peer.futures.clear()
-            for name in peer.pending:
+                else:
+                    peer.futures.append(future)
+            case mb.Abort(room=name, reason=reason):
                 room = self.rooms.get(name)
-                if room is not None and room.state == TransferState.BOOTSTRAPPING:
-                    self.send_request(peer, room)
-            peer.pending.clear()
-        elif kind == control.BUILD:
-            if peer.pair is not None:
-                peer.pair.build(int(msg["gen"]), peer.store_port, self.o.receiver_id)
-        elif kind == control.ANNOUNCE:
-            self.on_announce(peer, msg)
-        elif kind == control.ABORT:
-            room = self.rooms.get(msg["room"])
-            if msg.get("unknown_pair"):
-                if room is not None and room.info["addr"] == peer.addr:
-                    self.rehandshake(peer)
-                return
-            if (
-                room is not None
-                and room.info["addr"] == peer.addr
-                and room.state != TransferState.TRANSFERRING
-            ):
-                self.finish(room, TransferState.FAILED, error=f"prefill aborted: {msg.get('reason', '')}")
-        elif kind == control.BYE:
-            self.drop_peer(peer, f"prefill {peer.addr} closed the pair: {msg.get('reason', '')}")
+                if room is None:
+                    return
+                if room.state == TransferState.TRANSFERRING:
+                    room.aborted = True  # the pair thread is writing its pages; report when it is done
+                else:
+                    self.fail(room, reason)
+            case mb.Done():
+                self.on_done(item)
+            case mb.GroupDead(addr=addr, gen=gen, reason=reason):
+                peer = self.peers.get(addr)
+                if peer is not None:
+                    self.send(peer, kc.PairDead(gen=gen, reason=reason))
+            case _:
+                raise TypeError(f"unexpected mailbox item on the receiver: {item!r}")
 
-    def on_announce(self, peer: _Peer, msg: dict) -> None:
-        room = self.rooms.get(msg["room"])
-        num_pages = int(msg["num_pages"])
-        runs = _runs(msg.get("runs"), num_pages)
-        live = (
-            room is not None
-            and room.info["addr"] == peer.addr
-            and room.state == TransferState.WAITING_FOR_INPUT
+    def on_request(self, item: mb.Request) -> None:
+        name = item.room
+        if name in self.rooms:
+            self.o._results.append(
+                TransferResult(name, TransferState.FAILED, None, f"room {name} requested twice", 0, 0.0)
+            )
+            return
+        room = RecvRoom.enter(
+            name,
+            TransferState.BOOTSTRAPPING,
+            self.cfg.bootstrap_timeout_s,
+            started=item.t0,
+            addr=item.addr,
+            pages=item.pages,
+            num_tokens=item.num_tokens,
         )
-        if live and runs is not None and not runs_fit(room.info["pages"][:num_pages], runs):
+        self.rooms[name] = room
+        self.o._states[name] = room.state
+        peer = self.peer_for(item.addr)
+        if isinstance(peer, str):
+            self.fail(room, peer)
+        elif peer.ready:
+            peer.last_used = time.monotonic()
+            self.send_page_list(peer, room)
+        else:
+            peer.pending.append(name)
+
+    def on_done(self, item: mb.Done) -> None:
+        room = self.rooms.get(item.room)
+        if room is None or room.state != TransferState.TRANSFERRING:
+            return  # a drained transfer for a room that is already gone
+        error = "aborted by decode" if room.aborted else item.error
+        if error is None:
+            self.finish(room, TransferState.SUCCESS, metadata=item.metadata, num_bytes=item.num_bytes)
+        else:
+            self.finish(room, TransferState.FAILED, error=error)
+
+    # ---- events from prefill nodes ----------------------------------------------------------------
+
+    def on_refused(self, peer: _Peer, error: ProtocolError) -> None:
+        log.warning("kv_transfer: refused a frame from prefill %s: %s", peer.addr, error)
+        if isinstance(error, VersionMismatch):
+            # A prefill node of another release: no frame of it can be trusted, so no pair.
+            self.drop_peer(peer, f"prefill {peer.addr} refused: {error}", FingerprintMismatch)
+
+    def on_peer(self, peer: _Peer, msg: kc.Message) -> None:
+        peer.last_used = time.monotonic()
+        match msg:
+            case kc.HelloAck():
+                self.on_hello_ack(peer, msg)
+            case kc.Build(gen=gen):
+                if peer.pair is not None:
+                    peer.pair.build(gen, peer.store_port, self.o.receiver_id)
+            case kc.Announce():
+                self.on_announce(peer, msg)
+            case kc.Abort(unknown_pair=True, room=name):
+                room = self.rooms.get(name)
+                if room is not None and room.addr == peer.addr:
+                    self.rehandshake(peer)
+            case kc.Abort(room=name, reason=reason):
+                room = self.rooms.get(name)
+                if room is not None and room.addr == peer.addr and room.state != TransferState.TRANSFERRING:
+                    self.finish(room, TransferState.FAILED, error=f"prefill aborted: {reason}")
+            case kc.Bye(reason=reason):
+                self.drop_peer(peer, f"prefill {peer.addr} closed the pair: {reason}")
+            case _:
+                log.warning("kv_transfer: unexpected %s from prefill %s", msg.kind, peer.addr)
+
+    def on_hello_ack(self, peer: _Peer, msg: kc.HelloAck) -> None:
+        if not msg.ok:
+            exc_type = FingerprintMismatch if msg.mismatch else ConnectionError
+            self.drop_peer(peer, f"prefill {peer.addr} refused the pair: {msg.error}", exc_type)
+            return
+        host, _ = split_addr(peer.addr)
+        if peer.pair is None:
+            peer.pair = ReceiverPair(
+                addr=peer.addr,
+                store_host=host,
+                kv=self.o._kv,
+                geometry=self.o._geometry,
+                config=self.cfg,
+                mailbox=self.o._mailbox,
+            )
+        peer.store_port = msg.store_port
+        peer.pair.build(msg.gen, peer.store_port, self.o.receiver_id)
+        peer.ready = True
+        for future in peer.futures:
+            if not future.done():
+                future.set_result(None)
+        peer.futures.clear()
+        for name in peer.pending:
+            room = self.rooms.get(name)
+            if room is not None and room.state == TransferState.BOOTSTRAPPING:
+                self.send_page_list(peer, room)
+        peer.pending.clear()
+
+    def on_announce(self, peer: _Peer, msg: kc.Announce) -> None:
+        room = self.rooms.get(msg.room)
+        live = room is not None and room.addr == peer.addr and room.state == TransferState.WAITING_FOR_INPUT
+        if live and msg.runs is not None and not runs_fit(room.pages[: msg.num_pages], msg.runs):
             # Never receive in place into pages outside a run: drain the data, fail the room.
             self.fail(room, "the prefill node announced page runs that do not match this node's page list")
             live = False
         if live:
             self.move(room, TransferState.TRANSFERRING)
         job = RecvJob(
-            room=msg["room"],
-            dst_pages=room.info["pages"][:num_pages] if live else None,
-            num_pages=num_pages,
-            chunk_pages=int(msg["chunk_pages"]),
-            runs=runs,
-            seq=int(msg["seq"]),
-            gen=int(msg["gen"]),
-            trailer_len=int(msg["trailer_len"]),
+            room=msg.room,
+            dst_pages=room.pages[: msg.num_pages] if live else None,
+            num_pages=msg.num_pages,
+            chunk_pages=msg.chunk_pages,
+            runs=msg.runs,
+            seq=msg.seq,
+            gen=msg.gen,
+            trailer_len=msg.trailer_len,
         )
         if peer.pair is not None:
             peer.pair.submit(job)
@@ -371,20 +369,9 @@ class _ReceiverIO:
             if room.state == TransferState.WAITING_FOR_INPUT:
                 self.fail(
                     room,
-                    f"timed out after {self.cfg.waiting_timeout_s}s waiting for KV data from {room.info['addr']}",
+                    f"timed out after {self.cfg.waiting_timeout_s}s waiting for KV data from {room.addr}",
                 )
             else:
                 self.fail(
-                    room,
-                    f"timed out after {self.cfg.bootstrap_timeout_s}s bootstrapping with {room.info['addr']}",
+                    room, f"timed out after {self.cfg.bootstrap_timeout_s}s bootstrapping with {room.addr}"
                 )
-
-
-def _runs(value: Any, num_pages: int) -> list[int] | None:
-    """The announced pool-to-pool pieces; they must cover exactly num_pages pages."""
-    if value is None:
-        return None
-    runs = [int(n) for n in value]
-    if any(n < 1 for n in runs) or sum(runs) != num_pages:
-        raise ValueError(f"announced runs {runs[:8]}... do not cover {num_pages} pages")
-    return runs

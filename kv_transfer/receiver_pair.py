@@ -2,7 +2,7 @@
 
 Jobs arrive in the order the prefill node announced them (one zmq connection keeps order), so both ends
 of the pair group post matching operations. The thread reports to the receiver's I/O thread through
-its mailbox: ("done", room, error | None, metadata | None, num_bytes) and ("dead", addr, gen, reason).
+its mailbox (mailbox.py): Done (with the trailer's metadata on success) and GroupDead.
 """
 
 from __future__ import annotations
@@ -12,9 +12,12 @@ from dataclasses import dataclass
 import torch
 
 from pdserve.kv_transfer.config import TransferConfig
-from pdserve.kv_transfer.control import Mailbox, local_address_towards
-from pdserve.kv_transfer.layout import PoolGeometry, decode_trailer
+from pdserve.kv_transfer.io_loop import local_address_towards
+from pdserve.kv_transfer.layout import PoolGeometry
+from pdserve.kv_transfer.mailbox import Done, GroupDead, Mailbox
 from pdserve.kv_transfer.pair_group import RECEIVER_RANK, PairThread
+from pdserve.protocol.codec import ProtocolError
+from pdserve.protocol.kv_trailer import decode_trailer
 
 
 @dataclass
@@ -78,16 +81,14 @@ class ReceiverPair(PairThread):
             )
         except Exception as exc:  # noqa: BLE001 - the sender sees its own build fail and rebuilds
             self._mailbox.post(
-                ("dead", self.addr, job.gen, f"building pair group gen {job.gen} failed: {exc}")
+                GroupDead(self.addr, job.gen, f"building pair group gen {job.gen} failed: {exc}")
             )
 
     def _receive(self, job: RecvJob) -> None:
         group = self._group
         if group is None or group.gen != job.gen:
             live = None if group is None else group.gen
-            self._mailbox.post(
-                ("done", job.room, f"pair group gen {job.gen} is not live here (live: {live})", None, 0)
-            )
+            self._mailbox.post(Done(job.room, f"pair group gen {job.gen} is not live here (live: {live})"))
             return
         try:
             if job.runs is not None:
@@ -106,17 +107,15 @@ class ReceiverPair(PairThread):
             group.close()
             self._group = None
             reason = f"receiving KV failed (pair gen {job.gen} discarded): {exc}"
-            self._mailbox.post(("dead", self.addr, job.gen, reason))
-            self._mailbox.post(("done", job.room, reason, None, 0))
+            self._mailbox.post(GroupDead(self.addr, job.gen, reason))
+            self._mailbox.post(Done(job.room, reason))
             return
         try:
             room, _num_tokens, metadata = decode_trailer(trailer)
-        except (ValueError, KeyError) as exc:
-            self._mailbox.post(("done", job.room, f"unreadable transfer trailer: {exc}", None, 0))
+        except ProtocolError as exc:
+            self._mailbox.post(Done(job.room, f"unreadable transfer trailer: {exc}"))
             return
         if room != job.room:
-            self._mailbox.post(
-                ("done", job.room, f"room id mismatch: expected {job.room}, data is for {room}", None, 0)
-            )
+            self._mailbox.post(Done(job.room, f"room id mismatch: expected {job.room}, data is for {room}"))
             return
-        self._mailbox.post(("done", job.room, None, metadata, job.num_pages * self._geometry.page_bytes))
+        self._mailbox.post(Done(job.room, None, job.num_pages * self._geometry.page_bytes, metadata))

@@ -13,23 +13,29 @@ from __future__ import annotations
 
 import collections
 import itertools
+import logging
 import threading
 import time
+from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
 
 import zmq
 from torch._C._distributed_c10d import TCPStore
 
-from pdserve.kv_transfer import control
+from pdserve.kv_transfer import mailbox as mb
 from pdserve.kv_transfer.config import TransferConfig
 from pdserve.kv_transfer.endpoint import Endpoint
 from pdserve.kv_transfer.handshake import compare_identities
+from pdserve.kv_transfer.io_loop import EndpointIO
 from pdserve.kv_transfer.layout import pages_for
 from pdserve.kv_transfer.sender_pair import SenderPair, SendJob
-from pdserve.kv_transfer.state import Room, TransferResult, TransferState
+from pdserve.kv_transfer.state import SendRoom, TransferResult, TransferState
+from pdserve.protocol import kv_control as kc
+from pdserve.protocol.codec import ProtocolError, VersionMismatch
 
-_TICK_S = 0.02  # timer resolution of the I/O thread
+log = logging.getLogger("pdserve.kv_transfer")
+
 _FINISHED_MEMORY = 4096  # finished room ids remembered to answer late page lists
 
 
@@ -81,11 +87,11 @@ class KVSender(Endpoint):
 
     def send(self, room: str, src_pages: list[int], num_tokens: int, metadata: dict) -> None:
         """The prefill of `room` is done: send its pages once the decode's page list is here."""
-        self._mailbox.post(("send", room, list(src_pages), int(num_tokens), dict(metadata), time.monotonic()))
+        self._mailbox.post(mb.Send(room, list(src_pages), int(num_tokens), dict(metadata), time.monotonic()))
 
     def abort(self, room: str) -> None:
         """Give up on `room`; its FAILED result still comes out of poll() (free the pages then)."""
-        self._mailbox.post(("abort", room, "aborted by prefill"))
+        self._mailbox.post(mb.Abort(room, "aborted by prefill"))
 
     def handshake_errors(self) -> list[str]:
         """Recent refused handshakes (fingerprint mismatches, too many pairs), oldest first."""
@@ -106,15 +112,26 @@ class KVSender(Endpoint):
             router.close(linger=0)
 
 
-class _SenderIO:
+@dataclass(frozen=True)
+class _EarlyPageList:
+    """A decode's page list that came before send(): kept until send() or orphan_request_ttl_s."""
+
+    peer: bytes
+    msg: kc.PageList
+    arrived: float
+
+
+class _SenderIO(EndpointIO):
     """State owned by the sender's I/O thread; every room transition happens here."""
 
     def __init__(self, owner: KVSender, router: zmq.Socket) -> None:
+        super().__init__(owner._mailbox)
         self.o = owner
         self.cfg = owner._config
         self.router = router
-        self.rooms: dict[str, Room] = {}
-        self.requests: dict[str, tuple[bytes, list[int], int, float]] = {}  # room -> (peer, pages, tokens, t)
+        self.poller.register(router, zmq.POLLIN)
+        self.rooms: dict[str, SendRoom] = {}
+        self.early: dict[str, _EarlyPageList] = {}
         self.pairs: dict[bytes, SenderPair] = {}
         self.finished: collections.OrderedDict[str, str] = collections.OrderedDict()  # room -> outcome
         self._gens = itertools.count()
@@ -128,28 +145,15 @@ class _SenderIO:
         with self._gen_lock:
             return next(self._gens)
 
-    def run(self) -> None:
-        poller = zmq.Poller()
-        poller.register(self.router, zmq.POLLIN)
-        poller.register(self.o._mailbox.fileno(), zmq.POLLIN)
-        while True:
-            events = dict(poller.poll(int(_TICK_S * 1000)))
-            if self.router in events:
-                while True:
-                    try:
-                        identity, frame = self.router.recv_multipart(zmq.NOBLOCK)
-                    except zmq.Again:
-                        break
-                    control.guarded(self.on_peer, identity, frame)
-            for item in self.o._mailbox.drain():
-                if item[0] == "close":
-                    return
-                control.guarded(self.on_local, item)
-            self.on_timers(time.monotonic())
+    def owns(self, sock: zmq.Socket) -> bool:
+        return sock is self.router
+
+    def peer_of(self, sock: zmq.Socket, frames: list[bytes]) -> bytes | None:
+        return frames[0] if len(frames) == 2 else None  # [identity, payload] on a ROUTER
 
     def shutdown(self) -> None:
         for pair in list(self.pairs.values()):
-            self.to_peer(pair.identity, control.BYE, reason="prefill node shutting down")
+            self.to_peer(pair.identity, kc.Bye(reason="prefill node shutting down"))
             self.close_pair(pair)
         for pair in self.closing:
             pair.join(timeout_s=2.0)
@@ -159,18 +163,17 @@ class _SenderIO:
         self.pairs.pop(pair.identity, None)
         self.closing = [p for p in self.closing if p.alive] + [pair]
 
-    def to_peer(self, identity: bytes, kind: str, **fields: Any) -> None:
-        self.send_raw(identity, control.encode(kind, **fields))
-
-    def send_raw(self, identity: bytes, frame: bytes) -> None:
+    def to_peer(self, identity: bytes, msg: kc.Message) -> None:
         try:
-            self.router.send_multipart([identity, frame], zmq.NOBLOCK)
+            self.router.send_multipart([identity, kc.encode(msg)], zmq.NOBLOCK)
         except zmq.ZMQError:
             pass  # peer gone or its queue full; its own timers handle the rest
 
     # ---- room lifecycle -----------------------------------------------------------------
 
-    def finish(self, room: Room, state: TransferState, error: str | None = None, num_bytes: int = 0) -> None:
+    def finish(
+        self, room: SendRoom, state: TransferState, error: str | None = None, num_bytes: int = 0
+    ) -> None:
         room.transition(state)
         self.rooms.pop(room.room, None)
         self.o._states.pop(room.room, None)
@@ -182,90 +185,98 @@ class _SenderIO:
         while len(self.finished) > _FINISHED_MEMORY:
             self.finished.popitem(last=False)
 
-    def fail(self, room: Room, error: str) -> None:
-        peer = room.info.get("peer")
-        if peer is not None:
-            self.to_peer(peer, control.ABORT, room=room.room, reason=error)
+    def fail(self, room: SendRoom, error: str) -> None:
+        if room.peer is not None:
+            self.to_peer(room.peer, kc.Abort(room=room.room, reason=error))
         self.finish(room, TransferState.FAILED, error)
 
-    def move(self, room: Room, state: TransferState, timeout_s: float | None = None) -> None:
+    def move(self, room: SendRoom, state: TransferState, timeout_s: float | None = None) -> None:
         room.transition(state, timeout_s)
         self.o._states[room.room] = state
 
-    def dispatch(self, room: Room, peer: bytes, dst_pages: list[int], dst_tokens: int) -> None:
+    def dispatch(self, room: SendRoom, peer: bytes, page_list: kc.PageList) -> None:
         """Both halves known: validate and queue the transfer on the pair's thread."""
-        room.info["peer"] = peer
-        num_tokens = room.info["num_tokens"]
+        room.peer = peer
+        num_tokens, dst_pages = room.num_tokens, page_list.pages
         n_pages = pages_for(num_tokens, self.o._geometry.page_size)
         pair = self.pairs.get(peer)
         error = None
         if pair is None:
             error = "the decode node's pair was closed before the transfer"
-        elif dst_tokens != num_tokens:
-            error = f"token count mismatch: prefill has {num_tokens}, decode expects {dst_tokens}"
-        elif len(room.info["src_pages"]) < n_pages or len(dst_pages) < n_pages:
+        elif page_list.num_tokens != num_tokens:
+            error = f"token count mismatch: prefill has {num_tokens}, decode expects {page_list.num_tokens}"
+        elif len(room.src_pages) < n_pages or len(dst_pages) < n_pages:
             error = (
-                f"{num_tokens} tokens need {n_pages} pages; prefill gave {len(room.info['src_pages'])}, "
+                f"{num_tokens} tokens need {n_pages} pages; prefill gave {len(room.src_pages)}, "
                 f"decode gave {len(dst_pages)}"
             )
         if error is not None:
             self.fail(room, error)
             return
-        job = SendJob(
-            room.room,
-            room.info["src_pages"][:n_pages],
-            dst_pages[:n_pages],
-            num_tokens,
-            room.info["metadata"],
+        assert pair is not None
+        room.job = SendJob(
+            room.room, room.src_pages[:n_pages], dst_pages[:n_pages], num_tokens, room.metadata
         )
-        room.info["job"] = job
-        self.move(room, TransferState.BOOTSTRAPPING)  # pair thread reports "started" -> TRANSFERRING
-        pair.submit(job)
+        self.move(room, TransferState.BOOTSTRAPPING)  # the pair thread reports Started -> TRANSFERRING
+        pair.submit(room.job)
 
-    # ---- events --------------------------------------------------------------------------
+    # ---- events from this process --------------------------------------------------------------
 
-    def on_local(self, item: tuple) -> None:
-        kind = item[0]
-        if kind == "send":
-            _, name, pages, num_tokens, metadata, t0 = item
-            if name in self.rooms or name in self.finished:
-                outcome = "in progress" if name in self.rooms else self.finished[name]
-                error = f"room {name} cannot be sent: already {outcome}"
-                self.o._results.append(TransferResult(name, TransferState.FAILED, None, error, 0, 0.0))
-                return
-            room = Room.enter(name, TransferState.WAITING_FOR_INPUT, self.cfg.waiting_timeout_s, started=t0)
-            room.info.update(src_pages=pages, num_tokens=num_tokens, metadata=metadata)
-            self.rooms[name] = room
-            self.o._states[name] = room.state
-            req = self.requests.pop(name, None)
-            if req is not None:
-                self.dispatch(room, req[0], req[1], req[2])
-        elif kind == "abort":
-            self.abort(item[1], item[2])
-        elif kind == "out":
-            self.send_raw(item[1], item[2])
-        elif kind == "started":
-            room = self.rooms.get(item[1])
-            if room is not None and room.state == TransferState.BOOTSTRAPPING:
-                self.move(room, TransferState.TRANSFERRING)
-        elif kind == "done":
-            _, name, error, num_bytes = item
-            room = self.rooms.get(name)
-            if room is None:
-                return
-            pair = self.pairs.get(room.info.get("peer", b""))
-            if pair is not None:
-                pair.inflight -= 1
-                pair.last_used = time.monotonic()
-            if room.aborted:
-                error = room.info.get("abort_reason", "aborted")
-            if error is None:
-                self.finish(room, TransferState.SUCCESS, num_bytes=num_bytes)
-            else:
-                self.fail(room, error)
+    def on_local(self, item: mb.Item) -> None:
+        match item:
+            case mb.Send():
+                self.on_send(item)
+            case mb.Abort(room=name, reason=reason):
+                self.abort(name, reason)
+            case mb.Outbound(identity=identity, msg=msg):
+                self.to_peer(identity, msg)
+            case mb.Started(room=name):
+                room = self.rooms.get(name)
+                if room is not None and room.state == TransferState.BOOTSTRAPPING:
+                    self.move(room, TransferState.TRANSFERRING)
+            case mb.Done():
+                self.on_done(item)
+            case _:
+                raise TypeError(f"unexpected mailbox item on the sender: {item!r}")
+
+    def on_send(self, item: mb.Send) -> None:
+        name = item.room
+        if name in self.rooms or name in self.finished:
+            outcome = "in progress" if name in self.rooms else self.finished[name]
+            error = f"room {name} cannot be sent: already {outcome}"
+            self.o._results.append(TransferResult(name, TransferState.FAILED, None, error, 0, 0.0))
+            return
+        room = SendRoom.enter(
+            name,
+            TransferState.WAITING_FOR_INPUT,
+            self.cfg.waiting_timeout_s,
+            started=item.t0,
+            src_pages=item.src_pages,
+            num_tokens=item.num_tokens,
+            metadata=item.metadata,
+        )
+        self.rooms[name] = room
+        self.o._states[name] = room.state
+        early = self.early.pop(name, None)
+        if early is not None:
+            self.dispatch(room, early.peer, early.msg)
+
+    def on_done(self, item: mb.Done) -> None:
+        room = self.rooms.get(item.room)
+        if room is None:
+            return
+        pair = self.pairs.get(room.peer or b"")
+        if pair is not None:
+            pair.inflight -= 1
+            pair.last_used = time.monotonic()
+        error = (room.abort_reason or "aborted") if room.aborted else item.error
+        if error is None:
+            self.finish(room, TransferState.SUCCESS, num_bytes=item.num_bytes)
+        else:
+            self.fail(room, error)
 
     def abort(self, name: str, reason: str) -> None:
-        self.requests.pop(name, None)
+        self.early.pop(name, None)
         room = self.rooms.get(name)
         if room is None:
             self.remember(name, reason)  # a send() that comes later fails at once
@@ -273,65 +284,71 @@ class _SenderIO:
         if room.state == TransferState.WAITING_FOR_INPUT:
             self.fail(room, reason)
             return
-        # Queued or running on the pair thread: its "done" event reports the room.
+        # Queued or running on the pair thread: its Done reports the room.
         room.aborted = True
-        room.info["abort_reason"] = reason
-        room.info["job"].cancelled.set()
+        room.abort_reason = reason
+        assert room.job is not None
+        room.job.cancelled.set()
 
-    def on_peer(self, identity: bytes, frame: bytes) -> None:
-        try:
-            msg = control.decode(frame)
-        except ValueError:
+    # ---- events from decode nodes ------------------------------------------------------------
+
+    def on_refused(self, identity: bytes, error: ProtocolError) -> None:
+        log.warning("kv_transfer: refused a frame from decode %r: %s", identity, error)
+        if isinstance(error, VersionMismatch):
+            # Most likely the Hello of a node of another release: refuse the pair, saying why.
+            self.o._errors.append(f"refused decode {identity.decode(errors='replace')}: {error}")
+            self.to_peer(identity, kc.HelloAck(ok=False, mismatch=True, error=str(error)))
+
+    def on_peer(self, identity: bytes, msg: kc.Message) -> None:
+        match msg:
+            case kc.Hello():
+                self.on_hello(identity, msg)
+            case kc.PageList():
+                self.on_page_list(identity, msg)
+            case kc.Abort(room=name, reason=reason):
+                self.abort(name, f"aborted by decode: {reason}")
+            case kc.PairDead(gen=gen):
+                pair = self.pairs.get(identity)
+                if pair is not None:
+                    pair.discard_gen = gen
+            case kc.Bye():
+                pair = self.pairs.get(identity)
+                if pair is not None:
+                    self.close_pair(pair)
+            case _:
+                log.warning("kv_transfer: unexpected %s from decode %r", msg.kind, identity)
+
+    def on_page_list(self, identity: bytes, msg: kc.PageList) -> None:
+        name = msg.room
+        if identity not in self.pairs:
+            # A decode node that paired with an earlier process at this address (this node
+            # restarted): `unknown_pair` tells it to handshake again and resend the page list.
+            self.to_peer(
+                identity, kc.Abort(room=name, reason="page list before a handshake", unknown_pair=True)
+            )
             return
-        kind = msg["t"]
-        if kind == control.HELLO:
-            self.on_hello(identity, msg)
-        elif kind == control.REQUEST:
-            name = msg["room"]
-            if identity not in self.pairs:
-                # A decode node that paired with an earlier process at this address (this node
-                # restarted): `unknown_pair` tells it to handshake again and resend the page list.
-                self.to_peer(
-                    identity,
-                    control.ABORT,
-                    room=name,
-                    reason="page list before a handshake",
-                    unknown_pair=True,
-                )
-                return
-            self.pairs[identity].last_used = time.monotonic()
-            room = self.rooms.get(name)
-            if room is not None and room.state == TransferState.WAITING_FOR_INPUT:
-                self.dispatch(room, identity, list(msg["pages"]), int(msg["num_tokens"]))
-            elif room is not None:
-                self.to_peer(
-                    identity, control.ABORT, room=name, reason=f"room {name} already has a page list"
-                )
-            elif name in self.finished:
-                reason = f"room {name} already finished on the prefill node: {self.finished[name]}"
-                self.to_peer(identity, control.ABORT, room=name, reason=reason)
-            else:
-                self.requests[name] = (identity, list(msg["pages"]), int(msg["num_tokens"]), time.monotonic())
-        elif kind == control.ABORT:
-            self.abort(msg["room"], f"aborted by decode: {msg.get('reason', '')}")
-        elif kind == control.PAIR_DEAD:
-            pair = self.pairs.get(identity)
-            if pair is not None:
-                pair.discard_gen = int(msg["gen"])
-        elif kind == control.BYE:
-            pair = self.pairs.get(identity)
-            if pair is not None:
-                self.close_pair(pair)
+        self.pairs[identity].last_used = time.monotonic()
+        room = self.rooms.get(name)
+        if room is not None and room.state == TransferState.WAITING_FOR_INPUT:
+            self.dispatch(room, identity, msg)
+        elif room is not None:
+            self.to_peer(identity, kc.Abort(room=name, reason=f"room {name} already has a page list"))
+        elif name in self.finished:
+            reason = f"room {name} already finished on the prefill node: {self.finished[name]}"
+            self.to_peer(identity, kc.Abort(room=name, reason=reason))
+        else:
+            self.early[name] = _EarlyPageList(identity, msg, time.monotonic())
 
-    def on_hello(self, identity: bytes, msg: dict) -> None:
-        error = compare_identities(self.o._identity, msg.get("identity", {}), "decode")
+    def on_hello(self, identity: bytes, msg: kc.Hello) -> None:
+        error = compare_identities(self.o._identity, msg.identity, "decode")
         mismatch = error is not None
         if error is None and identity not in self.pairs and not self.make_room_for_pair():
             error = f"prefill node at its limit of {self.cfg.max_pairs} pairs, all busy"
         if error is not None:
             self.o._errors.append(f"refused decode {identity.decode(errors='replace')}: {error}")
-            self.to_peer(identity, control.HELLO_ACK, ok=False, mismatch=mismatch, error=error)
+            self.to_peer(identity, kc.HelloAck(ok=False, mismatch=mismatch, error=error))
             return
+        assert self.o._store is not None
         pair = self.pairs.get(identity)
         if pair is None:
             pair = SenderPair(
@@ -347,18 +364,18 @@ class _SenderIO:
             self.pairs[identity] = pair
         gen = pair.new_gen()
         pair.build(gen)
-        self.to_peer(identity, control.HELLO_ACK, ok=True, error="", store_port=self.o._store.port, gen=gen)
+        self.to_peer(identity, kc.HelloAck(ok=True, store_port=self.o._store.port, gen=gen))
 
     def make_room_for_pair(self) -> bool:
         """Close the least recently used idle pair if at the limit. False if every pair is busy."""
         if len(self.pairs) < self.cfg.max_pairs:
             return True
-        busy = {req[0] for req in self.requests.values()} | {r.info.get("peer") for r in self.rooms.values()}
+        busy = {e.peer for e in self.early.values()} | {r.peer for r in self.rooms.values()}
         idle = [p for p in self.pairs.values() if p.inflight == 0 and p.identity not in busy]
         if not idle:
             return False
         victim = min(idle, key=lambda p: p.last_used)
-        self.to_peer(victim.identity, control.BYE, reason="pair evicted (max_pairs)")
+        self.to_peer(victim.identity, kc.Bye(reason="pair evicted (max_pairs)"))
         self.close_pair(victim)
         return True
 
@@ -368,5 +385,5 @@ class _SenderIO:
                 room, f"timed out after {self.cfg.waiting_timeout_s}s waiting for the decode's page list"
             )
         ttl = self.cfg.orphan_request_ttl_s
-        for name in [n for n, req in self.requests.items() if now - req[3] > ttl]:
-            del self.requests[name]
+        for name in [n for n, e in self.early.items() if now - e.arrived > ttl]:
+            del self.early[name]

@@ -1,8 +1,7 @@
 """The prefill side of one pair: a control thread that owns the pair group and runs its transfers in order.
 
 Transfers of one pair are serialised on this thread (several may be queued). The thread reports to the
-sender's I/O thread through its mailbox: ("out", identity, frame) to send a control message,
-("started", room), ("done", room, error | None, num_bytes).
+sender's I/O thread through its mailbox (mailbox.py): Outbound to send a control message, Started, Done.
 """
 
 from __future__ import annotations
@@ -15,11 +14,12 @@ from dataclasses import dataclass, field
 
 import torch
 
-from pdserve.kv_transfer import control
 from pdserve.kv_transfer.config import TransferConfig
-from pdserve.kv_transfer.control import Mailbox
-from pdserve.kv_transfer.layout import PoolGeometry, chunk_pages, direct_runs, encode_trailer
+from pdserve.kv_transfer.layout import PoolGeometry, chunk_pages, direct_runs
+from pdserve.kv_transfer.mailbox import Done, Mailbox, Outbound, Started
 from pdserve.kv_transfer.pair_group import SENDER_RANK, PairThread
+from pdserve.protocol import kv_control as kc
+from pdserve.protocol.kv_trailer import encode_trailer
 
 
 @dataclass
@@ -76,8 +76,8 @@ class SenderPair(PairThread):
         self.last_used = time.monotonic()
         self._jobs.put(job)
 
-    def _out(self, kind: str, **fields) -> None:
-        self._mailbox.post(("out", self.identity, control.encode(kind, **fields)))
+    def _out(self, msg: kc.Message) -> None:
+        self._mailbox.post(Outbound(self.identity, msg))
 
     def _build(self, gen: int) -> str | None:
         try:
@@ -101,21 +101,21 @@ class SenderPair(PairThread):
 
     def _transfer(self, job: SendJob) -> None:
         if job.cancelled.is_set():
-            self._mailbox.post(("done", job.room, "aborted before the transfer started", 0))
+            self._mailbox.post(Done(job.room, "aborted before the transfer started"))
             return
         if self._group is not None and self._group.gen == self.discard_gen:
             self._group.close()
             self._group = None
         if self._group is None:
             gen = self.new_gen()
-            self._out(control.BUILD, gen=gen)
+            self._out(kc.Build(gen=gen))
             error = self._build(gen)
             if error is not None:
-                self._mailbox.post(("done", job.room, error, 0))
+                self._mailbox.post(Done(job.room, error))
                 return
         group = self._group
         assert group is not None
-        self._mailbox.post(("started", job.room))
+        self._mailbox.post(Started(job.room))
         seq = next(self._seq)
         per_chunk = chunk_pages(self._geometry, len(job.src_pages), self._config.chunk_bytes)
         runs = None
@@ -129,15 +129,16 @@ class SenderPair(PairThread):
             )
         trailer = encode_trailer(job.room, job.num_tokens, job.metadata)
         self._out(
-            control.ANNOUNCE,
-            room=job.room,
-            seq=seq,
-            gen=group.gen,
-            num_pages=len(job.src_pages),
-            chunk_pages=per_chunk,
-            runs=runs,
-            trailer_len=len(trailer),
-            num_tokens=job.num_tokens,
+            kc.Announce(
+                room=job.room,
+                seq=seq,
+                gen=group.gen,
+                num_pages=len(job.src_pages),
+                chunk_pages=per_chunk,
+                runs=runs,
+                trailer_len=len(trailer),
+                num_tokens=job.num_tokens,
+            )
         )
         try:
             if runs is not None:
@@ -147,8 +148,6 @@ class SenderPair(PairThread):
         except Exception as exc:  # noqa: BLE001 - timeout or peer failure: this generation is dead
             group.close()
             self._group = None
-            self._mailbox.post(
-                ("done", job.room, f"sending KV failed (pair gen {group.gen} discarded): {exc}", 0)
-            )
+            self._mailbox.post(Done(job.room, f"sending KV failed (pair gen {group.gen} discarded): {exc}"))
             return
-        self._mailbox.post(("done", job.room, None, num_bytes))
+        self._mailbox.post(Done(job.room, None, num_bytes))

@@ -13,7 +13,10 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any, TypeVar
+
+if TYPE_CHECKING:
+    from pdserve.kv_transfer.sender_pair import SendJob
 
 
 class TransferState(enum.Enum):
@@ -54,23 +57,26 @@ class TransferResult:
     seconds: float
 
 
+R = TypeVar("R", bound="TransferRoom")
+
+
 @dataclass
-class Room:
-    """One room's bookkeeping on one side. `deadline` is a time.monotonic() value or None (no timer)."""
+class TransferRoom:
+    """One room's state on one side. `deadline` is a time.monotonic() value or None (no timer)."""
 
     room: str
     state: TransferState
     started: float = field(default_factory=time.monotonic)
     deadline: float | None = None
     aborted: bool = False
-    # Side-specific payload (pages, metadata, peer) kept by the engine.
-    info: dict[str, Any] = field(default_factory=dict)
 
     @classmethod
-    def enter(cls, room: str, state: TransferState, timeout_s: float | None, started: float) -> Room:
+    def enter(
+        cls: type[R], room: str, state: TransferState, timeout_s: float | None, started: float, **fields: Any
+    ) -> R:
         """A new room in its first state, with a timer of timeout_s seconds (None: no timer)."""
         deadline = None if timeout_s is None else time.monotonic() + timeout_s
-        return cls(room=room, state=state, started=started, deadline=deadline)
+        return cls(room=room, state=state, started=started, deadline=deadline, **fields)
 
     @property
     def terminal(self) -> bool:
@@ -100,3 +106,24 @@ class Room:
             num_bytes=num_bytes,
             seconds=time.monotonic() - self.started,
         )
+
+
+@dataclass(kw_only=True)
+class SendRoom(TransferRoom):
+    """A room on the prefill node: what send() gave, and the decode peer once its page list came."""
+
+    src_pages: list[int]
+    num_tokens: int
+    metadata: dict[str, Any]
+    peer: bytes | None = None  # the decode node's zmq identity
+    job: SendJob | None = None  # queued on the peer's pair thread
+    abort_reason: str = ""
+
+
+@dataclass(kw_only=True)
+class RecvRoom(TransferRoom):
+    """A room on the decode node: the prefill node it comes from and the pages it lands in."""
+
+    addr: str  # the prefill node's bootstrap address
+    pages: list[int]
+    num_tokens: int

@@ -7,8 +7,8 @@ import threading
 import time
 from collections.abc import Callable
 
-from pdserve import messages as m
 from pdserve.config import WorkerConfig
+from pdserve.protocol import gateway as m
 
 
 def make_clock(cfg: WorkerConfig) -> Callable[[], float]:

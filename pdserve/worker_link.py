@@ -19,7 +19,8 @@ from dataclasses import dataclass
 import zmq
 from pydantic import BaseModel
 
-from pdserve import messages as m
+from pdserve.protocol import gateway as m
+from pdserve.protocol.codec import ProtocolError, VersionMismatch
 
 log = logging.getLogger(__name__)
 
@@ -144,8 +145,11 @@ class WorkerLink:
     def _on_frame(self, dealer: zmq.Socket, frame: bytes) -> None:
         try:
             msg = m.decode(frame)
-        except Exception as e:  # a bad frame must never kill the link
-            log.warning("dropping an undecodable control frame: %s", e)
+        except ProtocolError as e:  # a bad frame must never kill the link
+            log.warning("dropping a control frame: %s", e)
+            if isinstance(e, VersionMismatch) and not self.registered.is_set():
+                # A gateway of another release answering our Register: we cannot work with it.
+                self.refused = f"the gateway at {self.gateway_addr} speaks another protocol: {e}"
             return
         if isinstance(msg, m.Ping):
             t1 = self.clock()

@@ -10,10 +10,10 @@ import logging
 import os
 import time
 
-from pdserve import messages as m
 from pdserve.config import WorkerConfig
 from pdserve.kv_transfer import KVSender, TransferState
 from pdserve.kv_transfer.config import config_for_pool
+from pdserve.protocol import gateway as m
 from pdserve.runtime.batch import ForwardMode
 from pdserve.runtime.extend_scheduler import ExtendScheduler
 from pdserve.runtime.request import Request

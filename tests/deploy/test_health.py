@@ -11,8 +11,8 @@ import time
 import httpx
 import pytest
 
-from pdserve import messages as m
 from pdserve.health import HealthServer, start_health_server
+from pdserve.protocol import gateway as m
 from pdserve.worker_common import DrainSignal
 from pdserve.worker_link import WorkerLink
 

@@ -45,7 +45,7 @@ import threading  # noqa: E402
 import time  # noqa: E402
 from collections.abc import Callable  # noqa: E402
 
-from pdserve import messages as m  # noqa: E402
+from pdserve.protocol import gateway as m  # noqa: E402
 from pdserve.worker_link import WorkerLink  # noqa: E402
 
 FINGERPRINT = {"architecture": "llama", "num_layers": 30, "page_size": 16, "dtype": "bfloat16"}

@@ -7,7 +7,7 @@ import time
 import pytest
 import zmq
 
-from pdserve import messages as m
+from pdserve.protocol import gateway as m
 
 from .conftest import FINGERPRINT, control_addr, gateway_client
 

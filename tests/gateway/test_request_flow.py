@@ -7,7 +7,7 @@ import time
 
 import pytest
 
-from pdserve import messages as m
+from pdserve.protocol import gateway as m
 
 SEED_META_KEYS = [
     "id",

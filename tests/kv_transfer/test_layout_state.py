@@ -11,16 +11,16 @@ from pdserve.kv_transfer.layout import (
     chunk_pages,
     chunk_ranges,
     chunk_view,
-    decode_trailer,
     direct_runs,
-    encode_trailer,
     gather_pages,
     geometry_of,
     pages_for,
     runs_fit,
     scatter_pages,
 )
-from pdserve.kv_transfer.state import Room, TransferState
+from pdserve.kv_transfer.state import TransferRoom as Room
+from pdserve.kv_transfer.state import TransferState
+from pdserve.protocol.kv_trailer import decode_trailer, encode_trailer
 
 
 def test_gather_chunks_then_scatter_reproduces_pages_exactly():

@@ -1,8 +1,7 @@
-"""Control-plane wire messages between the gateway and the workers (pyzmq frames).
+"""Gateway <-> worker channel: control-plane messages over pyzmq (codec and version: codec.py).
 
-One module, one serializer: every message is a pydantic model with a literal `kind`, and a frame is
-the JSON of `Envelope(v=WIRE_VERSION, msg=...)`. Tensors never travel here; KV goes through
-`pdserve.kv_transfer`. A frame of another version is refused with a message naming both versions.
+Every message is a pydantic model with a literal `kind`. Tensors never travel here; KV goes through
+`pdserve.kv_transfer`. A Register of another protocol version is answered with a refusal naming both.
 
 Topology: the gateway binds one ROUTER socket; every worker connects one DEALER socket to it and
 uses its `worker_id` as its zmq identity.
@@ -12,18 +11,14 @@ from __future__ import annotations
 
 from typing import Annotated, Literal, Union
 
-from pydantic import BaseModel, ConfigDict, Field, TypeAdapter
+from pydantic import Field
 
+from pdserve.protocol.codec import Codec
+from pdserve.protocol.codec import Msg as _Msg
+from pdserve.protocol.records import DecodeEvents, PrefillEvents, RequestStats
 from pdserve.sampling_params import SamplingParams
 
-WIRE_VERSION = 1
-
 Role = Literal["prefill", "decode"]
-
-
-class _Msg(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-
 
 # ---- registration and liveness -------------------------------------------------------------
 
@@ -110,8 +105,7 @@ class PrefillDone(_Msg):
 
     kind: Literal["prefill_done"] = "prefill_done"
     room: str
-    # Worker-clock event times: "queue_entry", "forward_entry", "prefill_finished".
-    events: dict[str, float]
+    events: PrefillEvents
     cached_tokens: int = 0
 
 
@@ -137,10 +131,10 @@ class TokenOutput(_Msg):
     finished: bool = False
     # {"type": "length", "length": N} | {"type": "stop", "matched": id} | {"type": "abort", "message": s}
     finish_reason: dict | None = None
-    # Sent once, with the first output: worker-clock event times from both legs.
-    events: dict[str, float] | None = None
-    # Sent with the final output: counters (cached_tokens, num_retractions, spec_* statistics).
-    stats: dict | None = None
+    # Sent with the first output (decode_entry, kv_ready) and the final one (finished).
+    events: DecodeEvents | None = None
+    # Sent with the final output.
+    stats: RequestStats | None = None
 
 
 class TokenBatch(_Msg):
@@ -168,24 +162,6 @@ Message = Annotated[
 ]
 
 
-class Envelope(_Msg):
-    v: int
-    msg: Message
-
-
-class WireVersionError(ValueError):
-    pass
-
-
-_ENVELOPE = TypeAdapter(Envelope)
-
-
-def encode(msg: BaseModel) -> bytes:
-    return Envelope(v=WIRE_VERSION, msg=msg).model_dump_json().encode()
-
-
-def decode(frame: bytes) -> BaseModel:
-    env = _ENVELOPE.validate_json(frame)
-    if env.v != WIRE_VERSION:
-        raise WireVersionError(f"wire version {env.v} received, this node speaks {WIRE_VERSION}")
-    return env.msg
+CODEC: Codec[Message] = Codec("gateway", Message)
+encode = CODEC.encode
+decode = CODEC.decode

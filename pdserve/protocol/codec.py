@@ -1,0 +1,81 @@
+"""The one codec of every channel that crosses a process, and the one protocol version.
+
+A frame is the JSON of {"v": PROTOCOL_VERSION, "msg": <pydantic message with a literal `kind`>}.
+Each channel (gateway.py, kv_control.py) declares its messages as a discriminated union and gets a
+`Codec` for it. `decode` raises `ProtocolError` (never anything else) for a frame it refuses:
+`VersionMismatch` when the sender speaks another version, `MalformedFrame` for any other body.
+Receivers log and drop such frames; at a handshake they answer with a refusal naming both versions.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Generic, TypeVar
+
+from pydantic import BaseModel, ConfigDict, TypeAdapter, ValidationError
+
+PROTOCOL_VERSION = 1
+
+M = TypeVar("M", bound=BaseModel)
+
+
+class Msg(BaseModel):
+    """Base of every wire message: unknown fields are refused, not ignored."""
+
+    model_config = ConfigDict(extra="forbid")
+
+
+class ProtocolError(ValueError):
+    """A frame this node refuses to read."""
+
+
+class VersionMismatch(ProtocolError):
+    def __init__(self, channel: str, received: int) -> None:
+        self.received = received
+        super().__init__(
+            f"{channel} frame of protocol version {received} refused: this node speaks {PROTOCOL_VERSION}"
+        )
+
+
+class MalformedFrame(ProtocolError):
+    pass
+
+
+class _Header(BaseModel):
+    """Read only when a frame fails validation, to tell a version mismatch from a broken body."""
+
+    v: int
+
+
+class Codec(Generic[M]):
+    """Encodes and decodes the messages of one channel; `union` is their discriminated union."""
+
+    def __init__(self, channel: str, union: Any) -> None:
+        self.channel = channel
+
+        class Envelope(Msg):
+            v: int
+            msg: union  # type: ignore[valid-type]
+
+        self._envelope = TypeAdapter(Envelope)
+
+    def encode(self, msg: M) -> bytes:
+        return b'{"v":%d,"msg":%s}' % (PROTOCOL_VERSION, msg.model_dump_json().encode())
+
+    def decode(self, frame: bytes) -> M:
+        try:
+            env = self._envelope.validate_json(frame)
+        except ValidationError as e:
+            try:
+                version = _Header.model_validate_json(frame).v
+            except ValidationError:
+                version = PROTOCOL_VERSION
+            if version != PROTOCOL_VERSION:
+                raise VersionMismatch(self.channel, version) from None
+            first = e.errors()[0] if e.errors() else {"loc": (), "msg": str(e)}
+            where = ".".join(str(p) for p in first["loc"]) or "frame"
+            raise MalformedFrame(
+                f"malformed {self.channel} frame ({where}: {first['msg']}): {frame[:200]!r}"
+            ) from None
+        if env.v != PROTOCOL_VERSION:
+            raise VersionMismatch(self.channel, env.v)
+        return env.msg

@@ -1,0 +1,44 @@
+"""What travels after the KV pages on a pair group: the trailer, and the first-token metadata in it.
+
+The trailer is UTF-8 JSON sent as raw bytes after a room's pages (kv_transfer.layout); the receiver
+commits the pages only if its room equals the room announced on the control channel. It travels on a
+pair that already passed the versioned handshake, so it carries no version of its own.
+
+`metadata` is opaque to kv_transfer; between pdserve's workers it is a `FirstToken`.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from pydantic import ValidationError
+
+from pdserve.protocol.codec import MalformedFrame, Msg
+
+
+class Trailer(Msg):
+    room: str
+    num_tokens: int
+    metadata: dict[str, Any]
+
+
+class FirstToken(Msg):
+    """Prefill -> decode with the KV: the token sampled at the end of the prompt."""
+
+    first_token: int
+    logprob: float | None = None
+    # [(token_id, logprob), ...] when top_logprobs_num > 0.
+    top_logprobs: list[tuple[int, float]] | None = None
+    cached_tokens: int = 0
+
+
+def encode_trailer(room: str, num_tokens: int, metadata: dict[str, Any]) -> bytes:
+    return Trailer(room=room, num_tokens=num_tokens, metadata=metadata).model_dump_json().encode()
+
+
+def decode_trailer(data: bytes) -> tuple[str, int, dict[str, Any]]:
+    try:
+        t = Trailer.model_validate_json(data)
+    except ValidationError as e:
+        raise MalformedFrame(f"malformed KV trailer: {str(e).splitlines()[0]}: {data[:200]!r}") from None
+    return t.room, t.num_tokens, t.metadata
