@@ -16,6 +16,7 @@ from dataclasses import dataclass
 
 from pdserve.decode.drafters import Drafter, Drafts, make_drafter
 from pdserve.decode.rejection import verify
+from pdserve.protocol.records import RequestStats
 from pdserve.runtime.batch import ForwardMode
 from pdserve.runtime.request import Request
 from pdserve.runtime.runner import ModelRunner, append_samples
@@ -30,13 +31,13 @@ class SpecStats:
     num_correct_drafts: int = 0  # accepted drafts, bonus tokens excluded
     histogram: list[int] | None = None  # histogram[k]: steps that accepted k drafts
 
-    def as_meta(self) -> dict:
-        return {
-            "spec_verify_ct": self.verify_ct,
-            "spec_num_proposed_drafts": self.num_proposed_drafts,
-            "spec_num_correct_drafts": self.num_correct_drafts,
-            "spec_correct_drafts_histogram": list(self.histogram or []),
-        }
+    def as_meta(self) -> RequestStats:
+        return RequestStats(
+            spec_verify_ct=self.verify_ct,
+            spec_num_proposed_drafts=self.num_proposed_drafts,
+            spec_num_correct_drafts=self.num_correct_drafts,
+            spec_correct_drafts_histogram=list(self.histogram or []),
+        )
 
 
 class CostModel:
@@ -276,7 +277,7 @@ class SpeculativeStepper:
             sum(ks) + len(reqs), seconds, [(r.rid, k, a) for r, k, a in zip(reqs, ks, accepted)]
         )
 
-    def stats(self, req: Request) -> dict:
+    def stats(self, req: Request) -> RequestStats:
         s = self._stats.get(req.rid) or SpecStats(histogram=[0] * (self.num_draft_tokens + 1))
         return s.as_meta()
 

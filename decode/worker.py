@@ -9,12 +9,16 @@ from __future__ import annotations
 
 import logging
 
+from pydantic import ValidationError
+
 from pdserve.config import WorkerConfig
 from pdserve.decode.scheduler import DecodeScheduler
 from pdserve.decode.stepper import make_stepper
 from pdserve.kv_transfer import KVReceiver, TransferState
-from pdserve.kv_transfer.config import config_for_pool
+from pdserve.kv_transfer.config import worker_transfer_config
 from pdserve.protocol import gateway as m
+from pdserve.protocol.kv_trailer import FirstToken
+from pdserve.protocol.records import DecodeEvents, RequestStats
 from pdserve.runtime.request import Request, RequestState
 from pdserve.runtime.runner import ModelRunner
 from pdserve.worker_common import DrainSignal, make_clock, register_factory, serve_until_drained
@@ -36,15 +40,10 @@ class DecodeWorker:
         self.receiver = KVReceiver(
             self.runner.pool.kv,
             self.runner.fingerprint(),
-            config_for_pool(
-                self.runner.pool.kv,
-                cfg.kv_transfer_backend,
-                waiting_timeout_s=cfg.kv_wait_timeout_s,
-                transfer_timeout_s=cfg.transfer_timeout_s,
-            ),
+            worker_transfer_config(cfg, self.runner.pool.kv),
         )
         self.prefill_addr: dict[str, str] = {}  # room -> its prefill node's bootstrap address
-        self.events: dict[str, dict[str, float]] = {}
+        self.events: dict[str, DecodeEvents] = {}
         self.link: WorkerLink | None = None
 
     def serve(self) -> None:
@@ -102,7 +101,7 @@ class DecodeWorker:
             except ValueError as e:
                 self._fail(msg.room, "bad_request", str(e))
                 return
-            self.events[msg.room] = {"decode_entry": self.clock()}
+            self.events[msg.room] = DecodeEvents(decode_entry=self.clock())
             self.prefill_addr[msg.room] = msg.prefill_bootstrap_addr
             self.sched.pending.append(
                 Request(msg.room, msg.input_ids, msg.sampling, self.runner.spec.eos_token_ids)
@@ -122,14 +121,19 @@ class DecodeWorker:
         r = self.sched.transferring.pop(room, None)
         if r is None:
             return None
-        if state is not TransferState.SUCCESS or meta is None:
+        first = None
+        if state is TransferState.SUCCESS:
+            try:
+                first = FirstToken.model_validate(meta)
+            except ValidationError as e:
+                error = f"unreadable first-token metadata: {str(e).splitlines()[0]}"
+        if first is None:
             self.runner.release(r)
             self._forget(room)
             self._fail(room, "transfer", f"KV transfer failed: {error}")
             return None
         r.num_computed = len(r.prompt_ids)
-        top = meta.get("top_logprobs")
-        r.append_token(meta["first_token"], meta.get("logprob"), [tuple(x) for x in top] if top else None)
+        r.append_token(first.first_token, first.logprob, first.top_logprobs or None)
         r.state = RequestState.RUNNING
         self.events[room]["kv_ready"] = self.clock()
         self.sched.running.append(r)
@@ -154,7 +158,9 @@ class DecodeWorker:
             ev = self.events.pop(r.rid, {})
             ev["finished"] = self.clock()
             out.events = {**(out.events or {}), **ev}
-            out.stats = {"cached_tokens": 0, "num_retractions": r.num_retractions, **self.stepper.stats(r)}
+            out.stats = RequestStats(
+                cached_tokens=0, num_retractions=r.num_retractions, **self.stepper.stats(r)
+            )
         return out
 
     def _fail(self, room: str, code: str, message: str) -> None:

@@ -179,8 +179,8 @@ class ControlPlane:
             msg = decode(payload)
         except ProtocolError as e:
             log.warning("refused a frame from %r: %s", identity, e)
-            if isinstance(e, VersionMismatch):
-                # Most likely a Register from a worker of another release: tell it why, in our version.
+            if isinstance(e, VersionMismatch) and e.kind == "register":
+                # A worker of another release: tell it why, in our version.
                 self._outbox.put_nowait((identity, encode(RegisterAck(accepted=False, reason=str(e)))))
             return
         if isinstance(msg, Register):

@@ -33,6 +33,7 @@ from pdserve.gateway.timeline import (
 from pdserve.gateway.tokenizer import Tokenizer
 from pdserve.gateway.workers import WorkerRegistry
 from pdserve.protocol.gateway import GenerateRequest, TokenOutput
+from pdserve.protocol.records import DecodeEvents, RequestStats
 from pdserve.sampling_params import SamplingParams
 
 log = logging.getLogger(__name__)
@@ -280,19 +281,16 @@ class Engine:
         s = c.stats
         ct = len(st.output_ids)
         # The prefill node owns the prefix cache: its count wins over the decode's.
-        cached = int(pd.cached_tokens if pd is not None else s.get("cached_tokens", 0) or 0)
+        cached = pd.cached_tokens if pd is not None else s.get("cached_tokens", 0)
         st.cached_tokens = cached
-        correct, proposed = (
-            int(s.get("spec_num_correct_drafts", 0)),
-            int(s.get("spec_num_proposed_drafts", 0)),
-        )
-        verify = int(s.get("spec_verify_ct", 0))
+        correct, proposed = s.get("spec_num_correct_drafts", 0), s.get("spec_num_proposed_drafts", 0)
+        verify = s.get("spec_verify_ct", 0)
         meta = {
             "id": inp.rid,
             "finish_reason": st.finish_reason,
             "prompt_tokens": st.prompt_tokens,
             "weight_version": "default",
-            "num_retractions": int(s.get("num_retractions", 0)),
+            "num_retractions": s.get("num_retractions", 0),
             "storage_prefetch_wait": 0.0,
             "storage_staging_wait": 0.0,
             "forward_entry_time": tl.forward_entry_time,
@@ -310,7 +308,7 @@ class Engine:
             "spec_num_correct_drafts": correct,
             "spec_num_proposed_drafts": proposed,
             "spec_verify_ct": verify,
-            "spec_correct_drafts_histogram": [int(x) for x in s.get("spec_correct_drafts_histogram", [])],
+            "spec_correct_drafts_histogram": s.get("spec_correct_drafts_histogram", []),
             "request_received_ts": tl.request_received_ts,
             "first_token_latency": tl.first_token_latency,
             "api_server_dispatch_finish_ts": tl.api_server_dispatch_finish_ts,
@@ -333,8 +331,8 @@ class _Collector:
         self.detok = IncrementalDetokenizer(lambda ids: tok.decode(ids, skip), inp.input_ids)
         self.stop = StopStringMatcher(inp.sampling.stop)
         self.st = st
-        self.decode_events: dict[str, float] = {}
-        self.stats: dict = {}
+        self.decode_events: DecodeEvents = {}
+        self.stats: RequestStats = {}
         self.first_token_recv: float | None = None
         self.last_recv: float | None = None
         self.final_recv: float = 0.0

@@ -5,6 +5,8 @@ from __future__ import annotations
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
+from pdserve.protocol.records import RequestStats
+
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600)
 _ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 1, 2.5, 5)
 
@@ -85,10 +87,10 @@ class GatewayMetrics:
             except KeyError:
                 pass
 
-    def spec(self, stats: dict) -> None:
-        self.spec_proposed.inc(int(stats.get("spec_num_proposed_drafts", 0) or 0))
-        self.spec_correct.inc(int(stats.get("spec_num_correct_drafts", 0) or 0))
-        self.spec_verify.inc(int(stats.get("spec_verify_ct", 0) or 0))
+    def spec(self, stats: RequestStats) -> None:
+        self.spec_proposed.inc(stats.get("spec_num_proposed_drafts", 0))
+        self.spec_correct.inc(stats.get("spec_num_correct_drafts", 0))
+        self.spec_verify.inc(stats.get("spec_verify_ct", 0))
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

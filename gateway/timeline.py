@@ -15,6 +15,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from pdserve.protocol.records import DecodeEvents, PrefillEvents
+
 
 @dataclass(frozen=True)
 class TimelineInput:
@@ -25,11 +27,10 @@ class TimelineInput:
     final_recv: float  # receipt of the output that finished the request
     response_sent: float
     prefill_done_recv: float | None  # None: PrefillDone never arrived
-    # Worker clocks: prefill "queue_entry", "forward_entry", "prefill_finished";
-    # decode "decode_entry", "kv_ready", "finished".
-    prefill_events: dict[str, float]
+    # Worker clocks.
+    prefill_events: PrefillEvents
     prefill_offset: float
-    decode_events: dict[str, float]
+    decode_events: DecodeEvents
     decode_offset: float
     completion_tokens: int
 

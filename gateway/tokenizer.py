@@ -14,6 +14,7 @@ import shutil
 import tempfile
 from dataclasses import dataclass
 
+from pdserve import env
 from pdserve.model_source import resolve_model_source
 
 log = logging.getLogger(__name__)
@@ -64,10 +65,7 @@ class Tokenizer:
 
 
 def _cache_root() -> str:
-    base = os.environ.get("PDSERVE_CACHE_DIR") or os.path.join(
-        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "pdserve"
-    )
-    return os.path.join(base, "tokenizers")
+    return os.path.join(env.cache_dir(), "tokenizers")
 
 
 def _load_gguf_cached(gguf_path: str, folder: str, gguf_file: str):  # -> PreTrainedTokenizerBase

@@ -3,8 +3,14 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
+
+from pdserve.config import TRANSFER_TIMEOUT_S, WAITING_TIMEOUT_S
+
+if TYPE_CHECKING:
+    from pdserve.config import WorkerConfig
 
 BACKENDS = ("gloo", "nccl")
 
@@ -30,8 +36,8 @@ class TransferConfig:
 
     backend: str = "gloo"
     bootstrap_timeout_s: float = 30.0
-    waiting_timeout_s: float = 300.0
-    transfer_timeout_s: float = 60.0
+    waiting_timeout_s: float = WAITING_TIMEOUT_S
+    transfer_timeout_s: float = TRANSFER_TIMEOUT_S
     max_pairs: int = 32
     chunk_bytes: int = 16 << 20
     direct_min_bytes: int = 1 << 20
@@ -56,6 +62,12 @@ def default_backend(kv: torch.Tensor) -> str:
     return "nccl" if kv.is_cuda else "gloo"
 
 
-def config_for_pool(kv: torch.Tensor, backend: str = "auto", **fields) -> TransferConfig:
-    """A TransferConfig whose backend `auto` is resolved from where the pool lives."""
-    return TransferConfig(backend=default_backend(kv) if backend == "auto" else backend, **fields)
+def worker_transfer_config(cfg: WorkerConfig, kv: torch.Tensor) -> TransferConfig:
+    """A worker's TransferConfig (the one place it is derived): its timeouts, and its backend with
+    `auto` resolved from where the pool lives."""
+    backend = cfg.kv_transfer_backend
+    return TransferConfig(
+        backend=default_backend(kv) if backend == "auto" else backend,
+        waiting_timeout_s=cfg.waiting_timeout_s,
+        transfer_timeout_s=cfg.transfer_timeout_s,
+    )

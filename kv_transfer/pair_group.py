@@ -10,7 +10,6 @@ Called only from a pair's own thread; every operation here may block up to its t
 
 from __future__ import annotations
 
-import os
 import queue
 import threading
 from datetime import timedelta
@@ -18,6 +17,7 @@ from datetime import timedelta
 import torch
 from torch._C._distributed_c10d import PrefixStore, ProcessGroupGloo, TCPStore
 
+from pdserve import env
 from pdserve.kv_transfer.config import TransferConfig
 from pdserve.kv_transfer.layout import (
     PoolGeometry,
@@ -35,7 +35,7 @@ RECEIVER_RANK = 1
 
 
 def _gloo_device(config: TransferConfig, local_host: str) -> ProcessGroupGloo.Device:
-    ifname = config.socket_ifname or os.environ.get("GLOO_SOCKET_IFNAME")
+    ifname = config.socket_ifname or env.gloo_socket_ifname()
     if ifname:
         return ProcessGroupGloo.create_device(interface=ifname)
     return ProcessGroupGloo.create_device(hostname=local_host)

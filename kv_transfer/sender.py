@@ -294,8 +294,8 @@ class _SenderIO(EndpointIO):
 
     def on_refused(self, identity: bytes, error: ProtocolError) -> None:
         log.warning("kv_transfer: refused a frame from decode %r: %s", identity, error)
-        if isinstance(error, VersionMismatch):
-            # Most likely the Hello of a node of another release: refuse the pair, saying why.
+        if isinstance(error, VersionMismatch) and error.kind == "hello":
+            # A decode node of another release: refuse the pair, saying why.
             self.o._errors.append(f"refused decode {identity.decode(errors='replace')}: {error}")
             self.to_peer(identity, kc.HelloAck(ok=False, mismatch=True, error=str(error)))
 

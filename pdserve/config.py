@@ -3,8 +3,14 @@
 from __future__ import annotations
 
 import argparse
-import os
 from dataclasses import dataclass, fields
+
+from pdserve import env
+
+# The KV transfer's timeouts, one default each: the worker flags, `pdserve up` and
+# kv_transfer.TransferConfig all take them from here.
+TRANSFER_TIMEOUT_S = 30.0  # one KV send/recv operation (a chunk or the trailer) once data flows
+WAITING_TIMEOUT_S = 300.0  # waiting for the other side of a transfer (the prefill's queue included)
 
 
 @dataclass(frozen=True)
@@ -56,8 +62,8 @@ def add_runtime_args(parser: argparse.ArgumentParser) -> None:
     d = RuntimeConfig()
     parser.add_argument(
         "--model-path",
-        default=os.environ.get("PDSERVE_MODEL_PATH"),
-        help="HF folder, .gguf file, or empty for the bundled SmolLM2-135M-Instruct",
+        default=env.model_path(),
+        help="HF folder, .gguf file, or empty for the bundled SmolLM2-135M-Instruct (env PDSERVE_MODEL_PATH)",
     )
     parser.add_argument("--dtype", default=d.dtype, choices=["auto", "float32", "bfloat16", "float16"])
     parser.add_argument("--device", default=d.device)
@@ -95,32 +101,34 @@ class WorkerConfig:
     # Prefill only: the KV bootstrap port decode nodes connect to (0: any free port).
     bootstrap_port: int = 0
     kv_transfer_backend: str = "auto"  # auto: nccl for CUDA pools, gloo otherwise
-    # One KV send/recv operation (a chunk or the metadata) once data flows.
-    transfer_timeout_s: float = 30.0
+    # One KV send/recv operation (a chunk or the trailer) once data flows.
+    transfer_timeout_s: float = TRANSFER_TIMEOUT_S
     # Waiting for the other side: the decode for the KV (the prefill's queue and forward included),
     # the prefill for the decode's page list. Dead peers are caught sooner by the gateway's heartbeats.
-    kv_wait_timeout_s: float = 300.0
+    waiting_timeout_s: float = WAITING_TIMEOUT_S
     register_timeout_s: float = 120.0
-    # Seconds added to this worker's clock: a test hook for the gateway's clock-offset estimation.
-    clock_skew_s: float = 0.0
     drain_timeout_s: float = 600.0
     # /livez, /readyz and /metrics for orchestrators (0: off); see pdserve/health.py.
     health_port: int = 0
+    # Test hooks (hidden flags): seconds added to this worker's clock, for the gateway's clock-offset
+    # estimation; and (prefill) seconds each finished prefill's KV is held back, as a stuck transfer.
+    clock_skew_s: float = 0.0
+    stall_kv_send_s: float = 0.0
 
 
 def add_worker_args(parser: argparse.ArgumentParser, role: str) -> None:
     add_runtime_args(parser)
-    env = os.environ.get
+    d = WorkerConfig(role=role, runtime=RuntimeConfig())
     parser.add_argument(
         "--gateway",
         dest="gateway_addr",
-        default=env("PDSERVE_GATEWAY", "127.0.0.1:30001"),
+        default=env.gateway_addr(),
         help="host:port of the gateway's control socket (env PDSERVE_GATEWAY)",
     )
-    parser.add_argument("--worker-id", default=env("PDSERVE_WORKER_ID", ""))
+    parser.add_argument("--worker-id", default=env.worker_id(), help="(env PDSERVE_WORKER_ID)")
     parser.add_argument(
         "--host",
-        default=env("PDSERVE_HOST", "127.0.0.1"),
+        default=env.host(),
         help="address peers reach this worker at (env PDSERVE_HOST, e.g. the pod IP)",
     )
     if role == "prefill":
@@ -128,31 +136,43 @@ def add_worker_args(parser: argparse.ArgumentParser, role: str) -> None:
             "--disaggregation-bootstrap-port",
             dest="bootstrap_port",
             type=int,
-            default=int(env("PDSERVE_BOOTSTRAP_PORT", "8998")),
+            default=env.bootstrap_port(),
+            help="(env PDSERVE_BOOTSTRAP_PORT)",
         )
-    parser.add_argument("--kv-transfer-backend", default="auto", choices=["auto", "gloo", "nccl"])
+    parser.add_argument(
+        "--kv-transfer-backend", default=d.kv_transfer_backend, choices=["auto", "gloo", "nccl"]
+    )
     parser.add_argument(
         "--transfer-timeout",
         dest="transfer_timeout_s",
         type=float,
-        default=30.0,
+        default=d.transfer_timeout_s,
         help="seconds one KV send/recv may take once data flows",
     )
     parser.add_argument(
+        "--waiting-timeout",
         "--kv-wait-timeout",
-        dest="kv_wait_timeout_s",
+        dest="waiting_timeout_s",
         type=float,
-        default=300.0,
+        default=d.waiting_timeout_s,
         help="seconds a KV transfer may wait for its peer (prefill queue + forward included)",
     )
-    parser.add_argument("--drain-timeout", dest="drain_timeout_s", type=float, default=600.0)
+    parser.add_argument("--drain-timeout", dest="drain_timeout_s", type=float, default=d.drain_timeout_s)
     parser.add_argument(
         "--health-port",
         type=int,
-        default=int(env("PDSERVE_HEALTH_PORT", "0")),
+        default=env.health_port(),
         help="serve /livez, /readyz and /metrics here (env PDSERVE_HEALTH_PORT; 0: off)",
     )
-    parser.add_argument("--log-level", default=env("PDSERVE_LOG_LEVEL", "info"))
+    parser.add_argument("--log-level", default=env.log_level(), help="(env PDSERVE_LOG_LEVEL)")
+    # Test hooks: hidden, so that no deployment sets them by accident.
+    parser.add_argument(
+        "--test-clock-skew", dest="clock_skew_s", type=float, default=0.0, help=argparse.SUPPRESS
+    )
+    if role == "prefill":
+        parser.add_argument(
+            "--test-stall-kv-send", dest="stall_kv_send_s", type=float, default=0.0, help=argparse.SUPPRESS
+        )
 
 
 def worker_config_from_args(args: argparse.Namespace, role: str) -> WorkerConfig:
@@ -161,5 +181,4 @@ def worker_config_from_args(args: argparse.Namespace, role: str) -> WorkerConfig
     names = {f.name for f in fields(WorkerConfig)} - {"role", "runtime"}
     kw = {k: v for k, v in vars(args).items() if k in names}
     kw["worker_id"] = kw.get("worker_id") or f"{role}-{uuid.uuid4().hex[:8]}"
-    skew = float(os.environ.get("PDSERVE_TEST_CLOCK_SKEW_S", "0"))
-    return WorkerConfig(role=role, runtime=runtime_config_from_args(args), clock_skew_s=skew, **kw)
+    return WorkerConfig(role=role, runtime=runtime_config_from_args(args), **kw)

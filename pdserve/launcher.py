@@ -14,7 +14,8 @@ import sys
 import time
 import urllib.request
 
-from pdserve.config import add_runtime_args
+from pdserve import env
+from pdserve.config import TRANSFER_TIMEOUT_S, WAITING_TIMEOUT_S, add_runtime_args
 
 
 def add_cli_args(parser: argparse.ArgumentParser) -> None:
@@ -37,8 +38,14 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--log-level", default="info")
     parser.add_argument("--log-dir", default=None, help="write each role's output to <dir>/<role>.log")
     parser.add_argument("--startup-timeout", type=float, default=600.0)
-    parser.add_argument("--transfer-timeout", type=float, default=30.0)
-    parser.add_argument("--kv-wait-timeout", type=float, default=300.0)
+    parser.add_argument("--transfer-timeout", type=float, default=TRANSFER_TIMEOUT_S)
+    parser.add_argument(
+        "--waiting-timeout",
+        "--kv-wait-timeout",
+        dest="waiting_timeout",
+        type=float,
+        default=WAITING_TIMEOUT_S,
+    )
 
 
 # Runtime flags forwarded verbatim to every worker.
@@ -97,8 +104,8 @@ def worker_commands(args: argparse.Namespace) -> list[tuple[str, list[str]]]:
         args.log_level,
         "--transfer-timeout",
         str(args.transfer_timeout),
-        "--kv-wait-timeout",
-        str(args.kv_wait_timeout),
+        "--waiting-timeout",
+        str(args.waiting_timeout),
     ]
     cmds = [("gateway", gw)]
     for i in range(args.num_prefill):
@@ -127,7 +134,7 @@ def worker_env(args: argparse.Namespace) -> dict[str, str]:
     on two cores, two threads per worker then serve 25% more in a burst of 32 requests than the even
     split, where spinning threads made the same setting 25% slower (docs/benchmarks.md)."""
     shared = (args.num_prefill + args.num_decode) * _threads(args) > (os.cpu_count() or 1)
-    if shared and "OMP_WAIT_POLICY" not in os.environ:
+    if shared and not env.omp_wait_policy_set():
         return {"OMP_WAIT_POLICY": "PASSIVE"}
     return {}
 

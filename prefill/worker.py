@@ -7,13 +7,14 @@ until its KV transfer ends (Success or Failed), then freed.
 from __future__ import annotations
 
 import logging
-import os
 import time
 
 from pdserve.config import WorkerConfig
 from pdserve.kv_transfer import KVSender, TransferState
-from pdserve.kv_transfer.config import config_for_pool
+from pdserve.kv_transfer.config import worker_transfer_config
 from pdserve.protocol import gateway as m
+from pdserve.protocol.kv_trailer import FirstToken
+from pdserve.protocol.records import PrefillEvents
 from pdserve.runtime.batch import ForwardMode
 from pdserve.runtime.extend_scheduler import ExtendScheduler
 from pdserve.runtime.request import Request
@@ -24,19 +25,12 @@ from pdserve.worker_link import WorkerLink
 log = logging.getLogger(__name__)
 
 
-STALL_ENV = "PDSERVE_TEST_STALL_KV_SEND_S"
-
-
 class PrefillWorker:
-    def __init__(
-        self, cfg: WorkerConfig, signals: DrainSignal | None = None, stall_kv_send_s: float | None = None
-    ):
-        """`stall_kv_send_s`: a test hook that holds each finished prefill this long before its KV is
-        handed to the sender, as a stuck transfer path would (None: env PDSERVE_TEST_STALL_KV_SEND_S)."""
+    def __init__(self, cfg: WorkerConfig, signals: DrainSignal | None = None):
         self.cfg = cfg
-        if stall_kv_send_s is None:
-            stall_kv_send_s = float(os.environ.get(STALL_ENV, "0") or 0)
-        self.stall_kv_send_s = stall_kv_send_s
+        # Test hook (--test-stall-kv-send): hold each finished prefill this long before its KV is
+        # handed to the sender, as a stuck transfer path would.
+        self.stall_kv_send_s = cfg.stall_kv_send_s
         # Sends held back by the stall hook: (due time.monotonic(), room, pages, tokens, metadata).
         self.stalled: list[tuple[float, str, list[int], int, dict]] = []
         self.clock = make_clock(cfg)
@@ -54,15 +48,10 @@ class PrefillWorker:
             self.runner.fingerprint(),
             cfg.host,
             cfg.bootstrap_port,
-            config_for_pool(
-                self.runner.pool.kv,
-                cfg.kv_transfer_backend,
-                waiting_timeout_s=cfg.kv_wait_timeout_s,
-                transfer_timeout_s=cfg.transfer_timeout_s,
-            ),
+            worker_transfer_config(cfg, self.runner.pool.kv),
         )
         self.rooms: dict[str, Request] = {}  # queued, prefilling or transferring
-        self.events: dict[str, dict[str, float]] = {}
+        self.events: dict[str, PrefillEvents] = {}
         self.link: WorkerLink | None = None
 
     def serve(self) -> None:
@@ -128,7 +117,7 @@ class PrefillWorker:
             return
         r = Request(req.room, req.input_ids, req.sampling, self.runner.spec.eos_token_ids)
         self.rooms[req.room] = r
-        self.events[req.room] = {"queue_entry": self.clock()}
+        self.events[req.room] = PrefillEvents(queue_entry=self.clock())
         self.sched.add(r)
 
     def _run(self, reqs: list[Request], chunks: list[list[int]]) -> None:
@@ -145,12 +134,11 @@ class PrefillWorker:
         for r in done:
             ev = self.events.pop(r.rid)
             ev["prefill_finished"] = now
-            meta = {
-                "first_token": r.output_ids[0],
-                "logprob": r.output_logprobs[0] if r.output_logprobs else None,
-                "top_logprobs": r.output_top_logprobs[0] if r.output_top_logprobs else None,
-                "cached_tokens": 0,
-            }
+            meta = FirstToken(
+                first_token=r.output_ids[0],
+                logprob=r.output_logprobs[0] if r.output_logprobs else None,
+                top_logprobs=r.output_top_logprobs[0] if r.output_top_logprobs else None,
+            ).model_dump()
             if self.stall_kv_send_s > 0:
                 due = time.monotonic() + self.stall_kv_send_s
                 self.stalled.append((due, r.rid, r.pages, len(r.prompt_ids), meta))

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 import torch
 from safetensors import safe_open
 
+from pdserve import env
 from pdserve.model_source import ModelSource, ModelSourceError, resolve_model_source
 from pdserve.runtime.model_config import ModelSpec, rope_inv_freq
 from pdserve.runtime.models.llama import CausalLM, Rotary
@@ -48,7 +49,7 @@ class LoadedModel:
 
 
 def cache_root() -> str:
-    return os.environ.get("PDSERVE_CACHE", os.path.join(os.path.expanduser("~"), ".cache", "pdserve"))
+    return env.cache_dir()
 
 
 def _file_sha256(path: str) -> str:

@@ -29,10 +29,13 @@ class ProtocolError(ValueError):
 
 
 class VersionMismatch(ProtocolError):
-    def __init__(self, channel: str, received: int) -> None:
-        self.received = received
+    """`kind`: the refused message's kind when readable, so a handshake can be answered with a refusal."""
+
+    def __init__(self, channel: str, received: int, kind: str | None = None) -> None:
+        self.received, self.kind = received, kind
         super().__init__(
-            f"{channel} frame of protocol version {received} refused: this node speaks {PROTOCOL_VERSION}"
+            f"{channel} {kind or 'frame'} of protocol version {received} refused: "
+            f"this node speaks {PROTOCOL_VERSION}"
         )
 
 
@@ -40,10 +43,15 @@ class MalformedFrame(ProtocolError):
     pass
 
 
+class _Kind(BaseModel):
+    kind: str | None = None
+
+
 class _Header(BaseModel):
     """Read only when a frame fails validation, to tell a version mismatch from a broken body."""
 
     v: int
+    msg: _Kind | None = None
 
 
 class Codec(Generic[M]):
@@ -66,16 +74,16 @@ class Codec(Generic[M]):
             env = self._envelope.validate_json(frame)
         except ValidationError as e:
             try:
-                version = _Header.model_validate_json(frame).v
+                header = _Header.model_validate_json(frame)
             except ValidationError:
-                version = PROTOCOL_VERSION
-            if version != PROTOCOL_VERSION:
-                raise VersionMismatch(self.channel, version) from None
+                header = _Header(v=PROTOCOL_VERSION)
+            if header.v != PROTOCOL_VERSION:
+                raise VersionMismatch(self.channel, header.v, header.msg and header.msg.kind) from None
             first = e.errors()[0] if e.errors() else {"loc": (), "msg": str(e)}
             where = ".".join(str(p) for p in first["loc"]) or "frame"
             raise MalformedFrame(
                 f"malformed {self.channel} frame ({where}: {first['msg']}): {frame[:200]!r}"
             ) from None
         if env.v != PROTOCOL_VERSION:
-            raise VersionMismatch(self.channel, env.v)
+            raise VersionMismatch(self.channel, env.v, env.msg.kind)
         return env.msg

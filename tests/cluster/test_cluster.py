@@ -224,7 +224,7 @@ def test_timeline_ordered_under_clock_skew(tmp_path):
     # The prefill clock runs 7 s ahead, the decode clock 4 s behind.
     c = start_roles(
         tmp_path,
-        [("prefill", {"PDSERVE_TEST_CLOCK_SKEW_S": "7"}), ("decode", {"PDSERVE_TEST_CLOCK_SKEW_S": "-4"})],
+        [("prefill", {}, ["--test-clock-skew", "7"]), ("decode", {}, ["--test-clock-skew", "-4"])],
     )
     try:
         c.wait_healthy()

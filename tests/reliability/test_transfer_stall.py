@@ -1,7 +1,7 @@
 """A stuck KV transfer path: every request fails with a transfer error within the transfer timeout.
 
 The prefill worker holds each finished prefill's KV back far longer than `--transfer-timeout`
-(test hook PDSERVE_TEST_STALL_KV_SEND_S); the decode node gives up waiting, the gateway answers with
+(hidden test flag --test-stall-kv-send); the decode node gives up waiting, the gateway answers with
 a clear error and aborts the prefill leg, and both pools return to idle.
 """
 
@@ -25,7 +25,7 @@ def cluster(tmp_path_factory):
     c = start_roles(
         tmp_path_factory.mktemp("stall"),
         [
-            ("prefill", {"PDSERVE_TEST_STALL_KV_SEND_S": str(STALL_S)}, worker_flags(TIMEOUT_S)),
+            ("prefill", {}, [*worker_flags(TIMEOUT_S), "--test-stall-kv-send", str(STALL_S)]),
             ("decode", {}, worker_flags(TIMEOUT_S)),
         ],
         gateway_flags=GATEWAY_FLAGS,
