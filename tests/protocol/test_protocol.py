@@ -1,0 +1,381 @@
+"""The protocol package: every type round-trips, and every channel refuses a frame of another version
+or a malformed body with a clear error, through the real receiving code (real zmq sockets), which
+keeps serving afterwards."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+import typing
+
+import pytest
+import torch
+import zmq
+from pydantic import BaseModel, TypeAdapter
+
+from pdserve.gateway.config import GatewayConfig
+from pdserve.gateway.control import ControlPlane
+from pdserve.gateway.metrics import GatewayMetrics
+from pdserve.gateway.workers import WorkerRegistry
+from pdserve.kv_transfer import FingerprintMismatch, KVReceiver, KVSender, TransferConfig, TransferState
+from pdserve.protocol import PROTOCOL_VERSION, MalformedFrame, ProtocolError, VersionMismatch
+from pdserve.protocol import gateway as gw
+from pdserve.protocol import kv_control as kc
+from pdserve.protocol.kv_trailer import FirstToken, Trailer, decode_trailer, encode_trailer
+from pdserve.protocol.records import DecodeEvents, PrefillEvents, RequestStats
+from pdserve.sampling_params import SamplingParams
+from pdserve.worker_link import RegistrationRefused, WorkerLink
+
+pytestmark = pytest.mark.timeout(60)
+
+FP = {"architecture": "TestLM", "page_size": 4, "weights_hash": "h"}
+PREFILL_EVENTS = PrefillEvents(queue_entry=1.0, forward_entry=1.5, prefill_finished=2.0)
+DECODE_EVENTS = DecodeEvents(decode_entry=1.2, kv_ready=2.1, finished=3.0)
+STATS = RequestStats(
+    cached_tokens=0,
+    num_retractions=1,
+    spec_verify_ct=3,
+    spec_num_proposed_drafts=9,
+    spec_num_correct_drafts=4,
+    spec_correct_drafts_histogram=[1, 1, 1, 0],
+)
+
+
+def _register(worker_id: str = "d0", role: str = "decode") -> gw.Register:
+    return gw.Register(
+        worker_id=worker_id,
+        role=role,
+        bootstrap_addr="127.0.0.1:7000" if role == "prefill" else None,
+        fingerprint=FP,
+        model_name="m",
+        max_total_tokens=4096,
+        max_running_requests=8,
+        context_length=2048,
+        vocab_size=100,
+        t_send=time.time(),
+    )
+
+
+GATEWAY_SAMPLES: list[BaseModel] = [
+    _register("p0", "prefill"),
+    gw.RegisterAck(accepted=False, reason="no"),
+    gw.Ping(t0=1.0),
+    gw.Pong(t0=1.0, t1=2.0, t2=3.0, queued=1, running=2, free_tokens=64, draining=True),
+    gw.Deregister(worker_id="d0"),
+    gw.GenerateRequest(
+        room="r1",
+        input_ids=[1, 2, 3],
+        sampling=SamplingParams(max_new_tokens=4, temperature=0.0, stop=["x"]),
+        prefill_worker="p0",
+        prefill_bootstrap_addr="127.0.0.1:7000",
+        decode_worker="d0",
+        deadline_s=9.5,
+    ),
+    gw.AbortRequest(room="r1", reason="client gone"),
+    gw.PrefillDone(room="r1", events=PREFILL_EVENTS, cached_tokens=2),
+    gw.RequestFailed(room="r1", role="decode", code="oom", message="out of pages"),
+    gw.TokenBatch(
+        worker_id="d0",
+        outputs=[
+            gw.TokenOutput(
+                room="r1",
+                token_ids=[5, 6],
+                logprobs=[-0.5, -0.25],
+                top_logprobs=[[(5, -0.5), (7, -1.0)], [(6, -0.25)]],
+                finished=True,
+                finish_reason={"type": "length", "length": 2},
+                events=DECODE_EVENTS,
+                stats=STATS,
+            )
+        ],
+    ),
+]
+
+KV_SAMPLES: list[BaseModel] = [
+    kc.Hello(receiver_id="abc", identity={**FP, "kv_transfer.backend": "gloo"}),
+    kc.HelloAck(ok=True, store_port=1234, gen=3),
+    kc.HelloAck(ok=False, mismatch=True, error="page_size differs"),
+    kc.PageList(room="r1", pages=[4, 5, 9], num_tokens=40),
+    kc.Announce(
+        room="r1", seq=7, gen=3, num_pages=3, chunk_pages=2, runs=[2, 1], trailer_len=88, num_tokens=40
+    ),
+    kc.Build(gen=4),
+    kc.PairDead(gen=3, reason="timed out"),
+    kc.Abort(room="r1", reason="page list before a handshake", unknown_pair=True),
+    kc.Bye(reason="shutting down"),
+]
+
+
+def _members(union) -> set[type]:
+    return set(typing.get_args(typing.get_args(union)[0]))
+
+
+def test_samples_cover_every_message_of_each_channel():
+    assert {type(s) for s in GATEWAY_SAMPLES} == _members(gw.Message)
+    assert {type(s) for s in KV_SAMPLES} == _members(kc.Message)
+
+
+@pytest.mark.parametrize("msg", GATEWAY_SAMPLES, ids=lambda s: type(s).__name__)
+def test_gateway_message_round_trip(msg):
+    back = gw.decode(gw.encode(msg))
+    assert type(back) is type(msg) and back == msg
+
+
+@pytest.mark.parametrize("msg", KV_SAMPLES, ids=lambda s: f"{type(s).__name__}")
+def test_kv_control_message_round_trip(msg):
+    back = kc.decode(kc.encode(msg))
+    assert type(back) is type(msg) and back == msg
+
+
+def test_trailer_and_first_token_round_trip():
+    first = FirstToken(first_token=42, logprob=-0.5, top_logprobs=[(42, -0.5), (7, -2.0)], cached_tokens=3)
+    room, tokens, meta = decode_trailer(encode_trailer("r1", 40, first.model_dump()))
+    assert (room, tokens) == ("r1", 40)
+    assert FirstToken.model_validate(meta) == first
+    t = Trailer(room="r1", num_tokens=40, metadata={"x": [1, 2]})
+    assert Trailer.model_validate_json(t.model_dump_json()) == t
+
+
+@pytest.mark.parametrize(
+    "record,value", [(PrefillEvents, PREFILL_EVENTS), (DecodeEvents, DECODE_EVENTS), (RequestStats, STATS)]
+)
+def test_records_round_trip_and_refuse_unknown_keys(record, value):
+    adapter = TypeAdapter(record)
+    assert adapter.validate_json(adapter.dump_json(value)) == value
+    with pytest.raises(ValueError, match="Extra inputs are not permitted"):
+        adapter.validate_python({**value, "not_a_key": 1})
+
+
+# ---- refusals at the codec -----------------------------------------------------------------------
+
+
+def _with_version(frame: bytes, v: int) -> bytes:
+    return frame.replace(b'{"v":%d,' % PROTOCOL_VERSION, b'{"v":%d,' % v, 1)
+
+
+@pytest.mark.parametrize("codec,sample", [(gw, GATEWAY_SAMPLES[0]), (kc, KV_SAMPLES[0])])
+def test_codec_refuses_another_version_and_malformed_bodies(codec, sample):
+    with pytest.raises(
+        VersionMismatch, match=f"version 99 refused: this node speaks {PROTOCOL_VERSION}"
+    ) as e:
+        codec.decode(_with_version(codec.encode(sample), 99))
+    assert e.value.kind == sample.kind
+    for bad in (b"", b"not json", b"[1, 2]", b'{"v": 1}', b'{"v": 1, "msg": {"kind": "martian"}}'):
+        with pytest.raises(MalformedFrame, match="malformed"):
+            codec.decode(bad)
+    wrong_field = codec.encode(sample).replace(b'"kind"', b'"unexpected":1,"kind"', 1)
+    with pytest.raises(MalformedFrame, match="unexpected"):
+        codec.decode(wrong_field)
+
+
+def test_malformed_records_announce_and_trailer_are_refused():
+    bad_events = gw.encode(GATEWAY_SAMPLES[7]).replace(b"queue_entry", b"queue_entri")
+    with pytest.raises(MalformedFrame, match="queue_entri"):
+        gw.decode(bad_events)
+    bad_runs = kc.encode(KV_SAMPLES[4]).replace(b"[2,1]", b"[2,2]")
+    with pytest.raises(MalformedFrame, match="do not cover 3 pages"):
+        kc.decode(bad_runs)
+    with pytest.raises(ProtocolError, match="malformed KV trailer"):
+        decode_trailer(b'{"room": "r1"}')
+    with pytest.raises(ValueError):
+        FirstToken.model_validate({"first_token": "many"})
+
+
+# ---- gateway <-> worker: the gateway's control plane --------------------------------------------
+
+
+@pytest.fixture
+def control_plane():
+    loop = asyncio.new_event_loop()
+    thread = threading.Thread(target=loop.run_forever, daemon=True)
+    thread.start()
+    cfg = GatewayConfig(
+        control_host="127.0.0.1", control_port=0, heartbeat_interval_s=0.2, heartbeat_timeout_s=5
+    )
+    cp = ControlPlane(cfg, WorkerRegistry(), GatewayMetrics())
+    asyncio.run_coroutine_threadsafe(cp.start(), loop).result(5)
+    try:
+        yield cp
+    finally:
+        asyncio.run_coroutine_threadsafe(cp.stop(), loop).result(5)
+        loop.call_soon_threadsafe(loop.stop)
+        thread.join(5)
+
+
+def _dealer(ctx: zmq.Context, addr: str, identity: bytes) -> zmq.Socket:
+    sock = ctx.socket(zmq.DEALER)
+    sock.setsockopt(zmq.IDENTITY, identity)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.connect(addr)
+    return sock
+
+
+def _recv(sock: zmq.Socket, codec, kind: type, timeout_s: float = 5.0):
+    deadline = time.monotonic() + timeout_s
+    while sock.poll(max(1, int((deadline - time.monotonic()) * 1000))):
+        msg = codec.decode(sock.recv_multipart()[-1])
+        if isinstance(msg, kind):
+            return msg
+    raise TimeoutError(f"no {kind.__name__}")
+
+
+def test_gateway_refuses_a_register_of_another_version_and_garbage_then_keeps_serving(control_plane):
+    ctx = zmq.Context()
+    sock = _dealer(ctx, f"tcp://127.0.0.1:{control_plane.bound_port}", b"d0")
+    try:
+        sock.send(_with_version(gw.encode(_register()), 2))
+        ack = _recv(sock, gw, gw.RegisterAck)
+        assert not ack.accepted and "register of protocol version 2 refused" in ack.reason
+        assert control_plane.registry.get("d0") is None
+        sock.send(b"\xff garbage")
+        sock.send(gw.encode(_register()).replace(b'"vocab_size":100', b'"vocab_size":"many"'))
+        sock.send(gw.encode(_register()))
+        assert _recv(sock, gw, gw.RegisterAck).accepted
+        assert control_plane.registry.get("d0") is not None
+    finally:
+        sock.close()
+        ctx.term()
+
+
+# ---- gateway <-> worker: the worker's link ---------------------------------------------------------
+
+
+def _fake_gateway(ctx: zmq.Context) -> tuple[zmq.Socket, str]:
+    router = ctx.socket(zmq.ROUTER)
+    router.setsockopt(zmq.LINGER, 0)
+    port = router.bind_to_random_port("tcp://127.0.0.1")
+    return router, f"127.0.0.1:{port}"
+
+
+def test_worker_link_drops_bad_frames_and_keeps_answering_pings():
+    ctx = zmq.Context()
+    router, addr = _fake_gateway(ctx)
+    link = WorkerLink(addr, _register, time.time)
+    link.start()
+    try:
+        identity, frame = router.recv_multipart()
+        assert isinstance(gw.decode(frame), gw.Register)
+        router.send_multipart([identity, gw.encode(gw.RegisterAck(accepted=True))])
+        link.wait_registered(5)
+        router.send_multipart([identity, b"{not json"])
+        router.send_multipart([identity, _with_version(gw.encode(gw.Ping(t0=1.0)), 7)])
+        router.send_multipart([identity, b'{"v":1,"msg":{"kind":"ping"}}'])  # t0 missing
+        router.send_multipart([identity, gw.encode(gw.Ping(t0=2.0))])
+        pong = _recv(router, gw, gw.Pong)
+        assert pong.t0 == 2.0  # only the good ping was answered
+        assert link.inbox.empty()
+    finally:
+        link.close()
+        router.close()
+        ctx.term()
+
+
+def test_worker_link_refuses_a_gateway_of_another_version():
+    ctx = zmq.Context()
+    router, addr = _fake_gateway(ctx)
+    link = WorkerLink(addr, _register, time.time)
+    link.start()
+    try:
+        identity, _ = router.recv_multipart()
+        router.send_multipart([identity, _with_version(gw.encode(gw.RegisterAck(accepted=True)), 5)])
+        with pytest.raises(RegistrationRefused, match="version 5 refused"):
+            link.wait_registered(5)
+    finally:
+        link.close()
+        router.close()
+        ctx.term()
+
+
+# ---- prefill <-> decode: the KV sender's bootstrap server and the receiver ---------------------------
+
+FAST = TransferConfig(bootstrap_timeout_s=5, waiting_timeout_s=10, transfer_timeout_s=5, chunk_bytes=1024)
+
+
+def _pool(seed: int) -> torch.Tensor:
+    return torch.randn(16, 2, 2, 4, 2, 8, generator=torch.Generator().manual_seed(seed))  # [N,L,2,P,H,D]
+
+
+def _result(engine, room: str, timeout_s: float = 15.0):
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        for r in engine.poll():
+            if r.room == room:
+                return r
+        time.sleep(0.01)
+    raise TimeoutError(f"no result for {room}")
+
+
+def _transfer(sender: KVSender, receiver: KVReceiver, room: str) -> None:
+    """One real transfer: proves both ends still serve; the pages and the metadata arrive intact."""
+    sender.send(room, [1, 2], 6, {"first_token": 9})
+    receiver.request(room, sender.addr, [3, 4], 6)
+    got = _result(receiver, room)
+    assert got.state == TransferState.SUCCESS and got.metadata == {"first_token": 9}, got
+    assert _result(sender, room).state == TransferState.SUCCESS
+    assert torch.equal(receiver._kv[[3, 4]], sender._kv[[1, 2]])
+
+
+@pytest.fixture
+def sender():
+    s = KVSender(_pool(1), FP, "127.0.0.1", 0, FAST)
+    s.start()
+    yield s
+    s.close()
+
+
+@pytest.fixture
+def receiver():
+    r = KVReceiver(_pool(2), FP, FAST)
+    r.start()
+    yield r
+    r.close()
+
+
+def test_bootstrap_server_refuses_a_hello_of_another_version_and_garbage_then_keeps_serving(sender, receiver):
+    ctx = zmq.Context()
+    sock = _dealer(ctx, f"tcp://{sender.addr}", b"stranger")
+    try:
+        sock.send(b"\x00\x01 garbage")
+        sock.send(kc.encode(kc.PageList(room="x", pages=[1], num_tokens=1)).replace(b"[1]", b'"one"'))
+        hello = kc.Hello(receiver_id="stranger", identity={})
+        sock.send(_with_version(kc.encode(hello), 2))
+        ack = _recv(sock, kc, kc.HelloAck)
+        assert not ack.ok and ack.mismatch and "hello of protocol version 2 refused" in ack.error
+        assert any("version 2" in e for e in sender.handshake_errors())
+    finally:
+        sock.close()
+        ctx.term()
+    _transfer(sender, receiver, "after-refusals")
+
+
+def test_receiver_refuses_a_prefill_of_another_version_then_keeps_serving(sender, receiver):
+    ctx = zmq.Context()
+    router, addr = _fake_gateway(ctx)  # a ROUTER standing in for another release's bootstrap server
+    outcome: list[BaseException | None] = []
+
+    def connect() -> None:
+        try:
+            receiver.connect(addr, timeout_s=10)
+            outcome.append(None)
+        except BaseException as e:  # noqa: BLE001 - handed to the test thread
+            outcome.append(e)
+
+    thread = threading.Thread(target=connect)
+    thread.start()
+    try:
+        identity, frame = router.recv_multipart()
+        assert isinstance(kc.decode(frame), kc.Hello)
+        router.send_multipart([identity, b"garbage"])  # dropped: the handshake still waits
+        time.sleep(0.2)
+        assert not outcome
+        router.send_multipart([identity, _with_version(kc.encode(kc.HelloAck(ok=True, gen=0)), 3)])
+        thread.join(10)
+        assert isinstance(outcome[0], FingerprintMismatch), outcome
+        assert "hello_ack of protocol version 3 refused" in str(outcome[0])
+    finally:
+        thread.join(10)
+        router.close()
+        ctx.term()
+    receiver.connect(sender.addr)
+    _transfer(sender, receiver, "after-refusal")
