@@ -2,7 +2,8 @@
 
 Prefill: KVSender(kv, fingerprint, host, bootstrap_port, config).start(); send(); poll(); abort().
 Decode:  KVReceiver(kv, fingerprint, config).start(); connect(); request(); poll(); abort().
-Byte layout: layout.py. Control messages: control.py. State machine: state.py.
+Byte layout: layout.py. Wire messages: pdserve/protocol (kv_control.py, kv_trailer.py). Mailbox items:
+mailbox.py. The I/O loop both ends share: io_loop.py. State machine and rooms: state.py.
 """
 
 from pdserve.kv_transfer.config import TransferConfig, default_backend
