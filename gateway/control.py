@@ -254,7 +254,13 @@ class ControlPlane:
             w.draining = True
             self._update_worker_gauges()
         self.metrics.worker_load(
-            w.worker_id, w.role, pong.queued, pong.running, pong.free_tokens, w.clock.offset
+            w.worker_id,
+            w.role,
+            pong.queued,
+            pong.running,
+            pong.free_tokens,
+            w.clock.offset,
+            w.clock.rtt or 0.0,
         )
 
     # ---- liveness ----------------------------------------------------------------------------
