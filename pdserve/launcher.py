@@ -36,7 +36,7 @@ class Child:
     env: dict[str, str]  # added to the launcher's environment
 
 
-def _die_with(parent_pid: int) -> Callable[[], None]:
+def die_with(parent_pid: int) -> Callable[[], None]:
     """A `preexec_fn`: the kernel SIGKILLs the child when the thread that started it exits."""
 
     def arm() -> None:
@@ -60,7 +60,7 @@ def spawn(argv: list[str], log_path: str | None, env: dict[str, str] | None = No
             stderr=subprocess.STDOUT if out else None,
             env={**os.environ, **(env or {})},
             start_new_session=True,
-            preexec_fn=_die_with(os.getpid()),
+            preexec_fn=die_with(os.getpid()),
         )
     finally:
         if out:
