@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: up test lint bench-engine bench-serving clean
+.PHONY: up test test-all lint bench-engine bench-serving clean
 
 $(STAMP): pyproject.toml
 	$(PY) -m venv $(VENV)
@@ -19,10 +19,15 @@ $(STAMP): pyproject.toml
 up: $(STAMP)
 	$(BIN)/pdserve up
 
-## Lint, then the whole test suite (CPU)
+## Lint, then the fast test suite (CPU; everything but the tests marked slow)
 test: $(STAMP)
 	$(BIN)/ruff check .
-	$(BIN)/python -m pytest
+	$(BIN)/python -m pytest -m "not slow" --durations=15
+
+## Lint, then every test, the soak and the long fault tests included (what CI runs)
+test-all: $(STAMP)
+	$(BIN)/ruff check .
+	$(BIN)/python -m pytest --durations=15
 
 bench-engine: $(STAMP)
 	$(BIN)/pdserve bench engine
