@@ -13,11 +13,12 @@ from pdserve import messages as m
 from pdserve.config import WorkerConfig
 from pdserve.decode.scheduler import DecodeScheduler
 from pdserve.decode.stepper import make_stepper
+from pdserve.drain import DrainSignal
 from pdserve.kv_transfer import KVReceiver, TransferState
 from pdserve.kv_transfer.config import config_for_pool
 from pdserve.runtime.request import Request, RequestState
 from pdserve.runtime.runner import ModelRunner
-from pdserve.worker_common import DrainSignal, make_clock, register_factory, serve_until_drained
+from pdserve.worker_common import make_clock, register_factory, serve_until_drained
 from pdserve.worker_link import WorkerLink
 
 log = logging.getLogger(__name__)

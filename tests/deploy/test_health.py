@@ -9,8 +9,8 @@ import pytest
 from harness import start_gateway, stop_processes
 
 from pdserve import messages as m
+from pdserve.drain import DrainSignal
 from pdserve.health import HealthServer, start_health_server
-from pdserve.worker_common import DrainSignal
 from pdserve.worker_link import WorkerLink
 
 
