@@ -157,6 +157,7 @@ class ControlPlane:
             # A worker already removed from the registry is gone: nothing to abort there.
             if reason is not None and self.registry.get(worker.worker_id) is worker:
                 self.send(worker, AbortRequest(room=room.room, reason=reason))
+                self.metrics.aborted_legs.labels(worker.role, reason).inc()
 
     # ---- receiving ---------------------------------------------------------------------------
 

@@ -44,6 +44,12 @@ class GatewayMetrics:
         self.retries = Counter(
             "pdserve_request_retries", "Generations retried on another pair after a lost leg", registry=r
         )
+        self.aborted_legs = Counter(
+            "pdserve_aborted_legs",
+            "Legs the gateway aborted on a worker, by role and reason (cancelled: the client left)",
+            ["role", "reason"],
+            registry=r,
+        )
         self.transfer_failures = Counter(
             "pdserve_kv_transfer_failures", "KV transfers reported failed by a worker", registry=r
         )
