@@ -8,12 +8,13 @@
 
 Flags after `--` go verbatim to every worker (e.g. `-- --max-total-tokens 4096 --num-threads 1`).
 Each child runs in its own process group with its own log file (`<log-dir>/<name>.log`); the
-launcher prints `started <name> pid <pid> log <path>` for each. On SIGINT/SIGTERM, or when the
-gateway or any worker fails, it sends SIGTERM to exactly those process groups (workers drain),
-waits `--stop-timeout`, then SIGKILLs what is left. A worker that exits 0 on its own (drained by a
-SIGTERM sent to it directly) is let go; the rest keep serving. Children die with the launcher,
-even when it is SIGKILLed. The supervision is `pdserve.launcher`'s, shared with `pdserve up`: run
-this with an interpreter that has pdserve installed (launch.sh takes it from $PYTHON).
+launcher prints `started <name> pid <pid> log <path>` for each. A child that crashes is restarted
+with backoff (a crash-looping one stays down); on SIGINT/SIGTERM, or when a role has no process
+left, it sends SIGTERM to exactly those process groups (workers drain), waits `--stop-timeout`,
+then SIGKILLs what is left. A worker that exits 0 on its own (drained by a SIGTERM sent to it
+directly) is let go; the rest keep serving. Children die with the launcher, even when it is
+SIGKILLed. The supervision is `pdserve.supervisor`'s, shared with `pdserve up`: run this with an
+interpreter that has pdserve installed (launch.sh takes it from $PYTHON).
 """
 
 from __future__ import annotations
@@ -25,8 +26,8 @@ import socket
 import sys
 import urllib.request
 
-from pdserve.launcher import Child, Supervisor, start_gateway
-from pdserve.port_file import wait_port_file
+from pdserve.launcher import start_gateway
+from pdserve.supervisor import Child, Supervisor
 
 
 def _gpu_list(text: str | None) -> list[str]:
@@ -221,11 +222,10 @@ def run(args: argparse.Namespace) -> int:
         port, workers = args.port, children
         if not args.no_gateway:
             try:
-                control = start_gateway(sup, children[0], args.port, args.control_port, args.port_file)
+                port, control = start_gateway(sup, children[0], args.port_file)
             except (RuntimeError, TimeoutError) as e:
                 sup.say(f"startup failed: the gateway did not start: {e}", error=True)
                 return 1
-            port = args.port or wait_port_file(args.port_file)["port"]
             # Planned again with the control port the gateway got (they differ only for port 0).
             workers = plan(args, control_port=control)[1:]
         for c in workers:

@@ -1,173 +1,39 @@
-"""Launching a cluster: the process supervision shared by `pdserve up` and `deploy/launch.py`, and
-`pdserve up` itself (one gateway, P prefill and D decode workers on this host).
-
-Every child runs in a session of its own, so a terminal's Ctrl-C reaches the launcher only, which
-then drains the children, and a child's whole process group can be stopped at once. Every child
-also dies with its launcher, even when the launcher is SIGKILLed (Linux `PR_SET_PDEATHSIG`), so an
-interrupted launcher leaves no orphans behind.
+"""`pdserve up`: a whole cluster on this host (one gateway, P prefill and D decode workers), and the
+gateway start that `deploy/launch.py` shares with it. The children are supervised by
+`pdserve.supervisor`: a crashed one is restarted, and all of them die with the launcher.
 """
 
 from __future__ import annotations
 
 import argparse
-import ctypes
 import os
-import signal
-import subprocess
 import sys
 import tempfile
-import time
 import urllib.request
-from collections.abc import Callable
-from dataclasses import dataclass
 
 from pdserve.config import add_runtime_args
 from pdserve.port_file import wait_port_file
-
-_PR_SET_PDEATHSIG = 1
-# Loaded once here: a forked child should not have to dlopen anything before it execs.
-_LIBC = ctypes.CDLL(None, use_errno=True) if sys.platform.startswith("linux") else None
+from pdserve.supervisor import Child, Supervisor
 
 
-@dataclass(frozen=True)
-class Child:
-    name: str
-    argv: list[str]
-    env: dict[str, str]  # added to the launcher's environment
+def _with_flag(argv: list[str], flag: str, value: str) -> list[str]:
+    out = list(argv)
+    out[out.index(flag) + 1] = value
+    return out
 
 
-def die_with(parent_pid: int) -> Callable[[], None]:
-    """A `preexec_fn`: the kernel SIGKILLs the child when the thread that started it exits."""
-
-    def arm() -> None:
-        if _LIBC is None:  # not Linux: the launcher's own stop() still applies
-            return
-        _LIBC.prctl(_PR_SET_PDEATHSIG, int(signal.SIGKILL), 0, 0, 0)
-        if os.getppid() != parent_pid:  # the launcher died before prctl took effect
-            os._exit(1)
-
-    return arm
-
-
-def spawn(argv: list[str], log_path: str | None, env: dict[str, str] | None = None) -> subprocess.Popen:
-    """Start `argv` in its own session, dying with this process; output appended to `log_path`."""
-    out = open(log_path, "ab") if log_path else None
-    try:
-        return subprocess.Popen(
-            argv,
-            stdin=subprocess.DEVNULL,
-            stdout=out,
-            stderr=subprocess.STDOUT if out else None,
-            env={**os.environ, **(env or {})},
-            start_new_session=True,
-            preexec_fn=die_with(os.getpid()),
-        )
-    finally:
-        if out:
-            out.close()
-
-
-def signal_group(p: subprocess.Popen, sig: int) -> None:
-    # The group id is the child's pid (its own session); it outlives the leader while members remain.
-    try:
-        os.killpg(p.pid, sig)
-    except (ProcessLookupError, PermissionError):
-        pass
-
-
-class Supervisor:
-    """The children of one launcher: start, watch, stop (workers first, then the gateway)."""
-
-    def __init__(self, log_dir: str | None, stop_timeout_s: float, prefix: str = "launch") -> None:
-        self.log_dir = log_dir
-        self.stop_timeout_s = stop_timeout_s
-        self.prefix = prefix
-        self.procs: dict[str, subprocess.Popen] = {}
-        self.stopping = False
-        if log_dir:
-            os.makedirs(log_dir, exist_ok=True)
-
-    def handle_signals(self) -> None:
-        def on_signal(signum: int, frame: object) -> None:
-            self.stopping = True
-
-        signal.signal(signal.SIGTERM, on_signal)
-        signal.signal(signal.SIGINT, on_signal)
-
-    def say(self, text: str, error: bool = False) -> None:
-        print(f"{self.prefix}: {text}", file=sys.stderr if error else sys.stdout, flush=True)
-
-    def start(self, c: Child) -> subprocess.Popen:
-        path = os.path.join(self.log_dir, f"{c.name}.log") if self.log_dir else None
-        p = spawn(c.argv, path, c.env)
-        self.procs[c.name] = p
-        self.say(f"started {c.name} pid {p.pid}" + (f" log {path}" if path else ""))
-        return p
-
-    def failed(self) -> str | None:
-        """Why the cluster cannot go on, or None; forgets workers that drained and exited cleanly."""
-        for name, p in list(self.procs.items()):
-            rc = p.poll()
-            if rc is None:
-                continue
-            if rc == 0 and name != "gateway":
-                self.say(f"{name} exited after draining")
-                del self.procs[name]
-                continue
-            return f"{name} exited with {rc}"
-        return None
-
-    def wait_until(self, ready: Callable[[], bool], timeout_s: float) -> str | None:
-        """Poll `ready` until it holds; None then, else why it never will (a child died, a signal, time)."""
-        deadline = time.monotonic() + timeout_s
-        while not ready():
-            why = self.failed() or ("stopped" if self.stopping else None)
-            if why is None and time.monotonic() > deadline:
-                why = f"not healthy within {timeout_s:.0f} s"
-            if why:
-                return why
-            time.sleep(0.5)
-        return None
-
-    def watch(self) -> int:
-        """Until a signal (0) or a child fails (1)."""
-        while not self.stopping:
-            why = self.failed()
-            if why:
-                self.say(f"{why}; stopping everything", error=True)
-                return 1
-            time.sleep(0.5)
-        return 0
-
-    def stop(self) -> None:
-        """SIGTERM each process group, workers before the gateway so they can finish and deregister;
-        SIGKILL whatever is left after the grace."""
-        order = sorted(self.procs.items(), key=lambda kv: kv[0] == "gateway")
-        for name, p in order:
-            if name == "gateway" and any(q.poll() is None for n, q in order if n != "gateway"):
-                _wait([q for n, q in order if n != "gateway"], self.stop_timeout_s)
-            signal_group(p, signal.SIGTERM)
-        _wait([p for _, p in order], self.stop_timeout_s)
-        for _, p in order:
-            signal_group(p, signal.SIGKILL)  # whatever is left in each group, leader or not
-            p.wait()
-
-
-def _wait(procs: list[subprocess.Popen], timeout_s: float) -> None:
-    deadline = time.monotonic() + timeout_s
-    for p in procs:
-        try:
-            p.wait(timeout=max(0.0, deadline - time.monotonic()))
-        except subprocess.TimeoutExpired:
-            pass
-
-
-def start_gateway(sup: Supervisor, gateway: Child, port: int, control_port: int, port_file: str) -> int:
-    """Start the gateway; the control port the workers must dial (read back when asked for port 0)."""
+def start_gateway(sup: Supervisor, gateway: Child, port_file: str) -> tuple[int, int]:
+    """Start the gateway; (HTTP port, control port) it bound. A restarted gateway binds the same
+    ports again, even when the first start asked for port 0, so clients and workers find it."""
     p = sup.start(gateway)
-    if port != 0 and control_port != 0:
-        return control_port
-    return wait_port_file(port_file, p)["control_port"]
+    port = int(gateway.argv[gateway.argv.index("--port") + 1])
+    control = int(gateway.argv[gateway.argv.index("--control-port") + 1])
+    if port == 0 or control == 0:
+        ports = wait_port_file(port_file, p)
+        port, control = ports["port"], ports["control_port"]
+        argv = _with_flag(_with_flag(gateway.argv, "--port", str(port)), "--control-port", str(control))
+        sup.set_argv("gateway", argv)
+    return port, control
 
 
 # --- `pdserve up` -----------------------------------------------------------------------------
@@ -312,12 +178,12 @@ def main(args: argparse.Namespace) -> int:
         port_file = args.port_file or os.path.join(tmp, "gateway.ports")
         try:
             try:
-                gateway = Child("gateway", gateway_command(args, port_file), {})
-                control = start_gateway(sup, gateway, args.port, _control_port(args), port_file)
+                port, control = start_gateway(
+                    sup, Child("gateway", gateway_command(args, port_file), {}), port_file
+                )
             except (RuntimeError, TimeoutError) as e:
                 sup.say(f"the gateway did not start: {e}", error=True)
                 return 1
-            port = args.port or wait_port_file(port_file)["port"]
             for name, argv in worker_commands(args, control)[1:]:
                 sup.start(Child(name, argv, env))
             url = f"http://{args.host}:{port}"

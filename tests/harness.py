@@ -16,8 +16,8 @@ from dataclasses import dataclass, field
 
 import httpx
 
-from pdserve.launcher import spawn as spawn_process
 from pdserve.port_file import wait_port_file
+from pdserve.supervisor import spawn as spawn_process
 
 # Small pools and one thread per worker: several workers share the 2 cores of a CI machine.
 WORKER_FLAGS = ["--max-total-tokens", "8192", "--num-threads", "1"]

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from pdserve.launcher import die_with
+from pdserve.supervisor import die_with
 
 REPO = Path(__file__).resolve().parents[2]
 SUBNET = "10.213.7"  # only ever inside the namespaces made here
