@@ -123,7 +123,7 @@ def bench_extend(batch: int, prefix: int, ext: int, hq: int = 32, hkv: int = 8, 
     )
     pairs = batch * (ext * prefix + ext * (ext + 1) / 2)  # visible (query, key) pairs per head
     return Row(
-        "extend_attention" if ext > 8 else "verify_attention",
+        "extend_attention" if ext > 8 else "extend (verify shape)",
         f"B={batch} prefix={prefix} new={ext} Hq={hq} Hkv={hkv} D={dim}",
         _bench_us(lambda: extend_attention(q, k, v, table, indptr, lens, scale, ext, out=out)),
         _bench_us(sdpa),
@@ -132,30 +132,6 @@ def bench_extend(batch: int, prefix: int, ext: int, hq: int = 32, hkv: int = 8, 
         err,
         ok,
     )
-
-
-def bench_pages(layers: int = 32, pool_pages: int = 8192, n: int = 2048, page: int = 16) -> list[Row]:
-    from pdserve.kernels.kv_copy import gather_kv_pages, scatter_kv_pages
-
-    kv = torch.randn((layers, 2, pool_pages, page, 8, 128), device="cuda", dtype=BF16)
-    ids = torch.randperm(pool_pages, device="cuda")[:n].int()
-    buf = gather_kv_pages(kv, ids)
-    g_ok = torch.equal(buf, kv[:, :, ids.long()])
-    fresh = torch.randn_like(buf)
-    scatter_kv_pages(fresh, kv, ids)
-    s_ok = torch.equal(kv[:, :, ids.long()], fresh)
-    gb = 2 * buf.numel() * buf.element_size() / 1e9  # read + write
-    problem = f"L={layers} pages={n} page={page} H=8 D=128"
-
-    def torch_scatter() -> None:
-        kv[:, :, ids.long()] = fresh
-
-    return [
-        Row("gather_kv_pages", problem, _bench_us(lambda: gather_kv_pages(kv, ids, out=buf)),
-            _bench_us(lambda: kv[:, :, ids.long()]), gb, 0.0, 0.0 if g_ok else float("inf"), g_ok, 0.8),
-        Row("scatter_kv_pages", problem, _bench_us(lambda: scatter_kv_pages(fresh, kv, ids)),
-            _bench_us(torch_scatter), gb, 0.0, 0.0 if s_ok else float("inf"), s_ok, 0.8),
-    ]  # fmt: skip
 
 
 def bench_small_ops(tokens: int = 8192) -> list[Row]:
@@ -232,7 +208,7 @@ def _cpu_smoke() -> None:
     """No GPU: check that two kernels run and agree with torch under the interpreter."""
     os.environ.setdefault("TRITON_INTERPRET", "1")
     from pdserve.kernels.decode_attention import decode_attention, decode_attention_ref
-    from pdserve.kernels.kv_copy import gather_kv_pages
+    from pdserve.kernels.kv_copy import store_kv, store_kv_ref
 
     k = torch.randn(6, 16, 2, 64)
     v = torch.randn_like(k)
@@ -242,10 +218,13 @@ def _cpu_smoke() -> None:
     err = decode_attention(q, k, v, table, lens, 0.125, 20) - decode_attention_ref(
         q, k, v, table, lens, 0.125
     )
-    kv = torch.randn(2, 2, 6, 16, 2, 64)
-    ids = torch.tensor([4, 2], dtype=torch.int32)
-    same = torch.equal(gather_kv_pages(kv, ids), kv[:, :, ids.long()])
-    print(f"interpreted smoke check: decode max err {err.abs().max().item():.1e}, gather exact: {same}")
+    kc, vc = torch.zeros(6, 16, 2, 64), torch.zeros(6, 16, 2, 64)
+    ek, ev = kc.clone(), vc.clone()
+    new_k, new_v, loc = torch.randn(3, 2, 64), torch.randn(3, 2, 64), torch.tensor([5, 40, 17])
+    store_kv(kc, vc, new_k, new_v, loc)
+    store_kv_ref(ek, ev, new_k, new_v, loc)
+    same = torch.equal(kc, ek) and torch.equal(vc, ev)
+    print(f"interpreted smoke check: decode max err {err.abs().max().item():.1e}, KV store exact: {same}")
 
 
 def main() -> int:
@@ -265,7 +244,6 @@ def main() -> int:
         bench_extend(4, 0, 2048),
         bench_extend(8, 1024, 512),
         bench_extend(64, 4096, 4),
-        *bench_pages(),
         *bench_small_ops(),
     ]
     ok = _print_table(rows, copy_gbs)

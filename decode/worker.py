@@ -14,6 +14,7 @@ from pydantic import ValidationError
 from pdserve.config import WorkerConfig
 from pdserve.decode.scheduler import DecodeScheduler
 from pdserve.decode.stepper import make_stepper
+from pdserve.drain import DrainSignal
 from pdserve.kv_transfer import KVReceiver, TransferState
 from pdserve.kv_transfer.config import worker_transfer_config
 from pdserve.protocol import gateway as m
@@ -21,7 +22,7 @@ from pdserve.protocol.kv_trailer import FirstToken
 from pdserve.protocol.records import DecodeEvents, RequestStats
 from pdserve.runtime.request import Request, RequestState
 from pdserve.runtime.runner import ModelRunner
-from pdserve.worker_common import DrainSignal, make_clock, register_factory, serve_until_drained
+from pdserve.worker_common import make_clock, register_factory, serve_until_drained
 from pdserve.worker_link import WorkerLink
 
 log = logging.getLogger(__name__)

@@ -8,10 +8,13 @@
 
 Flags after `--` go verbatim to every worker (e.g. `-- --max-total-tokens 4096 --num-threads 1`).
 Each child runs in its own process group with its own log file (`<log-dir>/<name>.log`); the
-launcher prints `started <name> pid <pid> log <path>` for each. On SIGINT/SIGTERM, or when the
-gateway or any worker fails, it sends SIGTERM to exactly those process groups (workers drain),
-waits `--stop-timeout`, then SIGKILLs what is left. A worker that exits 0 on its own (drained by a
-SIGTERM sent to it directly) is let go; the rest keep serving.
+launcher prints `started <name> pid <pid> log <path>` for each. A child that crashes is restarted
+with backoff (a crash-looping one stays down); on SIGINT/SIGTERM, or when a role has no process
+left, it sends SIGTERM to exactly those process groups (workers drain), waits `--stop-timeout`,
+then SIGKILLs what is left. A worker that exits 0 on its own (drained by a SIGTERM sent to it
+directly) is let go; the rest keep serving. Children die with the launcher, even when it is
+SIGKILLed. The supervision is `pdserve.supervisor`'s, shared with `pdserve up`: run this with an
+interpreter that has pdserve installed (launch.sh takes it from $PYTHON).
 """
 
 from __future__ import annotations
@@ -19,20 +22,13 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import signal
 import socket
-import subprocess
 import sys
-import time
 import urllib.request
-from dataclasses import dataclass
 
-
-@dataclass(frozen=True)
-class Child:
-    name: str
-    argv: list[str]
-    env: dict[str, str]  # added to this process's environment
+from pdserve import env as pdserve_env
+from pdserve.launcher import start_gateway
+from pdserve.supervisor import Child, Supervisor
 
 
 def _gpu_list(text: str | None) -> list[str]:
@@ -40,7 +36,7 @@ def _gpu_list(text: str | None) -> list[str]:
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
-    env = os.environ.get
+    env = pdserve_env.launch_default
     worker_flags: list[str] = []
     if "--" in argv:
         i = argv.index("--")
@@ -61,8 +57,20 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         "--gateway-only", action="store_true", help="start the gateway only (the head of a multi-host setup)"
     )
     p.add_argument("--gateway-host", default="0.0.0.0", help="bind address of the gateway (HTTP and control)")
-    p.add_argument("--port", type=int, default=int(env("PDSERVE_PORT", "30000")), help="gateway HTTP port")
-    p.add_argument("--control-port", type=int, default=None, help="gateway control port (default port+1)")
+    p.add_argument(
+        "--port",
+        type=int,
+        default=int(env("PDSERVE_PORT", "30000") or 30000),
+        help="gateway HTTP port (0: any free)",
+    )
+    p.add_argument(
+        "--control-port", type=int, default=None, help="gateway control port (default port+1; 0: any free)"
+    )
+    p.add_argument(
+        "--port-file",
+        default=None,
+        help='the gateway writes {"port": ..., "control_port": ...} here once bound (default: in --log-dir)',
+    )
     p.add_argument(
         "--gateway",
         default=env("PDSERVE_GATEWAY"),
@@ -79,7 +87,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         default=env("PDSERVE_HOST", "127.0.0.1"),
         help="address other hosts reach this host's workers at",
     )
-    p.add_argument("--bootstrap-port-base", type=int, default=8998, help="prefill i listens on base+i")
+    p.add_argument(
+        "--bootstrap-port-base", type=int, default=8998, help="prefill i listens on base+i (0: any free port)"
+    )
     p.add_argument(
         "--health-port-base",
         type=int,
@@ -109,7 +119,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     if args.no_gateway and not args.gateway:
         p.error("--no-gateway needs --gateway HOST:PORT (or env PDSERVE_GATEWAY)")
     if args.control_port is None:
-        args.control_port = args.port + 1
+        args.control_port = 0 if args.port == 0 else args.port + 1
+    if args.port_file is None:
+        args.port_file = os.path.join(args.log_dir, "gateway.ports")
     pg, dg = _gpu_list(args.prefill_gpus), _gpu_list(args.decode_gpus)
     if args.device == "cpu":
         args.prefill_slots = [None] * (args.num_prefill if args.num_prefill is not None else max(1, len(pg)))
@@ -125,23 +137,24 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     return args
 
 
-def plan(args: argparse.Namespace) -> list[Child]:
-    """Every process to start, gateway first."""
+def plan(args: argparse.Namespace, control_port: int | None = None) -> list[Child]:
+    """Every process to start, gateway first; local workers dial `control_port` (default: the flags')."""
     exe = [args.python, "-m", "pdserve.cli"]
     model = ["--model-path", args.model_path] if args.model_path else []
     children = []
     if not args.no_gateway:
         gw = exe + ["gateway", "--host", args.gateway_host, "--port", str(args.port)]
         gw += ["--control-host", args.gateway_host, "--control-port", str(args.control_port)]
+        gw += ["--port-file", args.port_file]
         children.append(Child("gateway", gw + model + ["--log-level", args.log_level], {}))
     if args.gateway_only:
         return children
-    gateway = args.gateway or f"127.0.0.1:{args.control_port}"
+    gateway = args.gateway or f"127.0.0.1:{args.control_port if control_port is None else control_port}"
     n_workers = len(args.prefill_slots) + len(args.decode_slots)
     threads = args.threads_per_worker or max(1, (os.cpu_count() or 2) // n_workers)
     # Workers sharing cores: idle OpenMP threads sleep instead of spinning (as `pdserve up` does).
     shared = args.device == "cpu" and n_workers * threads > (os.cpu_count() or 1)
-    omp = {"OMP_WAIT_POLICY": "PASSIVE"} if shared and "OMP_WAIT_POLICY" not in os.environ else {}
+    omp = {"OMP_WAIT_POLICY": "PASSIVE"} if shared and not pdserve_env.omp_wait_policy_set() else {}
     common = [
         "--device",
         args.device,
@@ -161,7 +174,8 @@ def plan(args: argparse.Namespace) -> list[Child]:
             name = f"{role}-{i}"
             argv = exe + [role, "--worker-id", args.worker_id_prefix + name] + common
             if role == "prefill":
-                argv += ["--disaggregation-bootstrap-port", str(args.bootstrap_port_base + i)]
+                port = args.bootstrap_port_base + i if args.bootstrap_port_base else 0
+                argv += ["--disaggregation-bootstrap-port", str(port)]
             if args.health_port_base:
                 argv += ["--health-port", str(args.health_port_base + k)]
             k += 1
@@ -203,110 +217,38 @@ def _ready(url: str | None, worker_ids: list[str], whole_cluster: bool) -> bool:
     return all(w in live for w in worker_ids)
 
 
-class Launcher:
-    def __init__(self, args: argparse.Namespace) -> None:
-        self.args = args
-        self.procs: dict[str, subprocess.Popen] = {}
-        self.stopping = False
-
-    def _on_signal(self, signum, frame) -> None:
-        self.stopping = True
-
-    def run(self) -> int:
-        args = self.args
-        signal.signal(signal.SIGTERM, self._on_signal)
-        signal.signal(signal.SIGINT, self._on_signal)
-        os.makedirs(args.log_dir, exist_ok=True)
-        url = args.gateway_url or (None if args.no_gateway else f"http://127.0.0.1:{args.port}")
-        children = plan(args)
-        worker_ids = [args.worker_id_prefix + c.name for c in children if c.name != "gateway"]
-        try:
-            for c in children:
-                self._start(c)
-            deadline = time.monotonic() + args.startup_timeout
-            while not _ready(url, worker_ids, whole_cluster=not args.no_gateway):
-                why = self._failed() or ("stopped" if self.stopping else None)
-                if why is None and time.monotonic() > deadline:
-                    why = f"not healthy within {args.startup_timeout:.0f} s"
-                if why:
-                    print(
-                        f"launch: startup failed: {why}; logs in {args.log_dir}", file=sys.stderr, flush=True
-                    )
-                    return 1
-                time.sleep(0.5)
-            where = url or f"gateway {args.gateway}"
-            print(f"launch: ready ({len(children)} processes, {where})", flush=True)
-            while not self.stopping:
-                why = self._failed()
-                if why:
-                    print(f"launch: {why}; stopping everything", file=sys.stderr, flush=True)
-                    return 1
-                time.sleep(0.5)
-            return 0
-        finally:
-            self.stop()
-
-    def _start(self, c: Child) -> None:
-        path = os.path.join(self.args.log_dir, f"{c.name}.log")
-        with open(path, "ab") as log:
-            # A session of its own: signals reach the child only through the launcher, and the whole
-            # process group (anything the child spawns) can be stopped at once.
-            p = subprocess.Popen(
-                c.argv,
-                stdin=subprocess.DEVNULL,
-                stdout=log,
-                stderr=subprocess.STDOUT,
-                env={**os.environ, **c.env},
-                start_new_session=True,
-            )
-        self.procs[c.name] = p
-        print(f"launch: started {c.name} pid {p.pid} log {path}", flush=True)
-
-    def _failed(self) -> str | None:
-        """Why the cluster cannot go on, or None; forgets workers that drained and exited cleanly."""
-        for name, p in list(self.procs.items()):
-            rc = p.poll()
-            if rc is None:
-                continue
-            if rc == 0 and name != "gateway":
-                print(f"launch: {name} exited after draining", flush=True)
-                del self.procs[name]
-                continue
-            return f"{name} exited with {rc}"
-        return None
-
-    def stop(self) -> None:
-        """SIGTERM our process groups, workers before the gateway so they can finish and deregister."""
-        order = sorted(self.procs.items(), key=lambda kv: kv[0] == "gateway")
-        for name, p in order:
-            if name == "gateway" and any(q.poll() is None for n, q in order if n != "gateway"):
-                self._wait([q for n, q in order if n != "gateway"], self.args.stop_timeout)
-            _signal_group(p, signal.SIGTERM)
-        self._wait([p for _, p in order], self.args.stop_timeout)
-        for _, p in order:
-            _signal_group(p, signal.SIGKILL)  # whatever is left in each group, leader or not
-            p.wait()
-
-    @staticmethod
-    def _wait(procs: list[subprocess.Popen], timeout_s: float) -> None:
-        deadline = time.monotonic() + timeout_s
-        for p in procs:
-            try:
-                p.wait(timeout=max(0.0, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                pass
-
-
-def _signal_group(p: subprocess.Popen, sig: int) -> None:
-    # The group id is the child's pid (its own session); it outlives the leader while members remain.
+def run(args: argparse.Namespace) -> int:
+    sup = Supervisor(args.log_dir, args.stop_timeout)
+    sup.handle_signals()
+    children = plan(args)
+    worker_ids = [args.worker_id_prefix + c.name for c in children if c.name != "gateway"]
     try:
-        os.killpg(p.pid, sig)
-    except (ProcessLookupError, PermissionError):
-        pass
+        port, workers = args.port, children
+        if not args.no_gateway:
+            try:
+                port, control = start_gateway(sup, children[0], args.port_file)
+            except (RuntimeError, TimeoutError) as e:
+                sup.say(f"startup failed: the gateway did not start: {e}", error=True)
+                return 1
+            # Planned again with the control port the gateway got (they differ only for port 0).
+            workers = plan(args, control_port=control)[1:]
+        for c in workers:
+            sup.start(c)
+        url = args.gateway_url or (None if args.no_gateway else f"http://127.0.0.1:{port}")
+        why = sup.wait_until(
+            lambda: _ready(url, worker_ids, whole_cluster=not args.no_gateway), args.startup_timeout
+        )
+        if why:
+            sup.say(f"startup failed: {why}; logs in {args.log_dir}", error=True)
+            return 1
+        sup.say(f"ready ({len(children)} processes, {url or f'gateway {args.gateway}'})")
+        return sup.watch()
+    finally:
+        sup.stop()
 
 
 def main(argv: list[str] | None = None) -> int:
-    return Launcher(parse_args(sys.argv[1:] if argv is None else argv)).run()
+    return run(parse_args(sys.argv[1:] if argv is None else argv))
 
 
 if __name__ == "__main__":

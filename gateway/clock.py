@@ -49,5 +49,11 @@ class OffsetEstimator:
         b = self.best()
         return b.offset if b is not None else 0.0
 
+    @property
+    def rtt(self) -> float | None:
+        """Round trip of the sample behind `offset` (its error is at most rtt / 2); None before one."""
+        b = self.best()
+        return b.rtt if b is not None and b.rtt != math.inf else None
+
     def to_gateway(self, t_worker: float) -> float:
         return t_worker - self.offset

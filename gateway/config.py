@@ -25,6 +25,8 @@ class GatewayConfig:
     prefill_done_grace_s: float = 2.0
     enable_metrics: bool = True
     log_level: str = "info"
+    # Once both sockets are bound, their ports are written here as JSON (port 0 = any free port).
+    port_file: str | None = None
 
 
 def add_cli_args(parser: argparse.ArgumentParser) -> None:
@@ -51,6 +53,12 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--heartbeat-timeout", type=float, default=d.heartbeat_timeout_s)
     parser.add_argument("--max-pending-requests", type=int, default=d.max_pending_requests)
     parser.add_argument("--request-timeout", type=float, default=d.request_timeout_s, help="seconds")
+    parser.add_argument(
+        "--port-file",
+        default=d.port_file,
+        help='write {"port": HTTP port, "control_port": control port} here once both are bound '
+        "(use with --port 0 / --control-port 0)",
+    )
 
 
 def config_from_args(args: argparse.Namespace) -> GatewayConfig:
@@ -67,4 +75,5 @@ def config_from_args(args: argparse.Namespace) -> GatewayConfig:
         request_timeout_s=args.request_timeout,
         enable_metrics=args.enable_metrics,
         log_level=args.log_level,
+        port_file=args.port_file,
     )

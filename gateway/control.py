@@ -157,6 +157,7 @@ class ControlPlane:
             # A worker already removed from the registry is gone: nothing to abort there.
             if reason is not None and self.registry.get(worker.worker_id) is worker:
                 self.send(worker, AbortRequest(room=room.room, reason=reason))
+                self.metrics.aborted_legs.labels(worker.role, reason).inc()
 
     # ---- receiving ---------------------------------------------------------------------------
 
@@ -257,7 +258,13 @@ class ControlPlane:
             w.draining = True
             self._update_worker_gauges()
         self.metrics.worker_load(
-            w.worker_id, w.role, pong.queued, pong.running, pong.free_tokens, w.clock.offset
+            w.worker_id,
+            w.role,
+            pong.queued,
+            pong.running,
+            pong.free_tokens,
+            w.clock.offset,
+            w.clock.rtt or 0.0,
         )
 
     # ---- liveness ----------------------------------------------------------------------------

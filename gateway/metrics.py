@@ -46,6 +46,12 @@ class GatewayMetrics:
         self.retries = Counter(
             "pdserve_request_retries", "Generations retried on another pair after a lost leg", registry=r
         )
+        self.aborted_legs = Counter(
+            "pdserve_aborted_legs",
+            "Legs the gateway aborted on a worker, by role and reason (cancelled: the client left)",
+            ["role", "reason"],
+            registry=r,
+        )
         self.transfer_failures = Counter(
             "pdserve_kv_transfer_failures", "KV transfers reported failed by a worker", registry=r
         )
@@ -71,17 +77,24 @@ class GatewayMetrics:
         self.clock_offset = Gauge(
             "pdserve_worker_clock_offset_seconds", "Worker clock minus gateway clock", labels, registry=r
         )
+        self.clock_rtt = Gauge(
+            "pdserve_worker_clock_rtt_seconds",
+            "Round trip of the ping behind the clock offset (the offset's error is at most half)",
+            labels,
+            registry=r,
+        )
 
     def worker_load(
-        self, worker: str, role: str, queued: int, running: int, free: int, offset: float
+        self, worker: str, role: str, queued: int, running: int, free: int, offset: float, rtt: float
     ) -> None:
         self.queued.labels(worker, role).set(queued)
         self.running.labels(worker, role).set(running)
         self.free_kv.labels(worker, role).set(free)
         self.clock_offset.labels(worker, role).set(offset)
+        self.clock_rtt.labels(worker, role).set(rtt)
 
     def worker_gone(self, worker: str, role: str) -> None:
-        for g in (self.queued, self.running, self.free_kv, self.clock_offset):
+        for g in (self.queued, self.running, self.free_kv, self.clock_offset, self.clock_rtt):
             try:
                 g.remove(worker, role)
             except KeyError:

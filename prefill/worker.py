@@ -10,6 +10,7 @@ import logging
 import time
 
 from pdserve.config import WorkerConfig
+from pdserve.drain import DrainSignal
 from pdserve.kv_transfer import KVSender, TransferState
 from pdserve.kv_transfer.config import worker_transfer_config
 from pdserve.protocol import gateway as m
@@ -19,7 +20,7 @@ from pdserve.runtime.batch import ForwardMode
 from pdserve.runtime.extend_scheduler import ExtendScheduler
 from pdserve.runtime.request import Request
 from pdserve.runtime.runner import ModelRunner, append_samples
-from pdserve.worker_common import DrainSignal, make_clock, register_factory, serve_until_drained
+from pdserve.worker_common import make_clock, register_factory, serve_until_drained
 from pdserve.worker_link import WorkerLink
 
 log = logging.getLogger(__name__)

@@ -8,6 +8,8 @@ They are written with `save_pretrained` so our loader reads them exactly as it r
 from __future__ import annotations
 
 import os
+import signal
+import uuid
 from collections.abc import Callable
 
 import pytest
@@ -17,6 +19,42 @@ import torch
 # kernel tests run in the interpreter on machines without a GPU whatever the collection order.
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
+
+# Every process this run starts inherits this mark, whoever starts it (a fixture, `pdserve up`, a
+# launcher script), so the reaper below finds them all, even ones orphaned by an interrupted test.
+RUN_MARK = "PDSERVE_TEST_RUN"
+os.environ[RUN_MARK] = uuid.uuid4().hex
+
+
+def marked_processes(mark: str) -> list[int]:
+    """PIDs of the processes (other than this one) whose environment carries RUN_MARK=`mark`."""
+    needle = f"{RUN_MARK}={mark}".encode()
+    found = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit() or int(entry) == os.getpid():
+            continue
+        try:
+            with open(f"/proc/{entry}/environ", "rb") as f:
+                if needle in f.read().split(b"\0"):
+                    found.append(int(entry))
+        except OSError:  # gone, or not ours to read
+            pass
+    return found
+
+
+def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
+    """The reaper: whatever this run started and is still running now is killed, and named."""
+    if not os.path.isdir("/proc"):
+        return
+    left = marked_processes(os.environ[RUN_MARK])
+    for pid in left:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    if left:
+        print(f"\nreaper: killed {len(left)} process(es) the tests left running: {left}")
+
 
 # name -> (config class name, config kwargs)
 TINY_CONFIGS: dict[str, tuple[str, dict]] = {

@@ -1,13 +1,14 @@
 """Real clusters for tests: `pdserve up`, or each role as its own process.
 
-Every process runs in its own process group and is stopped by PID at teardown.
+Every process runs in its own process group, dies with the test run (pdserve.launcher.spawn) and is
+stopped by PID at teardown. Nothing uses a fixed port: the gateway binds port 0 and reports what it
+got in a port file; workers dial that.
 """
 
 from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -15,14 +16,11 @@ from dataclasses import dataclass, field
 
 import httpx
 
+from pdserve.port_file import wait_port_file
+from pdserve.supervisor import spawn as spawn_process
+
 # Small pools and one thread per worker: several workers share the 2 cores of a CI machine.
 WORKER_FLAGS = ["--max-total-tokens", "8192", "--num-threads", "1"]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @dataclass
@@ -54,42 +52,60 @@ class Cluster:
         return len(r.json().get("workers", []))
 
     def stop(self) -> None:
-        for p in self.procs:
-            if p.poll() is None:
-                try:
-                    os.killpg(p.pid, signal.SIGTERM)
-                except ProcessLookupError:
-                    pass
-        deadline = time.monotonic() + 20
-        for p in self.procs:
-            try:
-                p.wait(timeout=max(0.1, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                os.killpg(p.pid, signal.SIGKILL)
-                p.wait()
+        stop_processes(self.procs)
+
+
+def stop_processes(procs: list[subprocess.Popen], grace_s: float = 20.0) -> None:
+    """SIGTERM each process group, then SIGKILL whatever is left after the grace."""
+    for p in procs:
+        _signal_group(p, signal.SIGTERM)
+    deadline = time.monotonic() + grace_s
+    for p in procs:
+        try:
+            p.wait(timeout=max(0.1, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            pass
+        _signal_group(p, signal.SIGKILL)  # the leader if it is still there, and anything left in its group
+        p.wait()
+
+
+def _signal_group(p: subprocess.Popen, sig: int) -> None:
+    try:
+        os.killpg(p.pid, sig)
+    except ProcessLookupError:
+        pass
 
 
 def spawn(argv: list[str], log_path: str, env: dict | None = None) -> subprocess.Popen:
-    out = open(log_path, "ab")
-    return subprocess.Popen(
-        [sys.executable, "-m", "pdserve.cli", *argv],
-        stdout=out,
-        stderr=subprocess.STDOUT,
-        start_new_session=True,
-        env={**os.environ, **(env or {})},
-    )
+    """`pdserve <argv>` in its own process group, dying with the test run."""
+    return spawn_process([sys.executable, "-m", "pdserve.cli", *argv], log_path, env)
+
+
+def start_gateway(
+    log_dir, flags: list[str] | None = None, env: dict | None = None
+) -> tuple[subprocess.Popen, int, int]:
+    """`pdserve gateway` on any free ports: (process, HTTP port, control port) once both are bound."""
+    port_file = os.path.join(log_dir, "gateway.ports")
+    argv = ["gateway", "--host", "127.0.0.1", "--port", "0", "--control-host", "127.0.0.1"]
+    argv += ["--control-port", "0", "--port-file", port_file, *(flags or [])]
+    p = spawn(argv, os.path.join(log_dir, "gateway.log"), env)
+    try:
+        ports = wait_port_file(port_file, p, timeout_s=120)
+    except BaseException:
+        stop_processes([p])
+        raise
+    return p, ports["port"], ports["control_port"]
 
 
 def start_up(tmp_path, num_prefill: int = 1, num_decode: int = 1, extra: list[str] | None = None) -> Cluster:
-    """`pdserve up` as one process (it starts and stops its own children)."""
-    port = free_port()
-    c = Cluster(f"http://127.0.0.1:{port}", free_port(), log_dir=str(tmp_path))
+    """`pdserve up` as one process (it starts and stops its own children), on any free ports."""
+    port_file = os.path.join(tmp_path, "gateway.ports")
     argv = [
         "up",
         "--port",
-        str(port),
-        "--control-port",
-        str(c.control_port),
+        "0",
+        "--port-file",
+        port_file,
         "--num-prefill",
         str(num_prefill),
         "--num-decode",
@@ -102,8 +118,13 @@ def start_up(tmp_path, num_prefill: int = 1, num_decode: int = 1, extra: list[st
         str(tmp_path),
         *(extra or []),
     ]
-    c.procs.append(spawn(argv, os.path.join(tmp_path, "up.log")))
-    return c
+    p = spawn(argv, os.path.join(tmp_path, "up.log"))
+    try:
+        ports = wait_port_file(port_file, p, timeout_s=120)
+    except BaseException:
+        stop_processes([p])
+        raise
+    return Cluster(f"http://127.0.0.1:{ports['port']}", ports["control_port"], [p], log_dir=str(tmp_path))
 
 
 def start_roles(
@@ -115,14 +136,8 @@ def start_roles(
 
     Worker i is named f"{role}-{i}"; extra flags come last, so they override the defaults.
     """
-    port = free_port()
-    c = Cluster(f"http://127.0.0.1:{port}", free_port(), log_dir=str(tmp_path))
-    c.procs.append(
-        spawn(
-            ["gateway", "--port", str(port), "--control-port", str(c.control_port), *(gateway_flags or [])],
-            os.path.join(tmp_path, "gateway.log"),
-        )
-    )
+    gateway, port, control_port = start_gateway(str(tmp_path), gateway_flags)
+    c = Cluster(f"http://127.0.0.1:{port}", control_port, [gateway], log_dir=str(tmp_path))
     for i, (role, env, *flags) in enumerate(workers):
         c.procs.append(start_worker(c, role, f"{role}-{i}", env, flags[0] if flags else None))
     return c

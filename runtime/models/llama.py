@@ -28,6 +28,12 @@ _STACKED = {
 }
 
 
+def fused_kernels(device: torch.device) -> bool:
+    """Whether the Triton RMSNorm and rotary kernels replace the torch ops: on CUDA (one pass over the
+    data each, where torch launches several kernels); on CPU torch's ops are the fast path."""
+    return device.type == "cuda"
+
+
 class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float):
         super().__init__()
@@ -35,6 +41,13 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if fused_kernels(x.device):
+            from pdserve.kernels.rmsnorm import rms_norm  # triton: imported only where it runs
+
+            # [T, H, D] heads (q/k norm) become [T*H, D] rows
+            out = rms_norm(x.reshape(-1, x.shape[-1]), self.weight, self.eps)
+            assert isinstance(out, torch.Tensor)  # no residual given: one tensor back
+            return out.view(x.shape)
         # Normalize in fp32 like transformers, then scale in the input dtype.
         return self.weight * F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps).to(x.dtype)
 
@@ -50,7 +63,18 @@ class Rotary(nn.Module):
         self.register_buffer("cos", emb.cos() * scaling, persistent=False)
         self.register_buffer("sin", emb.sin() * scaling, persistent=False)
 
-    def forward(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    def forward(
+        self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """q [T, Hq, D] and k [T, Hkv, D] rotated at `positions` [T] (on CUDA in place, one kernel)."""
+        if fused_kernels(q.device):
+            from pdserve.kernels.rotary import apply_rotary_
+
+            apply_rotary_(q, k, self.cos, self.sin, positions)
+            return q, k
+        return self._rotate(positions, q), self._rotate(positions, k)
+
+    def _rotate(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         # x [T, H, D]; cos/sin [T, 1, D]
         cos = self.cos[positions].unsqueeze(1).to(x.dtype)
         sin = self.sin[positions].unsqueeze(1).to(x.dtype)
@@ -87,7 +111,7 @@ class Attention(nn.Module):
         v = v.view(T, self.nkv, self.hd)
         if self.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = rotary(positions, q), rotary(positions, k)
+        q, k = rotary(positions, q, k)
         out = backend.forward(q, k, v.contiguous(), self.layer_id, pool, self.scale)  # [T, nq, hd]
         return self.o_proj(out.reshape(T, self.nq * self.hd))
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx
@@ -220,22 +221,57 @@ def test_two_by_two_cluster_serves_32_concurrent_requests(tmp_path, engine_refer
         c.stop()
 
 
+def clock_estimates(url: str) -> dict[str, tuple[float, float]]:
+    """worker id -> (offset, rtt) of the gateway's clock estimate, from the gauges each Pong sets together."""
+    got: dict[str, dict[str, float]] = {}
+    for line in httpx.get(url + "/metrics", timeout=10).text.splitlines():
+        for name in ("offset", "rtt"):
+            if line.startswith(f"pdserve_worker_clock_{name}_seconds{{"):
+                worker = re.search(r'worker="([^"]+)"', line).group(1)
+                got.setdefault(worker, {})[name] = float(line.rsplit(" ", 1)[1])
+    return {w: (v["offset"], v["rtt"]) for w, v in got.items() if len(v) == 2}
+
+
 def test_timeline_ordered_under_clock_skew(tmp_path):
     # The prefill clock runs 7 s ahead, the decode clock 4 s behind.
+    skews = {"prefill-0": 7.0, "decode-1": -4.0}
     c = start_roles(
         tmp_path,
         [("prefill", {}, ["--test-clock-skew", "7"]), ("decode", {}, ["--test-clock-skew", "-4"])],
     )
+    # A 360-token prompt and 32 decode steps: the prefill's and the decode's work take far longer than
+    # the gaps between a worker's events and the gateway's receipts around them.
+    long_prompt = " ".join(PROMPTS * 12)
     try:
         c.wait_healthy()
+        generate(c.url, {"text": PROMPTS[0], "sampling_params": {"max_new_tokens": 2}})  # pair group built
         for _ in range(3):
-            mi = generate(
-                c.url, {"text": PROMPTS[0], "sampling_params": {"max_new_tokens": 8, "temperature": 0}}
-            )["meta_info"]
+            out = generate(
+                c.url,
+                {
+                    "text": long_prompt,
+                    "sampling_params": {"max_new_tokens": 32, "temperature": 0, "ignore_eos": True},
+                },
+            )
+            mi = out["meta_info"]
             t = timeline(mi)
             assert t == sorted(t), t
             # Mapped onto the gateway clock: within the request's own lifetime, not seconds away.
             assert mi["request_received_ts"] <= mi["forward_entry_time"] <= mi["response_sent_to_client_ts"]
             assert 0 <= mi["queue_time"] < mi["e2e_latency"]
+            # Each mapped time lands near the gateway's own witness: the idle prefill starts at once,
+            # the first token follows the prefill's end by a transfer, the final output reaches the
+            # gateway right after the decode finished. An offset ignored or flipped clamps a time to
+            # the far end of its window: the prefill (or decode) span collapses to 0 and these fail.
+            _, dispatched, forward_entry, prefill_finished, first, finished, sent = t
+            prefill_span, decode_span = prefill_finished - forward_entry, finished - first
+            assert forward_entry - dispatched < prefill_span / 2, t
+            assert first - prefill_finished < prefill_span / 2, t
+            assert sent - finished < decode_span / 2, t
+        # Each worker's offset estimate is the injected skew, within its error bound (rtt / 2).
+        est = clock_estimates(c.url)
+        assert set(est) == set(skews), est
+        for worker, (offset, rtt) in est.items():
+            assert abs(offset - skews[worker]) <= rtt / 2 + 1e-6, (worker, offset, rtt)
     finally:
         c.stop()

@@ -2,47 +2,25 @@
 
 from __future__ import annotations
 
-import os
-import signal
-import subprocess
-import sys
 import time
 
 import httpx
 import pytest
+from harness import start_gateway, stop_processes
 
+from pdserve.drain import DrainSignal
 from pdserve.health import HealthServer, start_health_server
 from pdserve.protocol import gateway as m
-from pdserve.worker_common import DrainSignal
 from pdserve.worker_link import WorkerLink
-
-PORT = 32200
 
 
 @pytest.fixture(scope="module")
-def gateway():
-    cmd = [sys.executable, "-m", "pdserve.cli", "gateway", "--host", "127.0.0.1", "--port", str(PORT)]
-    cmd += ["--control-host", "127.0.0.1", "--control-port", str(PORT + 1), "--log-level", "warning"]
-    p = subprocess.Popen(cmd, start_new_session=True)
+def gateway(tmp_path_factory):
+    proc, _, cport = start_gateway(str(tmp_path_factory.mktemp("gateway")), ["--log-level", "warning"])
     try:
-        deadline = time.monotonic() + 60
-        while True:
-            assert p.poll() is None, "the gateway exited"
-            try:
-                if httpx.get(f"http://127.0.0.1:{PORT}/v1/models", timeout=1).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            assert time.monotonic() < deadline, "the gateway did not start"
-            time.sleep(0.2)
-        yield f"127.0.0.1:{PORT + 1}"
+        yield f"127.0.0.1:{cport}"
     finally:
-        os.killpg(p.pid, signal.SIGTERM)
-        try:
-            p.wait(timeout=15)
-        except subprocess.TimeoutExpired:
-            os.killpg(p.pid, signal.SIGKILL)
-            p.wait()
+        stop_processes([proc], grace_s=15)
 
 
 def _link(gateway: str, worker_id: str, arch: str) -> WorkerLink:

@@ -21,9 +21,10 @@ from pathlib import Path
 import httpx
 import pytest
 
+from pdserve.port_file import wait_port_file
+from pdserve.supervisor import die_with
+
 REPO = Path(__file__).resolve().parents[2]
-PORT = 32100  # away from the defaults, so other clusters on this host do not collide
-URL = f"http://127.0.0.1:{PORT}"
 
 
 def wait_for(pred, timeout_s: float, what: str, every_s: float = 0.1):
@@ -36,12 +37,12 @@ def wait_for(pred, timeout_s: float, what: str, every_s: float = 0.1):
     raise AssertionError(f"timed out after {timeout_s:.0f} s waiting for {what}")
 
 
-def workers(role: str | None = None) -> list[dict]:
-    ws = httpx.get(URL + "/workers", timeout=5).json()["workers"]
+def workers(url: str, role: str | None = None) -> list[dict]:
+    ws = httpx.get(url + "/workers", timeout=5).json()["workers"]
     return [w for w in ws if role is None or w["role"] == role]
 
 
-def stream(prompt: str, n: int, on_chunk=None) -> dict:
+def stream(url: str, prompt: str, n: int, on_chunk=None) -> dict:
     """Stream /generate; the last chunk (with meta_info) and how many chunks came."""
     body = {
         "text": prompt,
@@ -49,7 +50,7 @@ def stream(prompt: str, n: int, on_chunk=None) -> dict:
         "sampling_params": {"max_new_tokens": n, "temperature": 0, "ignore_eos": True},
     }
     last, count = None, 0
-    with httpx.stream("POST", URL + "/generate", json=body, timeout=120) as r:
+    with httpx.stream("POST", url + "/generate", json=body, timeout=120) as r:
         assert r.status_code == 200, r.read()
         for line in r.iter_lines():
             if not line.startswith("data:") or line.strip() == "data: [DONE]":
@@ -66,11 +67,15 @@ class Cluster:
         self.log_dir = tmp / "logs"
         self.out = open(tmp / "launch.out", "w+")
         cmd = [str(REPO / "deploy" / "launch.sh"), "--device", "cpu", "--num-prefill", "2"]
-        cmd += ["--num-decode", "2", "--port", str(PORT), "--bootstrap-port-base", str(PORT + 10)]
+        # Port 0 everywhere: the gateway reports its ports in <log-dir>/gateway.ports.
+        cmd += ["--num-decode", "2", "--port", "0", "--bootstrap-port-base", "0"]
         cmd += ["--log-dir", str(self.log_dir), "--worker-id-prefix", "t-", "--startup-timeout", "150"]
         cmd += ["--stop-timeout", "30", "--", "--max-total-tokens", "4096", "--num-threads", "1"]
         env = {**os.environ, "PYTHON": sys.executable}
-        self.proc = subprocess.Popen(cmd, stdout=self.out, stderr=subprocess.STDOUT, env=env, cwd=tmp)
+        self.proc = subprocess.Popen(
+            cmd, stdout=self.out, stderr=subprocess.STDOUT, env=env, cwd=tmp, preexec_fn=die_with(os.getpid())
+        )
+        self.url = ""
 
     def output(self) -> str:
         self.out.flush()
@@ -86,6 +91,7 @@ class Cluster:
             return "launch: ready" in self.output()
 
         wait_for(ready, 160, "the cluster to become healthy", every_s=0.5)
+        self.url = f"http://127.0.0.1:{wait_port_file(str(self.log_dir / 'gateway.ports'))['port']}"
 
     def kill(self) -> None:
         """Last resort after a failed test: nothing may outlive the module."""
@@ -118,23 +124,21 @@ def cluster(tmp_path_factory):
 
 @pytest.mark.timeout(200)
 def test_all_roles_healthy(cluster):
-    assert httpx.get(URL + "/health", timeout=5).status_code == 200
-    ws = workers()
+    assert httpx.get(cluster.url + "/health", timeout=5).status_code == 200
+    ws = workers(cluster.url)
     assert sorted(w["worker_id"] for w in ws) == ["t-decode-0", "t-decode-1", "t-prefill-0", "t-prefill-1"]
     assert not any(w["draining"] for w in ws)
-    # Each prefill worker has its own bootstrap port.
-    assert sorted(w["bootstrap_addr"] for w in workers("prefill")) == [
-        f"127.0.0.1:{PORT + 10}",
-        f"127.0.0.1:{PORT + 11}",
-    ]
+    # Each prefill worker has its own bootstrap port (base 0: each bound a free one).
+    addrs = [w["bootstrap_addr"] for w in workers(cluster.url, "prefill")]
+    assert len(set(addrs)) == 2 and all(a.startswith("127.0.0.1:") and int(a.split(":")[1]) for a in addrs)
     assert set(cluster.pids()) == {"gateway", "prefill-0", "prefill-1", "decode-0", "decode-1"}
     for name in cluster.pids():
         assert (cluster.log_dir / f"{name}.log").exists()
 
 
-def _watch_decode_load(stop: threading.Event, seen: dict[str, int]) -> None:
+def _watch_decode_load(url: str, stop: threading.Event, seen: dict[str, int]) -> None:
     while not stop.is_set():
-        for w in workers("decode"):
+        for w in workers(url, "decode"):
             seen[w["worker_id"]] = max(seen.get(w["worker_id"], 0), w["inflight_requests"])
         time.sleep(0.05)
 
@@ -143,12 +147,14 @@ def _watch_decode_load(stop: threading.Event, seen: dict[str, int]) -> None:
 def test_requests_served_through_each_decode_worker(cluster):
     seen: dict[str, int] = {}
     stop = threading.Event()
-    watcher = threading.Thread(target=_watch_decode_load, args=(stop, seen))
+    watcher = threading.Thread(target=_watch_decode_load, args=(cluster.url, stop, seen))
     watcher.start()
     try:
         # Two at once: least-outstanding-work routing sends the second to the idle decode worker.
         with ThreadPoolExecutor(2) as pool:
-            results = list(pool.map(lambda p: stream(p, 24), ["The capital of France is", "One, two,"]))
+            results = list(
+                pool.map(lambda p: stream(cluster.url, p, 24), ["The capital of France is", "One, two,"])
+            )
     finally:
         stop.set()
         watcher.join()
@@ -162,27 +168,31 @@ def test_requests_served_through_each_decode_worker(cluster):
 def test_sigterm_drains_a_decode_worker(cluster):
     chunks = [0]
     long_req = ThreadPoolExecutor(1)
-    fut = long_req.submit(stream, "Write a long story about a dog.", 64, lambda n: chunks.__setitem__(0, n))
+    fut = long_req.submit(
+        stream, cluster.url, "Write a long story about a dog.", 64, lambda n: chunks.__setitem__(0, n)
+    )
     wait_for(lambda: chunks[0] >= 2, 60, "the long request to start streaming")
-    busy = [w["worker_id"] for w in workers("decode") if w["inflight_requests"]]
-    assert len(busy) == 1, workers("decode")
+    busy = [w["worker_id"] for w in workers(cluster.url, "decode") if w["inflight_requests"]]
+    assert len(busy) == 1, workers(cluster.url, "decode")
     victim = busy[0]
     other = ({"t-decode-0", "t-decode-1"} - {victim}).pop()
     pid = cluster.pids()[victim.removeprefix("t-")]
     os.kill(pid, signal.SIGTERM)
     wait_for(
-        lambda: any(w["draining"] for w in workers("decode") if w["worker_id"] == victim), 10, "deregister"
+        lambda: any(w["draining"] for w in workers(cluster.url, "decode") if w["worker_id"] == victim),
+        10,
+        "deregister",
     )
     assert not fut.done(), "the long request ended before the drain could be observed"
 
     # New requests, while the drained worker still streams, all go to the other worker.
     seen: dict[str, int] = {}
     stop = threading.Event()
-    watcher = threading.Thread(target=_watch_decode_load, args=(stop, seen))
+    watcher = threading.Thread(target=_watch_decode_load, args=(cluster.url, stop, seen))
     watcher.start()
     try:
         with ThreadPoolExecutor(2) as pool:
-            news = list(pool.map(lambda p: stream(p, 8), ["Hello there", "Good morning"]))
+            news = list(pool.map(lambda p: stream(cluster.url, p, 8), ["Hello there", "Good morning"]))
     finally:
         stop.set()
         watcher.join()
@@ -198,7 +208,7 @@ def test_sigterm_drains_a_decode_worker(cluster):
     wait_for(lambda: not group_alive(pid), 30, "the drained worker to exit")
     wait_for(lambda: f"{victim.removeprefix('t-')} exited after draining" in cluster.output(), 5, "launcher")
     assert cluster.proc.poll() is None
-    assert httpx.get(URL + "/health", timeout=5).status_code == 200
+    assert httpx.get(cluster.url + "/health", timeout=5).status_code == 200
 
 
 @pytest.mark.timeout(90)
@@ -210,4 +220,4 @@ def test_stop_leaves_no_process_behind(cluster):
     alive = [name for name, pgid in pids.items() if group_alive(pgid)]
     assert alive == [], alive
     with pytest.raises(httpx.TransportError):
-        httpx.get(URL + "/health", timeout=2)
+        httpx.get(cluster.url + "/health", timeout=2)

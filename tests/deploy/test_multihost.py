@@ -18,6 +18,8 @@ from pathlib import Path
 
 import pytest
 
+from pdserve.supervisor import die_with
+
 REPO = Path(__file__).resolve().parents[2]
 SUBNET = "10.213.7"  # only ever inside the namespaces made here
 HOSTS = {"gw": 1, "prefill": 2, "decode": 3, "client": 4}
@@ -90,7 +92,12 @@ class Role:
         cmd += ["--log-dir", str(tmp / f"{host}-logs"), "--log-level", "warning"] + flags
         with open(self.out, "w") as out:
             self.proc = subprocess.Popen(
-                cmd, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True
+                cmd,
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                env=env,
+                start_new_session=True,
+                preexec_fn=die_with(os.getpid()),
             )
 
     def ready(self) -> bool:

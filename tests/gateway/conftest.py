@@ -81,12 +81,15 @@ class WireWorker:
         self.worker_id, self.role, self.script = worker_id, role, script
         self.skew_s, self.step_s, self.fail_code = skew_s, step_s, fail_code
         self.prefill_delay_s = prefill_delay_s
+        self.kv_wait_s = 0.0  # decode: seconds before a request's first step (its KV "arriving")
         self.fingerprint = fingerprint or dict(FINGERPRINT)
         self.context_length, self.vocab_size = context_length, vocab_size
         self.max_total_tokens = max_total_tokens
         self.received: list = []
         self.aborted: list[str] = []
+        self.events: dict[str, dict[str, float]] = {}  # room -> the event times sent (worker clock)
         self._active: dict[str, list[m.TokenOutput]] = {}
+        self._first_step_at: dict[str, float] = {}
         self._delayed: list[tuple[float, m.PrefillDone]] = []
         self._stop = threading.Event()
         self.link = WorkerLink(addr, self._register, self.clock, reregister_after_s=3.0)
@@ -141,10 +144,17 @@ class WireWorker:
             if self.role == "decode" and self._active:
                 outs = []
                 for room, steps in list(self._active.items()):
-                    outs.append(steps.pop(0))
+                    if self._first_step_at.get(room, 0.0) > now:
+                        continue
+                    out = steps.pop(0)
                     if not steps:
                         del self._active[room]
-                self.link.send(m.TokenBatch(worker_id=self.worker_id, outputs=outs))
+                        if out.finished:  # finished now: the true time, as a decode node stamps it
+                            out.events = {**(out.events or {}), "finished": self.clock()}
+                    self.events[room].update(out.events or {})
+                    outs.append(out)
+                if outs:
+                    self.link.send(m.TokenBatch(worker_id=self.worker_id, outputs=outs))
 
     def _on_request(self, req: m.GenerateRequest) -> None:
         c = self.clock()
@@ -155,6 +165,7 @@ class WireWorker:
                 )
                 return
             ev = {"queue_entry": c, "forward_entry": c + 0.001, "prefill_finished": c + 0.002}
+            self.events[req.room] = ev
             done = m.PrefillDone(room=req.room, events=ev, cached_tokens=1)
             self._delayed.append((time.time() + self.prefill_delay_s, done))
             return
@@ -164,9 +175,8 @@ class WireWorker:
             )
             return
         steps = [s.model_copy() for s in self.script(req)]
-        steps[0].events = {"decode_entry": c, "kv_ready": c + 0.003}
+        steps[0].events = {"decode_entry": c, "kv_ready": c + self.kv_wait_s + 0.003}
         if steps[-1].finished:
-            steps[-1].events = {**(steps[-1].events or {}), "finished": c + 0.004 + self.step_s * len(steps)}
             steps[-1].stats = {
                 "cached_tokens": 1,
                 "num_retractions": 0,
@@ -175,6 +185,8 @@ class WireWorker:
                 "spec_num_correct_drafts": sum(len(s.token_ids) for s in steps) - len(steps),
                 "spec_correct_drafts_histogram": [1, 2, 0, 0],
             }
+        self.events[req.room] = {}
+        self._first_step_at[req.room] = time.time() + self.kv_wait_s
         self._active[req.room] = steps
 
 

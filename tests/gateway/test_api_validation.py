@@ -144,8 +144,11 @@ def test_unknown_route_and_method(client):
 
 
 def test_server_stays_healthy_after_garbage(client):
-    for _ in range(3):
-        client.post("/generate", content=b"\xff\xfe garbage", headers={"content-type": "application/json"})
+    # Not UTF-8, not JSON: each is refused as bad input, not a server error.
+    for garbage in (b"\xff\xfe garbage", b"\x00\x01\x02", b"{]"):
+        for path in ("/generate", "/v1/chat/completions", "/v1/completions"):
+            r = client.post(path, content=garbage, headers={"content-type": "application/json"})
+            _assert_400(r, "malformed JSON")
     assert client.get("/v1/models").status_code == 200
 
 

@@ -2,45 +2,23 @@
 
 from __future__ import annotations
 
-import os
-import socket
-import subprocess
-import sys
 import time
 
 import httpx
 import pytest
+from harness import start_gateway, stop_processes
 
 from .conftest import WireWorker, text_script
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture
-def gateway_process():
-    port, cport = _free_port(), _free_port()
-    cmd = [sys.executable, "-m", "pdserve.cli", "gateway", "--host", "127.0.0.1", "--port", str(port)]
-    cmd += ["--control-host", "127.0.0.1", "--control-port", str(cport), "--served-model-name", "smol"]
-    cmd += ["--heartbeat-interval", "0.1", "--log-level", "warning"]
-    proc = subprocess.Popen(cmd, env={**os.environ, "TOKENIZERS_PARALLELISM": "false"})
-    base = f"http://127.0.0.1:{port}"
+def gateway_process(tmp_path):
+    flags = ["--served-model-name", "smol", "--heartbeat-interval", "0.1", "--log-level", "warning"]
+    proc, port, cport = start_gateway(str(tmp_path), flags, env={"TOKENIZERS_PARALLELISM": "false"})
     try:
-        deadline = time.monotonic() + 60
-        while time.monotonic() < deadline:
-            try:
-                httpx.get(f"{base}/v1/models", timeout=1)
-                break
-            except httpx.TransportError:
-                assert proc.poll() is None, "gateway exited"
-                time.sleep(0.2)
-        yield base, f"tcp://127.0.0.1:{cport}"
+        yield f"http://127.0.0.1:{port}", f"tcp://127.0.0.1:{cport}"
     finally:
-        proc.terminate()
-        proc.wait(timeout=10)
+        stop_processes([proc], grace_s=10)
 
 
 @pytest.mark.timeout(120)

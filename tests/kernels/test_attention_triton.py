@@ -14,8 +14,9 @@ F32, BF16 = torch.float32, torch.bfloat16
 LAYERS = 2
 
 
-def _run_both(device, mode, prefix_lens, extend_lens, kv_heads, group, dim, page, dtype, seed=0):
-    """Random pool + batch; returns (outputs, pools) of the triton and torch backends, per layer."""
+def _run_both(device, mode, prefix_lens, extend_lens, kv_heads, group, dim, page, dtype, seed=0, tri=None):
+    """Random pool + batch; returns (outputs, pools) of the triton (`tri`, default a new
+    TritonAttention) and torch backends, per layer."""
     g = torch.Generator().manual_seed(seed)
     geo = KVGeometry(num_layers=LAYERS, kv_heads=kv_heads, head_dim=dim, page_size=page, dtype=dtype)
     seq_lens = [p + e for p, e in zip(prefix_lens, extend_lens)]
@@ -34,7 +35,7 @@ def _run_both(device, mode, prefix_lens, extend_lens, kv_heads, group, dim, page
 
     T = batch.num_tokens
     outs = {"triton": [], "torch": []}
-    tri, ref = TritonAttention(), TorchAttention()
+    tri, ref = tri or TritonAttention(), TorchAttention()
     tri.prepare(batch, pool_tri)
     ref.prepare(batch, pool_ref)
     for layer in range(LAYERS):
@@ -67,8 +68,16 @@ def test_triton_backend_matches_torch(check, device, mode, prefix, ext, hkv, gro
     torch.testing.assert_close(pool_tri.kv, pool_ref.kv, atol=0, rtol=0)
 
 
-def test_factory_builds_triton_backend(device):
-    assert isinstance(make_attention_backend("triton", device), TritonAttention)
+def test_factory_builds_triton_backend(check, device):
+    """`--attention-backend triton` gives the Triton backend, and it computes what torch computes."""
+    backend = make_attention_backend("triton", device)
+    assert isinstance(backend, TritonAttention)
+    outs, pool_tri, pool_ref = _run_both(
+        device, ForwardMode.EXTEND, [0, 5], [7, 3], 2, 2, 64, 16, F32, tri=backend
+    )
+    for got, want in zip(outs["triton"], outs["torch"]):
+        check(got, want)
+    torch.testing.assert_close(pool_tri.kv, pool_ref.kv, atol=0, rtol=0)
 
 
 def test_forward_before_prepare_is_an_error(device):

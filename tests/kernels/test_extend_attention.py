@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from pdserve.kernels.decode_attention import decode_attention
-from pdserve.kernels.extend_attention import extend_attention, extend_attention_ref, verify_attention
+from pdserve.kernels.extend_attention import extend_attention, extend_attention_ref
 
 F32, BF16 = torch.float32, torch.bfloat16
 
@@ -73,7 +73,8 @@ def test_verify_matches_reference(make_paged_kv, check, device, prefix, cand, hk
     ext = [cand] * len(prefix)
     q, k, v, table, indptr, lens = _inputs(make_paged_kv, prefix, ext, hkv, group, dim, page, dtype, device)
     out = torch.full_like(q, float("nan"))
-    verify_attention(q, k, v, table, indptr, lens, dim**-0.5, cand, out=out)
+    # A verify is an extend of k+1 candidates per request: max_extend_len = k+1 sizes one tile.
+    extend_attention(q, k, v, table, indptr, lens, dim**-0.5, max_extend_len=cand, out=out)
     check(out, extend_attention_ref(q, k, v, table, indptr, lens, dim**-0.5))
 
 
@@ -81,7 +82,7 @@ def test_verify_equals_sequential_decode(make_paged_kv, device):
     """Candidate i of a verify sees what a decode step at that position would see."""
     prefix, cand = [9, 20], 4
     q, k, v, table, indptr, lens = _inputs(make_paged_kv, prefix, [cand] * 2, 2, 3, 64, 16, F32, device)
-    ver = verify_attention(q, k, v, table, indptr, lens, 0.125, cand)
+    ver = extend_attention(q, k, v, table, indptr, lens, 0.125, max_extend_len=cand)
     for i in range(cand):
         rows = indptr[:-1].long() + i  # candidate i of each request
         step_lens = torch.tensor([p + i + 1 for p in prefix], dtype=torch.int32, device=device)

@@ -13,11 +13,17 @@ from pathlib import Path
 
 import pytest
 
+from pdserve.supervisor import die_with
+
 PEER_SCRIPT = Path(__file__).with_name("peer.py")
 
 
 class Peer:
-    """One peer.py process. `call` sends a command and returns its JSON reply."""
+    """One peer.py process. `call` sends a command and returns its JSON reply.
+
+    Construction only starts the process (dying with the test run); `wait_ready` then reads its
+    ready line, so a caller can register the peer for cleanup before anything can fail.
+    """
 
     def __init__(
         self, role: str, *args: str, prefix: list[str] | None = None, env: dict | None = None
@@ -30,15 +36,22 @@ class Peer:
             stderr=subprocess.PIPE,
             text=True,
             env={**os.environ, **(env or {})},
+            preexec_fn=die_with(os.getpid()),
         )
+        # Until the ready line names it, the peer is the process we started (no wrapper prefix yet seen).
+        self.pid: int = self.proc.pid
+        self.addr: str | None = None
         self._lines: queue.Queue[str | None] = queue.Queue()
         self._stderr: list[str] = []
         threading.Thread(target=self._pump, args=(self.proc.stdout, self._lines.put), daemon=True).start()
         threading.Thread(target=self._pump, args=(self.proc.stderr, self._stderr.append), daemon=True).start()
-        ready = self._read(timeout=60)
+
+    def wait_ready(self, timeout: float = 60) -> Peer:
+        ready = self._read(timeout)
         assert ready.get("event") == "ready", ready
-        self.addr: str | None = ready["addr"]
-        self.pid: int = ready["pid"]
+        self.addr = ready["addr"]
+        self.pid = ready["pid"]
+        return self
 
     @staticmethod
     def _pump(stream, sink) -> None:
@@ -104,8 +117,8 @@ def spawn():
 
     def make(role: str, *args: str, prefix: list[str] | None = None, env: dict | None = None) -> Peer:
         peer = Peer(role, *args, prefix=prefix, env=env)
-        started.append(peer)
-        return peer
+        started.append(peer)  # before waiting: a peer that never gets ready is still stopped
+        return peer.wait_ready()
 
     yield make
     for peer in started:

@@ -13,7 +13,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
-from harness import free_port, start_roles, start_worker
+from harness import start_roles, start_worker
 from reliability.calls import (
     GATEWAY_FLAGS,
     WORKER_FLAGS,
@@ -35,20 +35,21 @@ HEARTBEAT_TIMEOUT_S = 3.0
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("faults")
-    bootstrap = free_port()  # prefill-1 comes back at the same KV bootstrap address
     c = start_roles(
         tmp,
         [
             ("prefill", {}, WORKER_FLAGS),
-            ("prefill", {}, [*WORKER_FLAGS, "--disaggregation-bootstrap-port", str(bootstrap)]),
+            ("prefill", {}, WORKER_FLAGS),
             ("decode", {}, WORKER_FLAGS),
             ("decode", {}, WORKER_FLAGS),
         ],
         gateway_flags=GATEWAY_FLAGS,
     )
-    c.bootstrap_port = bootstrap
     try:
         c.wait_healthy(workers=4)
+        # prefill-1 comes back at the KV bootstrap port it bound (port 0) the first time.
+        (addr,) = [w["bootstrap_addr"] for w in workers(c.url) if w["worker_id"] == "prefill-1"]
+        c.bootstrap_port = int(addr.rsplit(":", 1)[1])
         c.reference = generate(c.url, body(64)).output_ids  # greedy: every healthy answer equals it
         c.idle = pool_sizes(c.url)
         wait_pools(c.url, c.idle)

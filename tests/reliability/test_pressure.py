@@ -5,7 +5,6 @@ One cluster: the decode pool holds 256 tokens (16 pages), the gateway admits 6 r
 
 from __future__ import annotations
 
-import os
 import random
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -17,6 +16,7 @@ from harness import start_roles
 from reliability.calls import (
     GATEWAY_FLAGS,
     WORKER_FLAGS,
+    Outcome,
     body,
     generate,
     metric,
@@ -128,23 +128,40 @@ def _timed_post(url: str, req: dict) -> tuple[httpx.Response, float]:
 def test_fifty_client_disconnects_free_every_page(cluster):
     c = cluster
     rng = random.Random(0)
+    plans = [(i % 3, rng.uniform(0.2, 1.5), rng.choice([0, 1, 3])) for i in range(50)]
 
-    def leave(i: int) -> None:
-        kind = i % 3
+    def leave(plan: tuple[int, float, int]) -> tuple[int, Outcome | None]:
+        kind, patience, stop_after = plan
         if kind == 2:  # a plain request whose client gives up
             try:
-                httpx.post(c.url + "/generate", json=body(100), timeout=rng.uniform(0.2, 1.5))
+                r = httpx.post(c.url + "/generate", json=body(100), timeout=patience)
             except httpx.TimeoutException:
-                return
-        else:  # a stream left right after the headers, or after a few chunks
-            stream(c.url, body(100, stream=True), 60, stop_after=rng.choice([0, 1, 3]) if kind else 0)
+                return 0, None
+            # Served in full before the client gave up: rare, but not a failure.
+            assert r.status_code == 200, r.text
+            return 0, None
+        # A stream left right after the headers, or after a few chunks.
+        stop_after = stop_after if kind else 0
+        return stop_after, stream(c.url, body(100, stream=True), 60, stop_after=stop_after)
 
+    aborts_before = metric(c.url, "pdserve_aborted_legs_total")
     with ThreadPoolExecutor(MAX_PENDING - 1) as pool:
-        list(pool.map(leave, range(50)))
+        results = list(pool.map(leave, plans))
+    # Every stream was accepted (no 503 under the bound) and those left after chunks had them.
+    started = 0
+    for stop_after, o in results:
+        if o is None:
+            continue
+        assert o.status == 499, (o.status, o.error)  # the client left; anything else is a refusal
+        assert o.events >= stop_after, (stop_after, o.events)
+        started += stop_after > 0
+    assert started >= 5, started
     wait_pools(c.url, c.idle)
     deadline = time.monotonic() + 10
     while metric(c.url, "pdserve_pending_requests") and time.monotonic() < deadline:
         time.sleep(0.2)
     assert metric(c.url, "pdserve_pending_requests") == 0
+    # Each stream left mid-generation aborted at least its decode leg, and the gateway counted it.
+    aborted = metric(c.url, "pdserve_aborted_legs_total") - aborts_before
+    assert aborted >= started, (aborted, started)
     assert generate(c.url, body(6)).ok  # and the cluster still serves
-    assert os.path.exists(c.log_dir)

@@ -89,9 +89,16 @@ def test_prompt_beyond_kv_pool(tiny_folders, make_engine):
         engine.add_request([5] * 30, SamplingParams(max_new_tokens=8))
 
 
-@pytest.mark.parametrize("bad", [[5, 256], [-1, 5], []])
-def test_bad_token_ids(tiny_engine, bad):
-    with pytest.raises(ValueError):
+@pytest.mark.parametrize(
+    "bad,message",
+    [
+        ([5, 256], r"token ids must lie in \[0, 256\)"),
+        ([-1, 5], r"token ids must lie in \[0, 256\)"),
+        ([], "the prompt is empty"),
+    ],
+)
+def test_bad_token_ids(tiny_engine, bad, message):
+    with pytest.raises(ValueError, match=message):
         tiny_engine.add_request(bad, SamplingParams(max_new_tokens=4))
     assert not tiny_engine.has_work
 

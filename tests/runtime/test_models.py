@@ -92,17 +92,17 @@ def test_tiny_specs_carry_the_family_features(tiny_folders):
 
 
 def test_llama3_rope_scaling_is_applied(tiny_folders):
-    """llama3 scaling changes low frequencies; a loader that ignored it would give default RoPE."""
+    """llama3 scaling changes low frequencies: our logits equal transformers' on prompts longer than
+    original_max_position_embeddings (32), where default RoPE would give different ones."""
+    from transformers import AutoModelForCausalLM
+
     from pdserve.runtime.loader import load_hf_config
-    from pdserve.runtime.model_config import rope_inv_freq
 
     folder = tiny_folders["llama3-rope-tied"]
-    loaded = load_model(folder, dtype="float32")
-    hd = loaded.spec.head_dim
-    theta = load_hf_config(folder).rope_parameters["rope_theta"]
-    default = 1.0 / (theta ** (torch.arange(0, hd, 2, dtype=torch.float) / hd))
-    inv, _ = rope_inv_freq(load_hf_config(folder), hd)
-    assert not torch.allclose(inv, default)
-    pos = torch.arange(loaded.model.rotary.cos.shape[0], dtype=torch.float)
-    expect = torch.cat([torch.outer(pos, inv)] * 2, dim=-1).cos()
-    torch.testing.assert_close(loaded.model.rotary.cos, expect)
+    assert load_hf_config(folder).rope_parameters["original_max_position_embeddings"] == 32
+    ours = load_model(folder, dtype="float32")
+    hf = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    prompts = _prompts(ours.spec.vocab_size, [33, 64, 120], seed=7)
+    logits = batched_extend_logits(ours, prompts, page_size=4)
+    for i, p in enumerate(prompts):
+        assert_close_to_ref(logits[i], hf_logits(hf, p), f"prompt {i} ({len(p)} tokens)")

@@ -1,0 +1,253 @@
+"""Process supervision shared by the launchers (`pdserve up`, `deploy/launch.py`).
+
+Every child runs in a session of its own, so a terminal's Ctrl-C reaches the launcher only, which
+then drains the children, and a child's whole process group can be stopped at once. Every child
+also dies with its launcher, even when the launcher is SIGKILLed (Linux `PR_SET_PDEATHSIG`), so an
+interrupted launcher leaves no orphans behind.
+
+A child that dies unexpectedly is started again with the same arguments after a backoff that
+doubles from `RestartPolicy.backoff_initial_s` up to `backoff_max_s`. One that crashes more than
+`max_restarts` times within `window_s` stays down and the launcher says so; the launcher gives up
+(exit 1) only when a role it started has no member left running or coming back. A worker that
+exits 0 drained on request (a SIGTERM sent to it alone) is let go, not restarted.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from enum import Enum
+
+_PR_SET_PDEATHSIG = 1
+# Loaded once here: a forked child should not have to dlopen anything before it execs.
+_LIBC = ctypes.CDLL(None, use_errno=True) if sys.platform.startswith("linux") else None
+
+
+@dataclass(frozen=True)
+class Child:
+    name: str  # "gateway", or "<role>-<i>"
+    argv: list[str]
+    env: dict[str, str]  # added to the launcher's environment
+
+    @property
+    def role(self) -> str:
+        return self.name.split("-", 1)[0]
+
+
+@dataclass(frozen=True)
+class RestartPolicy:
+    backoff_initial_s: float = 1.0
+    backoff_max_s: float = 30.0
+    max_restarts: int = 5  # within window_s; the next crash leaves the child down
+    window_s: float = 300.0
+
+
+class ChildState(str, Enum):
+    RUNNING = "running"
+    BACKOFF = "restarting"  # crashed; starts again at `restart_at`
+    DOWN = "down"  # crash-looped: not started again
+    DRAINED = "drained"  # exited 0 on its own: let go
+
+
+@dataclass
+class _Slot:
+    child: Child
+    proc: subprocess.Popen
+    state: ChildState = ChildState.RUNNING
+    restart_at: float = 0.0
+    restarts: deque[float] = field(default_factory=deque)  # monotonic times, within the window
+    total_restarts: int = 0
+
+
+def die_with(parent_pid: int) -> Callable[[], None]:
+    """A `preexec_fn`: the kernel SIGKILLs the child when the thread that started it exits."""
+
+    def arm() -> None:
+        if _LIBC is None:  # not Linux: the launcher's own stop() still applies
+            return
+        _LIBC.prctl(_PR_SET_PDEATHSIG, int(signal.SIGKILL), 0, 0, 0)
+        if os.getppid() != parent_pid:  # the launcher died before prctl took effect
+            os._exit(1)
+
+    return arm
+
+
+def spawn(argv: list[str], log_path: str | None, env: dict[str, str] | None = None) -> subprocess.Popen:
+    """Start `argv` in its own session, dying with this process; output appended to `log_path`."""
+    out = open(log_path, "ab") if log_path else None
+    try:
+        return subprocess.Popen(
+            argv,
+            stdin=subprocess.DEVNULL,
+            stdout=out,
+            stderr=subprocess.STDOUT if out else None,
+            env={**os.environ, **(env or {})},
+            start_new_session=True,
+            preexec_fn=die_with(os.getpid()),
+        )
+    finally:
+        if out:
+            out.close()
+
+
+def signal_group(p: subprocess.Popen, sig: int) -> None:
+    # The group id is the child's pid (its own session); it outlives the leader while members remain.
+    try:
+        os.killpg(p.pid, sig)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
+class Supervisor:
+    """The children of one launcher: start, restart, watch, stop (workers first, then the gateway)."""
+
+    def __init__(
+        self,
+        log_dir: str | None,
+        stop_timeout_s: float,
+        prefix: str = "launch",
+        policy: RestartPolicy | None = None,
+    ) -> None:
+        self.log_dir = log_dir
+        self.stop_timeout_s = stop_timeout_s
+        self.prefix = prefix
+        self.policy = policy or RestartPolicy()
+        self.slots: dict[str, _Slot] = {}
+        self.stopping = False
+        if log_dir:
+            os.makedirs(log_dir, exist_ok=True)
+
+    def handle_signals(self) -> None:
+        def on_signal(signum: int, frame: object) -> None:
+            self.stopping = True
+
+        signal.signal(signal.SIGTERM, on_signal)
+        signal.signal(signal.SIGINT, on_signal)
+
+    def say(self, text: str, error: bool = False) -> None:
+        print(f"{self.prefix}: {text}", file=sys.stderr if error else sys.stdout, flush=True)
+
+    def _spawn(self, c: Child) -> subprocess.Popen:
+        path = os.path.join(self.log_dir, f"{c.name}.log") if self.log_dir else None
+        p = spawn(c.argv, path, c.env)
+        self.say(f"started {c.name} pid {p.pid}" + (f" log {path}" if path else ""))
+        return p
+
+    def start(self, c: Child) -> subprocess.Popen:
+        p = self._spawn(c)
+        self.slots[c.name] = _Slot(c, p)
+        return p
+
+    def set_argv(self, name: str, argv: list[str]) -> None:
+        """What a restart of `name` runs from now on (e.g. the gateway on the ports it first bound)."""
+        slot = self.slots[name]
+        slot.child = Child(name, argv, slot.child.env)
+
+    def proc(self, name: str) -> subprocess.Popen:
+        return self.slots[name].proc
+
+    def states(self) -> dict[str, ChildState]:
+        return {name: slot.state for name, slot in self.slots.items()}
+
+    def poll(self) -> None:
+        """Notice exits, and start again what is due."""
+        now = time.monotonic()
+        for name, slot in self.slots.items():
+            if slot.state == ChildState.RUNNING:
+                rc = slot.proc.poll()
+                if rc is None:
+                    continue
+                if rc == 0 and slot.child.role != "gateway":
+                    slot.state = ChildState.DRAINED
+                    self.say(f"{name} exited after draining")
+                    continue
+                self._crashed(slot, rc, now)
+            elif slot.state == ChildState.BACKOFF and now >= slot.restart_at and not self.stopping:
+                slot.restarts.append(now)
+                slot.total_restarts += 1
+                slot.proc = self._spawn(slot.child)
+                slot.state = ChildState.RUNNING
+
+    def _crashed(self, slot: _Slot, rc: int, now: float) -> None:
+        p = self.policy
+        while slot.restarts and now - slot.restarts[0] > p.window_s:
+            slot.restarts.popleft()
+        name = slot.child.name
+        if len(slot.restarts) >= p.max_restarts:
+            slot.state = ChildState.DOWN
+            self.say(
+                f"{name} exited with {rc} and was restarted {len(slot.restarts)} times within "
+                f"{p.window_s:.0f} s: it stays down",
+                error=True,
+            )
+            return
+        delay = min(p.backoff_max_s, p.backoff_initial_s * 2 ** len(slot.restarts))
+        slot.state, slot.restart_at = ChildState.BACKOFF, now + delay
+        self.say(f"{name} exited with {rc}; restarting in {delay:.0f} s", error=True)
+
+    def fatal(self) -> str | None:
+        """Why the cluster cannot go on: a role this launcher started has crash-looped members and
+        none running or coming back."""
+        roles: dict[str, list[_Slot]] = {}
+        for slot in self.slots.values():
+            roles.setdefault(slot.child.role, []).append(slot)
+        for role, slots in roles.items():
+            live = [s for s in slots if s.state in (ChildState.RUNNING, ChildState.BACKOFF)]
+            down = [s.child.name for s in slots if s.state == ChildState.DOWN]
+            if down and not live:
+                return f"no {role} left: {', '.join(down)} crash-looped"
+        return None
+
+    def wait_until(self, ready: Callable[[], bool], timeout_s: float) -> str | None:
+        """Poll `ready` until it holds; None then, else why it never will (a role lost, a signal, time)."""
+        deadline = time.monotonic() + timeout_s
+        while not ready():
+            self.poll()
+            why = self.fatal() or ("stopped" if self.stopping else None)
+            if why is None and time.monotonic() > deadline:
+                why = f"not healthy within {timeout_s:.0f} s"
+            if why:
+                return why
+            time.sleep(0.2)
+        return None
+
+    def watch(self) -> int:
+        """Until a signal (0) or a role is lost for good (1)."""
+        while not self.stopping:
+            self.poll()
+            why = self.fatal()
+            if why:
+                self.say(f"{why}; stopping everything", error=True)
+                return 1
+            time.sleep(0.2)
+        return 0
+
+    def stop(self) -> None:
+        """SIGTERM each process group, workers before the gateway so they can finish and deregister;
+        SIGKILL whatever is left after the grace."""
+        order = sorted(self.slots.values(), key=lambda s: s.child.role == "gateway")
+        workers = [s.proc for s in order if s.child.role != "gateway"]
+        for slot in order:
+            if slot.child.role == "gateway" and any(p.poll() is None for p in workers):
+                _wait(workers, self.stop_timeout_s)
+            signal_group(slot.proc, signal.SIGTERM)
+        _wait([s.proc for s in order], self.stop_timeout_s)
+        for slot in order:
+            signal_group(slot.proc, signal.SIGKILL)  # whatever is left in each group, leader or not
+            slot.proc.wait()
+
+
+def _wait(procs: list[subprocess.Popen], timeout_s: float) -> None:
+    deadline = time.monotonic() + timeout_s
+    for p in procs:
+        try:
+            p.wait(timeout=max(0.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            pass

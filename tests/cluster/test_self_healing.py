@@ -1,0 +1,86 @@
+"""`pdserve up` outlives its parts: a killed gateway or worker is restarted by the launcher and the
+cluster serves again, with the processes that were not killed left alone."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import httpx
+import pytest
+from harness import start_up
+from reliability.calls import body, generate, wait_for, workers
+
+pytestmark = pytest.mark.timeout(300)
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory):
+    c = start_up(tmp_path_factory.mktemp("healing"), num_decode=2)
+    try:
+        c.wait_healthy(workers=3)
+        c.reference = generate(c.url, body(16)).output_ids
+        yield c
+    finally:
+        c.stop()
+
+
+def started(c) -> dict[str, list[int]]:
+    """Every start the launcher reported: name -> pids, oldest first."""
+    out: dict[str, list[int]] = {}
+    with open(os.path.join(c.log_dir, "up.log")) as f:
+        for name, pid in re.findall(r"started (\S+) pid (\d+)", f.read()):
+            out.setdefault(name, []).append(int(pid))
+    return out
+
+
+def registrations(c, worker_id: str) -> int:
+    with open(os.path.join(c.log_dir, f"{worker_id}.log")) as f:
+        return f.read().count(f"worker {worker_id} registered")
+
+
+def _healthy(url: str) -> bool:
+    try:
+        return httpx.get(url + "/health", timeout=2).status_code == 200
+    except httpx.HTTPError:
+        return False
+
+
+def test_killed_gateway_comes_back_on_its_port_with_the_same_workers(cluster):
+    c = cluster
+    before = started(c)
+    t0 = time.monotonic()
+    os.kill(before["gateway"][-1], signal.SIGKILL)
+    wait_for(lambda: not _healthy(c.url), 10, "the gateway to go away")
+    # Same URL: the restarted gateway binds the ports the first one got; the workers find it.
+    wait_for(lambda: _healthy(c.url) and len(workers(c.url)) == 3, 60, "the gateway and its workers")
+    back_s = time.monotonic() - t0
+    after = started(c)
+    assert len(after["gateway"]) == len(before["gateway"]) + 1
+    assert {n: p for n, p in after.items() if n != "gateway"} == {
+        n: p for n, p in before.items() if n != "gateway"
+    }, "a worker was restarted although only the gateway died"
+    out = generate(c.url, body(16))
+    assert out.ok and out.output_ids == c.reference, out.error
+    print(f"gateway serving again {back_s:.1f} s after kill -9")
+
+
+def test_killed_decode_worker_is_restarted_and_serves(cluster):
+    c = cluster
+    before = started(c)
+    regs = registrations(c, "decode-0")
+    t0 = time.monotonic()
+    os.kill(before["decode-0"][-1], signal.SIGKILL)
+    wait_for(lambda: len(started(c)["decode-0"]) == len(before["decode-0"]) + 1, 30, "decode-0 restarted")
+    wait_for(lambda: registrations(c, "decode-0") == regs + 1, 120, "the new decode-0 to register")
+    wait_for(lambda: len(workers(c.url)) == 3, 30, "three workers listed")
+    back_s = time.monotonic() - t0
+    assert started(c)["decode-1"] == before["decode-1"] and started(c)["prefill-0"] == before["prefill-0"]
+    # Both decode workers take requests again (least-outstanding routing spreads a burst of 6).
+    with ThreadPoolExecutor(6) as pool:
+        outs = list(pool.map(lambda _: generate(c.url, body(16)), range(6)))
+    assert all(o.ok and o.output_ids == c.reference for o in outs), [o.error for o in outs]
+    print(f"decode-0 registered again {back_s:.1f} s after kill -9")
