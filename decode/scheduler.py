@@ -1,8 +1,11 @@
 """The decode node's request sets and its page policy: admission, growth, retraction, resumption.
 
-Sets (a request is in exactly one): pending (no pages yet) -> transferring (pages held, KV on its
-way) -> running (decoding); running -> retracted (pages freed under pool pressure) -> running again
-after its KV is recomputed here; any -> gone (finished, aborted, failed).
+Sets (a request is in exactly one, and its state says which): pending (QUEUED, no pages yet) ->
+transferring (TRANSFERRING: pages held, KV on its way) -> running (RUNNING: decoding); running ->
+retracted (RETRACTED: pages freed under pool pressure) -> running again once its pages are back and
+the caller has recomputed its KV; any -> gone (FINISHED, or FAILED: aborted or a failed transfer).
+Only this class moves requests between the sets, and it allocates and frees their pages; it runs
+no forward, so it needs no model.
 
 Page policy: admission reserves the prompt plus a small headroom, not the whole lifetime, so more
 requests fit; before each step every running request grows to cover the tokens the step may write.
@@ -17,9 +20,8 @@ from __future__ import annotations
 import logging
 from collections import deque
 
-from pdserve.runtime.batch import ForwardMode
+from pdserve.runtime.kv_pool import RequestPages
 from pdserve.runtime.request import Request, RequestState
-from pdserve.runtime.runner import ModelRunner
 
 log = logging.getLogger(__name__)
 
@@ -28,8 +30,8 @@ ADMISSION_HEADROOM = 32
 
 
 class DecodeScheduler:
-    def __init__(self, runner: ModelRunner, max_running: int, lookahead: int):
-        self.runner = runner
+    def __init__(self, pages: RequestPages, max_running: int, lookahead: int):
+        self.pages = pages
         self.max_running = max_running
         # Tokens one step may append per request (1, or 1 + drafts when speculating).
         self.lookahead = lookahead
@@ -41,6 +43,14 @@ class DecodeScheduler:
     def __len__(self) -> int:
         return len(self.pending) + len(self.transferring) + len(self.running) + len(self.retracted)
 
+    def add(self, r: Request) -> None:
+        if r.state is not RequestState.QUEUED:
+            raise ValueError(f"request {r.rid} is {r.state.name}, not QUEUED")
+        self.pending.append(r)
+
+    def is_transferring(self, rid: str) -> bool:
+        return rid in self.transferring
+
     def _initial_tokens(self, r: Request) -> int:
         return min(r.max_total_tokens, r.num_tokens + ADMISSION_HEADROOM)
 
@@ -48,17 +58,17 @@ class DecodeScheduler:
         return len(self.running) + len(self.transferring) < self.max_running
 
     def resume_retracted(self) -> list[Request]:
-        """Recompute the KV of retracted requests that fit again (oldest first); they rejoin running."""
+        """Retracted requests whose pages fit again (oldest first) rejoin running.
+
+        Their pages hold no KV yet: the caller recomputes it (`ModelRunner.recompute`) before the
+        next decode step."""
         resumed = []
         while self.retracted and self._has_slot():
             r = self.retracted[0]
-            if not self.runner.reserve(r, self._initial_tokens(r)):
+            if not self.pages.reserve(r, self._initial_tokens(r)):
                 break
             self.retracted.popleft()
-            tokens = (r.prompt_ids + r.output_ids)[:-1]  # the newest token is fed by the next step
-            r.num_computed = 0
-            self.runner.forward(ForwardMode.EXTEND, [r], [tokens])
-            r.state = RequestState.RUNNING
+            r.transition(RequestState.RUNNING)
             self.running.append(r)
             resumed.append(r)
         return resumed
@@ -71,9 +81,10 @@ class DecodeScheduler:
         admitted = []
         while self.pending and not self.retracted and self._has_slot():
             r = self.pending[0]
-            if not self.runner.reserve(r, max(len(r.prompt_ids), self._initial_tokens(r))):
+            if not self.pages.reserve(r, max(len(r.prompt_ids), self._initial_tokens(r))):
                 break
             self.pending.popleft()
+            r.transition(RequestState.TRANSFERRING)
             self.transferring[r.rid] = r
             admitted.append(r)
         return admitted
@@ -85,21 +96,41 @@ class DecodeScheduler:
         while i < len(self.running):
             r = self.running[i]
             need = min(r.max_total_tokens, r.num_tokens + self.lookahead)
-            if self.runner.reserve(r, need):
+            if self.pages.reserve(r, need):
                 i += 1
                 continue
             # Even the oldest is retracted when nothing younger is left: pages held by transfers come
             # back when those finish, and then it resumes.
-            victim = self.running.pop()
+            victim = self.running[-1]
             self.retract(victim)
             retracted.append(victim)
         return retracted
 
+    def kv_arrived(self, rid: str) -> Request | None:
+        """A transfer succeeded: the request's prompt KV is in its pages and it joins running (the
+        caller appends the first token the prefill node sampled). None when the room is not here."""
+        r = self.transferring.pop(rid, None)
+        if r is None:
+            return None
+        r.num_computed = len(r.prompt_ids)
+        r.transition(RequestState.RUNNING)
+        self.running.append(r)
+        return r
+
+    def kv_failed(self, rid: str) -> Request | None:
+        """A transfer failed (or was aborted): the request fails and its pages are freed."""
+        r = self.transferring.pop(rid, None)
+        if r is not None:
+            self._drop(r)
+        return r
+
     def retract(self, r: Request) -> None:
-        self.runner.release(r)
+        """Take a running request out of the batch: pages freed, outputs kept, resumed later."""
+        r.transition(RequestState.RETRACTED)
+        self.running.remove(r)
+        self.pages.release(r)
         r.num_computed = 0
         r.num_retractions += 1
-        r.state = RequestState.WAITING
         # Victims go newest first, so pushing each to the front keeps the queue oldest-first.
         self.retracted.appendleft(r)
         log.info("retracted %s (%d tokens) under KV pool pressure", r.rid, r.num_tokens)
@@ -108,22 +139,22 @@ class DecodeScheduler:
         done = [r for r in self.running if r.finished]
         for r in done:
             self.running.remove(r)
-            r.state = RequestState.FINISHED
-            self.runner.release(r)
+            r.transition(RequestState.FINISHED)
+            self.pages.release(r)
         return done
 
     def remove(self, rid: str) -> Request | None:
-        """Drop a request from whichever set holds it (abort). Transferring ones are left to the
-        receiver: the caller aborts the transfer and frees the pages when it reports Failed."""
-        for q in (self.pending, self.retracted):
+        """Drop a request from whichever set holds it (abort); it fails and its pages are freed.
+        Transferring ones are left to the receiver: the caller aborts the transfer and calls
+        `kv_failed` when it reports Failed."""
+        for q in (self.pending, self.retracted, self.running):
             for r in q:
                 if r.rid == rid:
                     q.remove(r)
-                    self.runner.release(r)
+                    self._drop(r)
                     return r
-        for r in self.running:
-            if r.rid == rid:
-                self.running.remove(r)
-                self.runner.release(r)
-                return r
         return None
+
+    def _drop(self, r: Request) -> None:
+        r.transition(RequestState.FAILED)
+        self.pages.release(r)

@@ -1,8 +1,9 @@
 """The decode worker: pre-allocate pages, receive KV, and decode every running request together.
 
-Loop (`step`): receive -> admit (pages first, then ask the prefill node for the KV) -> collect
-transfers -> grow pages or retract -> decode step -> reply with one TokenBatch carrying every
-request's new tokens. Request sets and the page policy live in `scheduler.py`.
+Loop (`step`): receive -> schedule (resume retracted requests, admit: pages first, then ask the
+prefill node for the KV; collect transfers; grow pages or retract) -> run one decode step -> hand
+off (retire finished requests) -> reply with one TokenBatch carrying every request's new tokens.
+Request sets, states and the page policy live in `scheduler.py`; this loop only asks it.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from pdserve.kv_transfer.config import worker_transfer_config
 from pdserve.protocol import gateway as m
 from pdserve.protocol.kv_trailer import FirstToken
 from pdserve.protocol.records import DecodeEvents, RequestStats
-from pdserve.runtime.request import Request, RequestState
+from pdserve.runtime.request import Request
 from pdserve.runtime.runner import ModelRunner
 from pdserve.worker_common import make_clock, register_factory, serve_until_drained
 from pdserve.worker_link import WorkerLink
@@ -37,7 +38,7 @@ class DecodeWorker:
         self.stepper = make_stepper(self.runner)
         rc = cfg.runtime
         lookahead = 1 + (rc.speculative_num_draft_tokens if rc.speculative_algorithm else 0)
-        self.sched = DecodeScheduler(self.runner, rc.max_running_requests, lookahead)
+        self.sched = DecodeScheduler(self.runner.pages, rc.max_running_requests, lookahead)
         self.receiver = KVReceiver(
             self.runner.pool.kv,
             self.runner.fingerprint(),
@@ -62,16 +63,26 @@ class DecodeWorker:
             self.link.close()
 
     def step(self) -> None:
+        self._receive()
+        outputs = self._schedule()
+        outputs += self._run()
+        self._hand_off()
+        self._reply(outputs)
+
+    def _receive(self) -> None:
         assert self.link is not None
         s = self.sched
-        wait = 0.0 if s.running else (0.005 if len(s) else 0.05)
-        for msg in self.link.recv(wait):
+        for msg in self.link.recv(0.0 if s.running else (0.005 if len(s) else 0.05)):
             self._on_message(msg)
-        outputs: list[m.TokenOutput] = []
-        s.resume_retracted()
+
+    def _schedule(self) -> list[m.TokenOutput]:
+        """Resume, admit, collect finished transfers (their first tokens), then grow or retract."""
+        s = self.sched
+        self.runner.recompute(s.resume_retracted())
         for r in s.admit():
             n = len(r.prompt_ids)
-            self.receiver.request(r.rid, self.prefill_addr[r.rid], r.pages[: self.runner.pages_for(n)], n)
+            self.receiver.request(r.rid, self.prefill_addr[r.rid], r.pages[: s.pages.pages_for(n)], n)
+        outputs = []
         for res in self.receiver.poll():
             out = self._on_transfer_end(res.room, res.state, res.metadata, res.error)
             if out is not None:
@@ -79,18 +90,30 @@ class DecodeWorker:
         # Retracted requests keep their stepper state (speculative counters, drafter indexes):
         # they resume where they stopped.
         s.grow_or_retract()
-        if s.running:
-            before = {r.rid: len(r.output_ids) for r in s.running}
-            self.stepper.step(s.running)
-            outputs += [self._output(r, r.output_ids[before[r.rid] :]) for r in s.running]
-        for r in s.retire_finished():
+        return outputs
+
+    def _run(self) -> list[m.TokenOutput]:
+        running = self.sched.running
+        if not running:
+            return []
+        before = {r.rid: len(r.output_ids) for r in running}
+        self.stepper.step(running)
+        return [self._output(r, r.output_ids[before[r.rid] :]) for r in running]
+
+    def _hand_off(self) -> None:
+        """Finished requests leave: their pages are freed, their stepper state dropped."""
+        for r in self.sched.retire_finished():
             self.stepper.forget(r)
             self.prefill_addr.pop(r.rid, None)
+
+    def _reply(self, outputs: list[m.TokenOutput]) -> None:
+        assert self.link is not None
         if outputs:
             self.link.send(m.TokenBatch(worker_id=self.cfg.worker_id, outputs=outputs))
+        s = self.sched
         ld = self.link.load
         ld.queued, ld.running = len(s) - len(s.running), len(s.running)
-        ld.free_tokens = self.runner.allocator.num_free * self.runner.page_size
+        ld.free_tokens = s.pages.free_tokens
 
     def _on_message(self, msg) -> None:
         if isinstance(msg, m.GenerateRequest):
@@ -104,11 +127,9 @@ class DecodeWorker:
                 return
             self.events[msg.room] = DecodeEvents(decode_entry=self.clock())
             self.prefill_addr[msg.room] = msg.prefill_bootstrap_addr
-            self.sched.pending.append(
-                Request(msg.room, msg.input_ids, msg.sampling, self.runner.spec.eos_token_ids)
-            )
+            self.sched.add(Request(msg.room, msg.input_ids, msg.sampling, self.runner.spec.eos_token_ids))
         elif isinstance(msg, m.AbortRequest):
-            if msg.room in self.sched.transferring:
+            if self.sched.is_transferring(msg.room):
                 self.receiver.abort(msg.room)  # poll() reports Failed; the pages are freed there
                 return
             r = self.sched.remove(msg.room)
@@ -119,25 +140,22 @@ class DecodeWorker:
     def _on_transfer_end(
         self, room: str, state: TransferState, meta: dict | None, error: str | None
     ) -> m.TokenOutput | None:
-        r = self.sched.transferring.pop(room, None)
-        if r is None:
-            return None
         first = None
-        if state is TransferState.SUCCESS:
+        if state is TransferState.SUCCESS and meta is not None:
             try:
                 first = FirstToken.model_validate(meta)
             except ValidationError as e:
                 error = f"unreadable first-token metadata: {str(e).splitlines()[0]}"
         if first is None:
-            self.runner.release(r)
-            self._forget(room)
-            self._fail(room, "transfer", f"KV transfer failed: {error}")
+            if self.sched.kv_failed(room) is not None:
+                self._forget(room)
+                self._fail(room, "transfer", f"KV transfer failed: {error}")
             return None
-        r.num_computed = len(r.prompt_ids)
+        r = self.sched.kv_arrived(room)
+        if r is None:
+            return None
         r.append_token(first.first_token, first.logprob, first.top_logprobs or None)
-        r.state = RequestState.RUNNING
         self.events[room]["kv_ready"] = self.clock()
-        self.sched.running.append(r)
         return self._output(r, r.output_ids[:1], first=True)
 
     def _output(self, r: Request, new: list[int], first: bool = False) -> m.TokenOutput:

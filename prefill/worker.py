@@ -1,7 +1,8 @@
 """The prefill worker: batch prompts, compute their KV and first token, hand both to a decode node.
 
 Loop: receive -> schedule -> run -> hand off -> reply (see `step`). A request's pages are held
-until its KV transfer ends (Success or Failed), then freed.
+until its KV transfer ends (Success or Failed), then freed. Its state (queued, prefilling,
+transferring, then finished or failed) is moved only by the ExtendScheduler, which owns the pages.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from pdserve.protocol.kv_trailer import FirstToken
 from pdserve.protocol.records import PrefillEvents
 from pdserve.runtime.batch import ForwardMode
 from pdserve.runtime.extend_scheduler import ExtendScheduler
-from pdserve.runtime.request import Request
+from pdserve.runtime.request import Request, RequestState
 from pdserve.runtime.runner import ModelRunner, append_samples
 from pdserve.worker_common import make_clock, register_factory, serve_until_drained
 from pdserve.worker_link import WorkerLink
@@ -39,7 +40,7 @@ class PrefillWorker:
         self.runner = ModelRunner(cfg.runtime)
         rc = cfg.runtime
         self.sched = ExtendScheduler(
-            self.runner,
+            self.runner.pages,
             rc.chunked_prefill_size,
             rc.max_running_requests,
             reserve_tokens=lambda r: len(r.prompt_ids),
@@ -72,21 +73,21 @@ class PrefillWorker:
             self.link.close()
 
     def step(self) -> None:
+        self._receive()
+        reqs, chunks = self.sched.schedule()
+        done = self._run(reqs, chunks) if reqs else []
+        self._hand_off(done)
+        self._reply(done)
+
+    def _receive(self) -> None:
+        """Ended transfers (their pages are freed), then the gateway's messages."""
         assert self.link is not None
+        for res in self.sender.poll():
+            self._on_transfer_end(res.room, res.state, res.error)
         # Block briefly only when no prompt waits: longer when nothing at all is in flight.
         wait = 0.0 if len(self.sched) else (0.005 if self.rooms else 0.05)
         for msg in self.link.recv(wait):
             self._on_message(msg)
-        reqs, chunks = self.sched.schedule()
-        if reqs:
-            self._run(reqs, chunks)
-        if self.stalled:
-            self._release_stalled(time.monotonic())
-        for res in self.sender.poll():
-            self._on_transfer_end(res.room, res.state, res.error)
-        ld = self.link.load
-        ld.queued, ld.running = len(self.sched.waiting), len(self.rooms)
-        ld.free_tokens = self.runner.allocator.num_free * self.runner.page_size
 
     def _on_message(self, msg) -> None:
         assert self.link is not None
@@ -96,12 +97,12 @@ class PrefillWorker:
             r = self.rooms.get(msg.room)
             if r is None:
                 return
-            if r in self.sched.waiting or r in self.sched.prefilling:
-                self.sched.remove(r)
+            if r.state in (RequestState.QUEUED, RequestState.PREFILLING):
+                self.sched.retire(r, RequestState.FAILED)
                 self._forget(msg.room)
             elif any(x[1] == msg.room for x in self.stalled):
                 self.stalled = [x for x in self.stalled if x[1] != msg.room]
-                self.runner.release(r)
+                self.sched.retire(r, RequestState.FAILED)
                 self._forget(msg.room)
             else:
                 self.sender.abort(msg.room)  # poll() reports Failed, then the pages are freed
@@ -121,20 +122,24 @@ class PrefillWorker:
         self.events[req.room] = PrefillEvents(queue_entry=self.clock())
         self.sched.add(r)
 
-    def _run(self, reqs: list[Request], chunks: list[list[int]]) -> None:
-        assert self.link is not None
+    def _run(self, reqs: list[Request], chunks: list[list[int]]) -> list[Request]:
+        """One extend forward; returns the requests whose prompt it completed, first token sampled."""
         now = self.clock()
         for r in reqs:
             self.events[r.rid].setdefault("forward_entry", now)
         logits = self.runner.forward(ForwardMode.EXTEND, reqs, chunks)
         done, rows = self.sched.take_completed(reqs)
-        if not done:
-            return
-        append_samples(done, self.runner.sample(done, logits[rows]))
-        now = self.clock()
+        if done:
+            append_samples(done, self.runner.sample(done, logits[rows]))
+            now = self.clock()
+            for r in done:
+                self.events[r.rid]["prefill_finished"] = now
+        return done
+
+    def _hand_off(self, done: list[Request]) -> None:
+        """Completed prefills' KV goes to the sender (held back by the stall hook)."""
         for r in done:
-            ev = self.events.pop(r.rid)
-            ev["prefill_finished"] = now
+            self.sched.hand_off(r)
             meta = FirstToken(
                 first_token=r.output_ids[0],
                 logprob=r.output_logprobs[0] if r.output_logprobs else None,
@@ -145,7 +150,16 @@ class PrefillWorker:
                 self.stalled.append((due, r.rid, r.pages, len(r.prompt_ids), meta))
             else:
                 self.sender.send(r.rid, r.pages, len(r.prompt_ids), meta)
-            self.link.send(m.PrefillDone(room=r.rid, events=ev, cached_tokens=0))
+        if self.stalled:
+            self._release_stalled(time.monotonic())
+
+    def _reply(self, done: list[Request]) -> None:
+        assert self.link is not None
+        for r in done:
+            self.link.send(m.PrefillDone(room=r.rid, events=self.events.pop(r.rid), cached_tokens=0))
+        ld = self.link.load
+        ld.queued, ld.running = len(self.sched.waiting), len(self.rooms)
+        ld.free_tokens = self.sched.pages.free_tokens
 
     def _release_stalled(self, now: float) -> None:
         due = [x for x in self.stalled if x[0] <= now]
@@ -157,7 +171,8 @@ class PrefillWorker:
     def _on_transfer_end(self, room: str, state: TransferState, error: str | None) -> None:
         r = self.rooms.pop(room, None)
         if r is not None:
-            self.runner.release(r)
+            ok = state is TransferState.SUCCESS
+            self.sched.retire(r, RequestState.FINISHED if ok else RequestState.FAILED)
         if state is TransferState.FAILED:
             log.warning("KV transfer of %s failed: %s", room, error)
             self._fail(room, "transfer", f"KV transfer failed: {error}")

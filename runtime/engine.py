@@ -10,7 +10,6 @@ import itertools
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
 
 from pdserve.config import RuntimeConfig
 from pdserve.runtime.batch import ForwardMode
@@ -18,6 +17,7 @@ from pdserve.runtime.extend_scheduler import ExtendScheduler
 from pdserve.runtime.loader import LoadedModel
 from pdserve.runtime.request import Request, RequestState
 from pdserve.runtime.runner import ModelRunner, append_samples
+from pdserve.runtime.stepper import PlainStepper, Stepper
 from pdserve.sampling_params import SamplingParams
 
 
@@ -39,17 +39,17 @@ class Engine:
         self,
         cfg: RuntimeConfig,
         loaded: LoadedModel | None = None,
-        make_stepper: Callable[[ModelRunner], Any] | None = None,
+        make_stepper: Callable[[ModelRunner], Stepper] | None = None,
     ):
         """`make_stepper` (e.g. `pdserve.decode.stepper.make_stepper`) replaces the plain decode step
         with a decode-node stepper (speculative decoding); runtime does not import decode itself."""
         self.runner = ModelRunner(cfg, loaded)
         self.cfg = cfg
-        self.stepper = make_stepper(self.runner) if make_stepper is not None else None
+        self.stepper = (make_stepper or PlainStepper)(self.runner)
         # Admission reserves prompt + max_new_tokens, so a running request never runs out of
         # pages and this engine needs no retraction.
         self.extend = ExtendScheduler(
-            self.runner,
+            self.runner.pages,
             cfg.chunked_prefill_size,
             cfg.max_running_requests,
             reserve_tokens=lambda r: r.max_total_tokens,
@@ -83,14 +83,11 @@ class Engine:
                 now = time.perf_counter()
                 for r in done:
                     self._times[r.rid].append(now)
-                    r.state = RequestState.RUNNING
+                    if not r.finished:  # the first token may already end it: it never runs then
+                        r.transition(RequestState.RUNNING)
                     self.running.append(r)
-        elif self.running and self.stepper is not None:
-            self.stepper.step(self.running)
         elif self.running:
-            reqs = self.running
-            logits = self.runner.forward(ForwardMode.DECODE, reqs, [[r.output_ids[-1]] for r in reqs])
-            append_samples(reqs, self.runner.sample(reqs, logits))
+            self.stepper.step(self.running)
         return self._collect_finished()
 
     def _collect_finished(self) -> list[GenerateOutput]:
@@ -98,12 +95,9 @@ class Engine:
         now = time.perf_counter()
         for r in [r for r in self.running if r.finished]:
             self.running.remove(r)
-            r.state = RequestState.FINISHED
-            stats = {}
-            if self.stepper is not None:
-                stats = self.stepper.stats(r)
-                self.stepper.forget(r)
-            self.runner.release(r)
+            stats = self.stepper.stats(r)
+            self.stepper.forget(r)
+            self.extend.retire(r, RequestState.FINISHED)
             t = self._times.pop(r.rid)
             outs.append(
                 GenerateOutput(

@@ -1,7 +1,8 @@
 """Admission and chunked prefill: which prompt chunks run in the next extend forward.
 
 Shared by the offline engine (which reserves a request's whole lifetime at admission) and the
-prefill worker (which reserves only the prompt; the decode node holds the rest).
+prefill worker (which reserves only the prompt; the decode node holds the rest). It owns the pages
+of the requests it admitted until they leave through `retire` (finished or failed).
 """
 
 from __future__ import annotations
@@ -9,38 +10,32 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Callable
 
+from pdserve.runtime.kv_pool import RequestPages
 from pdserve.runtime.request import Request, RequestState
-from pdserve.runtime.runner import ModelRunner
 
 
 class ExtendScheduler:
     def __init__(
         self,
-        runner: ModelRunner,
+        pages: RequestPages,
         token_budget: int,
         max_requests: int,
         reserve_tokens: Callable[[Request], int],
     ):
-        self.runner = runner
+        self.pages = pages
         self.token_budget = token_budget
         self.max_requests = max_requests
         self.reserve_tokens = reserve_tokens
-        self.waiting: deque[Request] = deque()
-        self.prefilling: list[Request] = []
+        self.waiting: deque[Request] = deque()  # QUEUED
+        self.prefilling: list[Request] = []  # PREFILLING
 
     def __len__(self) -> int:
         return len(self.waiting) + len(self.prefilling)
 
     def add(self, req: Request) -> None:
+        if req.state is not RequestState.QUEUED:
+            raise ValueError(f"request {req.rid} is {req.state.name}, not QUEUED")
         self.waiting.append(req)
-
-    def remove(self, req: Request) -> None:
-        """Drop a request (abort); frees its pages."""
-        if req in self.waiting:
-            self.waiting.remove(req)
-        if req in self.prefilling:
-            self.prefilling.remove(req)
-        self.runner.release(req)
 
     def schedule(self, occupied: int = 0) -> tuple[list[Request], list[list[int]]]:
         """Prompt chunks within the token budget: unfinished prompts first, then new admissions.
@@ -60,10 +55,10 @@ class ExtendScheduler:
             budget -= n
         while self.waiting and budget > 0 and occupied + len(self.prefilling) < self.max_requests:
             r = self.waiting[0]
-            if not self.runner.reserve(r, self.reserve_tokens(r)):
+            if not self.pages.reserve(r, self.reserve_tokens(r)):
                 break
             self.waiting.popleft()
-            r.state = RequestState.PREFILLING
+            r.transition(RequestState.PREFILLING)
             self.prefilling.append(r)
             n = min(budget, len(r.prompt_ids))
             reqs.append(r)
@@ -72,7 +67,10 @@ class ExtendScheduler:
         return reqs, chunks
 
     def take_completed(self, reqs: list[Request]) -> tuple[list[Request], list[int]]:
-        """After a forward: the requests whose whole prompt is now computed, and their logits rows."""
+        """After a forward: the requests whose whole prompt is now computed, and their logits rows.
+
+        They leave the prefilling set still PREFILLING, pages held: the caller samples their first
+        token and moves them on (`hand_off`, or the engine's running batch)."""
         done, rows = [], []
         for i, r in enumerate(reqs):
             if r.num_computed == len(r.prompt_ids):
@@ -80,3 +78,19 @@ class ExtendScheduler:
                 rows.append(i)
                 self.prefilling.remove(r)
         return done, rows
+
+    def hand_off(self, req: Request) -> None:
+        """A completed prefill whose KV now goes to a decode node; its pages stay held until `retire`."""
+        req.transition(RequestState.TRANSFERRING)
+
+    def retire(self, req: Request, state: RequestState) -> None:
+        """The request leaves for good as `state` (FINISHED or FAILED, e.g. an abort): it is dropped
+        from whichever set holds it and its pages are freed."""
+        if state not in (RequestState.FINISHED, RequestState.FAILED):
+            raise ValueError(f"retire into {state.name}: only FINISHED or FAILED")
+        req.transition(state)
+        if req in self.waiting:
+            self.waiting.remove(req)
+        if req in self.prefilling:
+            self.prefilling.remove(req)
+        self.pages.release(req)

@@ -12,6 +12,7 @@ For torch indexing, `rows()` views the pool as rows of [kv_heads, head_dim]; tok
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 
@@ -128,3 +129,40 @@ class PageAllocator:
                 raise AssertionError(
                     f"page {p}: refcount {r} but {'on' if p in free else 'off'} the free list"
                 )
+
+
+class HasPages(Protocol):
+    pages: list[int]
+
+
+class RequestPages:
+    """Grows and frees requests' page lists, counted in tokens: what schedulers allocate through.
+
+    Works on anything with a `pages: list[int]` (a Request); no model and no KV tensor involved.
+    """
+
+    def __init__(self, allocator: PageAllocator, page_size: int):
+        self.allocator = allocator
+        self.page_size = page_size
+
+    def pages_for(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.page_size)
+
+    @property
+    def free_tokens(self) -> int:
+        return self.allocator.num_free * self.page_size
+
+    def reserve(self, req: HasPages, num_tokens: int) -> bool:
+        """Grow `req.pages` to hold `num_tokens`; False (nothing allocated) when the pool is short."""
+        need = self.pages_for(num_tokens) - len(req.pages)
+        if need <= 0:
+            return True
+        if not self.allocator.can_alloc(need):
+            return False
+        req.pages.extend(self.allocator.alloc(need))
+        return True
+
+    def release(self, req: HasPages) -> None:
+        if req.pages:
+            self.allocator.free(req.pages)
+            req.pages = []

@@ -2,17 +2,12 @@
 
 from __future__ import annotations
 
-import enum
 from dataclasses import dataclass, field
 
+from pdserve.runtime.request_state import RequestState, check_transition
 from pdserve.sampling_params import SamplingParams
 
-
-class RequestState(enum.Enum):
-    WAITING = "waiting"  # queued; no pages yet
-    PREFILLING = "prefilling"  # pages held; some prompt chunks still to run
-    RUNNING = "running"  # in the decode batch
-    FINISHED = "finished"
+__all__ = ["Request", "RequestState"]
 
 
 @dataclass
@@ -21,7 +16,6 @@ class Request:
     prompt_ids: list[int]
     params: SamplingParams
     eos_token_ids: tuple[int, ...] = ()
-    state: RequestState = RequestState.WAITING
     output_ids: list[int] = field(default_factory=list)
     output_logprobs: list[float] = field(default_factory=list)
     output_top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
@@ -30,6 +24,22 @@ class Request:
     num_computed: int = 0
     finish_reason: dict | None = None
     num_retractions: int = 0
+    _state: RequestState = field(default=RequestState.QUEUED, init=False)
+
+    @property
+    def state(self) -> RequestState:
+        return self._state
+
+    @state.setter
+    def state(self, new: RequestState) -> None:
+        self.transition(new)
+
+    def transition(self, new: RequestState) -> None:
+        """Move to `new`; raises IllegalTransition for a move the table in request_state.py lacks.
+
+        Assigning `state` does the same: there is no unchecked way to change it."""
+        check_transition(self.rid, self._state, new)
+        self._state = new
 
     @property
     def num_tokens(self) -> int:

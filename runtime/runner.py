@@ -2,6 +2,7 @@
 
 Prefill workers, decode workers and the offline engine all drive a model through this one class.
 It owns no scheduling policy: callers decide which requests run, it builds the batch and runs it.
+It builds the KV pool and its allocator; schedulers allocate pages through `pages` (RequestPages).
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ import torch
 from pdserve.config import RuntimeConfig
 from pdserve.runtime.attention import make_attention_backend
 from pdserve.runtime.batch import ForwardBatch, ForwardMode
-from pdserve.runtime.kv_pool import KVGeometry, KVPool, PageAllocator
+from pdserve.runtime.kv_pool import KVGeometry, KVPool, PageAllocator, RequestPages
 from pdserve.runtime.loader import LoadedModel, load_model
 from pdserve.runtime.request import Request
 from pdserve.runtime.sampler import SampleOutput, Sampler, SamplingBatch
@@ -44,6 +45,7 @@ class ModelRunner:
         num_pages = KVPool.pages_for(self.geometry, self.max_total_tokens)
         self.pool = KVPool(self.geometry, num_pages, self.device)
         self.allocator = PageAllocator(num_pages)
+        self.pages = RequestPages(self.allocator, cfg.page_size)
         self.backend = make_attention_backend(cfg.attention_backend, self.device)
         self.sampler = Sampler()
         log.info(
@@ -89,22 +91,15 @@ class ModelRunner:
             raise ContextLengthError(f"{total} tokens exceed the KV pool ({self.max_total_tokens} tokens)")
 
     def pages_for(self, num_tokens: int) -> int:
-        return -(-num_tokens // self.page_size)
+        return self.pages.pages_for(num_tokens)
 
+    # For code that drives forwards by hand (tests, the draft model's own sequences); the
+    # schedulers allocate through `self.pages` themselves.
     def reserve(self, req: Request, num_tokens: int) -> bool:
-        """Grow `req.pages` to hold `num_tokens`; False (nothing allocated) when the pool is short."""
-        need = self.pages_for(num_tokens) - len(req.pages)
-        if need <= 0:
-            return True
-        if not self.allocator.can_alloc(need):
-            return False
-        req.pages.extend(self.allocator.alloc(need))
-        return True
+        return self.pages.reserve(req, num_tokens)
 
     def release(self, req: Request) -> None:
-        if req.pages:
-            self.allocator.free(req.pages)
-            req.pages = []
+        self.pages.release(req)
 
     def forward(self, mode: ForwardMode, reqs: list[Request], new_tokens: list[list[int]]) -> torch.Tensor:
         """Run new tokens on top of each request's computed prefix; returns logits (see ForwardBatch)."""
@@ -120,6 +115,13 @@ class ModelRunner:
         for r, toks in zip(reqs, new_tokens):
             r.num_computed += len(toks)
         return logits
+
+    def recompute(self, reqs: list[Request]) -> None:
+        """Rebuild from scratch the KV of requests whose pages were freed and reserved again
+        (retracted ones): every token but the newest, which the next decode step feeds."""
+        for r in reqs:
+            r.num_computed = 0
+            self.forward(ForwardMode.EXTEND, [r], [(r.prompt_ids + r.output_ids)[:-1]])
 
     def sample(self, reqs: list[Request], logits: torch.Tensor) -> SampleOutput:
         """One token per request from logits [len(reqs), V]."""

@@ -5,9 +5,10 @@ from __future__ import annotations
 import pytest
 
 from pdserve.config import RuntimeConfig
-from pdserve.decode.scheduler import DecodeScheduler
+from pdserve.decode.scheduler import ADMISSION_HEADROOM, DecodeScheduler
 from pdserve.decode.stepper import PlainStepper
 from pdserve.runtime.batch import ForwardMode
+from pdserve.runtime.kv_pool import PageAllocator, RequestPages
 from pdserve.runtime.request import Request, RequestState
 from pdserve.runtime.runner import ModelRunner, append_samples
 from pdserve.sampling_params import SamplingParams
@@ -19,17 +20,16 @@ def run_to_completion(runner: ModelRunner, sched: DecodeScheduler, reqs: list[Re
     """Drive the scheduler like the decode worker, with the prompt KV computed locally instead of
     received (the transfer is not what this test is about). Returns how many retractions happened."""
     stepper = PlainStepper(runner)
-    sched.pending.extend(reqs)
+    for r in reqs:
+        sched.add(r)
     retractions = 0
     for _ in range(2000):
-        sched.resume_retracted()
+        runner.recompute(sched.resume_retracted())
         for r in sched.admit():
             # Stands in for the KV transfer: the prompt's KV is computed here, into the pages admitted.
-            del sched.transferring[r.rid]
             logits = runner.forward(ForwardMode.EXTEND, [r], [r.prompt_ids])
+            assert sched.kv_arrived(r.rid) is r
             append_samples([r], runner.sample([r], logits))
-            r.state = RequestState.RUNNING
-            sched.running.append(r)
         retractions += len(sched.grow_or_retract())
         if sched.running:
             stepper.step(sched.running)
@@ -49,7 +49,7 @@ def test_small_pool_retracts_resumes_and_matches_engine(bundled, make_engine):
     runner = ModelRunner(
         RuntimeConfig(device="cpu", max_total_tokens=224, page_size=16, attention_backend="torch"), bundled
     )
-    sched = DecodeScheduler(runner, max_running=8, lookahead=1)
+    sched = DecodeScheduler(runner.pages, max_running=8, lookahead=1)
     reqs = [Request(f"r{i}", p, params, runner.spec.eos_token_ids) for i, p in enumerate(PROMPTS)]
     retractions = run_to_completion(runner, sched, reqs)
 
@@ -58,3 +58,139 @@ def test_small_pool_retracts_resumes_and_matches_engine(bundled, make_engine):
     for r, expected in zip(reqs, ref):
         assert r.output_ids == expected, r.rid
     assert runner.allocator.num_free == runner.allocator.num_pages
+
+
+# The page policy alone: an allocator and requests, no model. A "step" appends a token the way a
+# stepper would, after checking that the pages cover the KV the step writes.
+PAGE = 4
+
+
+def make_sched(num_pages: int, max_running: int = 8, lookahead: int = 1) -> DecodeScheduler:
+    return DecodeScheduler(RequestPages(PageAllocator(num_pages), PAGE), max_running, lookahead)
+
+
+def req(i: int, prompt_len: int, max_new: int) -> Request:
+    return Request(
+        f"r{i}", list(range(1, prompt_len + 1)), SamplingParams(max_new_tokens=max_new, ignore_eos=True)
+    )
+
+
+def fake_step(sched: DecodeScheduler) -> None:
+    for r in sched.running:
+        assert r.state is RequestState.RUNNING
+        assert len(r.pages) * PAGE >= r.num_tokens, "the step would write KV past the request's pages"
+        r.num_computed = r.num_tokens  # the newest token's KV is written; a new token is sampled
+        r.append_token(7)
+
+
+def fake_recompute(reqs: list[Request]) -> None:
+    for r in reqs:
+        assert len(r.pages) * PAGE >= r.num_tokens - 1
+        r.num_computed = r.num_tokens - 1
+
+
+def test_admission_reserves_prompt_plus_headroom_within_slots():
+    sched = make_sched(num_pages=100, max_running=2)
+    reqs = [req(i, 10, 100) for i in range(3)]
+    for r in reqs:
+        sched.add(r)
+    admitted = sched.admit()
+    assert admitted == reqs[:2]  # the third has no slot: transferring requests hold one
+    for r in admitted:
+        assert r.state is RequestState.TRANSFERRING and sched.is_transferring(r.rid)
+        assert len(r.pages) == -(-(10 + ADMISSION_HEADROOM) // PAGE)
+    assert reqs[2].state is RequestState.QUEUED and reqs[2].pages == []
+    assert sched.kv_arrived("r0") is reqs[0]
+    assert reqs[0].state is RequestState.RUNNING and reqs[0].num_computed == 10
+    assert sched.kv_arrived("r0") is None  # a room is collected once
+    assert sched.admit() == []  # r0 running + r1 transferring still fill both slots
+    with pytest.raises(ValueError, match="not QUEUED"):
+        sched.add(reqs[0])
+
+
+def test_admission_waits_for_pages():
+    sched = make_sched(num_pages=12)
+    a, b = req(0, 20, 20), req(1, 20, 20)  # 40 tokens = 10 pages each at admission
+    sched.add(a)
+    sched.add(b)
+    assert sched.admit() == [a]
+    assert b.state is RequestState.QUEUED and sched.pages.allocator.num_free == 2
+    assert sched.kv_failed("r0") is a  # a failed transfer frees the pages at once
+    assert a.state is RequestState.FAILED and a.pages == []
+    assert sched.admit() == [b]
+
+
+def test_pool_pressure_retracts_newest_and_resumes_oldest_first():
+    sched = make_sched(num_pages=28)
+    reqs = [req(i, 4, 100) for i in range(3)]
+    for r in reqs:
+        sched.add(r)
+    assert sched.admit() == reqs  # 36 tokens = 9 pages each; one page left over
+    for r in reqs:
+        sched.kv_arrived(r.rid)
+        r.append_token(5)
+    retracted: list[Request] = []
+    while len(retracted) < 2:
+        fake_step(sched)
+        retracted += sched.grow_or_retract()
+    assert retracted == [reqs[2], reqs[1]]  # the newest goes first; the oldest keeps running
+    for r in retracted:
+        assert r.state is RequestState.RETRACTED and r.pages == [] and r.num_retractions == 1
+        assert r.num_computed == 0 and len(r.output_ids) > 30  # KV gone, outputs kept
+    assert list(sched.retracted) == [reqs[1], reqs[2]]  # oldest first
+    sched.add(req(9, 1, 1))
+    assert sched.admit() == []  # new work waits while retracted work does
+    while reqs[0].state is RequestState.RUNNING:
+        fake_step(sched)
+        assert sched.grow_or_retract() == []
+        sched.retire_finished()
+    assert reqs[0].state is RequestState.FINISHED and reqs[0].pages == []
+    resumed = sched.resume_retracted()
+    assert resumed[0] is reqs[1]  # oldest first
+    assert all(r.state is RequestState.RUNNING and r.num_computed == 0 and r.pages for r in resumed)
+    sched.pages.allocator.check_invariants()
+
+
+def test_remove_fails_the_request_and_frees_its_pages():
+    sched = make_sched(num_pages=40, max_running=3)
+    reqs = [req(i, 8, 8) for i in range(4)]
+    for r in reqs:
+        sched.add(r)
+    sched.admit()  # r0..r2 transferring, r3 pending
+    sched.kv_arrived("r0")
+    assert sched.remove("r1") is None  # transferring: left to the receiver (abort, then kv_failed)
+    assert reqs[1].state is RequestState.TRANSFERRING
+    for r in (reqs[0], reqs[3]):
+        assert sched.remove(r.rid) is r
+        assert r.state is RequestState.FAILED and r.pages == []
+    sched.kv_arrived("r2")
+    sched.retract(reqs[2])
+    assert sched.remove("r2") is reqs[2] and reqs[2].state is RequestState.FAILED
+    assert sched.kv_failed("r1") is reqs[1] and reqs[1].state is RequestState.FAILED
+    assert len(sched) == 0 and sched.pages.allocator.num_free == 40
+    sched.pages.allocator.check_invariants()
+
+
+@pytest.mark.parametrize("lookahead", [1, 3])
+def test_many_requests_on_a_small_pool_all_finish(lookahead):
+    sched = make_sched(num_pages=24, max_running=6, lookahead=lookahead)
+    reqs = [req(i, 3 + 5 * (i % 4), 30 + 7 * (i % 3)) for i in range(10)]
+    for r in reqs:
+        sched.add(r)
+    retractions = 0
+    for _ in range(2000):
+        fake_recompute(sched.resume_retracted())
+        for r in sched.admit():
+            assert sched.kv_arrived(r.rid) is r
+            r.append_token(5)  # the first token, as sampled on the prefill node
+        retractions += len(sched.grow_or_retract())
+        fake_step(sched)
+        sched.retire_finished()
+        sched.pages.allocator.check_invariants()
+        if not len(sched):
+            break
+    assert retractions > 0
+    assert sum(r.num_retractions for r in reqs) == retractions
+    for r in reqs:
+        assert r.state is RequestState.FINISHED and len(r.output_ids) == r.params.max_new_tokens
+    assert sched.pages.allocator.num_free == 24
