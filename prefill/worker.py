@@ -26,6 +26,8 @@ log = logging.getLogger(__name__)
 
 
 STALL_ENV = "PDSERVE_TEST_STALL_KV_SEND_S"
+# Test hook: each transfer is announced, then its data held back this long (TransferConfig.stall_data_s).
+STALL_DATA_ENV = "PDSERVE_TEST_STALL_KV_DATA_S"
 
 
 class PrefillWorker:
@@ -60,6 +62,7 @@ class PrefillWorker:
                 cfg.kv_transfer_backend,
                 waiting_timeout_s=cfg.kv_wait_timeout_s,
                 transfer_timeout_s=cfg.transfer_timeout_s,
+                stall_data_s=float(os.environ.get(STALL_DATA_ENV, "0") or 0),
             ),
         )
         self.rooms: dict[str, Request] = {}  # queued, prefilling or transferring
