@@ -159,7 +159,9 @@ class Engine:
         prefill = self.registry.pick("prefill", avoid)
         decode = self.registry.pick("decode", avoid)
         if prefill is None or decode is None:
-            raise ApiError(503, "no worker of a role is in rotation", headers={"Retry-After": "1"})
+            missing = " and no ".join(r for r, w in (("prefill", prefill), ("decode", decode)) if w is None)
+            retry = " to retry on" if avoid else ""
+            raise ApiError(503, f"no {missing} worker in rotation{retry}", headers={"Retry-After": "1"})
         room = self.control.open_room(uuid.uuid4().hex, prefill, decode, len(inp.input_ids))
         req = GenerateRequest(
             room=room.room,

@@ -32,6 +32,8 @@ class TransferConfig:
     socket_ifname: network interface gloo binds to; None means GLOO_SOCKET_IFNAME, else the local
         address that faces the peer.
     orphan_request_ttl_s: how long a sender keeps a decode's page list for a room it has not seen yet.
+    stall_data_s: test hook; the sender announces each transfer, then waits this long before any data
+        moves, as a wire that stalls mid-transfer would (0: off).
     """
 
     backend: str = "gloo"
@@ -44,6 +46,7 @@ class TransferConfig:
     gloo_threads: int = 2
     socket_ifname: str | None = None
     orphan_request_ttl_s: float = 600.0
+    stall_data_s: float = 0.0
 
     def __post_init__(self) -> None:
         if self.backend not in BACKENDS:
@@ -70,4 +73,5 @@ def worker_transfer_config(cfg: WorkerConfig, kv: torch.Tensor) -> TransferConfi
         backend=default_backend(kv) if backend == "auto" else backend,
         waiting_timeout_s=cfg.waiting_timeout_s,
         transfer_timeout_s=cfg.transfer_timeout_s,
+        stall_data_s=cfg.stall_kv_data_s,
     )

@@ -140,6 +140,8 @@ class SenderPair(PairThread):
                 num_tokens=job.num_tokens,
             )
         )
+        if self._config.stall_data_s > 0:
+            time.sleep(self._config.stall_data_s)  # test hook: the receiver's per-operation timeout must fire
         try:
             if runs is not None:
                 num_bytes = group.send_direct(self._kv, job.src_pages, runs, seq, trailer)

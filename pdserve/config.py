@@ -111,9 +111,11 @@ class WorkerConfig:
     # /livez, /readyz and /metrics for orchestrators (0: off); see pdserve/health.py.
     health_port: int = 0
     # Test hooks (hidden flags): seconds added to this worker's clock, for the gateway's clock-offset
-    # estimation; and (prefill) seconds each finished prefill's KV is held back, as a stuck transfer.
+    # estimation; and (prefill) seconds each finished prefill's KV is held back, as a stuck transfer,
+    # or each announced transfer's data is held back, as a wire stalling mid-transfer.
     clock_skew_s: float = 0.0
     stall_kv_send_s: float = 0.0
+    stall_kv_data_s: float = 0.0
 
 
 def add_worker_args(parser: argparse.ArgumentParser, role: str) -> None:
@@ -172,6 +174,9 @@ def add_worker_args(parser: argparse.ArgumentParser, role: str) -> None:
     if role == "prefill":
         parser.add_argument(
             "--test-stall-kv-send", dest="stall_kv_send_s", type=float, default=0.0, help=argparse.SUPPRESS
+        )
+        parser.add_argument(
+            "--test-stall-kv-data", dest="stall_kv_data_s", type=float, default=0.0, help=argparse.SUPPRESS
         )
 
 

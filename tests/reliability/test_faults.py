@@ -48,7 +48,7 @@ def cluster(tmp_path_factory):
     try:
         c.wait_healthy(workers=4)
         # prefill-1 comes back at the KV bootstrap port it bound (port 0) the first time.
-        (addr,) = [w["bootstrap_addr"] for w in workers(c.url) if w["worker_id"] == "prefill-1"]
+        addr = workers(c.url)["prefill-1"]["bootstrap_addr"]
         c.bootstrap_port = int(addr.rsplit(":", 1)[1])
         c.reference = generate(c.url, body(64)).output_ids  # greedy: every healthy answer equals it
         c.idle = pool_sizes(c.url)
@@ -122,6 +122,8 @@ def test_prefill_killed_with_requests_queued(cluster):
     c = cluster
     # Long prompts keep prefill busy, so requests are queued on prefill-1 when it dies.
     long = body(16, text=" ".join(["the history of the printing press"] * 30))
+    reference = generate(c.url, long).output_ids  # greedy: every answer that succeeds equals it
+    retries_before = metric(c.url, "pdserve_request_retries_total")
     with ThreadPoolExecutor(12) as pool:
         futs = [pool.submit(generate, c.url, long, 120) for _ in range(10)]
         # Held by prefill-1 (queued, prefilling or transferring), as its heartbeat reports.
@@ -134,12 +136,14 @@ def test_prefill_killed_with_requests_queued(cluster):
     print(
         "prefill kill:",
         kinds,
-        f"all ended {time.monotonic() - t_kill:.1f} s after the kill; retries so far {retries:g}",
+        f"all ended {time.monotonic() - t_kill:.1f} s after the kill; retries {retries - retries_before:g}",
     )
     # Lost before any token: retried on prefill-0. A KV transfer cut by the kill: a clear error.
     assert sum(o.ok for o in outs) >= 1
     for o in outs:
         assert o.ok or "transfer" in o.error or "prefill" in o.error, o.error
+        assert not o.ok or o.output_ids == reference, (o.output_ids, reference)
+    assert retries > retries_before  # the requests queued on prefill-1 went to prefill-0
     wait_for(lambda: "prefill-1" not in workers(c.url), 10, "prefill-1 removed")
     assert generate(c.url, body(24)).output_ids == c.reference[:24]
     wait_pools(c.url, {k: v for k, v in c.idle.items() if k in ("prefill-0", "decode-2")})
