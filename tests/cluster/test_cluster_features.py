@@ -252,7 +252,6 @@ def _reference(engine, tok, text: str, n: int) -> list[int]:
     return engine.generate([tok.encode(text)], params)[0].output_ids
 
 
-@pytest.mark.slow
 def test_prefill_restarted_at_the_same_address_mid_load(roles, engine, tok):
     """kill -9 prefill-0 while it holds requests and start it again at once on the same port. The
     requests it held end in a clear error (its re-registration, or the decode's KV wait), none hangs;
@@ -297,7 +296,6 @@ def test_prefill_restarted_at_the_same_address_mid_load(roles, engine, tok):
     wait_pools(c.url, c.idle)
 
 
-@pytest.mark.slow
 def test_kv_wait_timeout_ends_a_send_that_never_starts(roles):
     """The prefill node holds each finished prefill back (--test-stall-kv-send): no data is
     announced, so the decode's KV wait timeout (15 s) fires, not the transfer timeout (3 s)."""
@@ -318,7 +316,6 @@ def test_kv_wait_timeout_ends_a_send_that_never_starts(roles):
     wait_pools(c.url, c.idle)
 
 
-@pytest.mark.slow
 def test_transfer_timeout_ends_a_transfer_stalled_mid_way(roles):
     """The prefill node announces the transfer, then holds its data back (--test-stall-kv-data):
     the decode's receive times out by the transfer timeout (3 s), well before the KV wait timeout."""

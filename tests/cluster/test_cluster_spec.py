@@ -93,6 +93,7 @@ def test_ngram_speculation_equals_engine_and_transformers(spec_cluster, engine_r
     assert proposed == sum(m["spec_num_proposed_drafts"] for m in metas)
 
 
+@pytest.mark.slow  # about a minute on two shared cores
 def test_retraction_under_speculation_newest_first(spec_cluster, engine_reference):
     """Three long requests join the decode batch one after another; any two fit in the pool, three
     do not. The newest must be the one retracted (and resumed by recomputation): the two older never
