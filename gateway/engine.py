@@ -306,14 +306,18 @@ class Engine:
     async def _next_event(self, room: Room, inp: GenInput) -> TokensArrived | LegFailed:
         remaining = inp.received_ts + self.cfg.request_timeout_s - time.time()
         try:
-            return await asyncio.wait_for(room.inbox.get(), timeout=max(0.0, remaining))
+            ev = await asyncio.wait_for(room.inbox.get(), timeout=max(0.0, remaining))
         except asyncio.TimeoutError:  # an alias of TimeoutError from 3.11
+            ev = None
+        # A worker that saw the deadline (`GenerateRequest.deadline_s`) pass first: one error shape.
+        if ev is None or (isinstance(ev, LegFailed) and ev.code == "deadline"):
             self.metrics.errors.labels("gateway", "timeout").inc()
             raise ApiError(
                 504,
                 f"request {inp.rid} timed out after {self.cfg.request_timeout_s:g} s "
                 f"(prefill {room.prefill.worker_id}, decode {room.decode.worker_id})",
-            ) from None
+            )
+        return ev
 
     def _leg_failed(self, room: Room, ev: LegFailed) -> ApiError:
         self.metrics.errors.labels(ev.role, ev.code).inc()
