@@ -181,7 +181,7 @@ class TestDecodeKilledMidStream:
         lost = [s.error for s in n_out + o_out if s.error]
         moved = metric(c.url, MIGRATIONS) - migrations_before
         gap = max(s.longest_gap for s in n_out + o_out)
-        migrated = [s.meta["num_migrations"] if s.meta else None for s in n_out]
+        migrated = [(s.meta or {}).get("num_migrations") for s in n_out]
         print(
             f"kill -9 {victim} holding {held[victim]} of 8 streams: {moved:g} migrated, {len(lost)} lost; "
             f"num_migrations of the native streams {migrated}; longest inter-token gap {gap:.2f} s"
