@@ -9,6 +9,7 @@ Request sets, states and the page policy live in `scheduler.py`; this loop only 
 from __future__ import annotations
 
 import logging
+from typing import Any
 
 from pydantic import ValidationError
 
@@ -115,7 +116,7 @@ class DecodeWorker:
         ld.queued, ld.running = len(s) - len(s.running), len(s.running)
         ld.free_tokens = s.pages.free_tokens
 
-    def _on_message(self, msg) -> None:
+    def _on_message(self, msg: m.Message) -> None:
         if isinstance(msg, m.GenerateRequest):
             if self.signals.draining.is_set():
                 self._fail(msg.room, "draining", "the decode worker is draining")
@@ -138,7 +139,7 @@ class DecodeWorker:
             self._forget(msg.room)
 
     def _on_transfer_end(
-        self, room: str, state: TransferState, meta: dict | None, error: str | None
+        self, room: str, state: TransferState, meta: dict[str, Any] | None, error: str | None
     ) -> m.TokenOutput | None:
         first = None
         if state is TransferState.SUCCESS and meta is not None:
@@ -172,7 +173,7 @@ class DecodeWorker:
             finish_reason=r.finish_reason,
         )
         if first:
-            out.events = dict(self.events[r.rid])
+            out.events = self.events[r.rid].copy()
         if r.finished:
             ev = self.events.pop(r.rid, {})
             ev["finished"] = self.clock()
