@@ -5,7 +5,7 @@ transferring (TRANSFERRING: pages held, KV on its way) -> running (RUNNING: deco
 retracted (RETRACTED: pages freed under pool pressure) -> running again once its pages are back and
 the caller has recomputed its KV; any -> gone (FINISHED, or FAILED: aborted or a failed transfer).
 Only this class moves requests between the sets, and it allocates and frees their pages; it runs
-no forward, so it needs no model.
+no forward, so it needs no model. It also tracks each request's deadline until it leaves (`expire`).
 
 Page policy: admission reserves the prompt plus a small headroom, not the whole lifetime, so more
 requests fit; before each step every running request grows to cover the tokens the step may write.
@@ -20,6 +20,7 @@ from __future__ import annotations
 import logging
 from collections import deque
 
+from pdserve.runtime.deadlines import Deadlines
 from pdserve.runtime.kv_pool import RequestPages
 from pdserve.runtime.request import Request, RequestState
 
@@ -39,14 +40,27 @@ class DecodeScheduler:
         self.transferring: dict[str, Request] = {}
         self.running: list[Request] = []
         self.retracted: deque[Request] = deque()
+        self.deadlines = Deadlines()  # every request added and not yet gone
 
     def __len__(self) -> int:
         return len(self.pending) + len(self.transferring) + len(self.running) + len(self.retracted)
 
-    def add(self, r: Request) -> None:
+    def add(self, r: Request, deadline: float | None = None) -> None:
+        """Queue `r`; `deadline` (epoch seconds, see `runtime/deadlines.py`) ends it in `expire`."""
         if r.state is not RequestState.QUEUED:
             raise ValueError(f"request {r.rid} is {r.state.name}, not QUEUED")
+        self.deadlines.add(r, deadline)
         self.pending.append(r)
+
+    def expire(self, now: float) -> list[Request]:
+        """Requests past their deadline at `now`. Pending, running and retracted ones fail here
+        (pages freed); transferring ones are returned still TRANSFERRING: the caller aborts their
+        transfer and calls `kv_failed` when the receiver reports Failed, as for an abort."""
+        due = self.deadlines.due(now)
+        for r in due:
+            if r.state is not RequestState.TRANSFERRING:
+                self.remove(r.rid)
+        return due
 
     def is_transferring(self, rid: str) -> bool:
         return rid in self.transferring
@@ -140,6 +154,7 @@ class DecodeScheduler:
         for r in done:
             self.running.remove(r)
             r.transition(RequestState.FINISHED)
+            self.deadlines.discard(r)
             self.pages.release(r)
         return done
 
@@ -157,4 +172,5 @@ class DecodeScheduler:
 
     def _drop(self, r: Request) -> None:
         r.transition(RequestState.FAILED)
+        self.deadlines.discard(r)
         self.pages.release(r)

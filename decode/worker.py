@@ -4,6 +4,8 @@ Loop (`step`): receive -> schedule (resume retracted requests, admit: pages firs
 prefill node for the KV; collect transfers; grow pages or retract) -> run one decode step -> hand
 off (retire finished requests) -> reply with one TokenBatch carrying every request's new tokens.
 Request sets, states and the page policy live in `scheduler.py`; this loop only asks it.
+A request past its deadline (`GenerateRequest.deadline_s`, checked once per step) fails with code
+`deadline` and its pages are freed, whatever its state (a transfer in flight is aborted first).
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ from pdserve.kv_transfer.config import worker_transfer_config
 from pdserve.protocol import gateway as m
 from pdserve.protocol.kv_trailer import FirstToken
 from pdserve.protocol.records import DecodeEvents, RequestStats
-from pdserve.runtime.request import Request
+from pdserve.runtime.request import Request, RequestState
 from pdserve.runtime.runner import ModelRunner
 from pdserve.worker_common import make_clock, register_factory, serve_until_drained
 from pdserve.worker_link import WorkerLink
@@ -47,6 +49,8 @@ class DecodeWorker:
         )
         self.prefill_addr: dict[str, str] = {}  # room -> its prefill node's bootstrap address
         self.events: dict[str, DecodeEvents] = {}
+        # Rooms failed for their deadline whose transfer is being aborted: already reported.
+        self.expired: set[str] = set()
         self.link: WorkerLink | None = None
 
     def serve(self) -> None:
@@ -65,6 +69,7 @@ class DecodeWorker:
 
     def step(self) -> None:
         self._receive()
+        self._expire()
         outputs = self._schedule()
         outputs += self._run()
         self._hand_off()
@@ -128,7 +133,8 @@ class DecodeWorker:
                 return
             self.events[msg.room] = DecodeEvents(decode_entry=self.clock())
             self.prefill_addr[msg.room] = msg.prefill_bootstrap_addr
-            self.sched.add(Request(msg.room, msg.input_ids, msg.sampling, self.runner.spec.eos_token_ids))
+            r = Request(msg.room, msg.input_ids, msg.sampling, self.runner.spec.eos_token_ids)
+            self.sched.add(r, msg.deadline_s)
         elif isinstance(msg, m.AbortRequest):
             if self.sched.is_transferring(msg.room):
                 self.receiver.abort(msg.room)  # poll() reports Failed; the pages are freed there
@@ -138,9 +144,27 @@ class DecodeWorker:
                 self.stepper.forget(r)
             self._forget(msg.room)
 
+    def _expire(self) -> None:
+        """Requests past their deadline fail: the gateway is told at once, the pages follow."""
+        for r in self.sched.expire(self.clock()):
+            state = r.state.value
+            if r.state is RequestState.TRANSFERRING:
+                self.expired.add(r.rid)
+                self.receiver.abort(r.rid)  # poll() reports it; `_on_transfer_end` frees the pages
+            else:
+                self.stepper.forget(r)
+                self._forget(r.rid)
+            msg = f"the request passed its deadline on decode worker {self.cfg.worker_id} ({state})"
+            self._fail(r.rid, "deadline", msg)
+
     def _on_transfer_end(
         self, room: str, state: TransferState, meta: dict[str, Any] | None, error: str | None
     ) -> m.TokenOutput | None:
+        if room in self.expired:  # failed for its deadline: drop it whatever the transfer did
+            self.expired.discard(room)
+            self.sched.kv_failed(room)
+            self._forget(room)
+            return None
         first = None
         if state is TransferState.SUCCESS and meta is not None:
             try:

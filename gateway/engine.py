@@ -5,6 +5,12 @@ batch fails as a whole); `Engine.generate` runs one generation and yields its `G
 every output step, the last one with `finished=True` and `meta_info`. Failures raise `ApiError`
 (status naming the failing leg); on any exit that is not a normal finish, the legs still holding
 the room are aborted.
+
+A leg that fails for reasons outside the request (`_AGAIN_CODES`) is run again on another pair
+under a new room id: before any token arrived that is a retry (at most one); after, a migration
+(at most `MAX_MIGRATIONS`): the new pair gets the prompt plus the tokens produced so far and the
+remaining `max_new_tokens`, and the same `GenState` and `_Collector` (detokenizer and stop-string
+state) carry on, so the client sees one stream.
 """
 
 from __future__ import annotations
@@ -31,8 +37,8 @@ from pdserve.gateway.timeline import (
     stitch,
 )
 from pdserve.gateway.tokenizer import Tokenizer
-from pdserve.gateway.workers import WorkerRegistry
-from pdserve.protocol.gateway import GenerateRequest, TokenOutput
+from pdserve.gateway.workers import WorkerInfo, WorkerRegistry
+from pdserve.protocol.gateway import GenerateRequest, Role, TokenOutput
 from pdserve.protocol.records import DecodeEvents, RequestStats
 from pdserve.sampling_params import SamplingParams
 
@@ -46,17 +52,21 @@ _FAIL_STATUS = {
     "shutdown": 503,
     "transfer": 503,
 }
-# Failures that say nothing about the request itself: worth one retry on another pair while no token
-# has reached the client (the retry is invisible to it).
-_RETRY_CODES = frozenset({"worker_lost", "draining"})
+# Failures that say nothing about the request itself: worth running again on another pair (the
+# client does not notice). "transfer": the KV never reached this decode worker; another may get it.
+_AGAIN_CODES = frozenset({"worker_lost", "draining", "transfer"})
+# A request that keeps landing on failing workers ends after this many migrations.
+MAX_MIGRATIONS = 2
 
 
-class _Retry(Exception):
-    """An attempt failed before the client saw anything; run it again on another pair."""
+class _Again(Exception):
+    """An attempt's leg failed with one of `_AGAIN_CODES`; `generate` decides whether to go on."""
 
-    def __init__(self, worker_id: str, error: ApiError) -> None:
+    def __init__(self, ev: LegFailed, room: Room, error: ApiError) -> None:
         super().__init__(error.message)
-        self.worker_id, self.error = worker_id, error
+        self.code, self.error = ev.code, error
+        self.failed = room.prefill.worker_id if ev.role == "prefill" else room.decode.worker_id
+        self.prefill, self.decode = room.prefill.worker_id, room.decode.worker_id
 
 
 @dataclass(frozen=True)
@@ -85,6 +95,22 @@ class GenState:
     finish_reason: dict | None = None
     meta_info: dict | None = None
     cached_tokens: int = 0
+
+
+@dataclass
+class _Run:
+    """What one generation keeps across its attempts (a retry or migrations)."""
+
+    inp: GenInput
+    st: GenState
+    c: _Collector
+    avoid: set[str] = field(default_factory=set)  # workers that failed an attempt: never again
+    prefer_not: set[str] = field(default_factory=set)  # used again only when there is no other
+    retries: int = 0
+    migrations: int = 0
+    dispatched_once: bool = False
+    # The attempt that delivered the first token: its prefill events and dispatch time go in meta_info.
+    origin: tuple[Room, float] | None = None
 
 
 class Engine:
@@ -142,31 +168,82 @@ class Engine:
     # ---- one generation ----------------------------------------------------------------------
 
     async def generate(self, inp: GenInput) -> AsyncIterator[GenState]:
-        """One generation; a leg lost (or draining) before the first yield is retried once on
-        another pair under a new room id, later failures raise `ApiError`."""
-        avoid: set[str] = set()
-        for attempt in range(2):
+        """One generation. A leg lost (or draining, or a failed KV transfer) before any token is
+        retried once on another pair; after tokens, the generation migrates to another pair (at
+        most `MAX_MIGRATIONS` times). Other failures, and those past the limits, raise `ApiError`."""
+        st = GenState(inp.rid, len(inp.input_ids))
+        run = _Run(inp, st, _Collector(self.tokenizer, inp, st))
+        while True:
             try:
-                async for st in self._attempt(inp, avoid, may_retry=attempt == 0):
-                    yield st
+                async for s in self._attempt(run):
+                    yield s
                 return
-            except _Retry as r:
-                avoid.add(r.worker_id)
-                self.metrics.retries.inc()
-                log.warning("request %s: retrying on another pair after: %s", inp.rid, r.error.message)
+            except _Again as a:
+                self._again(run, a)
 
-    async def _attempt(self, inp: GenInput, avoid: set[str], may_retry: bool) -> AsyncIterator[GenState]:
-        prefill = self.registry.pick("prefill", avoid)
-        decode = self.registry.pick("decode", avoid)
+    def _again(self, run: _Run, a: _Again) -> None:
+        """Count a retry or a migration and mark the workers to avoid, or raise the failure."""
+        produced = len(run.st.output_ids)
+        if produced == 0 and run.retries >= 1:
+            raise a.error
+        if produced > 0 and run.migrations >= MAX_MIGRATIONS:
+            raise ApiError(
+                a.error.status, f"{a.error.message} (not migrated: already migrated {run.migrations} times)"
+            )
+        avoid, prefer_not = set(run.avoid), set(run.prefer_not)
+        if a.code == "transfer":
+            # Either side may be at fault: another decode worker always, another prefill if there is one.
+            avoid.add(a.decode)
+            prefer_not.add(a.prefill)
+        else:
+            avoid.add(a.failed)
+        missing = [r for r in ("prefill", "decode") if not self._candidates(r, avoid)]
+        if missing:
+            what = "retried" if produced == 0 else "migrated"
+            raise ApiError(
+                a.error.status,
+                f"{a.error.message} (not {what}: no other {' and no other '.join(missing)} worker in rotation)",
+            )
+        run.avoid, run.prefer_not = avoid, prefer_not
+        if produced == 0:
+            run.retries += 1
+            self.metrics.retries.inc()
+            log.warning("request %s: retrying on another pair after: %s", run.inp.rid, a.error.message)
+        else:
+            run.migrations += 1
+            self.metrics.migrations.inc()
+            log.warning(
+                "request %s: migrating after %d tokens to another pair after: %s",
+                run.inp.rid,
+                produced,
+                a.error.message,
+            )
+
+    def _candidates(self, role: Role, avoid: set[str]) -> list[WorkerInfo]:
+        return [w for w in self.registry.in_rotation(role) if w.worker_id not in avoid]
+
+    async def _attempt(self, run: _Run) -> AsyncIterator[GenState]:
+        inp, st, c = run.inp, run.st, run.c
+        prefill = self.registry.pick("prefill", run.avoid | run.prefer_not) or self.registry.pick(
+            "prefill", run.avoid
+        )
+        decode = self.registry.pick("decode", run.avoid)
         if prefill is None or decode is None:
             missing = " and no ".join(r for r, w in (("prefill", prefill), ("decode", decode)) if w is None)
-            retry = " to retry on" if avoid else ""
+            retry = " to retry on" if run.avoid else ""
             raise ApiError(503, f"no {missing} worker in rotation{retry}", headers={"Retry-After": "1"})
-        room = self.control.open_room(uuid.uuid4().hex, prefill, decode, len(inp.input_ids))
+        # A migration continues from the tokens produced so far: the new prefill computes their KV
+        # and samples the next one; the new decode generates only what is left.
+        produced = list(st.output_ids)
+        input_ids = inp.input_ids + produced
+        sampling = inp.sampling
+        if produced:
+            sampling = with_max_new_tokens(sampling, sampling.max_new_tokens - len(produced))
+        room = self.control.open_room(uuid.uuid4().hex, prefill, decode, len(input_ids))
         req = GenerateRequest(
             room=room.room,
-            input_ids=inp.input_ids,
-            sampling=inp.sampling,
+            input_ids=input_ids,
+            sampling=sampling,
             prefill_worker=prefill.worker_id,
             prefill_bootstrap_addr=prefill.bootstrap_addr,
             decode_worker=decode.worker_id,
@@ -175,31 +252,36 @@ class Engine:
         self.control.send(prefill, req)
         self.control.send(decode, req)
         dispatched = time.time()
-        self.metrics.prompt_tokens.inc(len(inp.input_ids))
+        if not run.dispatched_once:
+            run.dispatched_once = True
+            self.metrics.prompt_tokens.inc(len(inp.input_ids))  # the client's prompt, counted once
 
-        st = GenState(inp.rid, len(inp.input_ids))
-        c = _Collector(self.tokenizer, inp, st)
         # Legs to abort on the way out; cleared as the request reaches a clean end.
         abort_decode: str | None = "cancelled"
         abort_prefill: str | None = "cancelled"
-        yielded = False
         try:
             while not st.finished:
                 ev = await self._next_event(room, inp)
                 if isinstance(ev, LegFailed):
+                    if ev.role == "prefill" and len(st.output_ids) > len(produced):
+                        # The decode holds this attempt's KV already: the prefill is no longer needed.
+                        log.info("room %s: prefill leg lost after the KV arrived: %s", room.room, ev.message)
+                        abort_prefill = None
+                        continue
                     if ev.reported:
                         abort_decode = None if ev.role == "decode" else "other leg failed"
                         abort_prefill = None if ev.role == "prefill" else "other leg failed"
                     err = self._leg_failed(room, ev)
-                    if may_retry and not yielded and ev.code in _RETRY_CODES:
-                        worker = room.prefill if ev.role == "prefill" else room.decode
-                        raise _Retry(worker.worker_id, err)
+                    if ev.code in _AGAIN_CODES and ev.role in ("prefill", "decode"):
+                        raise _Again(ev, room, err)
                     raise err
                 st.new_text, st.new_ids = "", 0
                 self._observe_itl(c, ev.t_recv, len(ev.output.token_ids))
                 if c.first_token_recv is None and ev.output.token_ids:
                     self.metrics.ttft.observe(ev.t_recv - inp.received_ts)
-                c.feed(ev.output, ev.t_recv)
+                if run.origin is None and ev.output.token_ids:
+                    run.origin = (room, dispatched)
+                c.feed(ev.output, ev.t_recv, room.decode.clock.offset)
                 if c.failed is not None:
                     abort_decode = None
                     raise self._leg_failed(room, LegFailed("decode", "aborted", c.failed, True))
@@ -211,11 +293,11 @@ class Engine:
                     abort_prefill = None if room.prefill_done is not None else "finished"
                     break
                 if st.new_ids or st.new_text:
-                    yielded = True
                     yield st
             await self._wait_prefill_done(room)
             abort_prefill = None
-            st.meta_info = self._meta_info(inp, st, c, room, dispatched)
+            origin, t_dispatch = run.origin or (room, dispatched)
+            st.meta_info = self._meta_info(inp, st, c, origin, t_dispatch, run.migrations)
             self._observe_finish(st, c)
             yield st
         finally:
@@ -224,14 +306,18 @@ class Engine:
     async def _next_event(self, room: Room, inp: GenInput) -> TokensArrived | LegFailed:
         remaining = inp.received_ts + self.cfg.request_timeout_s - time.time()
         try:
-            return await asyncio.wait_for(room.inbox.get(), timeout=max(0.0, remaining))
+            ev = await asyncio.wait_for(room.inbox.get(), timeout=max(0.0, remaining))
         except asyncio.TimeoutError:  # an alias of TimeoutError from 3.11
+            ev = None
+        # A worker that saw the deadline (`GenerateRequest.deadline_s`) pass first: one error shape.
+        if ev is None or (isinstance(ev, LegFailed) and ev.code == "deadline"):
             self.metrics.errors.labels("gateway", "timeout").inc()
             raise ApiError(
                 504,
                 f"request {inp.rid} timed out after {self.cfg.request_timeout_s:g} s "
                 f"(prefill {room.prefill.worker_id}, decode {room.decode.worker_id})",
-            ) from None
+            )
+        return ev
 
     def _leg_failed(self, room: Room, ev: LegFailed) -> ApiError:
         self.metrics.errors.labels(ev.role, ev.code).inc()
@@ -262,7 +348,10 @@ class Engine:
         self.metrics.generation_tokens.inc(len(st.output_ids))
         self.metrics.spec(c.stats)
 
-    def _meta_info(self, inp: GenInput, st: GenState, c: _Collector, room: Room, dispatched: float) -> dict:
+    def _meta_info(
+        self, inp: GenInput, st: GenState, c: _Collector, room: Room, dispatched: float, migrations: int
+    ) -> dict:
+        """`room`: the attempt that delivered the first token (its prefill events are the request's)."""
         pd = room.prefill_done
         now = time.time()
         tl = stitch(
@@ -276,7 +365,7 @@ class Engine:
                 prefill_events=pd.events if pd is not None else {},
                 prefill_offset=room.prefill.clock.offset,
                 decode_events=c.decode_events,
-                decode_offset=room.decode.clock.offset,
+                decode_offset=0.0,  # mapped onto the gateway clock as they arrived (see _Collector)
                 completion_tokens=len(st.output_ids),
             )
         )
@@ -317,6 +406,7 @@ class Engine:
             "request_finished_ts": tl.request_finished_ts,
             "decode_throughput": decode_throughput(ct, tl.first_token_ts, tl.request_finished_ts),
             "response_sent_to_client_ts": tl.response_sent_to_client_ts,
+            "num_migrations": migrations,
         }
         if inp.sampling.logprobs:
             meta["output_token_logprobs"] = [[lp, t, None] for lp, t in zip(st.logprobs, st.output_ids)]
@@ -333,6 +423,8 @@ class _Collector:
         self.detok = IncrementalDetokenizer(lambda ids: tok.decode(ids, skip), inp.input_ids)
         self.stop = StopStringMatcher(inp.sampling.stop)
         self.st = st
+        # On the gateway clock: a migrated request's legs ran on decode workers with other offsets.
+        # The first leg's entry and KV arrival, the last leg's finish.
         self.decode_events: DecodeEvents = {}
         self.stats: RequestStats = {}
         self.first_token_recv: float | None = None
@@ -340,10 +432,11 @@ class _Collector:
         self.final_recv: float = 0.0
         self.failed: str | None = None
 
-    def feed(self, out: TokenOutput, t_recv: float) -> None:
+    def feed(self, out: TokenOutput, t_recv: float, decode_offset: float) -> None:
         st = self.st
-        if out.events:
-            self.decode_events.update(out.events)
+        for name, t in (out.events or {}).items():
+            if name == "finished" or name not in self.decode_events:
+                self.decode_events[name] = t - decode_offset
         if out.stats:
             self.stats = out.stats
         if out.token_ids:
@@ -379,7 +472,10 @@ class _Collector:
             if self.stop.matched is not None:
                 fr = {"type": "stop", "matched": self.stop.matched}
             self._release(self.stop.finish())
-            self._finish(fr or {"type": "length", "length": len(st.output_ids)}, t_recv)
+            if fr is None or fr.get("type") == "length":
+                # The whole generation's length: a migrated leg counts only its own tokens.
+                fr = {"type": "length", "length": len(st.output_ids)}
+            self._finish(fr, t_recv)
 
     def _release(self, text: str) -> None:
         self.st.text += text

@@ -46,6 +46,11 @@ class GatewayMetrics:
         self.retries = Counter(
             "pdserve_request_retries", "Generations retried on another pair after a lost leg", registry=r
         )
+        self.migrations = Counter(
+            "pdserve_request_migrations",
+            "Generations moved mid-stream to another pair (prompt + tokens so far) after a failed leg",
+            registry=r,
+        )
         self.aborted_legs = Counter(
             "pdserve_aborted_legs",
             "Legs the gateway aborted on a worker, by role and reason (cancelled: the client left)",

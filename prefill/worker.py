@@ -3,6 +3,8 @@
 Loop: receive -> schedule -> run -> hand off -> reply (see `step`). A request's pages are held
 until its KV transfer ends (Success or Failed), then freed. Its state (queued, prefilling,
 transferring, then finished or failed) is moved only by the ExtendScheduler, which owns the pages.
+A request past its deadline (`GenerateRequest.deadline_s`, checked once per step) fails with code
+`deadline`: queued or prefilling at once, transferring by stopping its transfer.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from pdserve.protocol.records import PrefillEvents
 from pdserve.runtime.batch import ForwardMode
 from pdserve.runtime.extend_scheduler import ExtendScheduler
 from pdserve.runtime.request import Request, RequestState
+from pdserve.runtime.request_state import TERMINAL
 from pdserve.runtime.runner import ModelRunner, append_samples
 from pdserve.worker_common import make_clock, register_factory, serve_until_drained
 from pdserve.worker_link import WorkerLink
@@ -55,6 +58,8 @@ class PrefillWorker:
         )
         self.rooms: dict[str, Request] = {}  # queued, prefilling or transferring
         self.events: dict[str, PrefillEvents] = {}
+        # Rooms failed for their deadline whose transfer is being stopped: already reported.
+        self.expired: set[str] = set()
         self.link: WorkerLink | None = None
 
     def serve(self) -> None:
@@ -75,6 +80,7 @@ class PrefillWorker:
 
     def step(self) -> None:
         self._receive()
+        self._expire()
         reqs, chunks = self.sched.schedule()
         done = self._run(reqs, chunks) if reqs else []
         self._hand_off(done)
@@ -96,17 +102,30 @@ class PrefillWorker:
             self._admit(msg)
         elif isinstance(msg, m.AbortRequest):
             r = self.rooms.get(msg.room)
-            if r is None:
-                return
-            if r.state in (RequestState.QUEUED, RequestState.PREFILLING):
-                self.sched.retire(r, RequestState.FAILED)
-                self._forget(msg.room)
-            elif any(x[1] == msg.room for x in self.stalled):
-                self.stalled = [x for x in self.stalled if x[1] != msg.room]
-                self.sched.retire(r, RequestState.FAILED)
-                self._forget(msg.room)
-            else:
-                self.sender.abort(msg.room)  # poll() reports Failed, then the pages are freed
+            if r is not None:
+                self._stop(r)
+
+    def _stop(self, r: Request) -> bool:
+        """End `r` on this node: its pages are freed now (False), or, with its transfer in flight,
+        once the sender reports that transfer Failed (True; `_on_transfer_end`)."""
+        if r.state is RequestState.TRANSFERRING and all(x[1] != r.rid for x in self.stalled):
+            self.sender.abort(r.rid)
+            return True
+        self.stalled = [x for x in self.stalled if x[1] != r.rid]
+        if r.state not in TERMINAL:
+            self.sched.retire(r, RequestState.FAILED)
+        self._forget(r.rid)
+        return False
+
+    def _expire(self) -> None:
+        """Requests past their deadline fail: the gateway is told at once, the pages follow."""
+        assert self.link is not None
+        for r in self.sched.expire(self.clock()):
+            state = r.state.value
+            if self._stop(r):
+                self.expired.add(r.rid)
+            msg = f"the request passed its deadline on prefill worker {self.cfg.worker_id} ({state})"
+            self.link.send(m.RequestFailed(room=r.rid, role="prefill", code="deadline", message=msg))
 
     def _admit(self, req: m.GenerateRequest) -> None:
         assert self.link is not None
@@ -121,7 +140,7 @@ class PrefillWorker:
         r = Request(req.room, req.input_ids, req.sampling, self.runner.spec.eos_token_ids)
         self.rooms[req.room] = r
         self.events[req.room] = PrefillEvents(queue_entry=self.clock())
-        self.sched.add(r)
+        self.sched.add(r, req.deadline_s)
 
     def _run(self, reqs: list[Request], chunks: list[list[int]]) -> list[Request]:
         """One extend forward; returns the requests whose prompt it completed, first token sampled."""
@@ -174,7 +193,10 @@ class PrefillWorker:
         if r is not None:
             ok = state is TransferState.SUCCESS
             self.sched.retire(r, RequestState.FINISHED if ok else RequestState.FAILED)
-        if state is TransferState.FAILED:
+        if room in self.expired:  # stopped for its deadline, failure already reported
+            self.expired.discard(room)
+            self._forget(room)
+        elif state is TransferState.FAILED:
             log.warning("KV transfer of %s failed: %s", room, error)
             self._fail(room, "transfer", f"KV transfer failed: {error}")
 

@@ -2,7 +2,8 @@
 
 Shared by the offline engine (which reserves a request's whole lifetime at admission) and the
 prefill worker (which reserves only the prompt; the decode node holds the rest). It owns the pages
-of the requests it admitted until they leave through `retire` (finished or failed).
+of the requests it admitted until they leave through `retire` (finished or failed), and tracks
+their deadlines until then (`expire`), handed-off ones included.
 """
 
 from __future__ import annotations
@@ -10,6 +11,7 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Callable
 
+from pdserve.runtime.deadlines import Deadlines
 from pdserve.runtime.kv_pool import RequestPages
 from pdserve.runtime.request import Request, RequestState
 
@@ -28,14 +30,27 @@ class ExtendScheduler:
         self.reserve_tokens = reserve_tokens
         self.waiting: deque[Request] = deque()  # QUEUED
         self.prefilling: list[Request] = []  # PREFILLING
+        self.deadlines = Deadlines()  # every request added and not yet retired
 
     def __len__(self) -> int:
         return len(self.waiting) + len(self.prefilling)
 
-    def add(self, req: Request) -> None:
+    def add(self, req: Request, deadline: float | None = None) -> None:
+        """Queue `req`; `deadline` (epoch seconds, see `runtime/deadlines.py`) ends it in `expire`."""
         if req.state is not RequestState.QUEUED:
             raise ValueError(f"request {req.rid} is {req.state.name}, not QUEUED")
+        self.deadlines.add(req, deadline)
         self.waiting.append(req)
+
+    def expire(self, now: float) -> list[Request]:
+        """Requests past their deadline at `now`. Queued and prefilling ones fail here (pages freed);
+        transferring ones are returned still TRANSFERRING, pages held: the caller stops their transfer
+        and calls `retire` when it ends, as for an abort."""
+        due = self.deadlines.due(now)
+        for r in due:
+            if r.state in (RequestState.QUEUED, RequestState.PREFILLING):
+                self.retire(r, RequestState.FAILED)
+        return due
 
     def schedule(self, occupied: int = 0) -> tuple[list[Request], list[list[int]]]:
         """Prompt chunks within the token budget: unfinished prompts first, then new admissions.
@@ -89,6 +104,7 @@ class ExtendScheduler:
         if state not in (RequestState.FINISHED, RequestState.FAILED):
             raise ValueError(f"retire into {state.name}: only FINISHED or FAILED")
         req.transition(state)
+        self.deadlines.discard(req)
         if req in self.waiting:
             self.waiting.remove(req)
         if req in self.prefilling:

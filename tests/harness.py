@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 import httpx
 
 from pdserve.port_file import wait_port_file
+from pdserve.supervisor import signal_group
 from pdserve.supervisor import spawn as spawn_process
 
 # Small pools and one thread per worker: several workers share the 2 cores of a CI machine.
@@ -58,22 +59,15 @@ class Cluster:
 def stop_processes(procs: list[subprocess.Popen], grace_s: float = 20.0) -> None:
     """SIGTERM each process group, then SIGKILL whatever is left after the grace."""
     for p in procs:
-        _signal_group(p, signal.SIGTERM)
+        signal_group(p, signal.SIGTERM)
     deadline = time.monotonic() + grace_s
     for p in procs:
         try:
             p.wait(timeout=max(0.1, deadline - time.monotonic()))
         except subprocess.TimeoutExpired:
             pass
-        _signal_group(p, signal.SIGKILL)  # the leader if it is still there, and anything left in its group
+        signal_group(p, signal.SIGKILL)  # the leader if it is still there, and anything left in its group
         p.wait()
-
-
-def _signal_group(p: subprocess.Popen, sig: int) -> None:
-    try:
-        os.killpg(p.pid, sig)
-    except ProcessLookupError:
-        pass
 
 
 def spawn(argv: list[str], log_path: str, env: dict | None = None) -> subprocess.Popen:
