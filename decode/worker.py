@@ -139,9 +139,9 @@ class DecodeWorker:
             if self.sched.is_transferring(msg.room):
                 self.receiver.abort(msg.room)  # poll() reports Failed; the pages are freed there
                 return
-            r = self.sched.remove(msg.room)
-            if r is not None:
-                self.stepper.forget(r)
+            removed = self.sched.remove(msg.room)
+            if removed is not None:
+                self.stepper.forget(removed)
             self._forget(msg.room)
 
     def _expire(self) -> None:
