@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 from pdserve.runtime.request_state import RequestState, check_transition
 from pdserve.sampling_params import SamplingParams
@@ -22,7 +23,7 @@ class Request:
     pages: list[int] = field(default_factory=list)
     # Tokens whose KV is in `pages` (prompt chunks done, then every token but the newest).
     num_computed: int = 0
-    finish_reason: dict | None = None
+    finish_reason: dict[str, Any] | None = None
     num_retractions: int = 0
     _state: RequestState = field(default=RequestState.QUEUED, init=False)
 
