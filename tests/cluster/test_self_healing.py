@@ -103,3 +103,22 @@ def test_killed_prefill_worker_is_restarted_and_serves(cluster):
     out = generate(c.url, body(16))
     assert out.ok and out.output_ids == c.reference, out.error
     print(f"prefill-0 registered again {back_s:.1f} s after kill -9")
+
+
+def test_gap_without_a_prefill_worker_answers_503_then_serving_resumes(tmp_path):
+    """The only prefill worker of a 1+1 cluster dies: while it is away (a 10 s restart backoff makes
+    the gap certain) requests get a clear 503 with Retry-After; then serving resumes on its own."""
+    c = start_up(tmp_path, extra=["--restart-backoff", "10"])
+    try:
+        c.wait_healthy(workers=2)
+        reference = generate(c.url, body(8)).output_ids
+        os.kill(started(c)["prefill-0"][-1], signal.SIGKILL)
+        wait_for(lambda: not _healthy(c.url), 30, "the gateway to notice the lost prefill worker")
+        r = httpx.post(c.url + "/generate", json=body(8), timeout=30)
+        assert r.status_code == 503 and r.headers["retry-after"] == "1", r.text
+        assert "no prefill worker in rotation" in r.json()["error"]["message"]
+        wait_for(lambda: _healthy(c.url), 120, "the restarted prefill worker")
+        out = generate(c.url, body(8))
+        assert out.ok and out.output_ids == reference, out.error
+    finally:
+        c.stop()
