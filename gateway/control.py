@@ -284,7 +284,7 @@ class ControlPlane:
                 w.role,
                 self.cfg.heartbeat_timeout_s,
             )
-            self.registry.remove(w.worker_id)
+            self.registry.mark_down(w.worker_id, time.monotonic())  # listed as down in /workers
             self.metrics.worker_gone(w.worker_id, w.role)
             self._update_worker_gauges()
             self._fail_rooms_of(w, f"{w.role} worker {w.worker_id} stopped responding to heartbeats")

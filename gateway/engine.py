@@ -472,7 +472,10 @@ class _Collector:
             if self.stop.matched is not None:
                 fr = {"type": "stop", "matched": self.stop.matched}
             self._release(self.stop.finish())
-            self._finish(fr or {"type": "length", "length": len(st.output_ids)}, t_recv)
+            if fr is None or fr.get("type") == "length":
+                # The whole generation's length: a migrated leg counts only its own tokens.
+                fr = {"type": "length", "length": len(st.output_ids)}
+            self._finish(fr, t_recv)
 
     def _release(self, text: str) -> None:
         self.st.text += text

@@ -14,7 +14,7 @@ from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 
-from fastapi import FastAPI, Request
+from fastapi import FastAPI, Query, Request
 from fastapi.responses import JSONResponse, Response
 
 from pdserve.gateway import native_api, openai_api
@@ -98,12 +98,17 @@ def create_app(cfg: GatewayConfig, tokenizer: Tokenizer | None = None) -> FastAP
         }
 
     @app.get("/workers")
-    async def workers() -> dict:
+    async def workers(include_down: bool = Query(False, alias="all")) -> dict:
+        """Registered workers (healthy or draining); `?all=1` adds those lost recently (down)."""
+        listed = registry.all() + (registry.down(time.monotonic()) if include_down else [])
         return {
             "workers": [
                 {
                     "worker_id": w.worker_id,
                     "role": w.role,
+                    "state": w.state,
+                    "restarts": w.restarts,
+                    "registered_at": w.registered_at,
                     "draining": w.draining,
                     "bootstrap_addr": w.reg.bootstrap_addr,
                     "clock_offset_s": w.clock.offset,
@@ -113,7 +118,7 @@ def create_app(cfg: GatewayConfig, tokenizer: Tokenizer | None = None) -> FastAP
                     "max_total_tokens": w.reg.max_total_tokens,
                     "inflight_requests": w.inflight_requests,
                 }
-                for w in registry.all()
+                for w in listed
             ]
         }
 

@@ -4,15 +4,26 @@ Plain bookkeeping, no sockets: `control.py` feeds it from the wire. A worker is 
 is registered and not draining; a draining worker still serves (and is pinged for) the requests it
 holds. Routing picks, per role, the worker with the least outstanding work the gateway tracks
 (in-flight requests, then in-flight tokens), breaking ties round-robin.
+
+A worker's state: `healthy` (in rotation), `draining`, or `down` (lost: heartbeat timeout). A lost
+worker leaves the registry (never pinged, never routed to) but is remembered as down for
+`DOWN_KEEP_S`, so operators see it; registering again under the same id, after it was lost or while
+still listed (a restart the heartbeat had not noticed yet), counts as a restart.
 """
 
 from __future__ import annotations
 
+import time
 from collections.abc import Collection
 from dataclasses import dataclass, field
+from typing import Literal
 
 from pdserve.gateway.clock import OffsetEstimator
 from pdserve.protocol.gateway import Register, Role
+
+WorkerState = Literal["healthy", "draining", "down"]
+# How long a lost worker stays listed as down unless it registers again.
+DOWN_KEEP_S = 600.0
 
 
 @dataclass
@@ -31,10 +42,21 @@ class WorkerInfo:
     # Work the gateway has sent and not yet seen finished (prefill: until PrefillDone).
     inflight_requests: int = 0
     inflight_tokens: int = 0
+    # Epoch seconds (gateway clock) of the last (re)registration.
+    registered_at: float = field(default_factory=time.time)
+    # Registrations under this id after the first one this gateway saw.
+    restarts: int = 0
+    down_since: float | None = None  # time.monotonic() when it was lost
 
     @property
     def bootstrap_addr(self) -> str:
         return self.reg.bootstrap_addr or ""
+
+    @property
+    def state(self) -> WorkerState:
+        if self.down_since is not None:
+            return "down"
+        return "draining" if self.draining else "healthy"
 
 
 @dataclass(frozen=True)
@@ -55,6 +77,7 @@ def fingerprint_mismatch(theirs: dict, ours: dict) -> list[str]:
 class WorkerRegistry:
     def __init__(self) -> None:
         self._workers: dict[str, WorkerInfo] = {}
+        self._down: dict[str, WorkerInfo] = {}  # lost workers, kept for DOWN_KEEP_S
         self._rr: dict[str, int] = {"prefill": 0, "decode": 0}
 
     # ---- membership --------------------------------------------------------------------------
@@ -74,12 +97,31 @@ class WorkerRegistry:
         return None
 
     def add(self, reg: Register, identity: bytes, now_mono: float) -> WorkerInfo:
+        """Register `reg`; the same id again (live or down) is a restart."""
+        before = self._workers.get(reg.worker_id) or self._down.pop(reg.worker_id, None)
         w = WorkerInfo(reg.worker_id, reg.role, identity, reg, last_seen=now_mono)
+        if before is not None:
+            w.restarts = before.restarts + 1
         self._workers[reg.worker_id] = w
         return w
 
     def remove(self, worker_id: str) -> WorkerInfo | None:
         return self._workers.pop(worker_id, None)
+
+    def mark_down(self, worker_id: str, now_mono: float) -> WorkerInfo | None:
+        """A lost worker: out of the registry (no pings, no routing), listed as down for a while."""
+        w = self._workers.pop(worker_id, None)
+        if w is not None:
+            w.down_since = now_mono
+            self._down[worker_id] = w
+        return w
+
+    def down(self, now_mono: float) -> list[WorkerInfo]:
+        """Workers lost within DOWN_KEEP_S and not registered again; older ones are forgotten."""
+        for wid, w in list(self._down.items()):
+            if w.down_since is not None and now_mono - w.down_since > DOWN_KEEP_S:
+                del self._down[wid]
+        return list(self._down.values())
 
     def get(self, worker_id: str) -> WorkerInfo | None:
         return self._workers.get(worker_id)

@@ -14,7 +14,7 @@ import urllib.request
 from pdserve import env
 from pdserve.config import TRANSFER_TIMEOUT_S, WAITING_TIMEOUT_S, add_runtime_args
 from pdserve.port_file import wait_port_file
-from pdserve.supervisor import Child, Supervisor
+from pdserve.supervisor import Child, RestartPolicy, Supervisor
 
 
 def _with_flag(argv: list[str], flag: str, value: str) -> list[str]:
@@ -66,6 +66,20 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--log-dir", default=None, help="write each role's output to <dir>/<role>.log")
     parser.add_argument("--startup-timeout", type=float, default=600.0)
     parser.add_argument("--stop-timeout", type=float, default=15.0, help="seconds to let workers drain")
+    policy = RestartPolicy()
+    parser.add_argument(
+        "--max-restarts",
+        type=int,
+        default=policy.max_restarts,
+        help=f"restarts of a crashing child within {policy.window_s:.0f} s before it stays down",
+    )
+    parser.add_argument(
+        "--restart-backoff",
+        type=float,
+        default=policy.backoff_initial_s,
+        help=f"seconds before the first restart of a crashed child; doubles each time, up to "
+        f"{policy.backoff_max_s:.0f} s",
+    )
     parser.add_argument("--transfer-timeout", type=float, default=TRANSFER_TIMEOUT_S)
     parser.add_argument(
         "--waiting-timeout",
@@ -181,7 +195,15 @@ def main(args: argparse.Namespace) -> int:
         if getattr(args, name) < 1:
             print(f"pdserve up: --{name.replace('_', '-')} must be >= 1", file=sys.stderr)
             return 2
-    sup = Supervisor(args.log_dir, args.stop_timeout, prefix="pdserve up")
+    if args.max_restarts < 0 or not args.restart_backoff > 0:
+        print("pdserve up: --max-restarts must be >= 0 and --restart-backoff > 0", file=sys.stderr)
+        return 2
+    policy = RestartPolicy(
+        backoff_initial_s=args.restart_backoff,
+        backoff_max_s=max(RestartPolicy.backoff_max_s, args.restart_backoff),
+        max_restarts=args.max_restarts,
+    )
+    sup = Supervisor(args.log_dir, args.stop_timeout, prefix="pdserve up", policy=policy)
     sup.handle_signals()
     env = worker_env(args)
     with tempfile.TemporaryDirectory(prefix="pdserve-up-") as tmp:
@@ -198,6 +220,8 @@ def main(args: argparse.Namespace) -> int:
                 sup.start(Child(name, argv, env))
             url = f"http://{args.host}:{port}"
             why = sup.wait_until(lambda: _healthy(url), args.startup_timeout)
+            if sup.stopping:  # Ctrl-C or SIGTERM before the cluster was up: a requested stop
+                return 0
             if why:
                 sup.say(f"the cluster did not become healthy: {why}", error=True)
                 return 1

@@ -84,3 +84,22 @@ def test_killed_decode_worker_is_restarted_and_serves(cluster):
         outs = list(pool.map(lambda _: generate(c.url, body(16)), range(6)))
     assert all(o.ok and o.output_ids == c.reference for o in outs), [o.error for o in outs]
     print(f"decode-0 registered again {back_s:.1f} s after kill -9")
+
+
+def test_killed_prefill_worker_is_restarted_and_serves(cluster):
+    c = cluster
+    before = started(c)
+    regs = registrations(c, "prefill-0")
+    t0 = time.monotonic()
+    os.kill(before["prefill-0"][-1], signal.SIGKILL)
+    wait_for(lambda: len(started(c)["prefill-0"]) == len(before["prefill-0"]) + 1, 30, "prefill-0 restarted")
+    wait_for(lambda: registrations(c, "prefill-0") == regs + 1, 120, "the new prefill-0 to register")
+    wait_for(lambda: len(workers(c.url)) == 3, 30, "three workers listed")
+    back_s = time.monotonic() - t0
+    assert {n: p for n, p in started(c).items() if n != "prefill-0"} == {
+        n: p for n, p in before.items() if n != "prefill-0"
+    }, "another process was restarted although only prefill-0 died"
+    # The only prefill worker serves again: every request goes through the restarted one.
+    out = generate(c.url, body(16))
+    assert out.ok and out.output_ids == c.reference, out.error
+    print(f"prefill-0 registered again {back_s:.1f} s after kill -9")

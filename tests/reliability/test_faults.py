@@ -29,8 +29,6 @@ from reliability.calls import (
 
 pytestmark = pytest.mark.timeout(420)
 
-HEARTBEAT_TIMEOUT_S = 3.0
-
 
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory):
@@ -89,6 +87,7 @@ def test_decode_killed_while_streaming(cluster, record_property):
         return stream(c.url, body(64, stream=True), timeout=90, first_chunk=lambda: started.wait(60))
 
     retries_before = metric(c.url, "pdserve_request_retries_total")
+    migrations_before = metric(c.url, "pdserve_request_migrations_total")
     with ThreadPoolExecutor(16) as pool:
         streams = [pool.submit(one, i) for i in range(8)]
         started.wait(120)  # every stream has its first tokens
@@ -100,18 +99,18 @@ def test_decode_killed_while_streaming(cluster, record_property):
         late = [pool.submit(generate, c.url, body(24), 90) for _ in range(4)]
         outs = [f.result(timeout=120) for f in streams]
         late_outs = [f.result(timeout=120) for f in late]
-    failed = [o for o in outs if not o.ok]
-    assert failed, "no stream was on the killed decode worker"
-    t_detect = max(o.ended for o in failed) - t_kill
+    t_done = max(o.ended for o in outs) - t_kill
+    moved = metric(c.url, "pdserve_request_migrations_total") - migrations_before
     kinds = _check(c, outs, 64)
     print("streams:", kinds, "late:", _check(c, late_outs, 24))
-    # The streams on decode-3 had shown tokens: a clear error, found by the heartbeat timeout.
-    print(f"dead decode worker detected and its streams ended {t_detect:.2f} s after the kill")
-    assert t_detect < HEARTBEAT_TIMEOUT_S + 5
-    assert all("decode" in o.error for o in failed)
+    # The streams on decode-3 had shown tokens: found by the heartbeat timeout, they moved to another
+    # pair with their tokens (docs/reliability.md) and completed with the same greedy output.
+    print(f"{moved:g} streams migrated off the dead decode worker; all ended {t_done:.2f} s after the kill")
+    assert all(o.ok for o in outs), [o.error for o in outs]
+    assert moved >= 1, "no stream was on the killed decode worker"
     assert all(o.ok for o in late_outs), [o.error for o in late_outs]  # retried on decode-2
     assert metric(c.url, "pdserve_request_retries_total") > retries_before
-    record_property("dead_worker_detect_s", t_detect)
+    record_property("dead_worker_streams_done_s", t_done)
     # The cluster serves on, and no pages leak on the prefill side (nor on the surviving decode).
     wait_for(lambda: "decode-3" not in workers(c.url), 10, "decode-3 removed")
     assert generate(c.url, body(24)).output_ids == c.reference[:24]
