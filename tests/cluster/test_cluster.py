@@ -276,11 +276,12 @@ def test_timeline_ordered_under_clock_skew(tmp_path):
     try:
         c.wait_healthy()
         generate(c.url, {"text": PROMPTS[0], "sampling_params": {"max_new_tokens": 2}})  # pair group built
-        for _ in range(3):
+        for i in range(3):
             out = generate(
                 c.url,
                 {
-                    "text": long_prompt,
+                    # A different start each time: a prefix cache hit would shrink the prefill span.
+                    "text": f"Run {i}. {long_prompt}",
                     "sampling_params": {"max_new_tokens": 32, "temperature": 0, "ignore_eos": True},
                 },
             )
