@@ -71,7 +71,8 @@ class RadixCache:
         ps = self.page_size
         usable = (len(prompt_ids) - 1) // ps * ps if prompt_ids else 0
         key = tuple(prompt_ids[:usable])
-        node, pages, i = self.root, [], 0
+        node, i = self.root, 0
+        pages: list[int] = []
         now = next(self._tick)
         while i < len(key):
             child = node.children.get(key[i : i + ps])
@@ -134,7 +135,9 @@ class RadixCache:
         """Free up to `num_pages` tree pages, least recently used leaves first, taking a leaf's pages
         from its end. Locked nodes are never touched. Returns the pages freed."""
         ps = self.page_size
-        heap = [(n.last_access, id(n), n) for n in self._nodes() if not n.children and not n.lock_ref]
+        heap: list[tuple[int, int, _Node]] = [
+            (n.last_access, id(n), n) for n in self._nodes() if not n.children and not n.lock_ref
+        ]
         heapq.heapify(heap)
         freed = 0
         while freed < num_pages and heap:
@@ -197,7 +200,8 @@ class RadixCache:
 
     def _nodes(self) -> list[_Node]:
         """Every node but the root."""
-        out, stack = [], list(self.root.children.values())
+        out: list[_Node] = []
+        stack = list(self.root.children.values())
         while stack:
             n = stack.pop()
             out.append(n)
