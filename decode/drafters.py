@@ -25,7 +25,7 @@ from typing import Protocol
 import torch
 
 from pdserve.runtime.batch import ForwardMode
-from pdserve.runtime.loader import load_model
+from pdserve.runtime.loader import LoadedModel, load_model
 from pdserve.runtime.request import Request
 from pdserve.runtime.runner import ModelRunner
 from pdserve.runtime.sampler import SamplingBatch
@@ -147,7 +147,7 @@ class DraftModelDrafter:
 
     free = False
 
-    def __init__(self, target: ModelRunner, draft_path: str | None = None, loaded=None):
+    def __init__(self, target: ModelRunner, draft_path: str | None = None, loaded: LoadedModel | None = None):
         cfg = target.cfg
         loaded = loaded or load_model(draft_path, cfg.dtype, str(target.device))
         if loaded.spec.vocab_size != target.spec.vocab_size:

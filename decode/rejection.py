@@ -130,7 +130,8 @@ def _attach_logprobs(v: Verdict, reqs: list[Request], logits: torch.Tensor, star
     lsm = torch.log_softmax(logits[rows].float(), dim=-1)  # [E, V]
     chosen = lsm.gather(1, torch.tensor(ids, device=logits.device)[:, None]).squeeze(1).tolist()
     n_top = max(r.params.top_logprobs_num for r in reqs)
-    top_vals = top_ids = None
+    top_vals: list[list[float]] = []  # [E, n_top] when any request wants top logprobs
+    top_ids: list[list[int]] = []
     if n_top > 0:
         vals, idx = lsm.topk(min(n_top, lsm.shape[1]), dim=-1)
         top_vals, top_ids = vals.tolist(), idx.tolist()

@@ -11,6 +11,7 @@ A request past its deadline (`GenerateRequest.deadline_s`, checked once per step
 from __future__ import annotations
 
 import logging
+from typing import Any
 
 from pydantic import ValidationError
 
@@ -120,7 +121,7 @@ class DecodeWorker:
         ld.queued, ld.running = len(s) - len(s.running), len(s.running)
         ld.free_tokens = s.pages.free_tokens
 
-    def _on_message(self, msg) -> None:
+    def _on_message(self, msg: m.Message) -> None:
         if isinstance(msg, m.GenerateRequest):
             if self.signals.draining.is_set():
                 self._fail(msg.room, "draining", "the decode worker is draining")
@@ -138,9 +139,9 @@ class DecodeWorker:
             if self.sched.is_transferring(msg.room):
                 self.receiver.abort(msg.room)  # poll() reports Failed; the pages are freed there
                 return
-            r = self.sched.remove(msg.room)
-            if r is not None:
-                self.stepper.forget(r)
+            removed = self.sched.remove(msg.room)
+            if removed is not None:
+                self.stepper.forget(removed)
             self._forget(msg.room)
 
     def _expire(self) -> None:
@@ -157,7 +158,7 @@ class DecodeWorker:
             self._fail(r.rid, "deadline", msg)
 
     def _on_transfer_end(
-        self, room: str, state: TransferState, meta: dict | None, error: str | None
+        self, room: str, state: TransferState, meta: dict[str, Any] | None, error: str | None
     ) -> m.TokenOutput | None:
         if room in self.expired:  # failed for its deadline: drop it whatever the transfer did
             self.expired.discard(room)
@@ -196,7 +197,7 @@ class DecodeWorker:
             finish_reason=r.finish_reason,
         )
         if first:
-            out.events = dict(self.events[r.rid])
+            out.events = self.events[r.rid].copy()
         if r.finished:
             ev = self.events.pop(r.rid, {})
             ev["finished"] = self.clock()

@@ -8,8 +8,8 @@ from collections.abc import AsyncIterator
 from fastapi import APIRouter, Request
 from fastapi.responses import Response
 
-from pdserve.gateway.engine import GenInput, GenState
 from pdserve.gateway.errors import ApiError, bad_request
+from pdserve.gateway.generation import Generations, GenInput, GenState
 from pdserve.gateway.protocol import GenerateBody, build_sampling, parse_body, with_seed
 from pdserve.gateway.serving import SSE_DONE, merge_streams, serve_generation, sse
 
@@ -33,9 +33,9 @@ async def generate(request: Request) -> Response:
         return out if batched else out[0]
 
     def chunks(inputs: list[GenInput]) -> AsyncIterator[bytes]:
-        return stream_chunks(gw.engine, inputs, batched)
+        return stream_chunks(gw.generations, inputs, batched)
 
-    return await serve_generation(request, gw.admission, gw.engine, parse, full, chunks)
+    return await serve_generation(request, gw.admission, gw.generations, parse, full, chunks)
 
 
 def _is_batch_ids(ids: object) -> bool:
@@ -98,11 +98,13 @@ def _partial_meta(st: GenState, finish_reason: dict | None = None) -> dict:
     }
 
 
-async def stream_chunks(engine, inputs: list[GenInput], batched: bool) -> AsyncIterator[bytes]:
+async def stream_chunks(
+    generations: Generations, inputs: list[GenInput], batched: bool
+) -> AsyncIterator[bytes]:
     """Cumulative text and output_ids in every chunk (SGLang's default streaming), then [DONE]."""
     last: dict[int, GenState] = {}
     try:
-        async for i, st in merge_streams(engine, inputs):
+        async for i, st in merge_streams(generations, inputs):
             last[i] = st
             chunk = result(st) if st.finished else {**result(st), "meta_info": _partial_meta(st)}
             if batched:

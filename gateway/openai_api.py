@@ -9,8 +9,8 @@ from dataclasses import dataclass
 from fastapi import APIRouter, Request
 from fastapi.responses import Response
 
-from pdserve.gateway.engine import GenInput, GenState
 from pdserve.gateway.errors import ApiError, bad_request
+from pdserve.gateway.generation import GenInput, GenState
 from pdserve.gateway.protocol import (
     ChatCompletionBody,
     CompletionBody,
@@ -109,7 +109,7 @@ async def _serve(request: Request, chat: bool) -> Response:
         assert reply is not None
         return _stream(gw, reply, inputs)
 
-    return await serve_generation(request, gw.admission, gw.engine, parse, full, chunks)
+    return await serve_generation(request, gw.admission, gw.generations, parse, full, chunks)
 
 
 def _gen_input(
@@ -270,7 +270,7 @@ async def _stream(gw, reply: _Reply, inputs: list[GenInput]) -> AsyncIterator[by
                 [{"index": i, "delta": first, "logprobs": None, "finish_reason": None, "matched_stop": None}],
             )
     try:
-        async for i, st in merge_streams(gw.engine, inputs):
+        async for i, st in merge_streams(gw.generations, inputs):
             if not (st.new_text or st.finished or (reply.logprobs and len(st.output_ids) > sent_ids[i])):
                 continue
             reason, matched = _finish(st)

@@ -20,8 +20,8 @@ from fastapi.responses import JSONResponse, Response
 from pdserve.gateway import native_api, openai_api
 from pdserve.gateway.config import GatewayConfig
 from pdserve.gateway.control import ControlPlane
-from pdserve.gateway.engine import Engine
 from pdserve.gateway.errors import error_body, install_error_handlers
+from pdserve.gateway.generation import Generations
 from pdserve.gateway.metrics import CONTENT_TYPE, GatewayMetrics
 from pdserve.gateway.openapi import install_openapi
 from pdserve.gateway.serving import Admission
@@ -41,7 +41,7 @@ class GatewayState:
     registry: WorkerRegistry
     control: ControlPlane
     metrics: GatewayMetrics
-    engine: Engine
+    generations: Generations
     admission: Admission
     started: int
 
@@ -58,7 +58,7 @@ def create_app(cfg: GatewayConfig, tokenizer: Tokenizer | None = None) -> FastAP
         registry=registry,
         control=control,
         metrics=metrics,
-        engine=Engine(cfg, tok, registry, control, metrics),
+        generations=Generations(cfg, tok, registry, control, metrics),
         admission=Admission(cfg.max_pending_requests, metrics),
         started=int(time.time()),
     )

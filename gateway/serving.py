@@ -12,8 +12,8 @@ from typing import Any, TypeVar
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-from pdserve.gateway.engine import Engine, GenInput, GenState
 from pdserve.gateway.errors import ApiError, parse_json_body
+from pdserve.gateway.generation import Generations, GenInput, GenState
 from pdserve.gateway.metrics import GatewayMetrics
 
 T = TypeVar("T")
@@ -76,19 +76,19 @@ async def until_disconnect(request: Request, work: Awaitable[T]) -> T:
     return task.result()
 
 
-async def collect(engine: Engine, inp: GenInput) -> GenState:
+async def collect(generations: Generations, inp: GenInput) -> GenState:
     """Run one generation to its end."""
     final: GenState | None = None
-    async with contextlib.aclosing(engine.generate(inp)) as gen:
+    async with contextlib.aclosing(generations.generate(inp)) as gen:
         async for st in gen:
             final = st
     assert final is not None and final.finished
     return final
 
 
-async def collect_all(engine: Engine, inputs: list[GenInput]) -> list[GenState]:
+async def collect_all(generations: Generations, inputs: list[GenInput]) -> list[GenState]:
     """All generations concurrently; the first failure cancels (and aborts) the others."""
-    tasks = [asyncio.ensure_future(collect(engine, inp)) for inp in inputs]
+    tasks = [asyncio.ensure_future(collect(generations, inp)) for inp in inputs]
     try:
         return list(await asyncio.gather(*tasks))
     finally:
@@ -97,13 +97,15 @@ async def collect_all(engine: Engine, inputs: list[GenInput]) -> list[GenState]:
         await asyncio.gather(*tasks, return_exceptions=True)
 
 
-async def merge_streams(engine: Engine, inputs: list[GenInput]) -> AsyncIterator[tuple[int, GenState]]:
+async def merge_streams(
+    generations: Generations, inputs: list[GenInput]
+) -> AsyncIterator[tuple[int, GenState]]:
     """Interleave several generations' steps as they come, tagged with their index.
 
     A failure in one raises here (after the others are cancelled and aborted).
     """
     if len(inputs) == 1:
-        async with contextlib.aclosing(engine.generate(inputs[0])) as gen:
+        async with contextlib.aclosing(generations.generate(inputs[0])) as gen:
             async for st in gen:
                 yield 0, st
         return
@@ -111,7 +113,7 @@ async def merge_streams(engine: Engine, inputs: list[GenInput]) -> AsyncIterator
 
     async def pump(i: int, inp: GenInput) -> None:
         try:
-            async with contextlib.aclosing(engine.generate(inp)) as gen:
+            async with contextlib.aclosing(generations.generate(inp)) as gen:
                 async for st in gen:
                     # The state object is mutated by the next step: hand out a snapshot of the deltas.
                     await q.put((i, _snapshot(st)))
@@ -158,7 +160,7 @@ def _snapshot(st: GenState) -> GenState:
 async def serve_generation(
     request: Request,
     admission: Admission,
-    engine: Engine,
+    generations: Generations,
     parse: Callable[[dict, float], tuple[list[GenInput], bool, str]],
     full: Callable[[list[GenState]], Any],
     chunks: Callable[[list[GenInput]], AsyncIterator[bytes]],
@@ -173,7 +175,7 @@ async def serve_generation(
     try:
         received = time.time()
         inputs, stream, param = parse(parse_json_body(await request.body()), received)
-        inputs = engine.prepare(inputs, param)
+        inputs = generations.prepare(inputs, param)
         if stream:
 
             async def body() -> AsyncIterator[bytes]:
@@ -189,7 +191,7 @@ async def serve_generation(
                 body(), media_type="text/event-stream", headers={"Cache-Control": "no-cache"}
             )
         try:
-            states = await until_disconnect(request, collect_all(engine, inputs))
+            states = await until_disconnect(request, collect_all(generations, inputs))
         except ClientGone:
             return Response(status_code=499)
         return JSONResponse(full(states))

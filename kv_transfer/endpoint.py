@@ -29,7 +29,7 @@ class Endpoint:
         self._results: collections.deque[TransferResult] = collections.deque()
         self._states: dict[str, TransferState] = {}  # written by the I/O thread only
         self._thread: threading.Thread | None = None
-        self._ctx: zmq.Context | None = None
+        self._ctx: zmq.Context[zmq.Socket[bytes]] | None = None
 
     def poll(self) -> list[TransferResult]:
         """Rooms finished (SUCCESS or FAILED) since the last poll; their pages may be freed now."""

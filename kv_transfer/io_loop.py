@@ -41,7 +41,7 @@ class EndpointIO:
                 guarded(self.on_local, item)
             self.on_timers(time.monotonic())
 
-    def _read(self, sock: zmq.Socket) -> None:
+    def _read(self, sock: zmq.Socket[bytes]) -> None:
         while self.owns(sock):  # a handler may close the socket
             try:
                 frames = sock.recv_multipart(zmq.NOBLOCK)
@@ -59,10 +59,10 @@ class EndpointIO:
 
     # ---- implemented by each side ---------------------------------------------------------------
 
-    def owns(self, sock: zmq.Socket) -> bool:
+    def owns(self, sock: zmq.Socket[bytes]) -> bool:
         raise NotImplementedError
 
-    def peer_of(self, sock: zmq.Socket, frames: list[bytes]) -> Any:
+    def peer_of(self, sock: zmq.Socket[bytes], frames: list[bytes]) -> Any:
         """The peer that sent `frames` on `sock` (None: drop them)."""
         raise NotImplementedError
 
@@ -92,7 +92,8 @@ def local_address_towards(host: str) -> str:
     with socket.socket(family, socket.SOCK_DGRAM) as probe:
         try:
             probe.connect((host, 9))
-            return probe.getsockname()[0]
+            address: str = probe.getsockname()[0]
+            return address
         except OSError:
             return "::1" if family == socket.AF_INET6 else "127.0.0.1"
 

@@ -14,7 +14,7 @@ import queue
 from dataclasses import dataclass
 from typing import Any
 
-from pydantic import BaseModel
+from pdserve.protocol import kv_control as kc
 
 # ---- from the caller's thread -----------------------------------------------------------------
 
@@ -68,7 +68,7 @@ class Outbound:
     """Sender pair: send `msg` to the decode peer `identity` (only the I/O thread touches the socket)."""
 
     identity: bytes
-    msg: BaseModel
+    msg: kc.Message
 
 
 @dataclass(frozen=True)

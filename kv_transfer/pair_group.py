@@ -13,9 +13,10 @@ from __future__ import annotations
 import queue
 import threading
 from datetime import timedelta
+from typing import Generic, Protocol, TypeVar, cast
 
 import torch
-from torch._C._distributed_c10d import PrefixStore, ProcessGroupGloo, TCPStore
+from torch._C._distributed_c10d import PrefixStore, ProcessGroupGloo, TCPStore, Work
 
 from pdserve import env
 from pdserve.kv_transfer.config import TransferConfig
@@ -32,6 +33,15 @@ from pdserve.kv_transfer.layout import (
 
 SENDER_RANK = 0
 RECEIVER_RANK = 1
+
+
+class _PointToPoint(Protocol):
+    """What a pair uses of its c10d backend. torch's stubs omit send/recv on ProcessGroupGloo and
+    ProcessGroupNCCL, which both have them at runtime, hence the casts where the group is built."""
+
+    def send(self, tensors: list[torch.Tensor], dst_rank: int, tag: int) -> Work: ...
+
+    def recv(self, tensors: list[torch.Tensor], src_rank: int, tag: int) -> Work: ...
 
 
 def _gloo_device(config: TransferConfig, local_host: str) -> ProcessGroupGloo.Device:
@@ -67,11 +77,12 @@ class PairGroup:
         store = TCPStore(store_host, store_port, None, False, connect_timeout)
         prefixed = PrefixStore(f"pair/{pair_id}/{gen}", store)
         if config.backend == "gloo":
-            opts = ProcessGroupGloo._Options()
+            # torch's stub declares Options (devices, threads); the runtime class is _Options (_devices...).
+            opts = ProcessGroupGloo._Options()  # type: ignore[attr-defined]
             opts._timeout = connect_timeout  # connect; each op waits with transfer_timeout_s
             opts._threads = config.gloo_threads
             opts._devices = [_gloo_device(config, local_host)]
-            self._pg = ProcessGroupGloo(prefixed, rank, 2, opts)
+            self._pg: _PointToPoint | None = cast(_PointToPoint, ProcessGroupGloo(prefixed, rank, 2, opts))
         else:
             if not kv.is_cuda:
                 raise ValueError("the nccl kv transfer backend needs the KV pool on a CUDA device")
@@ -80,21 +91,28 @@ class PairGroup:
             torch.cuda.set_device(kv.device)
             nccl_opts = ProcessGroupNCCL.Options()
             nccl_opts._timeout = timedelta(seconds=config.transfer_timeout_s)
-            self._pg = ProcessGroupNCCL(prefixed, rank, 2, nccl_opts)
+            nccl = ProcessGroupNCCL(prefixed, rank, 2, nccl_opts)
             # NCCL communicators are created lazily at the first op; connect now, on this control thread,
             # and pass one byte so the point-to-point path is set up before the first transfer.
-            self._pg.eager_connect_single_device(kv.device)
+            nccl.eager_connect_single_device(kv.device)
+            self._pg = cast(_PointToPoint, nccl)
         self._buffers: list[tuple[torch.Tensor, torch.Tensor]] = []  # (compute-side, wire-side) flat uint8
         self._buffer_bytes = 0
         if config.backend == "nccl":
             probe = torch.zeros(1, dtype=torch.uint8, device=kv.device)
-            op = self._pg.send if rank == SENDER_RANK else self._pg.recv
+            op = self._p2p.send if rank == SENDER_RANK else self._p2p.recv
             self._wait(op([probe], self._peer, 0))
             torch.cuda.current_stream(kv.device).synchronize()  # deliberate: the build is complete here
 
     def close(self) -> None:
         self._pg = None
         self._buffers = []
+
+    @property
+    def _p2p(self) -> _PointToPoint:
+        if self._pg is None:
+            raise RuntimeError(f"pair group gen {self.gen} used after close")
+        return self._pg
 
     # ---- data path -----------------------------------------------------------------------
 
@@ -113,7 +131,7 @@ class PairGroup:
             self._buffer_bytes = nbytes
         return self._buffers
 
-    def _wait(self, work) -> None:
+    def _wait(self, work: Work) -> None:
         if not work.wait(timedelta(seconds=self._config.transfer_timeout_s)):
             raise TimeoutError(f"pair group op timed out after {self._config.transfer_timeout_s}s")
 
@@ -126,7 +144,7 @@ class PairGroup:
         tail = torch.frombuffer(bytearray(trailer), dtype=torch.uint8)
         if self._config.backend == "nccl":
             tail = tail.to(self._device)
-        self._wait(self._pg.send([tail], self._peer, trailer_tag(seq)))
+        self._wait(self._p2p.send([tail], self._peer, trailer_tag(seq)))
         if self._config.backend == "nccl":
             torch.cuda.current_stream(self._device).synchronize()  # deliberate: report only when sent
 
@@ -134,7 +152,7 @@ class PairGroup:
         tail = torch.empty(
             trailer_len, dtype=torch.uint8, device=self._device if self._config.backend == "nccl" else "cpu"
         )
-        self._wait(self._pg.recv([tail], self._peer, trailer_tag(seq)))
+        self._wait(self._p2p.recv([tail], self._peer, trailer_tag(seq)))
         if self._config.backend == "nccl":
             torch.cuda.current_stream(self._device).synchronize()  # deliberate: commit only landed pages
         return bytes(tail.cpu().numpy().tobytes())
@@ -145,7 +163,7 @@ class PairGroup:
         """Send each run of consecutive pages straight from the pool (no copy), then the trailer."""
         blocks = kv.view(kv.shape[0], -1).view(torch.uint8)  # [pages, page_bytes]
         works = [
-            self._pg.send([blocks[page_ids[at] : page_ids[at] + n].view(-1)], self._peer, chunk_tag(seq, i))
+            self._p2p.send([blocks[page_ids[at] : page_ids[at] + n].view(-1)], self._peer, chunk_tag(seq, i))
             for i, (at, n) in enumerate(zip(run_starts(runs), runs))
         ]
         for work in works:
@@ -158,11 +176,12 @@ class PairGroup:
     ) -> bytes:
         """Receive each run straight into its pool pages (None: drain into a scratch buffer)."""
         blocks = kv.view(kv.shape[0], -1).view(torch.uint8)
-        scratch = None if page_ids is not None else torch.empty_like(blocks[: max(runs)])
-        works = []
-        for i, (at, n) in enumerate(zip(run_starts(runs), runs)):
-            dst = scratch[:n] if scratch is not None else blocks[page_ids[at] : page_ids[at] + n]
-            works.append(self._pg.recv([dst.view(-1)], self._peer, chunk_tag(seq, i)))
+        if page_ids is None:
+            scratch = torch.empty_like(blocks[: max(runs)])
+            dsts = [scratch[:n] for n in runs]
+        else:
+            dsts = [blocks[page_ids[at] : page_ids[at] + n] for at, n in zip(run_starts(runs), runs)]
+        works = [self._p2p.recv([dst.view(-1)], self._peer, chunk_tag(seq, i)) for i, dst in enumerate(dsts)]
         for work in works:
             self._wait(work)
         return self._recv_trailer(seq, trailer_len)
@@ -180,17 +199,17 @@ class PairGroup:
         ids = torch.tensor(page_ids, dtype=torch.long, device=kv.device)
         ranges = chunk_ranges(len(page_ids), per_chunk)
         buffers = self._staging(min(per_chunk, len(page_ids)) * geometry.page_bytes)
-        pending: list = [None, None]
+        pending: list[Work | None] = [None, None]
         for index, (start, end) in enumerate(ranges):
             slot = index % 2
-            if pending[slot] is not None:
-                self._wait(pending[slot])  # the buffer is free again once its send completed
+            if (previous := pending[slot]) is not None:
+                self._wait(previous)  # the buffer is free again once its send completed
             compute, wire = buffers[slot]
             nbytes = (end - start) * geometry.page_bytes
             gather_pages(kv, ids[start:end], chunk_view(compute, geometry, end - start))
             if self._stage_on_host:
                 wire[:nbytes].copy_(compute[:nbytes])  # deliberate device sync: gloo reads host memory
-            pending[slot] = self._pg.send([wire[:nbytes]], self._peer, chunk_tag(seq, index))
+            pending[slot] = self._p2p.send([wire[:nbytes]], self._peer, chunk_tag(seq, index))
         for work in pending:
             if work is not None:
                 self._wait(work)
@@ -215,16 +234,17 @@ class PairGroup:
         ranges = chunk_ranges(num_pages, per_chunk)
         buffers = self._staging(min(per_chunk, max(num_pages, 1)) * geometry.page_bytes)
 
-        def post(index: int):
+        def post(index: int) -> Work:
             start, end = ranges[index]
             wire = buffers[index % 2][1]
-            return self._pg.recv(
+            return self._p2p.recv(
                 [wire[: (end - start) * geometry.page_bytes]], self._peer, chunk_tag(seq, index)
             )
 
         pending = post(0) if ranges else None
         for index, (start, end) in enumerate(ranges):
             following = post(index + 1) if index + 1 < len(ranges) else None
+            assert pending is not None  # posted before the loop or by the previous round
             self._wait(pending)
             if ids is not None:
                 compute, wire = buffers[index % 2]
@@ -236,7 +256,10 @@ class PairGroup:
         return self._recv_trailer(seq, trailer_len)
 
 
-class PairThread:
+J = TypeVar("J")
+
+
+class PairThread(Generic[J]):
     """One pair's control thread: a job queue served in order; `None` stops it after the current job.
 
     Subclasses set `_kv` and `_config`, call `_start(name)` at the end of __init__ and implement
@@ -248,7 +271,7 @@ class PairThread:
 
     def _start(self, name: str) -> None:
         self._group: PairGroup | None = None
-        self._jobs: queue.SimpleQueue = queue.SimpleQueue()
+        self._jobs: queue.SimpleQueue[J | None] = queue.SimpleQueue()
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._thread.start()
 
@@ -258,15 +281,26 @@ class PairThread:
         if self._group is not None:
             self._group.close()
 
-    def _handle(self, job) -> None:
+    def _handle(self, job: J) -> None:
         raise NotImplementedError
 
-    def _replace_group(self, **group_args) -> None:
+    def _replace_group(
+        self, *, store_host: str, store_port: int, pair_id: str, gen: int, rank: int, local_host: str
+    ) -> None:
         """Close the current group, if any, and build a new one; raises what the build raises."""
         if self._group is not None:
             self._group.close()
             self._group = None
-        self._group = PairGroup(kv=self._kv, config=self._config, **group_args)
+        self._group = PairGroup(
+            store_host=store_host,
+            store_port=store_port,
+            pair_id=pair_id,
+            gen=gen,
+            rank=rank,
+            local_host=local_host,
+            kv=self._kv,
+            config=self._config,
+        )
 
     def close(self) -> None:
         """Stop after the current job; the group is dropped on the pair's own thread."""

@@ -72,12 +72,12 @@ class KVReceiver(Endpoint):
 @dataclass
 class _Peer:
     addr: str
-    sock: zmq.Socket
+    sock: zmq.Socket[bytes]
     ready: bool = False
     hello_deadline: float = 0.0
     pair: ReceiverPair | None = None
     pending: list[str] = field(default_factory=list)  # rooms waiting for the handshake
-    futures: list[concurrent.futures.Future] = field(default_factory=list)
+    futures: list[concurrent.futures.Future[None]] = field(default_factory=list)
     last_used: float = field(default_factory=time.monotonic)
     store_port: int = 0
 
@@ -90,16 +90,16 @@ class _ReceiverIO(EndpointIO):
         self.o = owner
         self.cfg = owner._config
         self.peers: dict[str, _Peer] = {}
-        self.by_sock: dict[zmq.Socket, _Peer] = {}
+        self.by_sock: dict[zmq.Socket[bytes], _Peer] = {}
         self.rooms: dict[str, RecvRoom] = {}
         # Closed pairs whose threads may still be finishing; joined at shutdown so that no pair thread
         # is torn down inside a process group's destructor at interpreter exit.
         self.closing: list[ReceiverPair] = []
 
-    def owns(self, sock: zmq.Socket) -> bool:
+    def owns(self, sock: zmq.Socket[bytes]) -> bool:
         return sock in self.by_sock
 
-    def peer_of(self, sock: zmq.Socket, frames: list[bytes]) -> _Peer | None:
+    def peer_of(self, sock: zmq.Socket[bytes], frames: list[bytes]) -> _Peer | None:
         return self.by_sock.get(sock)
 
     def shutdown(self) -> None:
@@ -130,6 +130,7 @@ class _ReceiverIO(EndpointIO):
             victim = min(idle, key=lambda p: p.last_used)
             self.send(victim, kc.Bye(reason="pair evicted (max_pairs)"))
             self.drop_peer(victim, "evicted")
+        assert self.o._ctx is not None  # made by start(), before this thread
         sock = self.o._ctx.socket(zmq.DEALER)
         sock.setsockopt(zmq.LINGER, 0)
         sock.setsockopt(zmq.IDENTITY, self.o.receiver_id.encode())
@@ -191,7 +192,7 @@ class _ReceiverIO(EndpointIO):
         self,
         room: RecvRoom,
         state: TransferState,
-        metadata: dict | None = None,
+        metadata: dict[str, Any] | None = None,
         error: str | None = None,
         num_bytes: int = 0,
     ) -> None:
@@ -236,9 +237,8 @@ class _ReceiverIO(EndpointIO):
             case mb.Done():
                 self.on_done(item)
             case mb.GroupDead(addr=addr, gen=gen, reason=reason):
-                peer = self.peers.get(addr)
-                if peer is not None:
-                    self.send(peer, kc.PairDead(gen=gen, reason=reason))
+                if addr in self.peers:
+                    self.send(self.peers[addr], kc.PairDead(gen=gen, reason=reason))
             case _:
                 raise TypeError(f"unexpected mailbox item on the receiver: {item!r}")
 
@@ -339,17 +339,19 @@ class _ReceiverIO(EndpointIO):
         peer.pending.clear()
 
     def on_announce(self, peer: _Peer, msg: kc.Announce) -> None:
-        room = self.rooms.get(msg.room)
-        live = room is not None and room.addr == peer.addr and room.state == TransferState.WAITING_FOR_INPUT
-        if live and msg.runs is not None and not runs_fit(room.pages[: msg.num_pages], msg.runs):
+        # The room the data lands in; None: the pair drains the data and drops it.
+        live = self.rooms.get(msg.room)
+        if live is not None and (live.addr != peer.addr or live.state != TransferState.WAITING_FOR_INPUT):
+            live = None
+        if live is not None and msg.runs is not None and not runs_fit(live.pages[: msg.num_pages], msg.runs):
             # Never receive in place into pages outside a run: drain the data, fail the room.
-            self.fail(room, "the prefill node announced page runs that do not match this node's page list")
-            live = False
-        if live:
-            self.move(room, TransferState.TRANSFERRING)
+            self.fail(live, "the prefill node announced page runs that do not match this node's page list")
+            live = None
+        if live is not None:
+            self.move(live, TransferState.TRANSFERRING)
         job = RecvJob(
             room=msg.room,
-            dst_pages=room.pages[: msg.num_pages] if live else None,
+            dst_pages=live.pages[: msg.num_pages] if live is not None else None,
             num_pages=msg.num_pages,
             chunk_pages=msg.chunk_pages,
             runs=msg.runs,

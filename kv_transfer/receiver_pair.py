@@ -39,7 +39,7 @@ class _Build:
     pair_id: str
 
 
-class ReceiverPair(PairThread):
+class ReceiverPair(PairThread[RecvJob | _Build]):
     """One prefill peer as seen from the decode node: a job queue served by one thread."""
 
     def __init__(

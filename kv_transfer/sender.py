@@ -85,7 +85,7 @@ class KVSender(Endpoint):
         )
         self._thread.start()
 
-    def send(self, room: str, src_pages: list[int], num_tokens: int, metadata: dict) -> None:
+    def send(self, room: str, src_pages: list[int], num_tokens: int, metadata: dict[str, Any]) -> None:
         """The prefill of `room` is done: send its pages once the decode's page list is here."""
         self._mailbox.post(mb.Send(room, list(src_pages), int(num_tokens), dict(metadata), time.monotonic()))
 
@@ -103,7 +103,7 @@ class KVSender(Endpoint):
 
     # ---- I/O thread ---------------------------------------------------------------------------
 
-    def _io_loop(self, router: zmq.Socket) -> None:
+    def _io_loop(self, router: zmq.Socket[bytes]) -> None:
         io = _SenderIO(self, router)
         try:
             io.run()
@@ -124,7 +124,7 @@ class _EarlyPageList:
 class _SenderIO(EndpointIO):
     """State owned by the sender's I/O thread; every room transition happens here."""
 
-    def __init__(self, owner: KVSender, router: zmq.Socket) -> None:
+    def __init__(self, owner: KVSender, router: zmq.Socket[bytes]) -> None:
         super().__init__(owner._mailbox)
         self.o = owner
         self.cfg = owner._config
@@ -145,10 +145,10 @@ class _SenderIO(EndpointIO):
         with self._gen_lock:
             return next(self._gens)
 
-    def owns(self, sock: zmq.Socket) -> bool:
+    def owns(self, sock: zmq.Socket[bytes]) -> bool:
         return sock is self.router
 
-    def peer_of(self, sock: zmq.Socket, frames: list[bytes]) -> bytes | None:
+    def peer_of(self, sock: zmq.Socket[bytes], frames: list[bytes]) -> bytes | None:
         return frames[0] if len(frames) == 2 else None  # [identity, payload] on a ROUTER
 
     def shutdown(self) -> None:

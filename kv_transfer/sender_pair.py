@@ -11,6 +11,7 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -28,7 +29,7 @@ class SendJob:
     src_pages: list[int]  # exactly the pages that travel
     dst_pages: list[int]  # where they land on the decode node, same length
     num_tokens: int
-    metadata: dict
+    metadata: dict[str, Any]
     # Set by the I/O thread on abort; checked before the transfer starts.
     cancelled: threading.Event = field(default_factory=threading.Event)
 
@@ -38,7 +39,7 @@ class _Build:
     gen: int
 
 
-class SenderPair(PairThread):
+class SenderPair(PairThread[SendJob | _Build]):
     """One decode peer as seen from the prefill node: a job queue served by one thread."""
 
     def __init__(

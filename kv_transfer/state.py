@@ -51,7 +51,7 @@ class TransferResult:
 
     room: str
     state: TransferState
-    metadata: dict | None
+    metadata: dict[str, Any] | None
     error: str | None
     num_bytes: int
     seconds: float
@@ -95,7 +95,7 @@ class TransferRoom:
         return self.deadline is not None and now >= self.deadline
 
     def result(
-        self, metadata: dict | None = None, error: str | None = None, num_bytes: int = 0
+        self, metadata: dict[str, Any] | None = None, error: str | None = None, num_bytes: int = 0
     ) -> TransferResult:
         assert self.terminal, self.state
         return TransferResult(

@@ -77,7 +77,8 @@ class HealthServer:
                 self.end_headers()
                 self.wfile.write(body)
 
-            def log_message(self, format, *args) -> None:  # probes every few seconds: keep logs clean
+            # Probes come every few seconds: keep logs clean.
+            def log_message(self, format: str, *args: object) -> None:
                 pass
 
         self._httpd = ThreadingHTTPServer((host, port), Handler)

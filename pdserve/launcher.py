@@ -122,8 +122,8 @@ def _flags(args: argparse.Namespace, names: list[str]) -> list[str]:
 
 def _control_port(args: argparse.Namespace) -> int:
     if args.control_port is not None:
-        return args.control_port
-    return 0 if args.port == 0 else args.port + 1
+        return int(args.control_port)
+    return 0 if args.port == 0 else int(args.port) + 1
 
 
 def gateway_command(args: argparse.Namespace, port_file: str | None = None) -> list[str]:
@@ -167,7 +167,7 @@ def worker_commands(args: argparse.Namespace, control_port: int | None = None) -
 
 def _threads(args: argparse.Namespace) -> int:
     workers = args.num_prefill + args.num_decode
-    return args.threads_per_worker or max(1, (os.cpu_count() or 2) // workers)
+    return int(args.threads_per_worker or max(1, (os.cpu_count() or 2) // workers))
 
 
 def worker_env(args: argparse.Namespace) -> dict[str, str]:
@@ -185,7 +185,8 @@ def worker_env(args: argparse.Namespace) -> dict[str, str]:
 def _healthy(url: str) -> bool:
     try:
         with urllib.request.urlopen(url + "/health", timeout=2) as r:
-            return r.status == 200
+            status: int = r.status
+            return status == 200
     except OSError:
         return False
 

@@ -21,7 +21,7 @@ def write_port_file(path: str, ports: dict[str, int]) -> None:
 
 
 def wait_port_file(
-    path: str, proc: subprocess.Popen | None = None, timeout_s: float = 120.0
+    path: str, proc: subprocess.Popen[bytes] | None = None, timeout_s: float = 120.0
 ) -> dict[str, int]:
     """The ports written to `path`; raises if `proc` (the writer) exits first or time runs out."""
     deadline = time.monotonic() + timeout_s

@@ -59,7 +59,7 @@ class ChildState(str, Enum):
 @dataclass
 class _Slot:
     child: Child
-    proc: subprocess.Popen
+    proc: subprocess.Popen[bytes]
     state: ChildState = ChildState.RUNNING
     restart_at: float = 0.0
     restarts: deque[float] = field(default_factory=deque)  # monotonic times, within the window
@@ -79,7 +79,9 @@ def die_with(parent_pid: int) -> Callable[[], None]:
     return arm
 
 
-def spawn(argv: list[str], log_path: str | None, env: dict[str, str] | None = None) -> subprocess.Popen:
+def spawn(
+    argv: list[str], log_path: str | None, env: dict[str, str] | None = None
+) -> subprocess.Popen[bytes]:
     """Start `argv` in its own session, dying with this process; output appended to `log_path`."""
     out = open(log_path, "ab") if log_path else None
     try:
@@ -97,7 +99,7 @@ def spawn(argv: list[str], log_path: str | None, env: dict[str, str] | None = No
             out.close()
 
 
-def signal_group(p: subprocess.Popen, sig: int) -> None:
+def signal_group(p: subprocess.Popen[bytes], sig: int) -> None:
     # The group id is the child's pid (its own session); it outlives the leader while members remain.
     try:
         os.killpg(p.pid, sig)
@@ -134,13 +136,13 @@ class Supervisor:
     def say(self, text: str, error: bool = False) -> None:
         print(f"{self.prefix}: {text}", file=sys.stderr if error else sys.stdout, flush=True)
 
-    def _spawn(self, c: Child) -> subprocess.Popen:
+    def _spawn(self, c: Child) -> subprocess.Popen[bytes]:
         path = os.path.join(self.log_dir, f"{c.name}.log") if self.log_dir else None
         p = spawn(c.argv, path, c.env)
         self.say(f"started {c.name} pid {p.pid}" + (f" log {path}" if path else ""))
         return p
 
-    def start(self, c: Child) -> subprocess.Popen:
+    def start(self, c: Child) -> subprocess.Popen[bytes]:
         p = self._spawn(c)
         self.slots[c.name] = _Slot(c, p)
         return p
@@ -150,7 +152,7 @@ class Supervisor:
         slot = self.slots[name]
         slot.child = Child(name, argv, slot.child.env)
 
-    def proc(self, name: str) -> subprocess.Popen:
+    def proc(self, name: str) -> subprocess.Popen[bytes]:
         return self.slots[name].proc
 
     def states(self) -> dict[str, ChildState]:
@@ -244,7 +246,7 @@ class Supervisor:
             slot.proc.wait()
 
 
-def _wait(procs: list[subprocess.Popen], timeout_s: float) -> None:
+def _wait(procs: list[subprocess.Popen[bytes]], timeout_s: float) -> None:
     deadline = time.monotonic() + timeout_s
     for p in procs:
         try:

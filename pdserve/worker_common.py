@@ -2,17 +2,26 @@
 
 from __future__ import annotations
 
+import argparse
 import logging
 import sys
 import time
 from collections.abc import Callable
+from typing import TYPE_CHECKING, Protocol
 
 from pdserve.config import WorkerConfig, worker_config_from_args
 from pdserve.drain import DrainSignal
 from pdserve.health import start_health_server
 from pdserve.model_source import ModelSourceError
 from pdserve.protocol import gateway as m
-from pdserve.worker_link import RegistrationRefused
+from pdserve.worker_link import RegistrationRefused, WorkerLink
+
+if TYPE_CHECKING:
+    from pdserve.runtime.runner import ModelRunner
+
+
+class _Worker(Protocol):
+    def serve(self) -> None: ...
 
 
 def make_clock(cfg: WorkerConfig) -> Callable[[], float]:
@@ -22,7 +31,7 @@ def make_clock(cfg: WorkerConfig) -> Callable[[], float]:
 
 
 def register_factory(
-    cfg: WorkerConfig, runner, clock: Callable[[], float], bootstrap_addr: str | None = None
+    cfg: WorkerConfig, runner: ModelRunner, clock: Callable[[], float], bootstrap_addr: str | None = None
 ) -> Callable[[], m.Register]:
     spec = runner.spec
 
@@ -43,7 +52,9 @@ def register_factory(
     return make
 
 
-def run_worker(role: str, args, worker_cls) -> int:
+def run_worker(
+    role: str, args: argparse.Namespace, worker_cls: Callable[[WorkerConfig, DrainSignal], _Worker]
+) -> int:
     """Entry of `pdserve prefill|decode`: build the worker, serve until drained; CLI errors exit 2."""
     signals = DrainSignal()
     signals.install()
@@ -56,7 +67,11 @@ def run_worker(role: str, args, worker_cls) -> int:
 
 
 def serve_until_drained(
-    cfg: WorkerConfig, link, signals: DrainSignal, step: Callable[[], None], outstanding: Callable[[], int]
+    cfg: WorkerConfig,
+    link: WorkerLink,
+    signals: DrainSignal,
+    step: Callable[[], None],
+    outstanding: Callable[[], int],
 ) -> None:
     """Run `step` until stopped; on drain: deregister, keep stepping until nothing is outstanding
     (or the drain timeout), then return. Serves the health port meanwhile, when one is set."""

@@ -17,7 +17,6 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import zmq
-from pydantic import BaseModel
 
 from pdserve.protocol import gateway as m
 from pdserve.protocol.codec import ProtocolError, VersionMismatch
@@ -47,13 +46,13 @@ class WorkerLink:
         clock: Callable[[], float],
         reregister_after_s: float = 10.0,
     ):
-        self._ctx = zmq.Context.instance()
+        self._ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context.instance()
         self._register = register
         self.clock = clock
         self.worker_id = register().worker_id
         self.gateway_addr = gateway_addr if "://" in gateway_addr else f"tcp://{gateway_addr}"
         self.load = LoadReport()
-        self.inbox: queue.Queue[BaseModel] = queue.Queue()
+        self.inbox: queue.Queue[m.Message] = queue.Queue()
         self._outbox: queue.Queue[bytes] = queue.Queue()
         self._wake_addr = f"inproc://wake-{uuid.uuid4().hex}"
         self._wake_pull = self._ctx.socket(zmq.PULL)
@@ -84,7 +83,7 @@ class WorkerLink:
         if self.refused:
             raise RegistrationRefused(self.refused)
 
-    def send(self, msg: BaseModel) -> None:
+    def send(self, msg: m.Message) -> None:
         self._outbox.put(m.encode(msg))
         sock = getattr(self._wake_local, "sock", None)
         if sock is None:
@@ -92,7 +91,7 @@ class WorkerLink:
             sock.connect(self._wake_addr)
         sock.send(b"", zmq.NOBLOCK)
 
-    def recv(self, timeout_s: float) -> list[BaseModel]:
+    def recv(self, timeout_s: float) -> list[m.Message]:
         """Messages for the worker loop; waits up to timeout_s for the first one."""
         out = []
         try:
@@ -142,7 +141,7 @@ class WorkerLink:
         finally:
             dealer.close(linger=500)
 
-    def _on_frame(self, dealer: zmq.Socket, frame: bytes) -> None:
+    def _on_frame(self, dealer: zmq.Socket[bytes], frame: bytes) -> None:
         try:
             msg = m.decode(frame)
         except ProtocolError as e:  # a bad frame must never kill the link

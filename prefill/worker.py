@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import logging
 import time
+from typing import Any
 
 from pdserve.config import WorkerConfig
 from pdserve.drain import DrainSignal
@@ -40,7 +41,7 @@ class PrefillWorker:
         # handed to the sender, as a stuck transfer path would.
         self.stall_kv_send_s = cfg.stall_kv_send_s
         # Sends held back by the stall hook: (due time.monotonic(), room, pages, tokens, metadata).
-        self.stalled: list[tuple[float, str, list[int], int, dict]] = []
+        self.stalled: list[tuple[float, str, list[int], int, dict[str, Any]]] = []
         self.clock = make_clock(cfg)
         self.signals = signals or DrainSignal()
         self.runner = ModelRunner(cfg.runtime)
@@ -102,7 +103,7 @@ class PrefillWorker:
         for msg in self.link.recv(wait):
             self._on_message(msg)
 
-    def _on_message(self, msg) -> None:
+    def _on_message(self, msg: m.Message) -> None:
         assert self.link is not None
         if isinstance(msg, m.GenerateRequest):
             self._admit(msg)

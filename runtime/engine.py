@@ -10,8 +10,10 @@ import itertools
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 from pdserve.config import RuntimeConfig
+from pdserve.protocol.records import RequestStats
 from pdserve.runtime.batch import ForwardMode
 from pdserve.runtime.extend_scheduler import ExtendScheduler
 from pdserve.runtime.loader import LoadedModel
@@ -27,12 +29,12 @@ class GenerateOutput:
     rid: str
     prompt_ids: list[int]
     output_ids: list[int]
-    finish_reason: dict
+    finish_reason: dict[str, Any]
     output_logprobs: list[float] = field(default_factory=list)
     output_top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
     prefill_seconds: float = 0.0
     total_seconds: float = 0.0
-    stats: dict = field(default_factory=dict)  # the decode stepper's per-request counters
+    stats: RequestStats = field(default_factory=RequestStats)  # the decode stepper's per-request counters
     cached_tokens: int = 0  # prompt tokens served from the prefix cache
 
 

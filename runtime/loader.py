@@ -16,6 +16,7 @@ import shutil
 import tempfile
 from collections.abc import Iterator
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 from safetensors import safe_open
@@ -24,6 +25,9 @@ from pdserve import env
 from pdserve.model_source import ModelSource, ModelSourceError, resolve_model_source
 from pdserve.runtime.model_config import ModelSpec, rope_inv_freq
 from pdserve.runtime.models.llama import CausalLM, Rotary
+
+if TYPE_CHECKING:
+    from transformers import PretrainedConfig
 
 log = logging.getLogger(__name__)
 
@@ -131,12 +135,13 @@ def iter_weights(folder: str) -> Iterator[tuple[str, torch.Tensor]]:
                 yield name, f.get_tensor(name)
 
 
-def load_hf_config(folder: str):
+def load_hf_config(folder: str) -> PretrainedConfig:
     from transformers import AutoConfig
 
     if not os.path.isfile(os.path.join(folder, "config.json")):
         raise ModelSourceError(f"no config.json in {folder!r}")
-    return AutoConfig.from_pretrained(folder)
+    config: PretrainedConfig = AutoConfig.from_pretrained(folder)
+    return config
 
 
 def load_model(model_path: str | None, dtype: str = "auto", device: str = "cpu") -> LoadedModel:

@@ -6,8 +6,12 @@ One decoder covers the supported families; their differences are flags here, not
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
+
+if TYPE_CHECKING:
+    from transformers import PretrainedConfig
 
 # HF `architectures[0]` -> (qkv bias, q/k norm). Mistral is supported without sliding window.
 SUPPORTED_ARCHITECTURES: dict[str, tuple[bool, bool]] = {
@@ -40,7 +44,7 @@ class ModelSpec:
     eos_token_ids: tuple[int, ...]
 
     @classmethod
-    def from_hf_config(cls, config) -> ModelSpec:
+    def from_hf_config(cls, config: PretrainedConfig) -> ModelSpec:
         archs = getattr(config, "architectures", None) or []
         arch = archs[0] if archs else _arch_from_model_type(getattr(config, "model_type", ""))
         if arch not in SUPPORTED_ARCHITECTURES:
@@ -83,7 +87,7 @@ def _arch_from_model_type(model_type: str) -> str:
     }.get(model_type, model_type or "<unknown>")
 
 
-def rope_inv_freq(config, head_dim: int) -> tuple[torch.Tensor, float]:
+def rope_inv_freq(config: PretrainedConfig, head_dim: int) -> tuple[torch.Tensor, float]:
     """Inverse frequencies and attention scaling for the config's RoPE type (llama3, linear, yarn...).
 
     Non-default types are computed by transformers' own functions so scaling rules stay in one place.

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 from pdserve.runtime.request_state import RequestState, check_transition
 from pdserve.sampling_params import SamplingParams
@@ -24,7 +25,7 @@ class Request:
     num_computed: int = 0
     # Prompt tokens whose KV came from the prefix cache at admission (whole pages).
     cached_tokens: int = 0
-    finish_reason: dict | None = None
+    finish_reason: dict[str, Any] | None = None
     num_retractions: int = 0
     _state: RequestState = field(default=RequestState.QUEUED, init=False)
 

@@ -111,7 +111,7 @@ class ModelRunner:
             self.page_size,
             self.device,
         )
-        logits = self.model(batch, self.pool, self.backend)
+        logits: torch.Tensor = self.model(batch, self.pool, self.backend)
         for r, toks in zip(reqs, new_tokens):
             r.num_computed += len(toks)
         return logits
@@ -150,7 +150,7 @@ def append_samples(reqs: list[Request], out: SampleOutput) -> list[bool]:
     for i, r in enumerate(reqs):
         want_lp = r.params.logprobs or r.params.top_logprobs_num > 0
         top = None
-        if want_lp and top_ids is not None and r.params.top_logprobs_num > 0:
+        if want_lp and top_ids is not None and top_vals is not None and r.params.top_logprobs_num > 0:
             n = r.params.top_logprobs_num
             top = list(zip(top_ids[i][:n], top_vals[i][:n]))
         done.append(r.append_token(ids[i], lps[i] if (want_lp and lps is not None) else None, top))

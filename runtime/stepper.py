@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from typing import Protocol
 
+from pdserve.protocol.records import RequestStats
 from pdserve.runtime.batch import ForwardMode
 from pdserve.runtime.request import Request
 from pdserve.runtime.runner import ModelRunner, append_samples
@@ -18,7 +19,7 @@ class Stepper(Protocol):
         """Advance every request by >= 1 token (appended to `output_ids`; finish rules applied)."""
         ...
 
-    def stats(self, req: Request) -> dict:
+    def stats(self, req: Request) -> RequestStats:
         """Per-request counters for meta_info (speculative statistics); {} when none."""
         ...
 
@@ -35,7 +36,7 @@ class PlainStepper:
         logits = self.runner.forward(ForwardMode.DECODE, reqs, [[r.output_ids[-1]] for r in reqs])
         append_samples(reqs, self.runner.sample(reqs, logits))
 
-    def stats(self, req: Request) -> dict:
+    def stats(self, req: Request) -> RequestStats:
         return {}
 
     def forget(self, req: Request) -> None:

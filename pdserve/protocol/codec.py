@@ -9,7 +9,7 @@ Receivers log and drop such frames; at a handshake they answer with a refusal na
 
 from __future__ import annotations
 
-from typing import Any, Generic, TypeVar
+from typing import Any, Generic, TypeVar, cast
 
 from pydantic import BaseModel, ConfigDict, TypeAdapter, ValidationError
 
@@ -62,7 +62,7 @@ class Codec(Generic[M]):
 
         class Envelope(Msg):
             v: int
-            msg: union  # type: ignore[valid-type]
+            msg: union
 
         self._envelope = TypeAdapter(Envelope)
 
@@ -78,7 +78,8 @@ class Codec(Generic[M]):
             except ValidationError:
                 header = _Header(v=PROTOCOL_VERSION)
             if header.v != PROTOCOL_VERSION:
-                raise VersionMismatch(self.channel, header.v, header.msg and header.msg.kind) from None
+                kind = header.msg.kind if header.msg else None
+                raise VersionMismatch(self.channel, header.v, kind) from None
             first = e.errors()[0] if e.errors() else {"loc": (), "msg": str(e)}
             where = ".".join(str(p) for p in first["loc"]) or "frame"
             raise MalformedFrame(
@@ -86,4 +87,5 @@ class Codec(Generic[M]):
             ) from None
         if env.v != PROTOCOL_VERSION:
             raise VersionMismatch(self.channel, env.v, env.msg.kind)
-        return env.msg
+        # The envelope validated it against this channel's union, which is M.
+        return cast(M, env.msg)

@@ -9,7 +9,7 @@ uses its `worker_id` as its zmq identity.
 
 from __future__ import annotations
 
-from typing import Annotated, Literal, Union
+from typing import Annotated, Any, Literal, Union
 
 from pydantic import Field
 
@@ -130,7 +130,7 @@ class TokenOutput(_Msg):
     top_logprobs: list[list[tuple[int, float]]] | None = None
     finished: bool = False
     # {"type": "length", "length": N} | {"type": "stop", "matched": id} | {"type": "abort", "message": s}
-    finish_reason: dict | None = None
+    finish_reason: dict[str, Any] | None = None
     # Sent with the first output (decode_entry, kv_ready) and the final one (finished).
     events: DecodeEvents | None = None
     # Sent with the final output.

@@ -55,6 +55,9 @@ class RMSNorm(nn.Module):
 class Rotary(nn.Module):
     """HF's non-interleaved (rotate_half) RoPE with a precomputed cos/sin table."""
 
+    cos: torch.Tensor  # [max_pos, rot_dim] float32 buffers, registered in __init__
+    sin: torch.Tensor
+
     def __init__(self, inv_freq: torch.Tensor, scaling: float, max_positions: int):
         super().__init__()
         t = torch.arange(max_positions, dtype=torch.float)
@@ -113,7 +116,8 @@ class Attention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = rotary(positions, q, k)
         out = backend.forward(q, k, v.contiguous(), self.layer_id, pool, self.scale)  # [T, nq, hd]
-        return self.o_proj(out.reshape(T, self.nq * self.hd))
+        y: torch.Tensor = self.o_proj(out.reshape(T, self.nq * self.hd))  # [T, hidden]
+        return y
 
 
 class MLP(nn.Module):
@@ -124,7 +128,8 @@ class MLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        y: torch.Tensor = self.down_proj(F.silu(gate) * up)
+        return y
 
 
 class DecoderLayer(nn.Module):
@@ -135,9 +140,17 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
         self.mlp = MLP(spec)
 
-    def forward(self, x, positions, rotary, backend, pool) -> torch.Tensor:
+    def forward(
+        self,
+        x: torch.Tensor,
+        positions: torch.Tensor,
+        rotary: Rotary,
+        backend: AttentionBackend,
+        pool: KVPool,
+    ) -> torch.Tensor:
         x = x + self.self_attn(self.input_layernorm(x), positions, rotary, backend, pool)
-        return x + self.mlp(self.post_attention_layernorm(x))
+        y: torch.Tensor = x + self.mlp(self.post_attention_layernorm(x))
+        return y
 
 
 class DecoderModel(nn.Module):

@@ -38,11 +38,16 @@ PROMPTS = [
 ]
 
 
+# A prefilled request waits for the decode's page list while the tiny decode pool is full: on two
+# shared cores that can outlast the usual 20 s, and it is a wait, not a failure.
+PRESSURE_FLAGS = [*WORKER_FLAGS, "--waiting-timeout", "120"]
+
+
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory):
     c = start_roles(
         tmp_path_factory.mktemp("pressure"),
-        [("prefill", {}, WORKER_FLAGS), ("decode", {}, [*WORKER_FLAGS, "--max-total-tokens", "256"])],
+        [("prefill", {}, PRESSURE_FLAGS), ("decode", {}, [*PRESSURE_FLAGS, "--max-total-tokens", "256"])],
         gateway_flags=[*GATEWAY_FLAGS, "--max-pending-requests", str(MAX_PENDING)],
     )
     try:

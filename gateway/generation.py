@@ -1,7 +1,7 @@
 """One generation's life at the gateway: check -> route -> dispatch -> collect -> stitch.
 
-`Engine.prepare` checks prompts against the cluster's limits (before anything is dispatched, so a
-batch fails as a whole); `Engine.generate` runs one generation and yields its `GenState` after
+`Generations.prepare` checks prompts against the cluster's limits (before anything is dispatched, so a
+batch fails as a whole); `Generations.generate` runs one generation and yields its `GenState` after
 every output step, the last one with `finished=True` and `meta_info`. Failures raise `ApiError`
 (status naming the failing leg); on any exit that is not a normal finish, the legs still holding
 the room are aborted.
@@ -113,7 +113,7 @@ class _Run:
     origin: tuple[Room, float] | None = None
 
 
-class Engine:
+class Generations:
     def __init__(
         self,
         cfg: GatewayConfig,
@@ -406,8 +406,9 @@ class Engine:
             "request_finished_ts": tl.request_finished_ts,
             "decode_throughput": decode_throughput(ct, tl.first_token_ts, tl.request_finished_ts),
             "response_sent_to_client_ts": tl.response_sent_to_client_ts,
-            "num_migrations": migrations,
         }
+        if migrations:  # only then: an uninterrupted request keeps SGLang's exact meta_info shape
+            meta["num_migrations"] = migrations
         if inp.sampling.logprobs:
             meta["output_token_logprobs"] = [[lp, t, None] for lp, t in zip(st.logprobs, st.output_ids)]
             if inp.sampling.top_logprobs_num > 0:
