@@ -34,6 +34,8 @@ class RuntimeConfig:
     speculative_algorithm: str | None = None
     speculative_num_draft_tokens: int = 4
     speculative_draft_model_path: str | None = None
+    # The prefix cache of the offline engine and prefill workers (runtime/radix_cache.py).
+    disable_radix_cache: bool = False
 
     def __post_init__(self) -> None:
         if self.page_size < 1:
@@ -80,6 +82,11 @@ def add_runtime_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--speculative-algorithm", default=None, choices=["NGRAM", "STANDALONE"])
     parser.add_argument("--speculative-num-draft-tokens", type=int, default=d.speculative_num_draft_tokens)
     parser.add_argument("--speculative-draft-model-path", default=None)
+    parser.add_argument(
+        "--disable-radix-cache",
+        action="store_true",
+        help="no prefix cache: every prompt is computed in full",
+    )
 
 
 def runtime_config_from_args(args: argparse.Namespace) -> RuntimeConfig:

@@ -105,6 +105,7 @@ _FORWARDED = [
     "speculative_algorithm",
     "speculative_num_draft_tokens",
     "speculative_draft_model_path",
+    "disable_radix_cache",
 ]
 
 
@@ -112,7 +113,9 @@ def _flags(args: argparse.Namespace, names: list[str]) -> list[str]:
     out = []
     for n in names:
         v = getattr(args, n)
-        if v is not None:
+        if v is True:  # a store_true flag
+            out.append(f"--{n.replace('_', '-')}")
+        elif v is not None and v is not False:
             out += [f"--{n.replace('_', '-')}", str(v)]
     return out
 

@@ -1,8 +1,10 @@
 """The prefill worker: batch prompts, compute their KV and first token, hand both to a decode node.
 
 Loop: receive -> schedule -> run -> hand off -> reply (see `step`). A request's pages are held
-until its KV transfer ends (Success or Failed), then freed. Its state (queued, prefilling,
-transferring, then finished or failed) is moved only by the ExtendScheduler, which owns the pages.
+until its KV transfer ends (Success or Failed); then its whole prompt pages go into the prefix cache
+(unless --disable-radix-cache), where later prompts that start the same way find them, and the rest
+is freed. Its state (queued, prefilling, transferring, then finished or failed) is moved only by
+the ExtendScheduler, which owns the pages.
 A request past its deadline (`GenerateRequest.deadline_s`, checked once per step) fails with code
 `deadline`: queued or prefilling at once, transferring by stopping its transfer.
 """
@@ -22,6 +24,7 @@ from pdserve.protocol.kv_trailer import FirstToken
 from pdserve.protocol.records import PrefillEvents
 from pdserve.runtime.batch import ForwardMode
 from pdserve.runtime.extend_scheduler import ExtendScheduler
+from pdserve.runtime.radix_cache import RadixCache
 from pdserve.runtime.request import Request, RequestState
 from pdserve.runtime.request_state import TERMINAL
 from pdserve.runtime.runner import ModelRunner, append_samples
@@ -43,11 +46,15 @@ class PrefillWorker:
         self.signals = signals or DrainSignal()
         self.runner = ModelRunner(cfg.runtime)
         rc = cfg.runtime
+        # Prompt pages enter the prefix cache when their KV transfer ends (`retire`), not before:
+        # until then they are the request's.
+        cache = None if rc.disable_radix_cache else RadixCache(self.runner.allocator, rc.page_size)
         self.sched = ExtendScheduler(
             self.runner.pages,
             rc.chunked_prefill_size,
             rc.max_running_requests,
             reserve_tokens=lambda r: len(r.prompt_ids),
+            cache=cache,
         )
         self.sender = KVSender(
             self.runner.pool.kv,
@@ -164,6 +171,7 @@ class PrefillWorker:
                 first_token=r.output_ids[0],
                 logprob=r.output_logprobs[0] if r.output_logprobs else None,
                 top_logprobs=r.output_top_logprobs[0] if r.output_top_logprobs else None,
+                cached_tokens=r.cached_tokens,
             ).model_dump()
             if self.stall_kv_send_s > 0:
                 due = time.monotonic() + self.stall_kv_send_s
@@ -176,10 +184,12 @@ class PrefillWorker:
     def _reply(self, done: list[Request]) -> None:
         assert self.link is not None
         for r in done:
-            self.link.send(m.PrefillDone(room=r.rid, events=self.events.pop(r.rid), cached_tokens=0))
+            self.link.send(
+                m.PrefillDone(room=r.rid, events=self.events.pop(r.rid), cached_tokens=r.cached_tokens)
+            )
         ld = self.link.load
         ld.queued, ld.running = len(self.sched.waiting), len(self.rooms)
-        ld.free_tokens = self.sched.pages.free_tokens
+        ld.free_tokens = self.sched.free_tokens
 
     def _release_stalled(self, now: float) -> None:
         due = [x for x in self.stalled if x[0] <= now]

@@ -17,6 +17,7 @@ from pdserve.protocol.records import RequestStats
 from pdserve.runtime.batch import ForwardMode
 from pdserve.runtime.extend_scheduler import ExtendScheduler
 from pdserve.runtime.loader import LoadedModel
+from pdserve.runtime.radix_cache import RadixCache
 from pdserve.runtime.request import Request, RequestState
 from pdserve.runtime.runner import ModelRunner, append_samples
 from pdserve.runtime.stepper import PlainStepper, Stepper
@@ -34,6 +35,7 @@ class GenerateOutput:
     prefill_seconds: float = 0.0
     total_seconds: float = 0.0
     stats: RequestStats = field(default_factory=RequestStats)  # the decode stepper's per-request counters
+    cached_tokens: int = 0  # prompt tokens served from the prefix cache
 
 
 class Engine:
@@ -49,12 +51,15 @@ class Engine:
         self.cfg = cfg
         self.stepper = (make_stepper or PlainStepper)(self.runner)
         # Admission reserves prompt + max_new_tokens, so a running request never runs out of
-        # pages and this engine needs no retraction.
+        # pages and this engine needs no retraction. A finished request's prompt pages stay in the
+        # prefix cache for later prompts that start the same way.
+        self.cache = None if cfg.disable_radix_cache else RadixCache(self.runner.allocator, cfg.page_size)
         self.extend = ExtendScheduler(
             self.runner.pages,
             cfg.chunked_prefill_size,
             cfg.max_running_requests,
             reserve_tokens=lambda r: r.max_total_tokens,
+            cache=self.cache,
         )
         self.running: list[Request] = []
         self._ids = itertools.count()
@@ -112,6 +117,7 @@ class Engine:
                     t[1] - t[0],
                     now - t[0],
                     stats,
+                    r.cached_tokens,
                 )
             )
         return outs

@@ -4,6 +4,10 @@ Shared by the offline engine (which reserves a request's whole lifetime at admis
 prefill worker (which reserves only the prompt; the decode node holds the rest). It owns the pages
 of the requests it admitted until they leave through `retire` (finished or failed), and tracks
 their deadlines until then (`expire`), handed-off ones included.
+
+With a prefix cache, admission starts a request on its longest cached prefix (`Request.num_computed`
+and `cached_tokens` set, those pages shared and locked), evicting unlocked cached pages when the pool
+is short; `retire` leaves the request's computed whole prompt pages in the cache.
 """
 
 from __future__ import annotations
@@ -13,6 +17,7 @@ from collections.abc import Callable
 
 from pdserve.runtime.deadlines import Deadlines
 from pdserve.runtime.kv_pool import RequestPages
+from pdserve.runtime.radix_cache import PrefixMatch, RadixCache
 from pdserve.runtime.request import Request, RequestState
 
 
@@ -23,6 +28,7 @@ class ExtendScheduler:
         token_budget: int,
         max_requests: int,
         reserve_tokens: Callable[[Request], int],
+        cache: RadixCache | None = None,
     ):
         self.pages = pages
         self.token_budget = token_budget
@@ -31,6 +37,14 @@ class ExtendScheduler:
         self.waiting: deque[Request] = deque()  # QUEUED
         self.prefilling: list[Request] = []  # PREFILLING
         self.deadlines = Deadlines()  # every request added and not yet retired
+        self.cache = cache
+        self.matches: dict[str, PrefixMatch] = {}  # rid -> its cached prefix, locked until `retire`
+
+    @property
+    def free_tokens(self) -> int:
+        """Tokens admission can still allocate: free pages plus cached pages it may evict."""
+        evictable = self.cache.evictable_pages if self.cache else 0
+        return self.pages.free_tokens + evictable * self.pages.page_size
 
     def __len__(self) -> int:
         return len(self.waiting) + len(self.prefilling)
@@ -70,16 +84,34 @@ class ExtendScheduler:
             budget -= n
         while self.waiting and budget > 0 and occupied + len(self.prefilling) < self.max_requests:
             r = self.waiting[0]
-            if not self.pages.reserve(r, self.reserve_tokens(r)):
+            if not self._reserve(r):
                 break
             self.waiting.popleft()
             r.transition(RequestState.PREFILLING)
             self.prefilling.append(r)
-            n = min(budget, len(r.prompt_ids))
+            n = min(budget, len(r.prompt_ids) - r.num_computed)
             reqs.append(r)
-            chunks.append(r.prompt_ids[:n])
+            chunks.append(r.prompt_ids[r.num_computed : r.num_computed + n])
             budget -= n
         return reqs, chunks
+
+    def _reserve(self, r: Request) -> bool:
+        """Pages for `r`'s reservation on top of its cached prefix; on failure nothing is held."""
+        if self.cache is None:
+            return self.pages.reserve(r, self.reserve_tokens(r))
+        # Matched before evicting, so the eviction cannot take the prefix this request is about to use.
+        m = self.cache.match(r.prompt_ids)
+        r.pages, r.num_computed, r.cached_tokens = list(m.pages), m.num_tokens, m.num_tokens
+        short = self.pages.pages_for(self.reserve_tokens(r)) - len(r.pages) - self.pages.allocator.num_free
+        if 0 < short <= self.cache.evictable_pages:  # evict only when that admits the request
+            self.cache.evict(short)
+        if not self.pages.reserve(r, self.reserve_tokens(r)):
+            self.cache.release(m)
+            self.pages.release(r)
+            r.num_computed = r.cached_tokens = 0
+            return False
+        self.matches[r.rid] = m
+        return True
 
     def take_completed(self, reqs: list[Request]) -> tuple[list[Request], list[int]]:
         """After a forward: the requests whose whole prompt is now computed, and their logits rows.
@@ -109,4 +141,13 @@ class ExtendScheduler:
             self.waiting.remove(req)
         if req in self.prefilling:
             self.prefilling.remove(req)
+        if self.cache is not None:
+            m = self.matches.pop(req.rid, None)
+            if m is not None:
+                self.cache.release(m)
+            # Whole prompt pages whose KV was computed (all of them once prefilled) stay cached; the
+            # cache takes over their references, and the rest (partial page, output tokens) is freed.
+            n = min(req.num_computed, len(req.prompt_ids)) // self.pages.page_size
+            self.cache.insert(req.prompt_ids[: n * self.pages.page_size], req.pages[:n])
+            req.pages = req.pages[n:]
         self.pages.release(req)

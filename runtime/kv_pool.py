@@ -102,6 +102,9 @@ class PageAllocator:
             self._refs[p] = 1
         return pages
 
+    def refcount(self, page: int) -> int:
+        return self._refs[page]
+
     def incref(self, pages: list[int]) -> None:
         for p in pages:
             if self._refs[p] <= 0:

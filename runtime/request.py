@@ -23,6 +23,8 @@ class Request:
     pages: list[int] = field(default_factory=list)
     # Tokens whose KV is in `pages` (prompt chunks done, then every token but the newest).
     num_computed: int = 0
+    # Prompt tokens whose KV came from the prefix cache at admission (whole pages).
+    cached_tokens: int = 0
     finish_reason: dict[str, Any] | None = None
     num_retractions: int = 0
     _state: RequestState = field(default=RequestState.QUEUED, init=False)

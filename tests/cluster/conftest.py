@@ -19,7 +19,7 @@ def cluster(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def engine_reference():
-    """Greedy token ids from the offline engine and from transformers, for prompts given as ids."""
+    """Greedy token ids from the offline engine (no prefix cache) and from transformers, for prompts as ids."""
     import torch
     from transformers import AutoModelForCausalLM
 
@@ -27,7 +27,7 @@ def engine_reference():
     from pdserve.runtime.engine import Engine
     from pdserve.sampling_params import SamplingParams
 
-    engine = Engine(RuntimeConfig(max_total_tokens=8192))
+    engine = Engine(RuntimeConfig(max_total_tokens=8192, disable_radix_cache=True))
     hf = AutoModelForCausalLM.from_pretrained(engine.runner.loaded.folder, dtype=torch.float32)
 
     def run(prompts: list[list[int]], max_new_tokens: int) -> tuple[list[list[int]], list[list[int]]]:

@@ -19,6 +19,11 @@ PROMPTS = [
     "Once upon a time, in a land far away, there lived a",
     "List three primary colors:",
 ]
+CONVERSATION = [
+    "You are a patient tutor. A student asks: why does the sky look blue during the day but red and"
+    " orange at sunset? Explain it in two short sentences.",
+    " Thanks! And why are clouds white?",
+]
 SEED_FILE = os.path.join(os.path.dirname(__file__), "..", "data", "seed_responses.txt")
 
 
@@ -105,6 +110,32 @@ def test_greedy_generate_equals_engine_and_transformers(cluster, engine_referenc
     )
     assert single["output_ids"] == hf[0][: len(single["output_ids"])]
     assert single["meta_info"]["prompt_tokens"] == len(ids[0])
+
+
+def test_second_turn_reuses_the_first_turns_cached_prefix(cluster, engine_reference):
+    """Turn 2's prompt starts with turn 1's prompt and answer: the prefill node serves turn 1's whole
+    prompt pages from its prefix cache, and the output is the engine's without a cache."""
+    page = 16  # the workers' --page-size default
+    (p1,) = tokenize(cluster, [CONVERSATION[0]])
+    (q2,) = tokenize(cluster, [CONVERSATION[1]])
+    assert len(p1) >= 2 * page
+    sp = {"max_new_tokens": 12, "temperature": 0}
+    t1 = generate(cluster.url, {"input_ids": p1, "sampling_params": sp})
+    assert t1["meta_info"]["cached_tokens"] == 0  # nothing before started this way
+    p2 = p1 + t1["output_ids"] + q2
+    t2 = generate(cluster.url, {"input_ids": p2, "sampling_params": sp})
+    assert t2["meta_info"]["cached_tokens"] >= len(p1) // page * page
+    assert t2["meta_info"]["cached_tokens"] % page == 0 and t2["meta_info"]["cached_tokens"] < len(p2)
+    (want1, want2), _ = engine_reference([p1, p2], 12)
+    assert t1["output_ids"] == want1 and t2["output_ids"] == want2
+    # Turn 2's own prompt pages are cached now; the OpenAI usage reports them the same way.
+    r = httpx.post(
+        cluster.url + "/v1/completions",
+        json={"model": "default", "prompt": p2, "max_tokens": 4, "temperature": 0},
+        timeout=300,
+    )
+    assert r.status_code == 200, r.text
+    assert r.json()["usage"]["prompt_tokens_details"]["cached_tokens"] == (len(p2) - 1) // page * page
 
 
 def test_generate_meta_info_matches_seed_shape_and_order(cluster):
@@ -245,11 +276,12 @@ def test_timeline_ordered_under_clock_skew(tmp_path):
     try:
         c.wait_healthy()
         generate(c.url, {"text": PROMPTS[0], "sampling_params": {"max_new_tokens": 2}})  # pair group built
-        for _ in range(3):
+        for i in range(3):
             out = generate(
                 c.url,
                 {
-                    "text": long_prompt,
+                    # A different start each time: a prefix cache hit would shrink the prefill span.
+                    "text": f"Run {i}. {long_prompt}",
                     "sampling_params": {"max_new_tokens": 32, "temperature": 0, "ignore_eos": True},
                 },
             )

@@ -142,3 +142,16 @@ def test_cpu_threads_split_evenly_and_shared_cores_wait_passively(launch, monkey
     assert worker_env(shared) == {}
     children = launch.plan(launch.parse_args([*cpu, "--threads-per-worker", "4"]))
     assert all("OMP_WAIT_POLICY" not in c.env for c in children)
+
+
+def test_up_forwards_disable_radix_cache_to_every_worker():
+    from pdserve.launcher import add_cli_args, worker_commands
+
+    parser = argparse.ArgumentParser()
+    add_cli_args(parser)
+    for flags, disabled in (([], False), (["--disable-radix-cache"], True)):
+        workers = [argv for name, argv in worker_commands(parser.parse_args(flags)) if name != "gateway"]
+        assert len(workers) == 2
+        for argv in workers:
+            cfg, unknown = _parse_worker(argv)
+            assert cfg.runtime.disable_radix_cache is disabled and unknown == []

@@ -158,6 +158,14 @@ def test_greedy_generation_matches_transformers(bundled, hf_bundled, make_engine
         reason = out.finish_reason["type"]
         assert reason == ("stop" if out.output_ids[-1] in bundled.spec.eos_token_ids else "length")
     assert identical >= len(prompts) - 2, "most prompts should match exactly, not only via near-ties"
+    assert_all_pages_back(engine)
+
+
+def assert_all_pages_back(engine) -> None:
+    """Every page is free or cached, and emptying the cache frees all (no reference leaked)."""
+    if engine.cache is not None:
+        engine.cache.check_invariants()
+        engine.cache.flush()
     assert engine.runner.allocator.num_free == engine.runner.allocator.num_pages
     engine.runner.allocator.check_invariants()
 
@@ -167,7 +175,7 @@ def greedy_reference(bundled, prompts):
     from pdserve.config import RuntimeConfig
     from pdserve.runtime.engine import Engine
 
-    engine = Engine(RuntimeConfig(device="cpu", max_total_tokens=4096), bundled)
+    engine = Engine(RuntimeConfig(device="cpu", max_total_tokens=4096, disable_radix_cache=True), bundled)
     return [
         o.output_ids for o in engine.generate(prompts[:5], SamplingParams(max_new_tokens=12, temperature=0))
     ]
@@ -186,9 +194,15 @@ def greedy_reference(bundled, prompts):
 )
 def test_scheduling_does_not_change_greedy_output(bundled, make_engine, prompts, greedy_reference, overrides):
     engine = make_engine(bundled, **overrides)
-    outs = engine.generate(prompts[:5], SamplingParams(max_new_tokens=12, temperature=0))
+    params = SamplingParams(max_new_tokens=12, temperature=0)
+    outs = engine.generate(prompts[:5], params)
     assert [o.output_ids for o in outs] == greedy_reference
-    assert engine.runner.allocator.num_free == engine.runner.allocator.num_pages
+    # Again, one prompt at a time: each starts on its cached prefix, evicting others' when the pool is short.
+    again = [engine.generate([p], params)[0] for p in prompts[:5]]
+    assert [o.output_ids for o in again] == greedy_reference
+    ps = engine.cfg.page_size
+    assert [o.cached_tokens for o in again] == [(len(p) - 1) // ps * ps for p in prompts[:5]]
+    assert_all_pages_back(engine)
 
 
 def test_seeded_sampling_ignores_batch_company(bundled, make_engine, prompts):
@@ -219,3 +233,59 @@ def test_finish_rules(bundled, make_engine, prompts):
     stopped = engine.generate([prompts[4]], greedy.model_copy(update={"stop_token_ids": [stop_tok]}))[0]
     assert stopped.output_ids == base.output_ids[: first + 1]
     assert stopped.finish_reason == {"type": "stop", "matched": stop_tok}
+
+
+def whole_pages_shared(a: list[int], b: list[int], page_size: int) -> int:
+    """Tokens in the whole pages `a` starts with that `b` also starts with (the cache's independent oracle)."""
+    n = 0
+    while n + page_size <= min(len(a), len(b)) and a[n : n + page_size] == b[n : n + page_size]:
+        n += page_size
+    return n
+
+
+def test_prefix_cache_hits_do_not_change_greedy_output(bundled, hf_bundled, make_engine, prompts, tokenizer):
+    """Prompts that share no, some and all pages with a cached one generate what they generate with no
+    cache (and what transformers does), and report the whole pages they were served as cached_tokens."""
+    ps = 4
+    cached = prompts[7]  # 20+ tokens
+    suffix = tokenizer(" Something else entirely, said differently.").input_ids
+    batch = [
+        prompts[0],  # shares nothing
+        cached[:9] + suffix,  # shares two whole pages
+        cached + suffix,  # shares all the cached prompt's whole pages
+        cached,  # the same prompt again: its last token is still computed
+        cached[:12],  # three whole cached pages: the last one is computed again
+    ]
+    params = SamplingParams(max_new_tokens=12, temperature=0)
+    engine = make_engine(bundled, page_size=ps)
+    first = engine.generate([cached], params)[0]
+    assert first.cached_tokens == 0
+    assert engine.cache is not None and engine.cache.num_pages == len(cached) // ps
+    outs = engine.generate(batch, params)
+
+    plain = make_engine(bundled, page_size=ps, disable_radix_cache=True)
+    assert plain.cache is None
+    want = plain.generate(batch, params)
+    assert [o.output_ids for o in outs] == [w.output_ids for w in want]
+    assert outs[3].output_ids == first.output_ids
+    assert all(w.cached_tokens == 0 for w in want)
+
+    expected = [min(whole_pages_shared(cached, p, ps), (len(p) - 1) // ps * ps) for p in batch]
+    assert expected[0] == 0 and expected[1] == 8 and expected[2] == len(cached) // ps * ps
+    assert expected[4] == 8
+    assert [o.cached_tokens for o in outs] == expected
+
+    for i, (p, out) in enumerate(zip(batch, outs)):
+        ids = torch.tensor([p])
+        with torch.no_grad():
+            hf = hf_bundled.generate(
+                ids,
+                attention_mask=torch.ones_like(ids),
+                max_new_tokens=12,
+                do_sample=False,
+                return_dict_in_generate=True,
+                output_logits=True,
+                pad_token_id=bundled.spec.eos_token_ids[0],
+            )
+        _check_against_hf(out.output_ids, hf.sequences[0, len(p) :].tolist(), hf.logits, f"prompt {i}")
+    assert_all_pages_back(engine)

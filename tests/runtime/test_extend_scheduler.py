@@ -7,6 +7,7 @@ import pytest
 
 from pdserve.runtime.extend_scheduler import ExtendScheduler
 from pdserve.runtime.kv_pool import PageAllocator, RequestPages
+from pdserve.runtime.radix_cache import RadixCache
 from pdserve.runtime.request import Request, RequestState
 from pdserve.sampling_params import SamplingParams
 
@@ -86,3 +87,67 @@ def test_hand_off_then_retire_frees_pages():
         sched.retire(req(2, 1), RequestState.RUNNING)
     with pytest.raises(ValueError, match="not QUEUED"):
         sched.add(a)
+
+
+def make_cached_sched(num_pages: int, budget: int = 100) -> ExtendScheduler:
+    alloc = PageAllocator(num_pages)
+    return ExtendScheduler(
+        RequestPages(alloc, PAGE), budget, 8, lambda r: len(r.prompt_ids), cache=RadixCache(alloc, PAGE)
+    )
+
+
+def run_to_retire(sched: ExtendScheduler, r: Request) -> None:
+    sched.add(r)
+    fake_forward(*sched.schedule())
+    assert sched.take_completed([r]) == ([r], [0])
+    sched.hand_off(r)
+    sched.retire(r, RequestState.FINISHED)
+
+
+def test_admission_starts_on_the_cached_prefix_and_retire_caches_prompt_pages():
+    sched = make_cached_sched(num_pages=10)
+    assert sched.cache is not None
+    a = Request("a", list(range(10)), SamplingParams())
+    sched.add(a)
+    assert a.cached_tokens == 0
+    fake_forward(*sched.schedule())
+    assert sched.take_completed([a]) == ([a], [0])
+    a_pages = list(a.pages)
+    sched.hand_off(a)
+    assert sched.cache.num_pages == 0  # the KV is still on its way out: not cached yet
+    sched.retire(a, RequestState.FINISHED)
+    assert sched.cache.num_pages == 2 and sched.pages.allocator.num_free == 8  # the partial page freed
+
+    b = Request("b", list(range(8)) + [77, 78], SamplingParams())
+    sched.add(b)
+    reqs, chunks = sched.schedule()
+    assert reqs == [b] and chunks == [[77, 78]]  # only the uncached rest is computed
+    assert (b.num_computed, b.cached_tokens, b.pages[:2]) == (8, 8, a_pages[:2])
+    sched.cache.check_invariants()
+    fake_forward(reqs, chunks)
+    sched.retire(b, RequestState.FAILED)  # aborted: its computed whole pages are still cached
+    sched.cache.check_invariants()
+    assert sched.cache.num_pages == 2 and sched.pages.allocator.num_free == 8
+
+
+def test_admission_evicts_unlocked_cached_pages_when_short():
+    sched = make_cached_sched(num_pages=6)
+    assert sched.cache is not None
+    run_to_retire(sched, Request("a", [1] * 8 + [2], SamplingParams()))
+    run_to_retire(sched, Request("b", [3] * 8 + [4], SamplingParams()))
+    assert sched.cache.num_pages == 4 and sched.pages.allocator.num_free == 2
+    assert sched.free_tokens == 6 * PAGE  # cached pages count as allocatable
+
+    c = Request("c", [1] * 8 + [5] * 8, SamplingParams())  # 4 pages: 2 cached, 2 free
+    sched.add(c)
+    assert sched.schedule()[0] == [c] and c.cached_tokens == 8
+    d = Request("d", [6] * 9, SamplingParams())  # 3 pages: only b's 2 cached pages are evictable
+    sched.add(d)
+    assert sched.schedule()[0] == [c]  # d waits, and nothing was evicted for it in vain
+    assert sched.cache.num_pages == 4 and d.pages == [] and d.num_computed == 0
+    sched.cache.check_invariants()
+    sched.retire(c, RequestState.FAILED)  # c's prefix unlocked: a's pages may go now
+    reqs, _ = sched.schedule()
+    assert reqs == [d] and d.cached_tokens == 0
+    sched.cache.check_invariants()
+    assert sched.pages.allocator.num_free + sched.cache.num_pages + len(d.pages) == 6
