@@ -274,6 +274,9 @@ def test_context_length_checks(cluster):
 
 def test_prefill_failure_is_an_error_and_aborts_decode(cluster):
     cluster.prefill.fail_code = "transfer"
+    # As with real workers, the decode produces nothing before its KV arrives (which it never does
+    # here): otherwise its first tokens could race the prefill's failure and the request would live on.
+    cluster.decode.kv_wait_s = 2.0
     r = cluster.client.post("/generate", json={"text": "hi"})
     assert r.status_code == 503
     msg = r.json()["error"]["message"]
