@@ -27,6 +27,10 @@ class GatewayConfig:
     log_level: str = "info"
     # Once both sockets are bound, their ports are written here as JSON (port 0 = any free port).
     port_file: str | None = None
+    # Prefill routing (gateway/workers.py RoutingPolicy): cache_aware | round_robin | least_load.
+    prefill_policy: str = "cache_aware"
+    cache_weight: float = 1.0
+    load_weight: float = 1.0
 
 
 def add_cli_args(parser: argparse.ArgumentParser) -> None:
@@ -59,6 +63,19 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
         help='write {"port": HTTP port, "control_port": control port} here once both are bound '
         "(use with --port 0 / --control-port 0)",
     )
+    parser.add_argument(
+        "--prefill-policy",
+        default=d.prefill_policy,
+        choices=["cache_aware", "round_robin", "least_load"],
+        help="how a prefill worker is picked: cache_aware (lowest cache-weight * uncached prompt tokens "
+        "+ load-weight * in-flight tokens), round_robin, least_load",
+    )
+    parser.add_argument(
+        "--cache-weight", type=float, default=d.cache_weight, help="cache_aware: cost per uncached token"
+    )
+    parser.add_argument(
+        "--load-weight", type=float, default=d.load_weight, help="cache_aware: cost per in-flight token"
+    )
 
 
 def config_from_args(args: argparse.Namespace) -> GatewayConfig:
@@ -76,4 +93,7 @@ def config_from_args(args: argparse.Namespace) -> GatewayConfig:
         enable_metrics=args.enable_metrics,
         log_level=args.log_level,
         port_file=args.port_file,
+        prefill_policy=args.prefill_policy,
+        cache_weight=args.cache_weight,
+        load_weight=args.load_weight,
     )

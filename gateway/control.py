@@ -12,6 +12,7 @@ import asyncio
 import contextlib
 import logging
 import time
+import uuid
 from dataclasses import dataclass, field
 
 import zmq
@@ -25,6 +26,9 @@ from pdserve.protocol.codec import ProtocolError, VersionMismatch
 from pdserve.protocol.gateway import (
     AbortRequest,
     Deregister,
+    FlushCache,
+    FlushCacheDone,
+    KVEvents,
     Ping,
     Pong,
     PrefillDone,
@@ -82,6 +86,7 @@ class ControlPlane:
         self._outbox: asyncio.Queue[tuple[bytes, bytes]] = asyncio.Queue()
         self._tasks: list[asyncio.Task] = []
         self.bound_port: int | None = None
+        self._flushes: dict[str, asyncio.Future[FlushCacheDone]] = {}  # flush_id -> its answer
 
     # ---- lifecycle ---------------------------------------------------------------------------
 
@@ -219,6 +224,12 @@ class ControlPlane:
                 log.debug("failure for unknown room %s: %s", msg.room, msg.message)
                 return
             room.inbox.put_nowait(LegFailed(msg.role, msg.code, msg.message, reported=True))
+        elif isinstance(msg, KVEvents):
+            worker.prefix.apply(msg)
+        elif isinstance(msg, FlushCacheDone):
+            fut = self._flushes.get(msg.flush_id)
+            if fut is not None and not fut.done():
+                fut.set_result(msg)
         elif isinstance(msg, Deregister):
             log.info("worker %s is draining: out of rotation for new requests", worker.worker_id)
             worker.draining = True
@@ -266,6 +277,31 @@ class ControlPlane:
             w.clock.offset,
             w.clock.rtt or 0.0,
         )
+
+    async def flush_caches(self, timeout_s: float = 10.0) -> dict[str, str]:
+        """Ask every registered prefill worker to empty its prefix cache; returns the refusals
+        (worker id -> why). Each worker then publishes the removal in its KVEvents."""
+        asked: dict[str, asyncio.Future[FlushCacheDone]] = {}
+        for w in self.registry.all():
+            if w.role == "prefill":
+                fid = uuid.uuid4().hex
+                asked[w.worker_id] = self._flushes[fid] = asyncio.get_running_loop().create_future()
+                self.send(w, FlushCache(flush_id=fid))
+        refused: dict[str, str] = {}
+        try:
+            for wid, fut in asked.items():
+                try:
+                    done = await asyncio.wait_for(fut, timeout_s)
+                except asyncio.TimeoutError:
+                    refused[wid] = f"no answer within {timeout_s:.0f} s"
+                    continue
+                if not done.ok:
+                    refused[wid] = done.message
+        finally:
+            for fut in asked.values():
+                fut.cancel()
+            self._flushes = {k: f for k, f in self._flushes.items() if not f.done()}
+        return refused
 
     # ---- liveness ----------------------------------------------------------------------------
 

@@ -224,8 +224,9 @@ class Generations:
 
     async def _attempt(self, run: _Run) -> AsyncIterator[GenState]:
         inp, st, c = run.inp, run.st, run.c
-        prefill = self.registry.pick("prefill", run.avoid | run.prefer_not) or self.registry.pick(
-            "prefill", run.avoid
+        prompt = inp.input_ids + list(st.output_ids)  # a migration's prompt: see below
+        prefill = self.registry.pick("prefill", run.avoid | run.prefer_not, prompt) or self.registry.pick(
+            "prefill", run.avoid, prompt
         )
         decode = self.registry.pick("decode", run.avoid)
         if prefill is None or decode is None:

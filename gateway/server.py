@@ -26,7 +26,7 @@ from pdserve.gateway.metrics import CONTENT_TYPE, GatewayMetrics
 from pdserve.gateway.openapi import install_openapi
 from pdserve.gateway.serving import Admission
 from pdserve.gateway.tokenizer import Tokenizer
-from pdserve.gateway.workers import WorkerRegistry
+from pdserve.gateway.workers import RoutingPolicy, WorkerRegistry
 from pdserve.port_file import write_port_file
 
 log = logging.getLogger(__name__)
@@ -49,7 +49,9 @@ class GatewayState:
 def create_app(cfg: GatewayConfig, tokenizer: Tokenizer | None = None) -> FastAPI:
     """Build the gateway app; pass `tokenizer` to reuse one already loaded."""
     tok = tokenizer or Tokenizer.load(cfg.model_path)
-    registry = WorkerRegistry()
+    registry = WorkerRegistry(
+        RoutingPolicy(cfg.prefill_policy, cfg.cache_weight, cfg.load_weight)  # type: ignore[arg-type]
+    )
     metrics = GatewayMetrics()
     control = ControlPlane(cfg, registry, metrics)
     gw = GatewayState(
@@ -96,6 +98,16 @@ def create_app(cfg: GatewayConfig, tokenizer: Tokenizer | None = None) -> FastAP
             "tokenizer_path": cfg.model_path,
             "is_generation": True,
         }
+
+    @app.api_route("/flush_cache", methods=["GET", "POST"])
+    async def flush_cache() -> Response:
+        """SGLang's endpoint: empty every prefill worker's prefix cache; refused (400, naming the
+        workers) where requests are in flight."""
+        refused = await control.flush_caches()
+        if refused:
+            msg = "; ".join(f"{wid}: {why}" for wid, why in refused.items())
+            return JSONResponse(error_body(400, f"cache not flushed on: {msg}"), status_code=400)
+        return Response("Cache flushed.\n", status_code=200)
 
     @app.get("/workers")
     async def workers(include_down: bool = Query(False, alias="all")) -> dict:

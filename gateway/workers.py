@@ -3,7 +3,10 @@
 Plain bookkeeping, no sockets: `control.py` feeds it from the wire. A worker is in rotation when it
 is registered and not draining; a draining worker still serves (and is pinged for) the requests it
 holds. Routing picks, per role, the worker with the least outstanding work the gateway tracks
-(in-flight requests, then in-flight tokens), breaking ties round-robin.
+(in-flight requests, then in-flight tokens), breaking ties round-robin. Prefill routing follows
+`RoutingPolicy`: `cache_aware` (default) picks the lowest `cache_weight * uncached prompt tokens
++ load_weight * in-flight tokens`, the uncached tokens counted on each worker's `PrefixIndex`;
+`least_load` is the rule above; `round_robin` ignores load and cache alike.
 
 A worker's state: `healthy` (in rotation), `draining`, or `down` (lost: heartbeat timeout). A lost
 worker leaves the registry (never pinged, never routed to) but is remembered as down for
@@ -14,14 +17,17 @@ still listed (a restart the heartbeat had not noticed yet), counts as a restart.
 from __future__ import annotations
 
 import time
-from collections.abc import Collection
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass, field
 from typing import Literal
 
 from pdserve.gateway.clock import OffsetEstimator
+from pdserve.gateway.prefix_index import PrefixIndex
 from pdserve.protocol.gateway import Register, Role
 
 WorkerState = Literal["healthy", "draining", "down"]
+PrefillPolicy = Literal["cache_aware", "round_robin", "least_load"]
+PREFILL_POLICIES: tuple[PrefillPolicy, ...] = ("cache_aware", "round_robin", "least_load")
 # How long a lost worker stays listed as down unless it registers again.
 DOWN_KEEP_S = 600.0
 
@@ -47,6 +53,7 @@ class WorkerInfo:
     # Registrations under this id after the first one this gateway saw.
     restarts: int = 0
     down_since: float | None = None  # time.monotonic() when it was lost
+    prefix: PrefixIndex = field(default_factory=PrefixIndex)  # prefill: what its cache holds
 
     @property
     def bootstrap_addr(self) -> str:
@@ -69,13 +76,29 @@ class Limits:
     decode_capacity: int
 
 
+@dataclass(frozen=True)
+class RoutingPolicy:
+    prefill: PrefillPolicy = "cache_aware"
+    # cache_aware cost of a prefill worker: cache_weight * uncached prompt tokens + load_weight *
+    # tokens it has in flight. Equal weights: a cached token saves as much as a queued one costs.
+    cache_weight: float = 1.0
+    load_weight: float = 1.0
+
+    def __post_init__(self) -> None:
+        if self.prefill not in PREFILL_POLICIES:
+            raise ValueError(f"prefill policy {self.prefill!r} is not one of {', '.join(PREFILL_POLICIES)}")
+        if self.cache_weight < 0 or self.load_weight < 0:
+            raise ValueError("routing weights must be >= 0")
+
+
 def fingerprint_mismatch(theirs: dict, ours: dict) -> list[str]:
     keys = sorted(set(theirs) | set(ours))
     return [k for k in keys if theirs.get(k) != ours.get(k)]
 
 
 class WorkerRegistry:
-    def __init__(self) -> None:
+    def __init__(self, policy: RoutingPolicy | None = None) -> None:
+        self.policy = policy or RoutingPolicy()
         self._workers: dict[str, WorkerInfo] = {}
         self._down: dict[str, WorkerInfo] = {}  # lost workers, kept for DOWN_KEEP_S
         self._rr: dict[str, int] = {"prefill": 0, "decode": 0}
@@ -160,14 +183,33 @@ class WorkerRegistry:
 
     # ---- routing -----------------------------------------------------------------------------
 
-    def pick(self, role: Role, avoid: Collection[str] = ()) -> WorkerInfo | None:
-        """Least outstanding work; ties round-robin; never a worker id in `avoid` (a failed attempt's).
-        Does not reserve: call `acquire`."""
+    def pick(
+        self, role: Role, avoid: Collection[str] = (), input_ids: Sequence[int] = ()
+    ) -> WorkerInfo | None:
+        """The worker for the next request with prompt `input_ids`, by the role's policy (decode:
+        least outstanding work); ties round-robin; never a worker id in `avoid` (a failed
+        attempt's). Does not reserve: call `acquire`."""
         cands = [w for w in self.in_rotation(role) if w.worker_id not in avoid]
         if not cands:
             return None
-        best = min((w.inflight_requests, w.inflight_tokens) for w in cands)
-        tied = [w for w in cands if (w.inflight_requests, w.inflight_tokens) == best]
+        policy = self.policy.prefill if role == "prefill" else "least_load"
+        if policy == "round_robin":
+            tied = cands
+        elif policy == "cache_aware":
+            a, b = self.policy.cache_weight, self.policy.load_weight
+            hashes: dict[int, list[int]] = {}
+            costs = {
+                w.worker_id: a * (len(input_ids) - w.prefix.cached_tokens(input_ids, hashes))
+                + b * w.inflight_tokens
+                for w in cands
+            }
+            low = min(costs.values())
+            tied = [w for w in cands if costs[w.worker_id] == low]
+            fewest = min(w.inflight_requests for w in tied)
+            tied = [w for w in tied if w.inflight_requests == fewest]
+        else:
+            best = min((w.inflight_requests, w.inflight_tokens) for w in cands)
+            tied = [w for w in cands if (w.inflight_requests, w.inflight_tokens) == best]
         w = tied[self._rr[role] % len(tied)]
         self._rr[role] += 1
         return w

@@ -60,6 +60,9 @@ class WorkerLink:
         self._wake_local = threading.local()
         self._stop = threading.Event()
         self.registered = threading.Event()
+        # Accepted registrations so far (written by the I/O thread only): a worker that owes the
+        # gateway a fresh view of its state after each one (the prefix cache snapshot) watches it.
+        self.accepted = 0
         self.refused: str | None = None
         self._reregister_after_s = reregister_after_s
         self._thread = threading.Thread(target=self._run, name="worker-link", daemon=True)
@@ -168,6 +171,7 @@ class WorkerLink:
             )
         elif isinstance(msg, m.RegisterAck):
             if msg.accepted:
+                self.accepted += 1
                 self.registered.set()
             else:
                 self.refused = msg.reason or "refused by the gateway"

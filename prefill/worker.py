@@ -48,7 +48,12 @@ class PrefillWorker:
         rc = cfg.runtime
         # Prompt pages enter the prefix cache when their KV transfer ends (`retire`), not before:
         # until then they are the request's.
-        cache = None if rc.disable_radix_cache else RadixCache(self.runner.allocator, rc.page_size)
+        cache = None
+        if not rc.disable_radix_cache:
+            cache = RadixCache(self.runner.allocator, rc.page_size, record_events=True)
+        self.cache = cache
+        # The link's accepted registrations the gateway has had a cache snapshot for.
+        self.snapshot_for = 0
         self.sched = ExtendScheduler(
             self.runner.pages,
             rc.chunked_prefill_size,
@@ -92,6 +97,7 @@ class PrefillWorker:
         done = self._run(reqs, chunks) if reqs else []
         self._hand_off(done)
         self._reply(done)
+        self._publish_cache()
 
     def _receive(self) -> None:
         """Ended transfers (their pages are freed), then the gateway's messages."""
@@ -111,6 +117,38 @@ class PrefillWorker:
             r = self.rooms.get(msg.room)
             if r is not None:
                 self._stop(r)
+        elif isinstance(msg, m.FlushCache):
+            self.link.send(self._flush_cache(msg.flush_id))
+
+    def _flush_cache(self, flush_id: str) -> m.FlushCacheDone:
+        """Empty the prefix cache, only when nothing is queued, running or transferring here (their
+        pages may be cached ones); the removal goes to the gateway with this step's KVEvents."""
+        busy = len(self.rooms) + len(self.stalled)
+        if busy:
+            why = f"prefill worker {self.cfg.worker_id} has {busy} requests in flight"
+            return m.FlushCacheDone(flush_id=flush_id, ok=False, message=why)
+        if self.cache is not None:
+            try:
+                self.cache.flush()
+            except RuntimeError as e:
+                return m.FlushCacheDone(flush_id=flush_id, ok=False, message=str(e))
+        return m.FlushCacheDone(flush_id=flush_id, ok=True)
+
+    def _publish_cache(self) -> None:
+        """At most one KVEvents per step: a full snapshot after each (re)registration, since a gateway
+        that (re)admits us knows nothing of our cache, else what was stored and evicted this step."""
+        assert self.link is not None
+        if self.cache is None:
+            return
+        stored, removed = self.cache.take_events()
+        accepted = self.link.accepted
+        ps, wid = self.cache.page_size, self.cfg.worker_id
+        if accepted != self.snapshot_for:
+            self.snapshot_for = accepted
+            snap = self.cache.block_snapshot()
+            self.link.send(m.KVEvents(worker_id=wid, page_size=ps, snapshot=True, stored=snap))
+        elif stored or removed:
+            self.link.send(m.KVEvents(worker_id=wid, page_size=ps, stored=stored, removed=removed))
 
     def _stop(self, r: Request) -> bool:
         """End `r` on this node: its pages are freed now (False), or, with its transfer in flight,

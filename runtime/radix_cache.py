@@ -13,6 +13,10 @@ Life of a request's pages: `match` at admission (the cached prefix, locked and r
 rest allocated as usual; when the request ends, `insert` takes over its whole prompt pages (pages
 whose tokens are already cached are freed: deduplication), `release` drops the lock, and the caller
 frees its remaining pages. `evict` frees least recently used unlocked leaves when the pool is short.
+
+Block hashes: each node also keeps the chained hash of each of its pages (`pdserve.protocol.block_hash`:
+the name a page has on the gateway). With `record_events`, the hashes of pages that enter the tree
+and leave it are collected until `take_events` hands them over (the prefill worker publishes them).
 """
 
 from __future__ import annotations
@@ -22,6 +26,7 @@ import itertools
 from collections import Counter
 from dataclasses import dataclass, field
 
+from pdserve.protocol.block_hash import ROOT_HASH, block_hashes
 from pdserve.runtime.kv_pool import PageAllocator
 
 Key = tuple[int, ...]
@@ -32,6 +37,7 @@ class _Node:
     key: Key  # token ids held by `pages`: len(key) == len(pages) * page_size
     pages: list[int]
     parent: _Node | None
+    hashes: list[int] = field(default_factory=list)  # chained block hash of each page
     children: dict[Key, _Node] = field(default_factory=dict)  # first page's token ids -> child
     lock_ref: int = 0  # matches whose path runs through this node
     last_access: int = 0  # a tick of the cache's clock: LRU order for eviction
@@ -49,7 +55,7 @@ class PrefixMatch:
 
 
 class RadixCache:
-    def __init__(self, allocator: PageAllocator, page_size: int):
+    def __init__(self, allocator: PageAllocator, page_size: int, record_events: bool = False):
         if page_size < 1:
             raise ValueError("page_size must be >= 1")
         self.allocator = allocator
@@ -59,10 +65,23 @@ class RadixCache:
         self._held: Counter[_Node] = Counter()  # matches not yet released, by their deepest node
         self.num_pages = 0  # pages in the tree
         self._locked_pages = 0  # pages in nodes with lock_ref > 0
+        self.record_events = record_events
+        self._stored: list[int] = []  # block hashes that entered the tree since `take_events`
+        self._removed: list[int] = []  # and those that left it
 
     @property
     def evictable_pages(self) -> int:
         return self.num_pages - self._locked_pages
+
+    def take_events(self) -> tuple[list[int], list[int]]:
+        """Block hashes (stored, removed) since the last call; a hash may be in both, in that order."""
+        out = self._stored, self._removed
+        self._stored, self._removed = [], []
+        return out
+
+    def block_snapshot(self) -> list[int]:
+        """The block hash of every page in the tree."""
+        return [h for n in self._nodes() for h in n.hashes]
 
     def match(self, prompt_ids: list[int]) -> PrefixMatch:
         """The longest cached prefix of `prompt_ids` in whole pages, leaving at least the last token
@@ -118,7 +137,11 @@ class RadixCache:
         while j < len(pages):
             child = node.children.get(key[i : i + ps])
             if child is None:
-                new = _Node(key[i:], list(pages[j:]), node, last_access=now)
+                parent_hash = node.hashes[-1] if node.hashes else ROOT_HASH
+                hashes = block_hashes(key[i:], ps, parent_hash)
+                new = _Node(key[i:], list(pages[j:]), node, hashes, last_access=now)
+                if self.record_events:
+                    self._stored += hashes
                 node.children[key[i : i + ps]] = new
                 self.num_pages += len(new.pages)
                 return len(new.pages)
@@ -147,6 +170,9 @@ class RadixCache:
             drop = leaf.pages[len(leaf.pages) - k :]
             leaf.pages = leaf.pages[: len(leaf.pages) - k]
             leaf.key = leaf.key[: len(leaf.pages) * ps]
+            if self.record_events:
+                self._removed += leaf.hashes[len(leaf.pages) :]
+            leaf.hashes = leaf.hashes[: len(leaf.pages)]
             self.allocator.free(drop)  # the tree's references: back to the free list
             self.num_pages -= k
             freed += k
@@ -164,6 +190,8 @@ class RadixCache:
             raise RuntimeError(f"cannot flush the prefix cache: {sum(self._held.values())} matches hold it")
         for n in self._nodes():
             self.allocator.free(n.pages)
+            if self.record_events:
+                self._removed += n.hashes
         self.root = _Node((), [], None)
         self.num_pages = 0
 
@@ -183,10 +211,11 @@ class RadixCache:
         ps = self.page_size
         parent = node.parent
         assert parent is not None and 0 < n < len(node.pages)
-        head = _Node(node.key[: n * ps], node.pages[:n], parent, lock_ref=node.lock_ref)
+        head = _Node(node.key[: n * ps], node.pages[:n], parent, node.hashes[:n], lock_ref=node.lock_ref)
         head.last_access = node.last_access
         parent.children[head.key[:ps]] = head
         node.key, node.pages, node.parent = node.key[n * ps :], node.pages[n:], head
+        node.hashes = node.hashes[n:]
         head.children[node.key[:ps]] = node
         return node
 
@@ -221,6 +250,9 @@ class RadixCache:
             assert n.parent is not None
             if n.parent.children.get(n.key[:ps]) is not n:
                 raise AssertionError("a node is not under its first page in its parent")
+            parent_hash = n.parent.hashes[-1] if n.parent.hashes else ROOT_HASH
+            if n.hashes != block_hashes(n.key, ps, parent_hash):
+                raise AssertionError("a node's block hashes do not chain from its parent's")
             expect = self._held[n] + sum(c.lock_ref for c in n.children.values())
             if n.lock_ref != expect:
                 raise AssertionError(f"lock_ref {n.lock_ref}, but {expect} matches run through the node")

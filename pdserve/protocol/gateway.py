@@ -75,6 +75,38 @@ class Deregister(_Msg):
     worker_id: str
 
 
+# ---- prefix cache -------------------------------------------------------------------------
+
+
+class KVEvents(_Msg):
+    """Prefill -> gateway, at most one per worker step: page blocks its prefix cache stored and
+    removed since the last one, as chained block hashes (`block_hash.py`). `snapshot`: `stored` is
+    everything cached now and replaces what the gateway knew (sent after each registration)."""
+
+    kind: Literal["kv_events"] = "kv_events"
+    worker_id: str
+    page_size: int = Field(ge=1)
+    snapshot: bool = False
+    stored: list[int] = Field(default_factory=list)
+    removed: list[int] = Field(default_factory=list)
+
+
+class FlushCache(_Msg):
+    """Gateway -> prefill worker: empty your prefix cache (refused while requests run)."""
+
+    kind: Literal["flush_cache"] = "flush_cache"
+    flush_id: str
+
+
+class FlushCacheDone(_Msg):
+    """Prefill -> gateway: the answer to `FlushCache`; `message` says why when not `ok`."""
+
+    kind: Literal["flush_cache_done"] = "flush_cache_done"
+    flush_id: str
+    ok: bool
+    message: str = ""
+
+
 # ---- per request -----------------------------------------------------------------------------
 
 
@@ -157,6 +189,9 @@ Message = Annotated[
         PrefillDone,
         RequestFailed,
         TokenBatch,
+        KVEvents,
+        FlushCache,
+        FlushCacheDone,
     ],
     Field(discriminator="kind"),
 ]

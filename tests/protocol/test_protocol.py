@@ -90,6 +90,9 @@ GATEWAY_SAMPLES: list[BaseModel] = [
             )
         ],
     ),
+    gw.KVEvents(worker_id="p0", page_size=4, snapshot=True, stored=[1, 2**63 - 1], removed=[7]),
+    gw.FlushCache(flush_id="f1"),
+    gw.FlushCacheDone(flush_id="f1", ok=False, message="p0 has 2 requests in flight"),
 ]
 
 KV_SAMPLES: list[BaseModel] = [
@@ -161,7 +164,13 @@ def test_codec_refuses_another_version_and_malformed_bodies(codec, sample):
     ) as e:
         codec.decode(_with_version(codec.encode(sample), 99))
     assert e.value.kind == sample.kind
-    for bad in (b"", b"not json", b"[1, 2]", b'{"v": 1}', b'{"v": 1, "msg": {"kind": "martian"}}'):
+    for bad in (
+        b"",
+        b"not json",
+        b"[1, 2]",
+        b'{"v": %d}' % PROTOCOL_VERSION,
+        b'{"v": %d, "msg": {"kind": "martian"}}' % PROTOCOL_VERSION,
+    ):
         with pytest.raises(MalformedFrame, match="malformed"):
             codec.decode(bad)
     wrong_field = codec.encode(sample).replace(b'"kind"', b'"unexpected":1,"kind"', 1)
@@ -224,15 +233,40 @@ def test_gateway_refuses_a_register_of_another_version_and_garbage_then_keeps_se
     ctx = zmq.Context()
     sock = _dealer(ctx, f"tcp://127.0.0.1:{control_plane.bound_port}", b"d0")
     try:
-        sock.send(_with_version(gw.encode(_register()), 2))
+        sock.send(_with_version(gw.encode(_register()), 9))
         ack = _recv(sock, gw, gw.RegisterAck)
-        assert not ack.accepted and "register of protocol version 2 refused" in ack.reason
+        assert not ack.accepted and "register of protocol version 9 refused" in ack.reason
         assert control_plane.registry.get("d0") is None
         sock.send(b"\xff garbage")
         sock.send(gw.encode(_register()).replace(b'"vocab_size":100', b'"vocab_size":"many"'))
         sock.send(gw.encode(_register()))
         assert _recv(sock, gw, gw.RegisterAck).accepted
         assert control_plane.registry.get("d0") is not None
+    finally:
+        sock.close()
+        ctx.term()
+
+
+def test_gateway_applies_kv_events_and_drops_those_of_another_version_or_malformed(control_plane):
+    ctx = zmq.Context()
+    sock = _dealer(ctx, f"tcp://127.0.0.1:{control_plane.bound_port}", b"p0")
+    try:
+        sock.send(gw.encode(_register("p0", "prefill")))
+        assert _recv(sock, gw, gw.RegisterAck).accepted
+        old = gw.KVEvents(worker_id="p0", page_size=4, stored=[666])
+        sock.send(_with_version(gw.encode(old), PROTOCOL_VERSION - 1))  # a release before KVEvents
+        sock.send(
+            gw.encode(gw.KVEvents(worker_id="p0", page_size=4, stored=[1])).replace(
+                b'"page_size":4', b'"page_size":0'
+            )
+        )
+        sock.send(gw.encode(gw.KVEvents(worker_id="p0", page_size=4, snapshot=True, stored=[1, 2, 3])))
+        sock.send(gw.encode(gw.KVEvents(worker_id="p0", page_size=4, stored=[4], removed=[2])))
+        index = control_plane.registry.get("p0").prefix
+        deadline = time.monotonic() + 5
+        while index.blocks != {1, 3, 4} and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert index.blocks == {1, 3, 4} and index.page_size == 4
     finally:
         sock.close()
         ctx.term()
@@ -260,7 +294,7 @@ def test_worker_link_drops_bad_frames_and_keeps_answering_pings():
         link.wait_registered(5)
         router.send_multipart([identity, b"{not json"])
         router.send_multipart([identity, _with_version(gw.encode(gw.Ping(t0=1.0)), 7)])
-        router.send_multipart([identity, b'{"v":1,"msg":{"kind":"ping"}}'])  # t0 missing
+        router.send_multipart([identity, b'{"v":%d,"msg":{"kind":"ping"}}' % PROTOCOL_VERSION])  # t0 missing
         router.send_multipart([identity, gw.encode(gw.Ping(t0=2.0))])
         pong = _recv(router, gw, gw.Pong)
         assert pong.t0 == 2.0  # only the good ping was answered
@@ -339,10 +373,10 @@ def test_bootstrap_server_refuses_a_hello_of_another_version_and_garbage_then_ke
         sock.send(b"\x00\x01 garbage")
         sock.send(kc.encode(kc.PageList(room="x", pages=[1], num_tokens=1)).replace(b"[1]", b'"one"'))
         hello = kc.Hello(receiver_id="stranger", identity={})
-        sock.send(_with_version(kc.encode(hello), 2))
+        sock.send(_with_version(kc.encode(hello), 9))
         ack = _recv(sock, kc, kc.HelloAck)
-        assert not ack.ok and ack.mismatch and "hello of protocol version 2 refused" in ack.error
-        assert any("version 2" in e for e in sender.handshake_errors())
+        assert not ack.ok and ack.mismatch and "hello of protocol version 9 refused" in ack.error
+        assert any("version 9" in e for e in sender.handshake_errors())
     finally:
         sock.close()
         ctx.term()

@@ -7,6 +7,7 @@ import random
 
 import pytest
 
+from pdserve.protocol.block_hash import block_hashes
 from pdserve.runtime.kv_pool import PageAllocator
 from pdserve.runtime.radix_cache import PrefixMatch, RadixCache
 
@@ -214,3 +215,27 @@ def test_random_requests_keep_every_invariant(seed):
     cache.flush()
     cache.check_invariants()
     assert alloc.num_free == alloc.num_pages
+
+
+def test_events_name_pages_as_the_gateway_hashes_them():
+    """What the tree stores, evicts and flushes comes out as the block hashes the gateway computes for
+    the same prompt, so the gateway's index mirrors the tree."""
+    alloc = PageAllocator(32)
+    cache = RadixCache(alloc, PAGE, record_events=True)
+    a, b = list(range(12)), list(range(8)) + [50, 51, 52, 53]  # share two pages, differ in the third
+    cache_prompt(alloc, cache, a)
+    stored, removed = cache.take_events()
+    assert stored == block_hashes(a, PAGE) and removed == []
+    cache_prompt(alloc, cache, b)  # splits a's node: only b's own third page is new
+    stored, removed = cache.take_events()
+    assert stored == block_hashes(b, PAGE)[2:] and removed == []
+    mirror = set(block_hashes(a, PAGE)) | set(block_hashes(b, PAGE))
+    assert set(cache.block_snapshot()) == mirror and len(cache.block_snapshot()) == 4
+    assert cache.evict(1) == 1  # the least recently used leaf: a's third page
+    stored, removed = cache.take_events()
+    assert stored == [] and removed == [block_hashes(a, PAGE)[2]]
+    assert set(cache.block_snapshot()) == set(block_hashes(b, PAGE))
+    cache.flush()
+    assert sorted(cache.take_events()[1]) == sorted(block_hashes(b, PAGE))
+    assert cache.block_snapshot() == [] and cache.take_events() == ([], [])
+    cache.check_invariants()
