@@ -129,6 +129,8 @@ def create_app(cfg: GatewayConfig, tokenizer: Tokenizer | None = None) -> FastAP
                     "free_tokens": w.free_tokens,
                     "max_total_tokens": w.reg.max_total_tokens,
                     "inflight_requests": w.inflight_requests,
+                    # Prefill: pages its prefix cache holds, as the gateway's index knows them.
+                    "cached_blocks": len(w.prefix.blocks),
                 }
                 for w in listed
             ]
