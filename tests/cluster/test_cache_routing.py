@@ -14,6 +14,7 @@ import random
 import re
 import signal
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import pytest
@@ -115,5 +116,26 @@ def test_index_survives_a_gateway_restart_and_flush_cache_empties_it(tmp_path):
             meta = _generate(c.url, _prompt(0, 0))
             assert meta["cached_tokens"] == 0
             time.sleep(0.3)
+    finally:
+        c.stop()
+
+
+def test_flush_cache_is_refused_while_a_prefill_holds_a_request(tmp_path):
+    """A prefill worker holding a request (its KV send stalled by the test hook) refuses to flush, and
+    the gateway's answer names it; once the request is done the flush goes through."""
+    workers: list = [("prefill", {}, ["--test-stall-kv-send", "4"]), ("decode", {})]
+    c = start_roles(tmp_path, workers)
+    try:
+        c.wait_healthy(workers=2)
+        with ThreadPoolExecutor(1) as pool:
+            pending = pool.submit(_generate, c.url, _prompt(0, 0))
+            time.sleep(2)  # prefilled and held by the stall
+            r = httpx.post(c.url + "/flush_cache", timeout=30)
+            assert r.status_code == 400, r.text
+            assert "prefill-0" in r.json()["error"]["message"], r.text
+            pending.result(timeout=120)
+        time.sleep(0.3)
+        assert httpx.post(c.url + "/flush_cache", timeout=30).status_code == 200
+        _wait_blocks(c.url, 0, 5)
     finally:
         c.stop()
