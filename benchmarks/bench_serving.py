@@ -580,8 +580,8 @@ def _launch_all(args: argparse.Namespace, log_dir: str) -> list[Launched]:
     out = []
     pd = [("pdserve", "")] if args.launch_pdserve else []
     # Variants sit 20 ports up, two apart: each `pdserve up` also takes port + 1 for its control socket.
-    for i, (name, flags) in enumerate(pd + _variants(args)):
-        port = args.launch_port + (20 + 2 * i if name != "pdserve" else 0)
+    for i, (name, flags) in enumerate(pd + _variants(args), start=-len(pd)):
+        port = args.launch_port + (20 + 2 * i if i >= 0 else 0)
         argv = [sys.executable, "-m", "pdserve.cli", "up", "--port", str(port),
                 "--log-dir", os.path.join(log_dir, name), *shlex.split(args.pdserve_args),
                 *shlex.split(flags)]  # fmt: skip
