@@ -9,6 +9,15 @@ alternating per round, because a shared machine drifts by tens of percent within
     pdserve bench serving --targets pdserve=http://127.0.0.1:30000,peer=http://127.0.0.1:8000 ...
     pdserve bench serving --launch-pdserve --launch-transformers-serve --dataset chat ...
 
+Prefix caching: `--dataset multiturn` runs conversations whose turns share their history (turn k's
+prompt is turn k-1's prompt, its answer and a new question; the first question carries a long document),
+turns in order, conversations concurrently; it reports per turn the median TTFT and the cache hit rate
+(cached / prompt tokens, from `usage.prompt_tokens_details.cached_tokens` or `meta_info.cached_tokens`).
+`--dataset shared-prefix` gives every request one long system prompt. Compare with the cache off:
+
+    pdserve bench serving --launch-pdserve --launch-pdserve-variant nocache=--disable-radix-cache \\
+        --dataset multiturn --num-prompts 4 --num-turns 4 --max-concurrency 2
+
 Ratios in the comparison table are first target / other target. Requests always stream.
 TTFT is the time to the first non-empty content chunk, ITL the gaps between content chunks,
 TPOT (e2e - ttft) / (output_tokens - 1). Output tokens come from the server's `usage`
@@ -71,6 +80,15 @@ class Prompt:
     text: str  # the user turn (chat) or the whole prompt (completions, native)
     system: str | None
     output_len: int
+    history: tuple[tuple[str, str], ...] = ()  # earlier (user, assistant) turns of a conversation
+
+
+def flat_text(p: Prompt) -> str:
+    """The prompt as one string (completions, native): a conversation's turn k extends turn k-1's text."""
+    parts = [p.system] if p.system else []
+    for user, answer in p.history:
+        parts += [user, answer]
+    return "\n\n".join(parts + [p.text])
 
 
 def chat_prompts(n: int, output_len: int, seed: int) -> list[Prompt]:
@@ -99,6 +117,47 @@ def random_prompts(
         ids = [rng.choice(vocab) for _ in range(n_in)]
         out.append(Prompt(tokenizer.decode(ids), None, n_out))
     return out
+
+
+_QUESTIONS = [
+    "Summarize the document above in three sentences.", "Which part of it surprised you most, and why?",
+    "Now rewrite your last answer for a ten-year-old.", "List the three most important points so far.",
+    "What would a critic say about the document?", "Suggest a good title for it.",
+    "Which claim in it would you check first, and how?", "Give one follow-up question worth researching.",
+]  # fmt: skip
+
+
+def _document(rng: random.Random, approx_tokens: int) -> str:
+    """Sentences from the local lists until about `approx_tokens` (~4 characters a token in English)."""
+    sentences: list[str] = []
+    while sum(len(x) + 1 for x in sentences) < 4 * approx_tokens:
+        t, u = rng.sample(_TOPICS, 2)
+        sentences.append(rng.choice(_CONTEXT + _INSTRUCTIONS).format(t=t, u=u))
+    return " ".join(sentences)
+
+
+@dataclass(frozen=True)
+class Conversation:
+    turns: list[str]  # the user messages, in order; each turn's prompt holds all earlier turns
+    output_len: int
+
+
+def multiturn_conversations(
+    n: int, turns: int, doc_len: int, output_len: int, seed: int
+) -> list[Conversation]:
+    """`n` conversations of `turns` turns; the first message is a ~`doc_len`-token document and a question."""
+    rng = random.Random(seed)
+    out = []
+    for _ in range(n):
+        first = f"Read this document.\n\n{_document(rng, doc_len)}\n\n{rng.choice(_QUESTIONS)}"
+        out.append(Conversation([first] + [rng.choice(_QUESTIONS) for _ in range(turns - 1)], output_len))
+    return out
+
+
+def shared_prefix_prompts(n: int, prefix_len: int, output_len: int, seed: int) -> list[Prompt]:
+    """Chat prompts that all carry one ~`prefix_len`-token system prompt (a long instruction sheet)."""
+    system = "You are a helpful assistant. Background notes:\n" + _document(random.Random(seed), prefix_len)
+    return [replace(p, system=system) for p in chat_prompts(n, output_len, seed + 1)]
 
 
 def load_tokenizer(path: str | None):
@@ -133,6 +192,7 @@ class RequestResult:
     itl: list[float] = field(default_factory=list)
     output_tokens: int = 0
     prompt_tokens: int = 0
+    cached_tokens: int | None = None  # None: the server did not say
     text: str = ""
     error: str = ""
     status: int = 0
@@ -151,14 +211,18 @@ def request_body(backend: str, t: Target, p: Prompt, temperature: float, max_tok
         sp = {"max_new_tokens": max_tokens, "temperature": temperature}
         if t.ignore_eos:
             sp["ignore_eos"] = True
-        text = p.text if p.system is None else f"{p.system}\n\n{p.text}"
-        return {"text": text, "sampling_params": sp, "stream": True, **t.extra_body}
+        return {"text": flat_text(p), "sampling_params": sp, "stream": True, **t.extra_body}
     body: dict = {"model": t.model, "max_tokens": max_tokens, "temperature": temperature, "stream": True}
     if backend == "openai-chat":
         system = [{"role": "system", "content": p.system}] if p.system else []
-        body["messages"] = system + [{"role": "user", "content": p.text}]
+        turns = [
+            m
+            for u, a in p.history
+            for m in ({"role": "user", "content": u}, {"role": "assistant", "content": a})
+        ]
+        body["messages"] = system + turns + [{"role": "user", "content": p.text}]
     else:
-        body["prompt"] = p.text if p.system is None else f"{p.system}\n\n{p.text}"
+        body["prompt"] = flat_text(p)
     if t.usage:
         body["stream_options"] = {"include_usage": True}
     if t.ignore_eos:
@@ -166,14 +230,15 @@ def request_body(backend: str, t: Target, p: Prompt, temperature: float, max_tok
     return {**body, **t.extra_body}
 
 
-def _parse_chunk(backend: str, obj: dict, text_so_far: str) -> tuple[str, int | None, int | None]:
-    """(new content, completion tokens if reported, prompt tokens if reported) of one SSE chunk."""
+def _parse_chunk(backend: str, obj: dict, text_so_far: str) -> tuple[str, int | None, int | None, int | None]:
+    """(new content, then completion, prompt and cached prompt tokens if reported) of one SSE chunk."""
     if backend == "pdserve-native":
         meta = obj.get("meta_info") or {}
         return (
             obj.get("text", "")[len(text_so_far) :],
             meta.get("completion_tokens"),
             meta.get("prompt_tokens"),
+            meta.get("cached_tokens"),
         )
     choices = obj.get("choices") or []
     delta = ""
@@ -183,7 +248,8 @@ def _parse_chunk(backend: str, obj: dict, text_so_far: str) -> tuple[str, int | 
             (c.get("delta") or {}).get("content") or "" if backend == "openai-chat" else c.get("text") or ""
         )
     usage = obj.get("usage") or {}
-    return delta, usage.get("completion_tokens"), usage.get("prompt_tokens")
+    cached = (usage.get("prompt_tokens_details") or {}).get("cached_tokens")
+    return delta, usage.get("completion_tokens"), usage.get("prompt_tokens"), cached
 
 
 async def send_request(
@@ -218,9 +284,10 @@ async def send_request(
                 if "error" in obj:
                     res.error = json.dumps(obj["error"])[:300]
                     return res
-                delta, n_out, n_in = _parse_chunk(cfg.backend, obj, res.text)
+                delta, n_out, n_in, n_cached = _parse_chunk(cfg.backend, obj, res.text)
                 usage_out = n_out if n_out is not None else usage_out
                 res.prompt_tokens = n_in if n_in is not None else res.prompt_tokens
+                res.cached_tokens = n_cached if n_cached is not None else res.cached_tokens
                 if not delta:
                     continue
                 if chunks == 0:
@@ -239,7 +306,7 @@ async def send_request(
     else:  # no usage from this server: tokenize what came back, or count chunks as a last resort
         res.output_tokens = count_tokens(res.text) if count_tokens else chunks
     if not res.prompt_tokens and count_tokens:  # approximate: the prompt without any chat template
-        res.prompt_tokens = count_tokens(p.text if p.system is None else f"{p.system}\n\n{p.text}")
+        res.prompt_tokens = count_tokens(flat_text(p))
     res.ok = chunks > 0
     res.error = "" if res.ok else "no content in the stream"
     return res
@@ -280,7 +347,93 @@ async def run_level(
         return list(results), time.perf_counter() - start
 
 
+async def run_conversations(
+    cfg: RunConfig,
+    t: Target,
+    convs: list[Conversation],
+    concurrency: int,
+    count_tokens: Callable[[str], int] | None,
+) -> tuple[list[list[RequestResult]], float]:
+    """Each conversation's turns in order, each turn sent with the answers so far; at most `concurrency`
+    conversations in flight. A failed turn ends its conversation (the next has no answer to build on)."""
+    sem = asyncio.Semaphore(concurrency)
+    async with _client(cfg, concurrency) as client:
+
+        async def one(c: Conversation) -> list[RequestResult]:
+            out: list[RequestResult] = []
+            history: tuple[tuple[str, str], ...] = ()
+            async with sem:
+                for user in c.turns:
+                    r = await send_request(
+                        client, cfg, t, Prompt(user, None, c.output_len, history), count_tokens
+                    )
+                    out.append(r)
+                    if not r.ok:
+                        break
+                    history += ((user, r.text),)
+            return out
+
+        start = time.perf_counter()
+        results = await asyncio.gather(*(one(c) for c in convs))
+        return list(results), time.perf_counter() - start
+
+
 # ---- metrics -----------------------------------------------------------------------------------
+
+
+def cache_hit_rate(results: list[RequestResult]) -> float:
+    """Cached / prompt tokens over the successful responses whose server reported cached tokens."""
+    told = [r for r in results if r.ok and r.cached_tokens is not None]
+    prompt = sum(r.prompt_tokens for r in told)
+    return sum(r.cached_tokens or 0 for r in told) / prompt if prompt else float("nan")
+
+
+def _median_ms(xs: list[float]) -> float:
+    return float(np.median(xs)) * 1e3 if xs else float("nan")
+
+
+def summarize_turns(convs: list[list[RequestResult]]) -> dict:
+    """Per turn: median TTFT and cache hit rate; and the median TTFT of turns 2+ over turn 1's."""
+    by_turn = [
+        [c[k] for c in convs if len(c) > k and c[k].ok] for k in range(max(map(len, convs), default=0))
+    ]
+    first = _median_ms([r.ttft for r in by_turn[0]]) if by_turn else float("nan")
+    turns = []
+    for k, rs in enumerate(by_turn):
+        ttft = _median_ms([r.ttft for r in rs])
+        turns.append({
+            "turn": k + 1, "completed": len(rs), "median_ttft_ms": ttft, "ttft_ratio": ttft / first,
+            "mean_prompt_tokens": sum(r.prompt_tokens for r in rs) / len(rs) if rs else 0.0,
+            "cache_hit_rate": cache_hit_rate(rs),
+        })  # fmt: skip
+    later = _median_ms([r.ttft for rs in by_turn[1:] for r in rs])
+    return {"turns": turns, "median_ttft_turn2plus_ms": later, "ttft_ratio_turn2plus": later / first}
+
+
+def format_turns(title: str, names: list[str], summaries: list[dict]) -> str:
+    """One row per turn; for each target its median TTFT, that over turn 1's, and its cache hit rate."""
+    head = f"{'turn':<6}{'prompt tok':>11}" + "".join(
+        f"{n + ' TTFT ms':>20}{'/turn 1':>9}{'hit':>7}" for n in names
+    )
+    lines = [f"== {title} ==", head]
+    for k, row in enumerate(summaries[0]["turns"]):
+        line = f"{row['turn']:<6}{row['mean_prompt_tokens']:>11.0f}"
+        for s in summaries:
+            t = (
+                s["turns"][k]
+                if k < len(s["turns"])
+                else {
+                    "median_ttft_ms": float("nan"),
+                    "ttft_ratio": float("nan"),
+                    "cache_hit_rate": float("nan"),
+                }
+            )
+            line += f"{t['median_ttft_ms']:>20.0f}{t['ttft_ratio']:>9.2f}{t['cache_hit_rate']:>7.2f}"
+        lines.append(line)
+    line = f"{'2+':<6}{'':>11}"
+    for s in summaries:
+        line += f"{s['median_ttft_turn2plus_ms']:>20.0f}{s['ttft_ratio_turn2plus']:>9.2f}{'':>7}"
+    return "\n".join(lines + [line])
 
 
 def summarize(results: list[RequestResult], duration: float) -> dict:
@@ -293,6 +446,7 @@ def summarize(results: list[RequestResult], duration: float) -> dict:
         "duration_s": duration,
         "total_input_tokens": in_tokens,
         "total_output_tokens": out_tokens,
+        "cache_hit_rate": cache_hit_rate(results),
         "mean_output_len": out_tokens / len(ok) if ok else 0.0,
         "request_throughput": len(ok) / duration if duration else 0.0,
         "input_throughput": in_tokens / duration if duration else 0.0,
@@ -318,7 +472,8 @@ def summarize(results: list[RequestResult], duration: float) -> dict:
 _ROWS = [  # (label, metric key)
     ("Successful requests", "completed"), ("Failed requests", "failed"),
     ("Benchmark duration (s)", "duration_s"), ("Total input tokens", "total_input_tokens"),
-    ("Total generated tokens", "total_output_tokens"), ("Mean output tokens/request", "mean_output_len"),
+    ("Total generated tokens", "total_output_tokens"), ("Cache hit rate", "cache_hit_rate"),
+    ("Mean output tokens/request", "mean_output_len"),
     ("Request throughput (req/s)", "request_throughput"), ("Input token throughput (tok/s)", "input_throughput"),
     ("Output token throughput (tok/s)", "output_throughput"), ("Concurrency (observed)", "concurrency"),
 ] + [
@@ -411,13 +566,26 @@ def wait_healthy(s: Launched, timeout_s: float) -> None:
     raise TimeoutError(f"{s.name} not healthy within {timeout_s:.0f} s; see {s.log}")
 
 
+def _variants(args: argparse.Namespace) -> list[tuple[str, str]]:
+    out = [tuple(v.split("=", 1)) for v in args.launch_pdserve_variant]
+    names = [n for n, *_ in out]
+    if any(len(v) != 2 or not v[0] for v in out) or len(set(names)) != len(names):
+        raise SystemExit("--launch-pdserve-variant takes NAME=FLAGS, each NAME once")
+    if {"pdserve", "transformers"} & set(names):
+        raise SystemExit("--launch-pdserve-variant: the names pdserve and transformers are taken")
+    return out  # type: ignore[return-value]
+
+
 def _launch_all(args: argparse.Namespace, log_dir: str) -> list[Launched]:
     out = []
-    if args.launch_pdserve:
-        port = args.launch_port
+    pd = [("pdserve", "")] if args.launch_pdserve else []
+    # Variants sit 20 ports up, two apart: each `pdserve up` also takes port + 1 for its control socket.
+    for i, (name, flags) in enumerate(pd + _variants(args), start=-len(pd)):
+        port = args.launch_port + (20 + 2 * i if i >= 0 else 0)
         argv = [sys.executable, "-m", "pdserve.cli", "up", "--port", str(port),
-                "--log-dir", os.path.join(log_dir, "pdserve"), *shlex.split(args.pdserve_args)]  # fmt: skip
-        out.append(launch("pdserve", argv, port, log_dir))
+                "--log-dir", os.path.join(log_dir, name), *shlex.split(args.pdserve_args),
+                *shlex.split(flags)]  # fmt: skip
+        out.append(launch(name, argv, port, log_dir))
     if args.launch_transformers_serve:
         from pdserve.model_source import resolve_model_source
         from pdserve.runtime.loader import model_folder
@@ -457,12 +625,12 @@ async def warm_up(cfg: RunConfig, t: Target, prompts: list[Prompt], n: int, coun
 
 
 def _targets(args: argparse.Namespace, launched: list[Launched]) -> list[Target]:
-    pairs: list[tuple[str, str]] = [(s.name, s.url) for s in launched if s.name == "pdserve"]
+    pairs: list[tuple[str, str]] = [(s.name, s.url) for s in launched if s.name != "transformers"]
     if args.targets:
         pairs += [tuple(x.split("=", 1)) for x in args.targets.split(",")]
     if args.compare:
         pairs += [(u.split("//")[-1], u) for u in args.compare.split(",")]
-    pairs += [(s.name, s.url) for s in launched if s.name != "pdserve"]
+    pairs += [(s.name, s.url) for s in launched if s.name == "transformers"]
     if not pairs:
         pairs = [("server", args.base_url)]
     extra = json.loads(args.extra_body) if args.extra_body else {}
@@ -498,8 +666,19 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--target-extra", action="append", default=[], help="name=JSON: extra body for one target")
     p.add_argument("--backend", choices=sorted(BACKEND_PATHS), default="openai-chat")
     p.add_argument("--model", default=None, help="default: the first id from GET /v1/models")
-    p.add_argument("--dataset", choices=["random", "chat"], default="chat")
-    p.add_argument("--num-prompts", default="32", help="one value, or one per concurrency level")
+    p.add_argument("--dataset", choices=["random", "chat", "multiturn", "shared-prefix"], default="chat")
+    p.add_argument(
+        "--num-prompts",
+        default="32",
+        help="one value, or one per concurrency level (multiturn: conversations)",
+    )
+    p.add_argument("--num-turns", type=int, default=4, help="multiturn: turns per conversation")
+    p.add_argument(
+        "--multiturn-doc-len", type=int, default=1024, help="multiturn: ~tokens of the document in turn 1"
+    )
+    p.add_argument(
+        "--shared-prefix-len", type=int, default=1024, help="shared-prefix: ~tokens of the system prompt"
+    )
     p.add_argument("--max-concurrency", default="8", help="one value or a comma list to sweep, e.g. 1,8,32")
     p.add_argument("--request-rate", type=float, default=float("inf"), help="Poisson arrivals per second")
     p.add_argument("--random-input-len", type=int, default=256)
@@ -523,6 +702,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--output-json", default=None)
     p.add_argument("--launch-pdserve", action="store_true", help="start `pdserve up` and stop it at the end")
     p.add_argument("--pdserve-args", default="", help="extra flags for the launched `pdserve up`")
+    p.add_argument("--launch-pdserve-variant", action="append", default=[], metavar="NAME=FLAGS",
+                   help="start another `pdserve up` with --pdserve-args plus FLAGS, as target NAME "
+                   "(e.g. nocache=--disable-radix-cache)")  # fmt: skip
     p.add_argument("--launch-transformers-serve", action="store_true", help="start `transformers serve` too")
     # Unbounded, transformers' continuous batching sizes its KV cache to ~90% of free memory (host RAM
     # on CPU); these match pdserve's default CPU pool (32768 tokens) and chunked prefill (2048).
@@ -531,11 +713,25 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--launch-port", type=int, default=33100, help="pdserve's port; transformers gets +10")
     p.add_argument("--launch-timeout", type=float, default=600.0)
     p.add_argument("--launch-log-dir", default=None)
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    if args.num_turns < 1 or args.multiturn_doc_len < 0 or args.shared_prefix_len < 0:
+        p.error("--num-turns must be >= 1, --multiturn-doc-len and --shared-prefix-len >= 0")
+    return args
 
 
 def _pool(runs: list[tuple[list[RequestResult], float]]) -> dict:
     return summarize([r for rs, _ in runs for r in rs], sum(d for _, d in runs))
+
+
+def _prompts(args: argparse.Namespace, n: int, tok) -> list[Prompt]:
+    out_len = args.output_len or 64
+    if args.dataset in ("chat", "multiturn"):  # multiturn warms up on chat: its own turn 1 stays uncached
+        return chat_prompts(n, out_len, args.seed)
+    if args.dataset == "shared-prefix":
+        return shared_prefix_prompts(n, args.shared_prefix_len, out_len, args.seed)
+    r = args.random_range_ratio
+    prompts = random_prompts(n, args.random_input_len, args.random_output_len, r, args.seed, tok)
+    return [replace(p, output_len=args.output_len) for p in prompts] if args.output_len else prompts
 
 
 async def _bench(args: argparse.Namespace, targets: list[Target]) -> tuple[list[dict], list[dict]]:
@@ -544,30 +740,36 @@ async def _bench(args: argparse.Namespace, targets: list[Target]) -> tuple[list[
     need_tok = args.dataset == "random" or args.no_usage or args.tokenizer is not None
     tok = load_tokenizer(args.tokenizer) if need_tok else None
     count_tokens = (lambda s: len(tok.encode(s, add_special_tokens=False))) if tok else None
-    n_max = max(n for _, n in levels)
-    if args.dataset == "chat":
-        prompts = chat_prompts(n_max, args.output_len or 64, args.seed)
-    else:
-        r = args.random_range_ratio
-        prompts = random_prompts(n_max, args.random_input_len, args.random_output_len, r, args.seed, tok)
-        if args.output_len:
-            prompts = [replace(p, output_len=args.output_len) for p in prompts]
+    prompts = _prompts(args, max(n for _, n in levels), tok)
+    multiturn = args.dataset == "multiturn"
     for i, t in enumerate(targets):
         t = t if t.model else replace(t, model=_model_id(t.url))
         targets[i] = await warm_up(cfg, t, prompts, args.warmup_requests, count_tokens)
     pooled: dict[tuple[str, int], list] = {}
+    pooled_convs: dict[tuple[str, int], list[list[RequestResult]]] = {}
     runs = []
     for li, (conc, n) in enumerate(levels):
         for rnd in range(args.rounds):
+            # New documents at every level and round (the same for every target), so that turn 1
+            # never finds a conversation cached by an earlier run on the same server.
+            seed = args.seed + 1000 * li + rnd
+            doc, out_len = args.multiturn_doc_len, args.output_len or 64
+            convs = multiturn_conversations(n, args.num_turns, doc, out_len, seed) if multiturn else []
             order = targets if (li + rnd) % 2 == 0 else targets[::-1]
             for t in order:
-                res, dur = await run_level(
-                    cfg, t, prompts[:n], conc, args.request_rate, args.seed, count_tokens
-                )
-                m = summarize(res, dur)
+                run = {"target": t.name, "url": t.url, "concurrency": conc, "num_prompts": n, "round": rnd}
+                if multiturn:
+                    by_conv, dur = await run_conversations(cfg, t, convs, conc, count_tokens)
+                    res = [r for c in by_conv for r in c]
+                    pooled_convs.setdefault((t.name, conc), []).extend(by_conv)
+                    run["turns"] = summarize_turns(by_conv)
+                else:
+                    res, dur = await run_level(
+                        cfg, t, prompts[:n], conc, args.request_rate, args.seed, count_tokens
+                    )
+                m = run["metrics"] = summarize(res, dur)
                 pooled.setdefault((t.name, conc), []).append((res, dur))
-                runs.append({"target": t.name, "url": t.url, "concurrency": conc, "num_prompts": n,
-                             "round": rnd, "metrics": m})  # fmt: skip
+                runs.append(run)
                 print(format_result(t.name, args.backend, conc, args.request_rate, m), flush=True)
     summary = []
     for conc, n in levels:
@@ -577,6 +779,13 @@ async def _bench(args: argparse.Namespace, targets: list[Target]) -> tuple[list[
         if len(targets) > 1:
             title = f"concurrency {conc}, {n} prompts x {args.rounds} round(s), dataset {args.dataset}"
             print(format_comparison(title, [t.name for t in targets], ms), flush=True)
+        if multiturn:
+            turns = [summarize_turns(pooled_convs[(t.name, conc)]) for t in targets]
+            for s, tu in zip(summary[-len(targets) :], turns):
+                s["turns"] = tu
+            title = f"per turn: concurrency {conc}, {n} conversations x {args.num_turns} turns"
+            title += f" x {args.rounds} round(s)"
+            print(format_turns(title, [t.name for t in targets], turns), flush=True)
     return runs, summary
 
 
