@@ -62,6 +62,12 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
         "shares cores, with idle OpenMP threads sleeping)",
     )
     parser.add_argument("--served-model-name", default="default")
+    parser.add_argument(
+        "--prefill-policy",
+        default="cache_aware",
+        choices=["cache_aware", "round_robin", "least_load"],
+        help="how the gateway picks a prefill worker (see `pdserve gateway --help`)",
+    )
     parser.add_argument("--log-level", default="info")
     parser.add_argument("--log-dir", default=None, help="write each role's output to <dir>/<role>.log")
     parser.add_argument("--startup-timeout", type=float, default=600.0)
@@ -130,6 +136,7 @@ def gateway_command(args: argparse.Namespace, port_file: str | None = None) -> l
     argv = [sys.executable, "-m", "pdserve.cli", "gateway", "--host", args.host, "--port", str(args.port)]
     argv += ["--control-port", str(_control_port(args))]
     argv += ["--served-model-name", args.served_model_name, "--log-level", args.log_level]
+    argv += ["--prefill-policy", args.prefill_policy]
     if args.model_path:
         argv += ["--model-path", args.model_path]
     if port_file:

@@ -155,3 +155,19 @@ def test_up_forwards_disable_radix_cache_to_every_worker():
         for argv in workers:
             cfg, unknown = _parse_worker(argv)
             assert cfg.runtime.disable_radix_cache is disabled and unknown == []
+
+
+def test_up_passes_the_prefill_policy_to_the_gateway():
+    from pdserve.gateway.config import add_cli_args as add_gateway_args
+    from pdserve.gateway.config import config_from_args
+    from pdserve.launcher import add_cli_args, gateway_command
+
+    parser = argparse.ArgumentParser()
+    add_cli_args(parser)
+    for policy in ("cache_aware", "round_robin"):
+        argv = gateway_command(parser.parse_args(["--prefill-policy", policy]))
+        gw = argparse.ArgumentParser()
+        add_gateway_args(gw)
+        assert config_from_args(gw.parse_args(argv[4:])).prefill_policy == policy
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--prefill-policy", "random"])
