@@ -258,15 +258,16 @@ def test_prefill_restarted_at_the_same_address_mid_load(roles, engine, tok):
     afterwards the decode node re-handshakes with the new process and every request succeeds."""
     c = roles
     n = 16
-    long_text = " ".join(["the history of the printing press"] * 30)
-    ref, long_ref = _reference(engine, tok, PROMPT, n), _reference(engine, tok, long_text, n)
-    long = body(n, text=long_text)
+    # Long prompts keep the prefill node busy, so it holds requests when it dies; each starts
+    # differently, so the prefix cache cannot shortcut them.
+    texts = [f"Part {i}. " + " ".join(["the history of the printing press"] * 30) for i in range(8)]
+    ref = _reference(engine, tok, PROMPT, n)
+    long_refs = [_reference(engine, tok, t, n) for t in texts]
     log_size = os.path.getsize(os.path.join(c.log_dir, "prefill-0.log"))
     t0 = time.monotonic()
     with ThreadPoolExecutor(16) as pool:
-        # Long prompts keep the prefill node busy, so it holds requests when it dies.
-        first = [pool.submit(generate, c.url, long, 150) for _ in range(6)]
-        first += [pool.submit(stream, c.url, body(n, stream=True, text=long_text), 150) for _ in range(2)]
+        first = [pool.submit(generate, c.url, body(n, text=t), 150) for t in texts[:6]]
+        first += [pool.submit(stream, c.url, body(n, stream=True, text=t), 150) for t in texts[6:]]
         held = lambda: (w := workers(c.url)["prefill-0"])["queued"] + w["running"] > 0  # noqa: E731
         wait_for(held, 60, "requests held by prefill-0")
         _kill_prefill(c)
@@ -276,7 +277,7 @@ def test_prefill_restarted_at_the_same_address_mid_load(roles, engine, tok):
         outs = [f.result(timeout=200) for f in first] + [f.result(timeout=200) for f in during]
     elapsed = time.monotonic() - t0
     kinds: dict[str, int] = {}
-    for o, expect in zip(outs, [long_ref] * len(first) + [ref] * len(during)):
+    for o, expect in zip(outs, long_refs + [ref] * len(during)):
         if o.ok:
             assert o.output_ids == expect
         else:
