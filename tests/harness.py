@@ -70,6 +70,15 @@ def stop_processes(procs: list[subprocess.Popen], grace_s: float = 20.0) -> None
         p.wait()
 
 
+def process_alive(pid: int) -> bool:
+    """Running (a zombie awaiting its reaper counts as gone)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
 def spawn(argv: list[str], log_path: str, env: dict | None = None) -> subprocess.Popen:
     """`pdserve <argv>` in its own process group, dying with the test run."""
     return spawn_process([sys.executable, "-m", "pdserve.cli", *argv], log_path, env)

@@ -9,16 +9,7 @@ import time
 
 import httpx
 import pytest
-from harness import start_up
-
-
-def _alive(pid: int) -> bool:
-    """Running (a zombie awaiting its reaper counts as gone)."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except FileNotFoundError:
-        return False
+from harness import process_alive, start_up
 
 
 @pytest.mark.timeout(300)
@@ -30,14 +21,14 @@ def test_sigkilled_up_leaves_no_process_behind(tmp_path):
         log = (tmp_path / "up.log").read_text()
         children = {name: int(pid) for name, pid in re.findall(r"started (\S+) pid (\d+)", log)}
         assert set(children) == {"gateway", "prefill-0", "decode-0"}, log
-        assert all(_alive(pid) for pid in children.values())
+        assert all(process_alive(pid) for pid in children.values())
 
         os.kill(up.pid, signal.SIGKILL)  # no handler runs: only the kernel can take the children down
         up.wait()
         deadline = time.monotonic() + 15
-        while any(_alive(pid) for pid in children.values()) and time.monotonic() < deadline:
+        while any(process_alive(pid) for pid in children.values()) and time.monotonic() < deadline:
             time.sleep(0.1)
-        assert [n for n, pid in children.items() if _alive(pid)] == []
+        assert [n for n, pid in children.items() if process_alive(pid)] == []
         with pytest.raises(httpx.TransportError):
             httpx.get(c.url + "/health", timeout=2)
     finally:

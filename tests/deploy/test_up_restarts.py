@@ -13,18 +13,9 @@ import subprocess
 import time
 
 import pytest
-from harness import start_up
+from harness import process_alive, start_up
 
 pytestmark = pytest.mark.timeout(300)
-
-
-def _alive(pid: int) -> bool:
-    """Running (a zombie awaiting its reaper counts as gone)."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except FileNotFoundError:
-        return False
 
 
 def _starts(log: str) -> list[tuple[str, int]]:
@@ -64,7 +55,7 @@ def test_crash_looping_decode_stops_the_launcher_naming_it(tmp_path):
         assert "prefill-0 exited" not in log, log
         decode_log = (tmp_path / "decode-0.log").read_text()
         assert "no-such-draft-model" in decode_log, decode_log
-        assert [n for n, pid in _starts(log) if _alive(pid)] == []
+        assert [n for n, pid in _starts(log) if process_alive(pid)] == []
     finally:
         c.stop()
 
@@ -81,9 +72,9 @@ def test_ctrl_c_during_a_restart_backoff_stops_everything(tmp_path):
         assert up.wait(timeout=60) == 0, (tmp_path / "up.log").read_text()
         print(f"pdserve up stopped {time.monotonic() - t0:.1f} s after SIGINT during a restart backoff")
         deadline = time.monotonic() + 10
-        while any(_alive(pid) for _, pid in children) and time.monotonic() < deadline:
+        while any(process_alive(pid) for _, pid in children) and time.monotonic() < deadline:
             time.sleep(0.1)
-        assert [n for n, pid in children if _alive(pid)] == []
+        assert [n for n, pid in children if process_alive(pid)] == []
         log = (tmp_path / "up.log").read_text()
         assert [n for n, _ in _starts(log)].count("decode-0") == 1, "restarted after Ctrl-C"
     finally:
