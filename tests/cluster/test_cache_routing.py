@@ -20,7 +20,8 @@ import httpx
 import pytest
 from harness import start_roles, start_up
 
-pytestmark = pytest.mark.timeout(900)
+# Minutes of real clusters killed and restarted: in `make test-all` (CI), not in `make test`.
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 
 PAGE = 16  # the workers' default page size
 NUM_PREFIXES, PREFIX_PAGES, ROUNDS = 8, 8, 3

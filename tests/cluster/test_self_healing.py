@@ -14,7 +14,8 @@ import pytest
 from harness import start_up
 from reliability.calls import body, generate, wait_for, workers
 
-pytestmark = pytest.mark.timeout(300)
+# Minutes of real clusters killed and restarted: in `make test-all` (CI), not in `make test`.
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 
 
 @pytest.fixture(scope="module")

@@ -13,7 +13,8 @@ import pytest
 from harness import start_up
 from reliability.calls import body, generate, wait_for
 
-pytestmark = pytest.mark.timeout(300)
+# Minutes of real clusters killed and restarted: in `make test-all` (CI), not in `make test`.
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 
 # Longer than the gateway's default heartbeat timeout (5 s), so the worker is seen down before the
 # launcher starts it again.

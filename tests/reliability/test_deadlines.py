@@ -23,7 +23,8 @@ from reliability.calls import (
     wait_pools,
 )
 
-pytestmark = pytest.mark.timeout(300)
+# Minutes of real clusters killed and restarted: in `make test-all` (CI), not in `make test`.
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 
 REQUEST_TIMEOUT_S = 12.0
 SKEW_S = 8.0  # the workers' deadline falls REQUEST_TIMEOUT_S - SKEW_S = 4 s after receipt

@@ -27,7 +27,8 @@ from reliability.calls import (
     workers,
 )
 
-pytestmark = pytest.mark.timeout(420)
+# Minutes of real clusters killed and restarted: in `make test-all` (CI), not in `make test`.
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(420)]
 
 
 @pytest.fixture(scope="module")

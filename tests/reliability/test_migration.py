@@ -35,7 +35,8 @@ from reliability.calls import (
     workers,
 )
 
-pytestmark = pytest.mark.timeout(480)
+# Minutes of real clusters killed and restarted: in `make test-all` (CI), not in `make test`.
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(480)]
 
 N_TOKENS = 48
 MIGRATIONS = "pdserve_request_migrations_total"
