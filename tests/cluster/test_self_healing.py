@@ -43,6 +43,18 @@ def registrations(c, worker_id: str) -> int:
         return f.read().count(f"worker {worker_id} registered")
 
 
+def kill_and_wait_back(c, name: str) -> float:
+    """kill -9 worker `name`; seconds until the launcher restarted it and the new process registered."""
+    before = started(c)
+    regs = registrations(c, name)
+    t0 = time.monotonic()
+    os.kill(before[name][-1], signal.SIGKILL)
+    wait_for(lambda: len(started(c)[name]) == len(before[name]) + 1, 30, f"{name} restarted")
+    wait_for(lambda: registrations(c, name) == regs + 1, 120, f"the new {name} to register")
+    wait_for(lambda: len(workers(c.url)) == 3, 30, "three workers listed")
+    return time.monotonic() - t0
+
+
 def _healthy(url: str) -> bool:
     try:
         return httpx.get(url + "/health", timeout=2).status_code == 200
@@ -72,13 +84,7 @@ def test_killed_gateway_comes_back_on_its_port_with_the_same_workers(cluster):
 def test_killed_decode_worker_is_restarted_and_serves(cluster):
     c = cluster
     before = started(c)
-    regs = registrations(c, "decode-0")
-    t0 = time.monotonic()
-    os.kill(before["decode-0"][-1], signal.SIGKILL)
-    wait_for(lambda: len(started(c)["decode-0"]) == len(before["decode-0"]) + 1, 30, "decode-0 restarted")
-    wait_for(lambda: registrations(c, "decode-0") == regs + 1, 120, "the new decode-0 to register")
-    wait_for(lambda: len(workers(c.url)) == 3, 30, "three workers listed")
-    back_s = time.monotonic() - t0
+    back_s = kill_and_wait_back(c, "decode-0")
     assert started(c)["decode-1"] == before["decode-1"] and started(c)["prefill-0"] == before["prefill-0"]
     # Both decode workers take requests again (least-outstanding routing spreads a burst of 6).
     with ThreadPoolExecutor(6) as pool:
@@ -90,13 +96,7 @@ def test_killed_decode_worker_is_restarted_and_serves(cluster):
 def test_killed_prefill_worker_is_restarted_and_serves(cluster):
     c = cluster
     before = started(c)
-    regs = registrations(c, "prefill-0")
-    t0 = time.monotonic()
-    os.kill(before["prefill-0"][-1], signal.SIGKILL)
-    wait_for(lambda: len(started(c)["prefill-0"]) == len(before["prefill-0"]) + 1, 30, "prefill-0 restarted")
-    wait_for(lambda: registrations(c, "prefill-0") == regs + 1, 120, "the new prefill-0 to register")
-    wait_for(lambda: len(workers(c.url)) == 3, 30, "three workers listed")
-    back_s = time.monotonic() - t0
+    back_s = kill_and_wait_back(c, "prefill-0")
     assert {n: p for n, p in started(c).items() if n != "prefill-0"} == {
         n: p for n, p in before.items() if n != "prefill-0"
     }, "another process was restarted although only prefill-0 died"
