@@ -47,7 +47,8 @@ def verify(sampler: Sampler, reqs: list[Request], drafts: Drafts, logits: torch.
     for k in ks:
         starts.append(starts[-1] + k + 1)
     row_params = [r.params for r, k in zip(reqs, ks) for _ in range(k + 1)]
-    sb = SamplingBatch.build(row_params, logits.device)
+    eos = [r.eos_token_ids for r, k in zip(reqs, ks) for _ in range(k + 1)]
+    sb = SamplingBatch.build(row_params, logits.device, eos)
     if sb.all_greedy and not sb.any_penalty:
         target = logits.argmax(dim=-1).tolist()  # deliberate sync: acceptance is decided on the host
         verdict = _accept_greedy(drafts.tokens, target, starts)

@@ -5,6 +5,9 @@ from __future__ import annotations
 import argparse
 from dataclasses import dataclass
 
+from pdserve.gateway.function_call import PARSER_NAMES
+from pdserve.gateway.reasoning import REASONING_PARSERS
+
 
 @dataclass(frozen=True)
 class GatewayConfig:
@@ -15,7 +18,12 @@ class GatewayConfig:
     control_port: int = 30001
     # None: the bundled default model (only its tokenizer is loaded here).
     model_path: str | None = None
-    served_model_name: str = "default"
+    # None: the model's own name (model_source.model_name).
+    served_model_name: str | None = None
+    # Tool-call format (gateway/function_call/): None means hermes when a request has tools.
+    tool_call_parser: str | None = None
+    # Reasoning format (gateway/reasoning.py): None leaves thinking text in content.
+    reasoning_parser: str | None = None
     heartbeat_interval_s: float = 1.0
     heartbeat_timeout_s: float = 5.0
     # In-flight HTTP requests beyond this are refused at once with 503 + Retry-After.
@@ -41,7 +49,24 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--host", default=d.host)
     parser.add_argument("--port", type=int, default=d.port)
-    parser.add_argument("--served-model-name", default=d.served_model_name)
+    parser.add_argument(
+        "--served-model-name",
+        default=d.served_model_name,
+        help="the name clients send as `model` (default: the model's own: the bundled model's Hugging Face "
+        "id, else --model-path)",
+    )
+    parser.add_argument(
+        "--tool-call-parser",
+        default=d.tool_call_parser,
+        choices=PARSER_NAMES,
+        help="how tool calls are found in the model's output (SGLang's names; default: hermes)",
+    )
+    parser.add_argument(
+        "--reasoning-parser",
+        default=d.reasoning_parser,
+        choices=sorted(REASONING_PARSERS),
+        help="split <think>...</think> text into reasoning_content (default: off)",
+    )
     parser.add_argument(
         "--enable-metrics",
         action=argparse.BooleanOptionalAction,
@@ -86,6 +111,8 @@ def config_from_args(args: argparse.Namespace) -> GatewayConfig:
         control_port=args.control_port,
         model_path=args.model_path,
         served_model_name=args.served_model_name,
+        tool_call_parser=args.tool_call_parser,
+        reasoning_parser=args.reasoning_parser,
         heartbeat_interval_s=args.heartbeat_interval,
         heartbeat_timeout_s=args.heartbeat_timeout,
         max_pending_requests=args.max_pending_requests,

@@ -73,6 +73,7 @@ class Room:
     prefill_done: PrefillDone | None = None
     prefill_done_at: float | None = None
     prefill_event: asyncio.Event = field(default_factory=asyncio.Event)
+    rid: str = ""  # the client's request id (for /abort_request)
 
 
 class ControlPlane:
@@ -142,12 +143,26 @@ class ControlPlane:
 
     # ---- rooms -------------------------------------------------------------------------------
 
-    def open_room(self, room_id: str, prefill: WorkerInfo, decode: WorkerInfo, tokens: int) -> Room:
-        room = Room(room_id, prefill, decode, tokens)
+    def open_room(
+        self, room_id: str, prefill: WorkerInfo, decode: WorkerInfo, tokens: int, rid: str = ""
+    ) -> Room:
+        room = Room(room_id, prefill, decode, tokens, rid=rid)
         self.registry.acquire(prefill, tokens)
         self.registry.acquire(decode, tokens)
         self.rooms[room_id] = room
         return room
+
+    def abort_rids(self, rid: str | None) -> int:
+        """End the rooms of request `rid` (its n samples `rid-k` too), or every room for None, as if a
+        leg had failed with code "client_abort"; the generations abort both legs on their way out."""
+        hit = 0
+        for room in list(self.rooms.values()):
+            if rid is None or room.rid == rid or room.rid.startswith(f"{rid}-"):
+                room.inbox.put_nowait(
+                    LegFailed("gateway", "client_abort", "aborted by /abort_request", False)
+                )
+                hit += 1
+        return hit
 
     def close_room(
         self, room: Room, abort_decode: str | None = None, abort_prefill: str | None = None

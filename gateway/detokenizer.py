@@ -50,8 +50,10 @@ class IncrementalDetokenizer:
 class StopStringMatcher:
     """Feeds on stable text; tells what may be released and whether a stop string matched."""
 
-    def __init__(self, stops: Sequence[str]) -> None:
+    def __init__(self, stops: Sequence[str], keep_stop: bool = False) -> None:
         self.stops = [s for s in stops if s]
+        # SGLang's no_stop_trim: the text ends after the matched stop string instead of before it.
+        self.keep_stop = keep_stop
         self._max_len = max((len(s) for s in self.stops), default=0)
         self.text = ""  # all stable text seen (cut at the stop string once matched)
         self.released = 0  # chars of `text` already handed out
@@ -68,7 +70,7 @@ class StopStringMatcher:
         if hit is not None:
             pos, stop = hit
             self.matched = stop
-            self.text = self.text[:pos]
+            self.text = self.text[: pos + (len(stop) if self.keep_stop else 0)]
             return self._release(len(self.text))
         return self._release(len(self.text) - self._held_back())
 

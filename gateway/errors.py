@@ -1,7 +1,8 @@
 """OpenAI-style error bodies and the handlers that turn every failure into one.
 
 Every error the gateway answers has the shape
-`{"error": {"message": ..., "type": ..., "param": ..., "code": <http status>}}`.
+`{"error": {"message": ..., "type": ..., "param": ..., "code": ...}}` (OpenAI's): `param` names the offending
+field (dotted path) or is null; `code` is a short string such as "model_not_found" or null.
 """
 
 from __future__ import annotations
@@ -36,28 +37,34 @@ class ApiError(Exception):
         message: str,
         param: str | None = None,
         headers: dict[str, str] | None = None,
+        code: str | None = None,
     ) -> None:
         super().__init__(message)
         self.status = status
         self.message = message
         self.param = param
         self.headers = headers
+        self.code = code
 
     def body(self) -> dict:
-        return error_body(self.status, self.message, self.param)
+        return error_body(self.status, self.message, self.param, self.code)
 
 
 def bad_request(message: str, param: str | None = None) -> ApiError:
     return ApiError(400, message, param)
 
 
-def error_body(status: int, message: str, param: str | None = None) -> dict:
+def model_not_found(model: str) -> ApiError:
+    return ApiError(404, f"The model '{model}' does not exist", "model", code="model_not_found")
+
+
+def error_body(status: int, message: str, param: str | None = None, code: str | None = None) -> dict:
     return {
         "error": {
             "message": message,
             "type": _TYPES.get(status, "invalid_request_error" if status < 500 else "internal_server_error"),
             "param": param,
-            "code": status,
+            "code": code,
         }
     }
 

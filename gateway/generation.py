@@ -51,6 +51,7 @@ _FAIL_STATUS = {
     "worker_lost": 503,
     "shutdown": 503,
     "transfer": 503,
+    "client_abort": 400,
 }
 # Failures that say nothing about the request itself: worth running again on another pair (the
 # client does not notice). "transfer": the KV never reached this decode worker; another may get it.
@@ -240,7 +241,7 @@ class Generations:
         sampling = inp.sampling
         if produced:
             sampling = with_max_new_tokens(sampling, sampling.max_new_tokens - len(produced))
-        room = self.control.open_room(uuid.uuid4().hex, prefill, decode, len(input_ids))
+        room = self.control.open_room(uuid.uuid4().hex, prefill, decode, len(input_ids), inp.rid)
         req = GenerateRequest(
             room=room.room,
             input_ids=input_ids,
@@ -423,7 +424,7 @@ class _Collector:
     def __init__(self, tok: Tokenizer, inp: GenInput, st: GenState) -> None:
         skip = inp.skip_special_tokens
         self.detok = IncrementalDetokenizer(lambda ids: tok.decode(ids, skip), inp.input_ids)
-        self.stop = StopStringMatcher(inp.sampling.stop)
+        self.stop = StopStringMatcher(inp.sampling.stop, inp.sampling.no_stop_trim)
         self.st = st
         # On the gateway clock: a migrated request's legs ran on decode workers with other offsets.
         # The first leg's entry and KV arrival, the last leg's finish.
@@ -453,6 +454,7 @@ class _Collector:
         hidden_last = (
             fr is not None
             and fr.get("type") == "stop"
+            and not self.stop.keep_stop
             and out.token_ids
             and fr.get("matched") == out.token_ids[-1]
         )

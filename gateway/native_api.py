@@ -1,4 +1,9 @@
-"""SGLang's native API: POST /generate (plain and streaming)."""
+"""SGLang's native API: POST (or PUT) /generate, plain and streaming, single prompts and batches.
+
+In a batch, `sampling_params` may be one object for every prompt or a list with one per prompt.
+With a reasoning parser configured, `meta_info.reasoning_tokens` counts the thinking tokens (the text
+itself stays whole, as SGLang's native API returns it).
+"""
 
 from __future__ import annotations
 
@@ -8,15 +13,18 @@ from collections.abc import AsyncIterator
 from fastapi import APIRouter, Request
 from fastapi.responses import Response
 
+from pdserve.gateway.chat_output import reasoning_tokens
 from pdserve.gateway.errors import ApiError, bad_request
 from pdserve.gateway.generation import Generations, GenInput, GenState
 from pdserve.gateway.protocol import GenerateBody, build_sampling, parse_body, with_seed
+from pdserve.gateway.reasoning import reasoning_format
 from pdserve.gateway.serving import SSE_DONE, merge_streams, serve_generation, sse
+from pdserve.gateway.tokenizer import Tokenizer
 
 router = APIRouter()
 
 
-@router.post("/generate")
+@router.api_route("/generate", methods=["POST", "PUT"])
 async def generate(request: Request) -> Response:
     gw = request.app.state.gw
 
@@ -29,11 +37,11 @@ async def generate(request: Request) -> Response:
         return inputs, body.stream, "text" if body.text is not None else "input_ids"
 
     def full(states: list[GenState]) -> object:
-        out = [result(st) for st in states]
+        out = [result(st, gw.tokenizer, gw.cfg.reasoning_parser) for st in states]
         return out if batched else out[0]
 
     def chunks(inputs: list[GenInput]) -> AsyncIterator[bytes]:
-        return stream_chunks(gw.generations, inputs, batched)
+        return stream_chunks(gw.generations, inputs, batched, gw.tokenizer, gw.cfg.reasoning_parser)
 
     return await serve_generation(request, gw.admission, gw.generations, parse, full, chunks)
 
@@ -43,7 +51,6 @@ def _is_batch_ids(ids: object) -> bool:
 
 
 def _inputs(gw, body: GenerateBody, received: float) -> tuple[list[GenInput], bool]:
-    sp = body.sampling_params
     if body.text is not None:
         texts = [body.text] if isinstance(body.text, str) else body.text
         if not texts:
@@ -59,14 +66,25 @@ def _inputs(gw, body: GenerateBody, received: float) -> tuple[list[GenInput], bo
         prompts = ids if batched else [ids]
         if not prompts:
             raise bad_request("input_ids is empty", "input_ids")
-    sampling = build_sampling(
-        sp, sp.max_new_tokens, body.return_logprob, body.top_logprobs_num, "sampling_params"
+    sps = (
+        body.sampling_params
+        if isinstance(body.sampling_params, list)
+        else [body.sampling_params] * len(prompts)
     )
+    if len(sps) != len(prompts):
+        raise bad_request(
+            f"sampling_params has {len(sps)} entries for {len(prompts)} prompts", "sampling_params"
+        )
     rids = body.rid if isinstance(body.rid, list) else [body.rid] * len(prompts)
     if len(rids) != len(prompts):
         raise bad_request(f"rid has {len(rids)} entries for {len(prompts)} prompts", "rid")
+    vocab = gw.tokenizer.vocab_size
     inputs = []
-    for p, rid in zip(prompts, rids):
+    for k, (p, rid, sp) in enumerate(zip(prompts, rids, sps)):
+        param = f"sampling_params.{k}" if isinstance(body.sampling_params, list) else "sampling_params"
+        sampling = build_sampling(
+            sp, sp.max_new_tokens, body.return_logprob, body.top_logprobs_num, param, vocab
+        )
         for j in range(sp.n):
             seed = None if sampling.seed is None else sampling.seed + j
             base = rid or uuid.uuid4().hex
@@ -80,10 +98,15 @@ def _inputs(gw, body: GenerateBody, received: float) -> tuple[list[GenInput], bo
                     skip_special_tokens=sp.skip_special_tokens,
                 )
             )
-    return inputs, batched or sp.n > 1
+    batched = batched or any(sp.n > 1 for sp in sps)
+    return inputs, batched
 
 
-def result(st: GenState) -> dict:
+def result(st: GenState, tok: Tokenizer | None = None, reasoning_parser: str | None = None) -> dict:
+    fmt = reasoning_format(reasoning_parser, None)
+    if tok is not None and fmt is not None and st.meta_info is not None:
+        thought, _ = fmt.split(st.text)
+        st.meta_info["reasoning_tokens"] = reasoning_tokens(tok, st.output_ids, fmt, thought)
     return {"text": st.text, "output_ids": list(st.output_ids), "meta_info": st.meta_info}
 
 
@@ -99,14 +122,21 @@ def _partial_meta(st: GenState, finish_reason: dict | None = None) -> dict:
 
 
 async def stream_chunks(
-    generations: Generations, inputs: list[GenInput], batched: bool
+    generations: Generations,
+    inputs: list[GenInput],
+    batched: bool,
+    tok: Tokenizer | None = None,
+    reasoning_parser: str | None = None,
 ) -> AsyncIterator[bytes]:
     """Cumulative text and output_ids in every chunk (SGLang's default streaming), then [DONE]."""
     last: dict[int, GenState] = {}
     try:
         async for i, st in merge_streams(generations, inputs):
             last[i] = st
-            chunk = result(st) if st.finished else {**result(st), "meta_info": _partial_meta(st)}
+            if st.finished:
+                chunk = result(st, tok, reasoning_parser)
+            else:
+                chunk = {**result(st), "meta_info": _partial_meta(st)}
             if batched:
                 chunk["index"] = i
             yield sse(chunk)

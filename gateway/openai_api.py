@@ -1,4 +1,9 @@
-"""OpenAI-compatible API: /v1/chat/completions, /v1/completions, /v1/models (SGLang's shapes)."""
+"""OpenAI-compatible API: /v1/chat/completions, /v1/completions, /v1/models (SGLang's shapes).
+
+A chat choice's text goes through `chat_output.ChatOutput` (reasoning parser, then tool-call parser)
+whole or as a stream; tools and the tool-call history reach the prompt through function_call/prompt.py.
+`model` must be the served name (or absent): another is a 404 `model_not_found`, as OpenAI answers.
+"""
 
 from __future__ import annotations
 
@@ -9,15 +14,21 @@ from dataclasses import dataclass
 from fastapi import APIRouter, Request
 from fastapi.responses import Response
 
-from pdserve.gateway.errors import ApiError, bad_request
+from pdserve.gateway.chat_output import ChatDelta, ChatOutput, ChatOutputSpec, reasoning_tokens
+from pdserve.gateway.errors import ApiError, bad_request, model_not_found
+from pdserve.gateway.function_call import tool_call_format
+from pdserve.gateway.function_call.prompt import chat_messages
+from pdserve.gateway.function_call.schema import calls_from_constrained
 from pdserve.gateway.generation import GenInput, GenState
 from pdserve.gateway.protocol import (
     ChatCompletionBody,
     CompletionBody,
+    NamedToolChoice,
     build_sampling,
     parse_body,
     with_seed,
 )
+from pdserve.gateway.reasoning import reasoning_format
 from pdserve.gateway.serving import SSE_DONE, merge_streams, serve_generation, sse
 from pdserve.gateway.tokenizer import Tokenizer
 from pdserve.sampling_params import SamplingParams
@@ -36,24 +47,35 @@ class _Reply:
     n: int
     logprobs: bool
     include_usage: bool
+    output: ChatOutputSpec = ChatOutputSpec()
+    # tool_choice "required" or a named function: a reply that is the constrained JSON is read as calls.
+    forced_choice: str | NamedToolChoice | None = None
+    stream_reasoning: bool = True
+
+
+def _model_card(gw) -> dict:
+    limits = gw.registry.limits()
+    return {
+        "id": gw.model_name,
+        "object": "model",
+        "created": gw.started,
+        "owned_by": "pdserve",
+        "root": gw.model_name,
+        "max_model_len": limits.context_length if limits else None,
+    }
 
 
 @router.get("/v1/models")
 async def models(request: Request) -> dict:
+    return {"object": "list", "data": [_model_card(request.app.state.gw)]}
+
+
+@router.get("/v1/models/{model_id:path}")
+async def model(request: Request, model_id: str) -> dict:
     gw = request.app.state.gw
-    return {
-        "object": "list",
-        "data": [
-            {
-                "id": gw.cfg.served_model_name,
-                "object": "model",
-                "created": gw.started,
-                "owned_by": "pdserve",
-                "root": gw.cfg.served_model_name,
-                "max_model_len": gw.registry.limits().context_length if gw.registry.limits() else None,
-            }
-        ],
-    }
+    if model_id != gw.model_name:
+        raise model_not_found(model_id)
+    return _model_card(gw)
 
 
 @router.post("/v1/chat/completions")
@@ -73,19 +95,40 @@ async def _serve(request: Request, chat: bool) -> Response:
     def parse(raw: dict, received: float) -> tuple[list[GenInput], bool, str]:
         nonlocal reply
         body = parse_body(ChatCompletionBody if chat else CompletionBody, raw)
+        if body.model is not None and body.model != gw.model_name:
+            raise model_not_found(body.model)
+        rid = body.rid or uuid.uuid4().hex
+        include_usage = bool(body.stream_options and body.stream_options.include_usage)
+        skip_special = body.skip_special_tokens
         if chat:
-            prompts, param = [_chat_prompt(gw.tokenizer, body)], "messages"
+            prompts, param = [_chat_prompt(gw.tokenizer, gw.cfg.tool_call_parser, body)], "messages"
             max_new = (
                 body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
             )
             logprobs, top_n = body.logprobs, body.top_logprobs or 0
+            spec = _output_spec(gw, body)
+            if spec.tools is not None and gw.tokenizer.is_special(spec.tools.start):
+                skip_special = False  # the parser must see the format's marker token
+            forced = body.tool_choice if body.tool_choice == "required" else None
+            if isinstance(body.tool_choice, NamedToolChoice):
+                forced = body.tool_choice
+            reply = _Reply(
+                rid,
+                int(received),
+                gw.model_name,
+                chat,
+                body.n,
+                logprobs,
+                include_usage,
+                spec,
+                forced,
+                body.stream_reasoning,
+            )
         else:
             prompts, param = _completion_prompts(gw.tokenizer, body.prompt), "prompt"
             max_new, logprobs, top_n = body.max_tokens, body.logprobs is not None, body.logprobs or 0
-        sampling = build_sampling(body, max_new, logprobs, top_n)
-        rid = body.rid or uuid.uuid4().hex
-        include_usage = bool(body.stream_options and body.stream_options.include_usage)
-        reply = _Reply(rid, int(received), gw.cfg.served_model_name, chat, body.n, logprobs, include_usage)
+            reply = _Reply(rid, int(received), gw.model_name, chat, body.n, logprobs, include_usage)
+        sampling = build_sampling(body, max_new, logprobs, top_n, vocab_size=gw.tokenizer.vocab_size)
         inputs = [
             _gen_input(
                 f"{rid}-{i * body.n + j}",
@@ -94,7 +137,7 @@ async def _serve(request: Request, chat: bool) -> Response:
                 j,
                 max_new is not None,
                 received,
-                body.skip_special_tokens,
+                skip_special,
             )
             for i, p in enumerate(prompts)
             for j in range(body.n)
@@ -120,14 +163,46 @@ def _gen_input(
     return GenInput(rid, list(ids), with_seed(sp, seed), given, received, skip)
 
 
-def _chat_prompt(tok: Tokenizer, body: ChatCompletionBody) -> list[int]:
-    msgs = [
-        {"role": "system" if m.role == "developer" else m.role, "content": m.text()} for m in body.messages
-    ]
+# Arguments of apply_chat_template itself: a template variable must not override them.
+_RESERVED_TEMPLATE_KWARGS = frozenset(
+    {"conversation", "messages", "tools", "documents", "add_generation_prompt", "tokenize", "chat_template"}
+)
+
+
+def _template_kwargs(body: ChatCompletionBody) -> dict:
+    kwargs = dict(body.chat_template_kwargs or {})
+    bad = sorted(_RESERVED_TEMPLATE_KWARGS & kwargs.keys())
+    if bad:
+        raise bad_request(f"chat_template_kwargs may not set {', '.join(bad)}", "chat_template_kwargs")
+    if body.reasoning_effort is not None:
+        kwargs.setdefault("reasoning_effort", body.reasoning_effort)
+    return kwargs
+
+
+def _chat_prompt(tok: Tokenizer, parser: str | None, body: ChatCompletionBody) -> list[int]:
+    msgs, tools = chat_messages(body, tool_call_format(parser), tok.template_supports_tools)
+    kwargs = _template_kwargs(body)
     try:
-        return tok.encode_chat(msgs)
+        return tok.encode_chat(msgs, tools, kwargs)
     except Exception as e:  # jinja errors from the model's template (e.g. role order)
         raise bad_request(f"the chat template refused the messages: {e}", "messages") from None
+
+
+def _output_spec(gw, body: ChatCompletionBody) -> ChatOutputSpec:
+    reasoning = None
+    if body.separate_reasoning:
+        reasoning = reasoning_format(gw.cfg.reasoning_parser, body.chat_template_kwargs)
+    if not body.tools or body.tool_choice == "none":
+        return ChatOutputSpec(reasoning=reasoning)
+    names = [t.function.name for t in body.tools]
+    if isinstance(body.tool_choice, NamedToolChoice):
+        names = [body.tool_choice.function.name]
+    return ChatOutputSpec(
+        reasoning=reasoning,
+        tools=tool_call_format(gw.cfg.tool_call_parser),
+        tool_names=frozenset(names),
+        parallel_tool_calls=body.parallel_tool_calls,
+    )
 
 
 def _completion_prompts(tok: Tokenizer, prompt: str | list) -> list[list[int]]:
@@ -145,23 +220,28 @@ def _completion_prompts(tok: Tokenizer, prompt: str | list) -> list[list[int]]:
 # ---- shaping -------------------------------------------------------------------------------------
 
 
-def _finish(st: GenState) -> tuple[str | None, int | str | None]:
+def _finish(st: GenState, calls: bool = False) -> tuple[str | None, int | str | None]:
     if st.finish_reason is None:
         return None, None
     kind = st.finish_reason.get("type")
-    return kind, st.finish_reason.get("matched") if kind == "stop" else None
+    matched = st.finish_reason.get("matched") if kind == "stop" else None
+    if calls and kind == "stop":
+        return "tool_calls", matched
+    return kind, matched
 
 
-def _usage(reply: _Reply, states: list[GenState]) -> dict:
+def _usage(reply: _Reply, states: list[GenState], reasoning: list[int] | None = None) -> dict:
     firsts = states[:: reply.n]  # one per prompt: the n samples share it
     prompt = sum(s.prompt_tokens for s in firsts)
     completion = sum(len(s.output_ids) for s in states)
+    thought = sum(reasoning or [])
     return {
         "prompt_tokens": prompt,
         "total_tokens": prompt + completion,
         "completion_tokens": completion,
         "prompt_tokens_details": {"cached_tokens": sum(s.cached_tokens for s in firsts)},
-        "reasoning_tokens": 0,
+        "completion_tokens_details": {"reasoning_tokens": thought},
+        "reasoning_tokens": thought,
     }
 
 
@@ -201,17 +281,41 @@ def _logprobs(tok: Tokenizer, reply: _Reply, st: GenState, start: int, text_offs
     return _completion_logprobs(tok, ids, lps, tops, text_offset)
 
 
+def _chat_result(tok: Tokenizer, reply: _Reply, st: GenState) -> tuple[ChatDelta, int]:
+    """A finished choice's reasoning, content and calls, and its reasoning tokens (also put in meta_info)."""
+    out = ChatOutput(reply.output).whole(st.text)
+    if not out.calls and reply.forced_choice is not None:
+        # A reply constrained to the tool-call schema (function_call/schema.py) is bare JSON.
+        calls = calls_from_constrained(out.content, reply.forced_choice)
+        if calls:
+            out = ChatDelta(out.reasoning, "", calls)
+    fmt = reply.output.reasoning
+    n = reasoning_tokens(tok, st.output_ids, fmt, out.reasoning) if fmt else 0
+    if st.meta_info is not None:
+        st.meta_info["reasoning_tokens"] = n
+    return out, n
+
+
 def _full_response(tok: Tokenizer, reply: _Reply, states: list[GenState]) -> dict:
     choices = []
+    reasoning = []
     for i, st in enumerate(states):
-        reason, matched = _finish(st)
         lp = _logprobs(tok, reply, st, 0, 0)
         if reply.chat:
-            msg = {"role": "assistant", "content": st.text, "reasoning_content": None}
+            out, n = _chat_result(tok, reply, st)
+            reasoning.append(n)
+            reason, matched = _finish(st, bool(out.calls))
+            msg = {
+                "role": "assistant",
+                "content": out.content if out.content or not out.calls else None,
+                "reasoning_content": out.reasoning or None,
+                "tool_calls": [c.openai() for c in out.calls] or None,
+            }
             choices.append(
                 {"index": i, "message": msg, "logprobs": lp, "finish_reason": reason, "matched_stop": matched}
             )
         else:
+            reason, matched = _finish(st)
             choices.append(
                 {
                     "index": i,
@@ -227,7 +331,7 @@ def _full_response(tok: Tokenizer, reply: _Reply, states: list[GenState]) -> dic
         "created": reply.created,
         "model": reply.model,
         "choices": choices,
-        "usage": _usage(reply, states),
+        "usage": _usage(reply, states, reasoning),
         "metadata": _metadata(states),
     }
 
@@ -245,16 +349,47 @@ def _chunk(reply: _Reply, choices: list[dict], usage: dict | None = None) -> byt
     )
 
 
-def _choice_delta(reply: _Reply, i: int, text: str, lp: dict | None, reason: str | None, matched) -> dict:
+def _chat_delta(d: ChatDelta, first_call: int) -> dict:
+    delta: dict = {}
+    if d.reasoning:
+        delta["reasoning_content"] = d.reasoning
+    if d.content:
+        delta["content"] = d.content
+    if d.calls:
+        delta["tool_calls"] = [{"index": first_call + k, **c.openai()} for k, c in enumerate(d.calls)]
+    return delta
+
+
+def _choice(reply: _Reply, i: int, delta: dict | str, lp: dict | None, reason: str | None, matched) -> dict:
     if reply.chat:
-        return {
-            "index": i,
-            "delta": {"content": text},
-            "logprobs": lp,
-            "finish_reason": reason,
-            "matched_stop": matched,
-        }
-    return {"index": i, "text": text, "logprobs": lp, "finish_reason": reason, "matched_stop": matched}
+        body = {"index": i, "delta": delta}
+    else:
+        body = {"index": i, "text": delta}
+    return {**body, "logprobs": lp, "finish_reason": reason, "matched_stop": matched}
+
+
+class _ChoiceStream:
+    """One chat choice's stream: text deltas in, delta objects out (reasoning held back if asked)."""
+
+    def __init__(self, reply: _Reply) -> None:
+        self.reply = reply
+        self.out = ChatOutput(reply.output)
+        self.n_calls = 0
+        self.reasoning = ""  # all of it so far
+        self.held_reasoning = ""
+
+    def delta(self, text: str, final: bool) -> dict:
+        d = self.out.feed(text)
+        if final:
+            end = self.out.finish()
+            d = ChatDelta(d.reasoning + end.reasoning, d.content + end.content, d.calls + end.calls)
+        self.reasoning += d.reasoning
+        if not self.reply.stream_reasoning:  # all the reasoning in the last chunk
+            self.held_reasoning += d.reasoning
+            d.reasoning = self.held_reasoning if final else ""
+        body = _chat_delta(d, self.n_calls)
+        self.n_calls += len(d.calls)
+        return body
 
 
 async def _stream(gw, reply: _Reply, inputs: list[GenInput]) -> AsyncIterator[bytes]:
@@ -262,31 +397,41 @@ async def _stream(gw, reply: _Reply, inputs: list[GenInput]) -> AsyncIterator[by
     sent_ids = [0] * len(inputs)  # tokens already covered by logprobs, per choice
     sent_chars = [0] * len(inputs)
     finals: dict[int, GenState] = {}
+    parsers = [_ChoiceStream(reply) for _ in inputs]
+    reasoning = [0] * len(inputs)
     if reply.chat:
         for i in range(len(inputs)):
             first = {"role": "assistant", "content": ""}
-            yield _chunk(
-                reply,
-                [{"index": i, "delta": first, "logprobs": None, "finish_reason": None, "matched_stop": None}],
-            )
+            yield _chunk(reply, [_choice(reply, i, first, None, None, None)])
     try:
         async for i, st in merge_streams(gw.generations, inputs):
-            if not (st.new_text or st.finished or (reply.logprobs and len(st.output_ids) > sent_ids[i])):
+            lp = None
+            if reply.logprobs and len(st.output_ids) > sent_ids[i]:
+                lp = _logprobs(tok, reply, st, sent_ids[i], sent_chars[i])
+            delta: dict | str = st.new_text
+            if reply.chat:
+                delta = parsers[i].delta(st.new_text, st.finished)
+                reason, matched = _finish(st, parsers[i].n_calls > 0)
+                if st.finished and reply.output.reasoning:
+                    reasoning[i] = reasoning_tokens(
+                        tok, st.output_ids, reply.output.reasoning, parsers[i].reasoning
+                    )
+            else:
+                reason, matched = _finish(st)
+            if not (delta or st.finished or lp):
                 continue
-            reason, matched = _finish(st)
-            lp = _logprobs(tok, reply, st, sent_ids[i], sent_chars[i])
             sent_ids[i], sent_chars[i] = len(st.output_ids), len(st.text)
-            yield _chunk(reply, [_choice_delta(reply, i, st.new_text, lp, reason, matched)])
+            yield _chunk(reply, [_choice(reply, i, delta, lp, reason, matched)])
             if st.finished:
                 finals[i] = st
     except ApiError as e:
         for i in range(len(inputs)):
             if i not in finals:
-                yield _chunk(reply, [_choice_delta(reply, i, "", None, "abort", None)])
+                yield _chunk(reply, [_choice(reply, i, {} if reply.chat else "", None, "abort", None)])
         yield sse(e.body())
         yield SSE_DONE
         return
     if reply.include_usage:
         states = [finals[i] for i in range(len(inputs))]
-        yield _chunk(reply, [], _usage(reply, states))
+        yield _chunk(reply, [], _usage(reply, states, reasoning))
     yield SSE_DONE

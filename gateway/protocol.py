@@ -1,27 +1,59 @@
 """HTTP request bodies (pydantic) and their conversion to `SamplingParams`.
 
-Models are strict (no "1" -> 1 coercion) and refuse unknown fields, as OpenAI does; a few OpenAI
-fields the gateway does not implement are accepted only with their neutral value.
+Lenient where SGLang and vLLM are, strict where a wrong guess would change the answer:
+- a `null` value means the field's default, everywhere (each model drops null keys before validation);
+- unknown keys are kept aside (pydantic's `extra="allow"`) and ignored, with one warning naming them
+  (`parse_body`); a few known keys that would change the answer and cannot be honoured here
+  (`REFUSED_IF_SET`: LoRA, images, hidden states, grammars until a grammar backend is configured)
+  are a 400 naming them when set to anything but their neutral value;
+- types stay strict (no "1" -> 1 coercion).
 """
 
 from __future__ import annotations
 
+import logging
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from pdserve.gateway.errors import ApiError, bad_request, validation_error_to_api
 from pdserve.sampling_params import SamplingParams
 
-_STRICT = ConfigDict(extra="forbid", strict=True)
+log = logging.getLogger(__name__)
 
 StopField = str | list[str] | None
 
+# Keys that cannot be ignored when set: pdserve cannot honour them and ignoring them would change the answer.
+REFUSED_IF_SET: dict[str, str] = {
+    "lora_path": "LoRA adapters are not supported",
+    "image_data": "the model has no vision input",
+    "video_data": "the model has no video input",
+    "audio_data": "the model has no audio input",
+    "input_embeds": "input embeddings are not supported",
+    "return_hidden_states": "hidden states are not returned",
+    "custom_logit_processor": "custom logit processors are not supported",
+    "json_schema": "constrained decoding needs a grammar backend",
+    "regex": "constrained decoding needs a grammar backend",
+    "ebnf": "constrained decoding needs a grammar backend",
+    "structural_tag": "constrained decoding needs a grammar backend",
+}
 
-class _SamplingFields(BaseModel):
+
+class LenientModel(BaseModel):
+    """Unknown keys are kept in `model_extra` (checked and logged by `parse_body`); null is the default."""
+
+    model_config = ConfigDict(extra="allow", strict=True)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _null_is_default(cls, data: Any) -> Any:
+        if isinstance(data, dict):
+            return {k: v for k, v in data.items() if v is not None}
+        return data
+
+
+class _SamplingFields(LenientModel):
     """Sampling knobs shared by the native and the OpenAI bodies (None: the default)."""
-
-    model_config = _STRICT
 
     temperature: float | None = None
     top_p: float | None = None
@@ -34,7 +66,13 @@ class _SamplingFields(BaseModel):
     stop_token_ids: list[int] | None = None
     ignore_eos: bool = False
     seed: int | None = None
+    sampling_seed: int | None = None  # SGLang's name for the seed
     skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True  # accepted: the tokenizer decides
+    min_new_tokens: int | None = None
+    # OpenAI's form: token id (as a string key) -> bias in [-100, 100].
+    logit_bias: dict[str, float] | None = None
+    no_stop_trim: bool = False
 
 
 # ---- SGLang native /generate -----------------------------------------------------------------
@@ -45,12 +83,13 @@ class NativeSamplingParams(_SamplingFields):
     n: int = Field(1, ge=1, le=128)
 
 
-class GenerateBody(BaseModel):
-    model_config = _STRICT
-
+class GenerateBody(LenientModel):
     text: str | list[str] | None = None
     input_ids: list[int] | list[list[int]] | None = None
-    sampling_params: NativeSamplingParams = Field(default_factory=NativeSamplingParams)
+    # A list gives each prompt of a batch its own parameters.
+    sampling_params: NativeSamplingParams | list[NativeSamplingParams] = Field(
+        default_factory=NativeSamplingParams
+    )
     stream: bool = False
     rid: str | list[str] | None = None
     return_logprob: bool = False
@@ -69,35 +108,78 @@ class GenerateBody(BaseModel):
 # ---- OpenAI ----------------------------------------------------------------------------------
 
 
-class StreamOptions(BaseModel):
-    model_config = _STRICT
-
+class StreamOptions(LenientModel):
     include_usage: bool = False
     continuous_usage_stats: bool = False
 
 
-class TextPart(BaseModel):
-    model_config = _STRICT
-
-    type: Literal["text"]
-    text: str
+class ContentPart(LenientModel):
+    type: str
+    text: str | None = None
 
 
-class ChatMessage(BaseModel):
-    model_config = _STRICT
+class FunctionCall(LenientModel):
+    name: str
+    # A JSON string, as OpenAI sends it (some clients send the object itself).
+    arguments: str | dict[str, Any] = "{}"
 
-    role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: str | list[TextPart] | None = None
+
+class ToolCall(LenientModel):
+    id: str | None = None
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
+class ChatMessage(LenientModel):
+    role: Literal["system", "developer", "user", "assistant", "tool", "function"]
+    content: str | list[ContentPart] | None = None
     name: str | None = None
     tool_call_id: str | None = None
+    tool_calls: list[ToolCall] | None = None
     reasoning_content: str | None = None
 
+    @field_validator("content")
+    @classmethod
+    def _text_only(cls, v: str | list[ContentPart] | None) -> str | list[ContentPart] | None:
+        for p in v if isinstance(v, list) else []:
+            if p.type != "text":
+                what = "vision" if "image" in p.type else p.type.removeprefix("input_")
+                raise ValueError(f"a '{p.type}' content part is not supported: the model has no {what} input")
+            if p.text is None:
+                raise ValueError("a text content part needs 'text'")
+        return v
+
     def text(self) -> str:
+        """Multi-part text is joined with spaces, as SGLang does for string-content templates."""
         if self.content is None:
             return ""
         if isinstance(self.content, str):
             return self.content
-        return "".join(p.text for p in self.content)
+        return " ".join(p.text or "" for p in self.content)
+
+
+class FunctionDef(LenientModel):
+    name: str = Field(min_length=1, max_length=128)
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class Tool(LenientModel):
+    type: Literal["function"] = "function"
+    function: FunctionDef
+
+
+class NamedFunction(LenientModel):
+    name: str
+
+
+class NamedToolChoice(LenientModel):
+    type: Literal["function"] = "function"
+    function: NamedFunction
+
+
+ToolChoice = Literal["none", "auto", "required"] | NamedToolChoice
 
 
 class _OpenAIBase(_SamplingFields):
@@ -107,14 +189,13 @@ class _OpenAIBase(_SamplingFields):
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None
-    # Accepted only when neutral (None / empty): the gateway has no logit bias.
-    logit_bias: dict[str, float] | None = None
     rid: str | None = None
+    # Accepted and ignored: OpenAI's storage and tagging of completions.
+    store: bool | None = None
+    metadata: dict[str, Any] | None = None
 
     @model_validator(mode="after")
-    def _neutral(self) -> _OpenAIBase:
-        if self.logit_bias:
-            raise ValueError("logit_bias is not supported")
+    def _stream_options(self) -> _OpenAIBase:
         if self.stream_options is not None and not self.stream:
             raise ValueError("stream_options is only allowed when stream is true")
         return self
@@ -126,20 +207,30 @@ class ChatCompletionBody(_OpenAIBase):
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=20)
     response_format: dict[str, Any] | None = None
-    tools: list[dict[str, Any]] | None = None
-    tool_choice: str | dict[str, Any] | None = None
-    parallel_tool_calls: bool | None = None
+    tools: list[Tool] | None = None
+    tool_choice: ToolChoice | None = None
+    parallel_tool_calls: bool = True
+    # Passed to the chat template (e.g. {"enable_thinking": false}); reasoning_effort is passed there too.
+    chat_template_kwargs: dict[str, Any] | None = None
+    reasoning_effort: str | None = None
+    # SGLang: with a reasoning parser, put the thinking text in reasoning_content (else leave it in content).
+    separate_reasoning: bool = True
+    stream_reasoning: bool = True
 
     @model_validator(mode="after")
     def _chat_checks(self) -> ChatCompletionBody:
         if self.top_logprobs and not self.logprobs:
             raise ValueError("top_logprobs requires logprobs to be true")
         if self.response_format and self.response_format.get("type", "text") != "text":
-            raise ValueError("only response_format {'type': 'text'} is supported")
-        if self.tools:
-            raise ValueError("tools are not supported")
-        if self.tool_choice not in (None, "none", "auto"):
-            raise ValueError("tool_choice is not supported")
+            raise ValueError("response_format other than text needs a grammar backend")
+        if isinstance(self.tool_choice, NamedToolChoice):
+            names = [t.function.name for t in self.tools or []]
+            if self.tool_choice.function.name not in names:
+                raise ValueError(
+                    f"tool_choice names function {self.tool_choice.function.name!r}, not in tools"
+                )
+        if self.tool_choice == "required" and not self.tools:
+            raise ValueError("tool_choice 'required' needs tools")
         return self
 
 
@@ -163,11 +254,35 @@ class CompletionBody(_OpenAIBase):
         return self
 
 
+def _extras(model: BaseModel, prefix: str = "") -> list[tuple[str, Any]]:
+    """Every unknown key of `model` and the models inside it: (dotted path, value)."""
+    out = [(f"{prefix}{k}", v) for k, v in (model.model_extra or {}).items()]
+    for name in type(model).model_fields:
+        value = getattr(model, name)
+        items = value if isinstance(value, list) else [value]
+        for i, item in enumerate(items):
+            if isinstance(item, BaseModel):
+                sub = f"{prefix}{name}." + (f"{i}." if isinstance(value, list) else "")
+                out += _extras(item, sub)
+    return out
+
+
 def parse_body(model: type[BaseModel], body: dict) -> Any:
+    """Validate; refuse set keys of `REFUSED_IF_SET`; log the ignored unknown keys in one line."""
     try:
-        return model.model_validate(body)
+        parsed = model.model_validate(body)
     except ValidationError as e:
         raise validation_error_to_api(e) from None
+    ignored = []
+    for path, value in _extras(parsed):
+        reason = REFUSED_IF_SET.get(path.rsplit(".", 1)[-1])
+        if reason is None:
+            ignored.append(path)
+        elif value not in (False, "", [], {}):
+            raise ApiError(400, f"{path}: {reason}", path, code="unsupported_parameter")
+    if ignored:
+        log.warning("ignoring unknown request fields: %s", ", ".join(ignored))
+    return parsed
 
 
 def stop_list(stop: StopField) -> list[str]:
@@ -176,12 +291,26 @@ def stop_list(stop: StopField) -> list[str]:
     return [stop] if isinstance(stop, str) else list(stop)
 
 
+def _logit_bias(raw: dict[str, float] | None, vocab_size: int | None, param: str) -> dict[int, float]:
+    out: dict[int, float] = {}
+    for k, v in (raw or {}).items():
+        try:
+            tid = int(k)
+        except ValueError:
+            raise bad_request(f"{param}: key {k!r} is not a token id", param) from None
+        if tid < 0 or (vocab_size is not None and tid >= vocab_size):
+            raise bad_request(f"{param}: token id {tid} is outside the vocabulary", param)
+        out[tid] = v
+    return out
+
+
 def build_sampling(
     fields: _SamplingFields,
     max_new_tokens: int | None,
     logprobs: bool,
     top_logprobs_num: int,
     param_prefix: str = "",
+    vocab_size: int | None = None,
 ) -> SamplingParams:
     """Merge the request's knobs over SamplingParams' defaults; range errors become HTTP 400."""
     values: dict[str, Any] = {
@@ -196,13 +325,19 @@ def build_sampling(
             "presence_penalty",
             "stop_token_ids",
             "seed",
+            "min_new_tokens",
         )
         if getattr(fields, k) is not None
     }
+    if fields.seed is None and fields.sampling_seed is not None:
+        values["seed"] = fields.sampling_seed
     values["stop"] = stop_list(fields.stop)
     values["ignore_eos"] = fields.ignore_eos
+    values["no_stop_trim"] = fields.no_stop_trim
     values["logprobs"] = logprobs
     values["top_logprobs_num"] = top_logprobs_num
+    bias_param = f"{param_prefix}.logit_bias" if param_prefix else "logit_bias"
+    values["logit_bias"] = _logit_bias(fields.logit_bias, vocab_size, bias_param)
     if max_new_tokens is not None:
         values["max_new_tokens"] = max_new_tokens
     try:
@@ -212,7 +347,7 @@ def build_sampling(
 
 
 def with_max_new_tokens(sp: SamplingParams, n: int) -> SamplingParams:
-    return sp.model_copy(update={"max_new_tokens": n})
+    return sp.model_copy(update={"max_new_tokens": n, "min_new_tokens": min(sp.min_new_tokens, n)})
 
 
 def with_seed(sp: SamplingParams, seed: int | None) -> SamplingParams:
@@ -231,12 +366,15 @@ def check_prompt_ids(ids: list[int], vocab_size: int, param: str) -> None:
 
 
 __all__ = [
+    "REFUSED_IF_SET",
     "ApiError",
     "ChatCompletionBody",
     "ChatMessage",
     "CompletionBody",
     "GenerateBody",
     "NativeSamplingParams",
+    "Tool",
+    "ToolCall",
     "build_sampling",
     "check_prompt_ids",
     "parse_body",

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from fastapi import FastAPI, Query, Request
 from fastapi.responses import JSONResponse, Response
 
-from pdserve.gateway import native_api, openai_api
+from pdserve.gateway import native_api, openai_api, sglang_api
 from pdserve.gateway.config import GatewayConfig
 from pdserve.gateway.control import ControlPlane
 from pdserve.gateway.errors import error_body, install_error_handlers
@@ -27,6 +27,7 @@ from pdserve.gateway.openapi import install_openapi
 from pdserve.gateway.serving import Admission
 from pdserve.gateway.tokenizer import Tokenizer
 from pdserve.gateway.workers import RoutingPolicy, WorkerRegistry
+from pdserve.model_source import model_name
 from pdserve.port_file import write_port_file
 
 log = logging.getLogger(__name__)
@@ -44,6 +45,7 @@ class GatewayState:
     generations: Generations
     admission: Admission
     started: int
+    model_name: str  # what clients send as `model` (--served-model-name, else the model's own name)
 
 
 def create_app(cfg: GatewayConfig, tokenizer: Tokenizer | None = None) -> FastAPI:
@@ -63,6 +65,7 @@ def create_app(cfg: GatewayConfig, tokenizer: Tokenizer | None = None) -> FastAP
         generations=Generations(cfg, tok, registry, control, metrics),
         admission=Admission(cfg.max_pending_requests, metrics),
         started=int(time.time()),
+        model_name=cfg.served_model_name or model_name(cfg.model_path),
     )
 
     @asynccontextmanager
@@ -81,6 +84,7 @@ def create_app(cfg: GatewayConfig, tokenizer: Tokenizer | None = None) -> FastAP
     install_openapi(app)
     app.include_router(native_api.router)
     app.include_router(openai_api.router)
+    app.include_router(sglang_api.router)
 
     @app.get("/health")
     async def health() -> Response:
@@ -90,14 +94,6 @@ def create_app(cfg: GatewayConfig, tokenizer: Tokenizer | None = None) -> FastAP
         return JSONResponse(
             error_body(503, f"no {' and no '.join(missing)} worker in rotation"), status_code=503
         )
-
-    @app.get("/get_model_info")
-    async def model_info() -> dict:
-        return {
-            "model_path": cfg.model_path or "default",
-            "tokenizer_path": cfg.model_path,
-            "is_generation": True,
-        }
 
     @app.api_route("/flush_cache", methods=["GET", "POST"])
     async def flush_cache() -> Response:

@@ -7,6 +7,7 @@ this matches `apply_chat_template(..., tokenize=True)` token for token.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import logging
 import os
@@ -50,11 +51,42 @@ class Tokenizer:
         """A raw prompt, with whatever special tokens the tokenizer adds by itself (as SGLang)."""
         return list(self.hf.encode(text))
 
-    def chat_prompt(self, messages: list[dict[str, str]]) -> str:
-        return self.hf.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    def chat_prompt(
+        self, messages: list[dict], tools: list[dict] | None = None, template_kwargs: dict | None = None
+    ) -> str:
+        """The prompt text; `template_kwargs` become variables of the template (e.g. enable_thinking)."""
+        return self.hf.apply_chat_template(
+            messages, tools=tools, add_generation_prompt=True, tokenize=False, **(template_kwargs or {})
+        )
 
-    def encode_chat(self, messages: list[dict[str, str]]) -> list[int]:
-        return list(self.hf.encode(self.chat_prompt(messages), add_special_tokens=False))
+    def encode_chat(
+        self, messages: list[dict], tools: list[dict] | None = None, template_kwargs: dict | None = None
+    ) -> list[int]:
+        return list(
+            self.hf.encode(self.chat_prompt(messages, tools, template_kwargs), add_special_tokens=False)
+        )
+
+    @functools.cached_property
+    def template_supports_tools(self) -> bool:
+        """The chat template reads a `tools` variable (else tools go into the prompt: function_call/prompt.py)."""
+        import jinja2
+        import jinja2.meta
+
+        template = self.hf.chat_template
+        if not isinstance(template, str):
+            return False
+        return "tools" in jinja2.meta.find_undeclared_variables(jinja2.Environment().parse(template))
+
+    def is_special(self, text: str) -> bool:
+        """`text` is one special token (decoding skips it unless asked not to)."""
+        return text in set(self.hf.all_special_tokens) or text in {
+            t.content for t in self.hf.added_tokens_decoder.values() if t.special
+        }
+
+    def token_id(self, text: str) -> int | None:
+        """The id of `text` if it is a single token of the vocabulary."""
+        ids = self.hf.encode(text, add_special_tokens=False)
+        return ids[0] if len(ids) == 1 else None
 
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         return self.hf.decode(ids, skip_special_tokens=skip_special_tokens)

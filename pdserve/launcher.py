@@ -61,7 +61,11 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
         help="torch threads per worker (default: cores split evenly among workers; more than that "
         "shares cores, with idle OpenMP threads sleeping)",
     )
-    parser.add_argument("--served-model-name", default="default")
+    parser.add_argument(
+        "--served-model-name", default=None, help="the model name clients send (default: the model's own)"
+    )
+    parser.add_argument("--tool-call-parser", default=None, help="see `pdserve gateway --help`")
+    parser.add_argument("--reasoning-parser", default=None, help="see `pdserve gateway --help`")
     parser.add_argument(
         "--prefill-policy",
         default="cache_aware",
@@ -135,8 +139,14 @@ def _control_port(args: argparse.Namespace) -> int:
 def gateway_command(args: argparse.Namespace, port_file: str | None = None) -> list[str]:
     argv = [sys.executable, "-m", "pdserve.cli", "gateway", "--host", args.host, "--port", str(args.port)]
     argv += ["--control-port", str(_control_port(args))]
-    argv += ["--served-model-name", args.served_model_name, "--log-level", args.log_level]
-    argv += ["--prefill-policy", args.prefill_policy]
+    argv += ["--log-level", args.log_level, "--prefill-policy", args.prefill_policy]
+    for flag, value in (
+        ("--served-model-name", args.served_model_name),
+        ("--tool-call-parser", args.tool_call_parser),
+        ("--reasoning-parser", args.reasoning_parser),
+    ):
+        if value:
+            argv += [flag, value]
     if args.model_path:
         argv += ["--model-path", args.model_path]
     if port_file:

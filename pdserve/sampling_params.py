@@ -31,6 +31,12 @@ class SamplingParams(BaseModel):
     # Number of top alternatives returned with each sampled token's logprob (0: only the token's).
     logprobs: bool = False
     top_logprobs_num: int = Field(0, ge=0, le=20)
+    # EOS and stop_token_ids are masked out of the distribution until this many tokens exist (SGLang).
+    min_new_tokens: int = Field(0, ge=0, le=1 << 20)
+    # Added to the logits of these token ids before sampling (OpenAI's logit_bias, -100..100).
+    logit_bias: dict[int, float] = Field(default_factory=dict, max_length=1024)
+    # Keep a matched stop string (or stop token's text) in the output text (SGLang's no_stop_trim).
+    no_stop_trim: bool = False
 
     @model_validator(mode="after")
     def _check(self) -> SamplingParams:
@@ -38,6 +44,10 @@ class SamplingParams(BaseModel):
             raise ValueError("stop strings must be non-empty")
         if any(t < 0 for t in self.stop_token_ids):
             raise ValueError("stop_token_ids must be non-negative")
+        if self.min_new_tokens > self.max_new_tokens:
+            raise ValueError("min_new_tokens must not exceed max_new_tokens")
+        if any(not -100.0 <= b <= 100.0 for b in self.logit_bias.values()):
+            raise ValueError("logit_bias values must be between -100 and 100")
         return self
 
     @property

@@ -125,12 +125,8 @@ class ModelRunner:
 
     def sample(self, reqs: list[Request], logits: torch.Tensor) -> SampleOutput:
         """One token per request from logits [len(reqs), V]."""
-        params = [r.params for r in reqs]
-        sbatch = SamplingBatch.build(params, self.device)
-        penalties = any(
-            p.repetition_penalty != 1.0 or p.frequency_penalty != 0.0 or p.presence_penalty != 0.0
-            for p in params
-        )
+        sbatch = SamplingBatch.build([r.params for r in reqs], self.device, [r.eos_token_ids for r in reqs])
+        penalties = sbatch.any_penalty
         return self.sampler(
             logits,
             sbatch,

@@ -1,6 +1,7 @@
 """Batched token sampler: penalties, temperature, top-k / top-p / min-p, seeded draws, logprobs.
 
-Order of operations follows SGLang: penalties -> temperature -> softmax -> top-k -> top-p -> min-p
+Order of operations follows SGLang: penalties (repetition, frequency/presence, logit bias, the
+min_new_tokens mask on stop tokens) -> temperature -> softmax -> top-k -> top-p -> min-p
 -> renormalize. All three filters are judged against the same (temperature-scaled) softmax and the
 distribution is renormalized once at the end, so top-p counts mass of the full distribution and
 min-p compares against its largest probability.
@@ -18,6 +19,7 @@ the other requests in the batch or their order. Unseeded rows use torch's global
 from __future__ import annotations
 
 import itertools
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -40,6 +42,15 @@ class SamplingBatch:
     frequency_penalties: torch.Tensor  # [B] float32
     presence_penalties: torch.Tensor  # [B] float32
     seeds: torch.Tensor  # [B] int64; -1 = unseeded
+    # logit_bias as (row, token id, bias) triples: [N] int64, [N] int64, [N] float32.
+    bias_rows: torch.Tensor
+    bias_ids: torch.Tensor
+    bias_vals: torch.Tensor
+    # min_new_tokens: (row, stop token id) pairs masked while the row has fewer output tokens than
+    # min_new_tokens[row]: [M] int64 each; min_new_tokens [B] int64.
+    min_new_tokens: torch.Tensor
+    min_new_rows: torch.Tensor
+    min_new_ids: torch.Tensor
     seeded_rows: torch.Tensor  # [S] int64 row indices with a seed
     unseeded_rows: torch.Tensor  # [B - S] int64
     # Host-side flags: the sampler branches on these, never on device values.
@@ -50,6 +61,8 @@ class SamplingBatch:
     any_min_p: bool
     any_repetition: bool
     any_freq_presence: bool
+    any_logit_bias: bool
+    any_min_new: bool
     need_logprobs: bool
     max_top_logprobs: int
 
@@ -59,7 +72,8 @@ class SamplingBatch:
 
     @property
     def any_penalty(self) -> bool:
-        return self.any_repetition or self.any_freq_presence
+        """Some row's logits change before sampling (the penalized path needs output_ids)."""
+        return self.any_repetition or self.any_freq_presence or self.any_logit_bias or self.any_min_new
 
     @property
     def any_seeded(self) -> bool:
@@ -70,8 +84,21 @@ class SamplingBatch:
         return self.unseeded_rows.numel() > 0
 
     @classmethod
-    def build(cls, params: list[SamplingParams], device: torch.device | str = "cpu") -> SamplingBatch:
+    def build(
+        cls,
+        params: list[SamplingParams],
+        device: torch.device | str = "cpu",
+        eos_token_ids: Sequence[Sequence[int]] | None = None,
+    ) -> SamplingBatch:
+        """`eos_token_ids[row]`: the row's EOS ids, masked (with its stop_token_ids) below min_new_tokens."""
         greedy = [p.greedy for p in params]
+        bias = [(i, t, b) for i, p in enumerate(params) for t, b in p.logit_bias.items()]
+        min_new = [
+            (i, t)
+            for i, p in enumerate(params)
+            if p.min_new_tokens > 0
+            for t in sorted(set(p.stop_token_ids) | set(eos_token_ids[i] if eos_token_ids else ()))
+        ]
         # Filters are meaningless on greedy rows; clearing them keeps the flags honest.
         top_ks = [0 if g or p.top_k <= 0 else p.top_k for p, g in zip(params, greedy, strict=True)]
         top_ps = [1.0 if g else p.top_p for p, g in zip(params, greedy, strict=True)]
@@ -94,6 +121,12 @@ class SamplingBatch:
             frequency_penalties=f32([p.frequency_penalty for p in params]),
             presence_penalties=f32([p.presence_penalty for p in params]),
             seeds=i64(seeds),
+            bias_rows=i64([i for i, _, _ in bias]),
+            bias_ids=i64([t for _, t, _ in bias]),
+            bias_vals=f32([b for _, _, b in bias]),
+            min_new_tokens=i64([p.min_new_tokens for p in params]),
+            min_new_rows=i64([i for i, _ in min_new]),
+            min_new_ids=i64([t for _, t in min_new]),
             seeded_rows=i64([i for i, s in enumerate(seeds) if s >= 0]),
             unseeded_rows=i64([i for i, s in enumerate(seeds) if s < 0]),
             all_greedy=all(greedy),
@@ -103,6 +136,8 @@ class SamplingBatch:
             any_min_p=any(p > 0.0 for p in min_ps),
             any_repetition=any(p.repetition_penalty != 1.0 for p in params),
             any_freq_presence=any(p.frequency_penalty != 0.0 or p.presence_penalty != 0.0 for p in params),
+            any_logit_bias=bool(bias),
+            any_min_new=bool(min_new),
             need_logprobs=any(p.logprobs or p.top_logprobs_num > 0 for p in params),
             max_top_logprobs=max((p.top_logprobs_num for p in params), default=0),
         )
@@ -198,6 +233,22 @@ class Sampler:
         if not batch.any_penalty:
             return logits
         batch_size, vocab = logits.shape
+        if batch.any_logit_bias:
+            # A row's bias on an id outside this model's vocabulary has nothing to act on.
+            ok = batch.bias_ids < vocab
+            logits = logits.index_put(
+                (batch.bias_rows[ok], batch.bias_ids[ok]), batch.bias_vals[ok], accumulate=True
+            )
+        if batch.any_min_new:
+            lengths = torch.tensor([len(o) for o in output_ids or [[]] * batch_size], device=logits.device)
+            early = lengths[batch.min_new_rows] < batch.min_new_tokens[batch.min_new_rows]  # [M]
+            ok = early & (batch.min_new_ids < vocab)
+            logits = logits.index_put(
+                (batch.min_new_rows[ok], batch.min_new_ids[ok]),
+                torch.tensor(float("-inf"), device=logits.device),
+            )
+        if not (batch.any_repetition or batch.any_freq_presence):
+            return logits
         out_counts = _token_counts(output_ids, batch_size, vocab, logits.device)  # [B, V] float32
         if batch.any_repetition:
             # HF RepetitionPenaltyLogitsProcessor over prompt + output: shrink toward zero-probability.

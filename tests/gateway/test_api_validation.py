@@ -11,7 +11,7 @@ def _assert_400(resp, *needles: str, param: str | None = None) -> dict:
     assert resp.status_code == 400, resp.text
     err = resp.json()["error"]
     assert err["type"] == "invalid_request_error"
-    assert err["code"] == 400
+    assert err["code"] is None or isinstance(err["code"], str)
     for n in needles:
         assert n in err["message"], err["message"]
     if param is not None:
@@ -38,24 +38,16 @@ def test_not_an_object(client, path):
         ("/generate", {"text": 5}, "text", None),
         ("/generate", {"text": "a", "sampling_params": {"temperature": "hot"}}, "temperature", None),
         ("/generate", {"text": "a", "sampling_params": {"max_new_tokens": 2.5}}, "max_new_tokens", None),
-        (
-            "/generate",
-            {"text": "a", "sampling_params": {"bogus": 1}},
-            "unrecognized",
-            "sampling_params.bogus",
-        ),
-        ("/generate", {"text": "a", "unknown_field": 1}, "unrecognized", "unknown_field"),
         ("/generate", {"text": "a", "stream": "yes"}, "stream", "stream"),
         ("/v1/chat/completions", {}, "messages", "messages"),
         ("/v1/chat/completions", {"messages": []}, "messages", "messages"),
         ("/v1/chat/completions", {"messages": [{"role": "wizard", "content": "x"}]}, "role", None),
         ("/v1/chat/completions", {**CHAT, "max_tokens": "ten"}, "max_tokens", "max_tokens"),
-        ("/v1/chat/completions", {**CHAT, "foo": 1}, "unrecognized", "foo"),
         ("/v1/chat/completions", {**CHAT, "top_logprobs": 3}, "requires logprobs", None),
         ("/v1/chat/completions", {**CHAT, "stream_options": {"include_usage": True}}, "stream", None),
         ("/v1/chat/completions", {**CHAT, "n": 0}, "n", "n"),
-        ("/v1/chat/completions", {**CHAT, "tools": [{"type": "function"}]}, "tools", None),
-        ("/v1/completions", {"model": "default"}, "prompt", "prompt"),
+        ("/v1/chat/completions", {**CHAT, "tools": [{"type": "function"}]}, "function", "tools.0.function"),
+        ("/v1/completions", {"model": "HuggingFaceTB/SmolLM2-135M-Instruct"}, "prompt", "prompt"),
         ("/v1/completions", {"prompt": "a", "logprobs": 50}, "logprobs", "logprobs"),
         ("/v1/completions", {"prompt": "a", "max_tokens": -1}, "max_tokens", "max_tokens"),
     ],
@@ -124,7 +116,7 @@ def test_valid_request_without_workers_is_503(client, path, body):
     r = client.post(path, json=body)
     assert r.status_code == 503
     err = r.json()["error"]
-    assert err["code"] == 503 and "prefill" in err["message"] and "decode" in err["message"]
+    assert err["type"] == "service_unavailable" and "prefill" in err["message"] and "decode" in err["message"]
     assert r.headers["retry-after"]
 
 
@@ -133,12 +125,12 @@ def test_health_and_models_without_workers(client):
     assert r.status_code == 503
     assert "no prefill" in r.json()["error"]["message"]
     models = client.get("/v1/models").json()
-    assert [d["id"] for d in models["data"]] == ["default"]
+    assert [d["id"] for d in models["data"]] == ["HuggingFaceTB/SmolLM2-135M-Instruct"]
 
 
 def test_unknown_route_and_method(client):
     r = client.get("/nope")
-    assert r.status_code == 404 and r.json()["error"]["code"] == 404
+    assert r.status_code == 404 and r.json()["error"]["type"] == "not_found_error"
     r = client.get("/generate")
     assert r.status_code == 405 and "error" in r.json()
 

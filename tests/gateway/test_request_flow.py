@@ -163,19 +163,27 @@ def test_generate_stream_cumulative(cluster):
     assert all(c["meta_info"]["finish_reason"] is None for c in chunks[:-1])
 
 
+MODEL = "HuggingFaceTB/SmolLM2-135M-Instruct"
+
+
 def test_chat_completion_shape(cluster, tokenizer):
     body = {
-        "model": "default",
+        "model": MODEL,
         "messages": [{"role": "user", "content": "Capital of France?"}],
         "max_tokens": 64,
     }
     out = cluster.client.post("/v1/chat/completions", json=body).json()
     assert list(out) == ["id", "object", "created", "model", "choices", "usage", "metadata"]
-    assert out["object"] == "chat.completion" and out["model"] == "default"
+    assert out["object"] == "chat.completion" and out["model"] == MODEL
     (choice,) = out["choices"]
     assert choice == {
         "index": 0,
-        "message": {"role": "assistant", "content": cluster.reply, "reasoning_content": None},
+        "message": {
+            "role": "assistant",
+            "content": cluster.reply,
+            "reasoning_content": None,
+            "tool_calls": None,
+        },
         "logprobs": None,
         "finish_reason": "stop",
         "matched_stop": tokenizer.eos_token_id,
@@ -189,6 +197,7 @@ def test_chat_completion_shape(cluster, tokenizer):
         "total_tokens": len(prompt) + n_out,
         "completion_tokens": n_out,
         "prompt_tokens_details": {"cached_tokens": 1},
+        "completion_tokens_details": {"reasoning_tokens": 0},
         "reasoning_tokens": 0,
     }
     assert out["metadata"] == {

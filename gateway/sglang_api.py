@@ -1,0 +1,131 @@
+"""SGLang's server endpoints besides /generate: /health_generate, /get_server_info (/server_info),
+/get_model_info and /abort_request. (/flush_cache lives with the prefix cache routing, in server.py.)"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import time
+import uuid
+from importlib.metadata import PackageNotFoundError, version
+
+from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse, Response
+
+from pdserve.gateway.errors import ApiError, error_body, parse_json_body
+from pdserve.gateway.generation import GenInput
+from pdserve.gateway.protocol import LenientModel, parse_body
+from pdserve.gateway.serving import collect
+from pdserve.sampling_params import SamplingParams
+
+router = APIRouter()
+
+# /health_generate gives up after this long (SGLang's default health check timeout).
+HEALTH_GENERATE_TIMEOUT_S = 20.0
+
+
+class AbortBody(LenientModel):
+    rid: str = ""
+    abort_all: bool = False
+    abort_message: str | None = None
+    finished_reason: dict | None = None
+
+
+@router.get("/health_generate")
+async def health_generate(request: Request) -> Response:
+    """One greedy token through a prefill and a decode worker: 200 when it comes back in time, else 503."""
+    gw = request.app.state.gw
+    tok = gw.tokenizer
+    prompt = tok.encode("Hi") or [tok.eos_token_id or 0]
+    inp = GenInput(
+        rid=f"health-generate-{uuid.uuid4().hex[:8]}",
+        input_ids=prompt,
+        sampling=SamplingParams(max_new_tokens=1, temperature=0.0),
+        max_new_tokens_given=True,
+        received_ts=time.time(),
+    )
+    try:
+        [inp] = gw.generations.prepare([inp], "text")
+        await asyncio.wait_for(collect(gw.generations, inp), HEALTH_GENERATE_TIMEOUT_S)
+    except ApiError as e:
+        return JSONResponse(error_body(503, f"health generation failed: {e.message}"), status_code=503)
+    except asyncio.TimeoutError:
+        msg = f"health generation did not finish within {HEALTH_GENERATE_TIMEOUT_S:g} s"
+        return JSONResponse(error_body(503, msg), status_code=503)
+    return Response(status_code=200)
+
+
+def _version() -> str | None:
+    try:
+        return version("pdserve")
+    except PackageNotFoundError:
+        return None
+
+
+def _architecture(gw) -> str | None:
+    for w in gw.registry.all():
+        arch = w.reg.fingerprint.get("architecture")
+        if arch:
+            return str(arch)
+    return None
+
+
+@router.get("/get_model_info")
+async def model_info(request: Request) -> dict:
+    gw = request.app.state.gw
+    arch = _architecture(gw)
+    return {
+        "model_path": gw.cfg.model_path or gw.model_name,
+        "tokenizer_path": gw.cfg.model_path or gw.model_name,
+        "served_model_name": gw.model_name,
+        "is_generation": True,
+        "preferred_sampling_params": None,
+        "weight_version": "default",
+        "has_image_understanding": False,
+        "has_audio_understanding": False,
+        "model_type": arch,
+        "architectures": [arch] if arch else None,
+    }
+
+
+@router.get("/get_server_info")
+@router.get("/server_info")
+async def server_info(request: Request) -> dict:
+    """The gateway's settings (SGLang's server args where they exist) and each worker's state."""
+    gw = request.app.state.gw
+    limits = gw.registry.limits()
+    decodes = gw.registry.in_rotation("decode")
+    return {
+        **dataclasses.asdict(gw.cfg),
+        "served_model_name": gw.model_name,
+        "tokenizer_path": gw.cfg.model_path or gw.model_name,
+        "version": _version(),
+        "disaggregation_mode": "gateway",
+        "context_length": limits.context_length if limits else None,
+        "max_total_num_tokens": sum(w.reg.max_total_tokens for w in decodes) or None,
+        "internal_states": [
+            {
+                "worker_id": w.worker_id,
+                "role": w.role,
+                "state": w.state,
+                "queued": w.queued,
+                "running": w.running,
+                "free_tokens": w.free_tokens,
+                "max_total_num_tokens": w.reg.max_total_tokens,
+                "avg_spec_accept_length": None,
+            }
+            for w in gw.registry.all()
+        ],
+    }
+
+
+@router.post("/abort_request")
+async def abort_request(request: Request) -> Response:
+    """Abort request `rid` (its n samples too), or every request with `abort_all`; their clients get an
+    error (a streamed one ends with an `abort` finish reason)."""
+    gw = request.app.state.gw
+    body: AbortBody = parse_body(AbortBody, parse_json_body(await request.body()))
+    if not body.abort_all and not body.rid:
+        raise ApiError(400, "give rid or abort_all", "rid")
+    hit = gw.control.abort_rids(None if body.abort_all else body.rid)
+    return JSONResponse({"aborted": hit})
