@@ -2,7 +2,8 @@
 
 The `<think>...</think>` family, with SGLang's names:
 - `deepseek-r1`: the chat template opens the thinking block itself, so the output starts inside it
-  (`force`): everything up to `</think>` is reasoning, even without a `<think>` in the output.
+  (`force`): everything up to `</think>` is reasoning, even without a `<think>` in the output (one
+  written anyway is dropped).
 - `qwen3`: the output is reasoning only when it starts with `<think>` (Qwen3 writes it itself; with
   `enable_thinking: false` its template closes an empty block in the prompt and the output is all answer).
 - `qwen3-thinking`: Qwen3's thinking-only models, which behave like deepseek-r1.
@@ -56,7 +57,7 @@ class ReasoningStream:
         self.fmt = fmt
         # "start": before any text (a <think> may open); "think": inside; "gap": just after the block;
         # "answer": after it.
-        self.state = "think" if fmt.force else "start"
+        self.state = "start"
         self._buf = ""
 
     def feed(self, delta: str) -> tuple[str, str]:
@@ -72,7 +73,8 @@ class ReasoningStream:
                     continue
                 if self.fmt.start.startswith(head):  # may still become <think> (or only whitespace so far)
                     return reasoning, content
-                self.state = "answer"
+                self.state = "think" if self.fmt.force else "answer"
+                continue
             if self.state == "think":
                 pos = self._buf.find(self.fmt.end)
                 if pos >= 0:
@@ -96,7 +98,7 @@ class ReasoningStream:
     def finish(self) -> tuple[str, str]:
         """The end of the output: release what was held back."""
         rest, self._buf = self._buf, ""
-        if self.state == "think":
+        if self.state == "think" or (self.state == "start" and self.fmt.force):
             return rest, ""
         return "", rest
 

@@ -225,32 +225,35 @@ def text_script(tokenizer: Tokenizer, reply: str, per_step: int = 2, with_logpro
     return script
 
 
+class WireCluster:
+    """A gateway (config `overrides`) plus one prefill and one decode WireWorker (reply text settable)."""
+
+    def __init__(self, tokenizer: Tokenizer, **overrides) -> None:
+        self.tokenizer = tokenizer
+        self.client = gateway_client(tokenizer, **overrides).__enter__()
+        self.addr = control_addr(self.client)
+        self.reply = "The capital of France is Paris. Ça coûte 5 €, 日本語も!"
+        self.workers: list[WireWorker] = []
+        self.prefill = self.add("p0", "prefill")
+        self.decode = self.add("d0", "decode")
+
+    def add(self, worker_id: str, role: str, **kw) -> WireWorker:
+        kw.setdefault("script", lambda req: text_script(self.tokenizer, self.reply)(req))
+        w = WireWorker(self.addr, worker_id, role, **kw).start()
+        self.workers.append(w)
+        return w
+
+    def close(self) -> None:
+        for w in self.workers:
+            if not w._stop.is_set():
+                w.stop()
+        self.client.__exit__(None, None, None)
+
+
 @pytest.fixture
 def cluster(tokenizer: Tokenizer):
     """A gateway plus one prefill and one decode WireWorker (reply text settable per test)."""
-
-    class Cluster:
-        def __init__(self) -> None:
-            self.client = gateway_client(tokenizer).__enter__()
-            self.addr = control_addr(self.client)
-            self.reply = "The capital of France is Paris. Ça coûte 5 €, 日本語も!"
-            self.workers: list[WireWorker] = []
-            self.prefill = self.add("p0", "prefill")
-            self.decode = self.add("d0", "decode")
-
-        def add(self, worker_id: str, role: str, **kw) -> WireWorker:
-            kw.setdefault("script", lambda req: text_script(tokenizer, self.reply)(req))
-            w = WireWorker(self.addr, worker_id, role, **kw).start()
-            self.workers.append(w)
-            return w
-
-        def close(self) -> None:
-            for w in self.workers:
-                if not w._stop.is_set():
-                    w.stop()
-            self.client.__exit__(None, None, None)
-
-    c = Cluster()
+    c = WireCluster(tokenizer)
     try:
         yield c
     finally:
