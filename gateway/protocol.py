@@ -300,6 +300,8 @@ def _logit_bias(raw: dict[str, float] | None, vocab_size: int | None, param: str
             raise bad_request(f"{param}: key {k!r} is not a token id", param) from None
         if tid < 0 or (vocab_size is not None and tid >= vocab_size):
             raise bad_request(f"{param}: token id {tid} is outside the vocabulary", param)
+        if not -100.0 <= v <= 100.0:
+            raise bad_request(f"{param}: a bias must be between -100 and 100, got {v}", param)
         out[tid] = v
     return out
 
@@ -340,6 +342,10 @@ def build_sampling(
     values["logit_bias"] = _logit_bias(fields.logit_bias, vocab_size, bias_param)
     if max_new_tokens is not None:
         values["max_new_tokens"] = max_new_tokens
+    limit = values.get("max_new_tokens", SamplingParams.model_fields["max_new_tokens"].default)
+    if values.get("min_new_tokens", 0) > limit:
+        param = f"{param_prefix}.min_new_tokens" if param_prefix else "min_new_tokens"
+        raise bad_request(f"{param}: {values['min_new_tokens']} is more than max_new_tokens ({limit})", param)
     try:
         return SamplingParams(**values)
     except ValidationError as e:

@@ -258,3 +258,19 @@ def cluster(tokenizer: Tokenizer):
         yield c
     finally:
         c.close()
+
+
+@pytest.fixture
+def wire_cluster(tokenizer: Tokenizer):
+    """Build WireClusters with gateway config overrides: `wire_cluster(reasoning_parser="qwen3")`."""
+    made: list[WireCluster] = []
+
+    def make(**overrides) -> WireCluster:
+        made.append(WireCluster(tokenizer, **overrides))
+        return made[-1]
+
+    try:
+        yield make
+    finally:
+        for c in made:
+            c.close()
