@@ -13,7 +13,8 @@ from typing import Any, Generic, TypeVar, cast
 
 from pydantic import BaseModel, ConfigDict, TypeAdapter, ValidationError
 
-PROTOCOL_VERSION = 2
+# 3: SamplingParams carries min_new_tokens, logit_bias and no_stop_trim.
+PROTOCOL_VERSION = 3
 
 M = TypeVar("M", bound=BaseModel)
 

@@ -66,7 +66,14 @@ GATEWAY_SAMPLES: list[BaseModel] = [
     gw.GenerateRequest(
         room="r1",
         input_ids=[1, 2, 3],
-        sampling=SamplingParams(max_new_tokens=4, temperature=0.0, stop=["x"]),
+        sampling=SamplingParams(
+            max_new_tokens=4,
+            temperature=0.0,
+            stop=["x"],
+            min_new_tokens=2,
+            logit_bias={5: 1.5, 9: -100.0},
+            no_stop_trim=True,
+        ),
         prefill_worker="p0",
         prefill_bootstrap_addr="127.0.0.1:7000",
         decode_worker="d0",
@@ -403,10 +410,11 @@ def test_receiver_refuses_a_prefill_of_another_version_then_keeps_serving(sender
         router.send_multipart([identity, b"garbage"])  # dropped: the handshake still waits
         time.sleep(0.2)
         assert not outcome
-        router.send_multipart([identity, _with_version(kc.encode(kc.HelloAck(ok=True, gen=0)), 3)])
+        other = PROTOCOL_VERSION + 1
+        router.send_multipart([identity, _with_version(kc.encode(kc.HelloAck(ok=True, gen=0)), other)])
         thread.join(10)
         assert isinstance(outcome[0], FingerprintMismatch), outcome
-        assert "hello_ack of protocol version 3 refused" in str(outcome[0])
+        assert f"hello_ack of protocol version {other} refused" in str(outcome[0])
     finally:
         thread.join(10)
         router.close()
