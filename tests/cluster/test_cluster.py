@@ -11,6 +11,8 @@ import httpx
 import pytest
 from harness import start_roles, start_up
 
+MODEL = "HuggingFaceTB/SmolLM2-135M-Instruct"  # the bundled model's served name
+
 pytestmark = pytest.mark.timeout(600)
 
 PROMPTS = [
@@ -131,7 +133,7 @@ def test_second_turn_reuses_the_first_turns_cached_prefix(cluster, engine_refere
     # Turn 2's own prompt pages are cached now; the OpenAI usage reports them the same way.
     r = httpx.post(
         cluster.url + "/v1/completions",
-        json={"model": "default", "prompt": p2, "max_tokens": 4, "temperature": 0},
+        json={"model": MODEL, "prompt": p2, "max_tokens": 4, "temperature": 0},
         timeout=300,
     )
     assert r.status_code == 200, r.text
@@ -178,18 +180,18 @@ def test_openai_client_chat_stream_completions_models(cluster):
 
     client = openai.OpenAI(base_url=cluster.url + "/v1", api_key="none", timeout=300)
     models = client.models.list()
-    assert [m.id for m in models.data] == ["default"]
+    assert [m.id for m in models.data] == [MODEL]
 
     seed = load_seed()["POST /v1/chat/completions"]
     msgs = [{"role": "user", "content": "What is the third planet from the sun? Answer in one word."}]
-    chat = client.chat.completions.create(model="default", messages=msgs, max_tokens=16, temperature=0)
+    chat = client.chat.completions.create(model=MODEL, messages=msgs, max_tokens=16, temperature=0)
     assert_same_shape(chat.model_dump(), {k: v for k, v in seed.items()})
     assert chat.choices[0].message.content
     assert chat.usage.completion_tokens >= 1
     assert chat.choices[0].finish_reason in ("stop", "length")
 
     stream = client.chat.completions.create(
-        model="default",
+        model=MODEL,
         messages=msgs,
         max_tokens=16,
         temperature=0,
@@ -208,7 +210,7 @@ def test_openai_client_chat_stream_completions_models(cluster):
     assert usage is not None and usage.completion_tokens == chat.usage.completion_tokens
 
     comp = client.completions.create(
-        model="default", prompt="The capital of France is", max_tokens=8, temperature=0
+        model=MODEL, prompt="The capital of France is", max_tokens=8, temperature=0
     )
     assert comp.choices[0].text.startswith(" Paris")
     assert comp.usage.prompt_tokens == 5

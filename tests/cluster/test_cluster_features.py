@@ -33,6 +33,8 @@ from reliability.calls import (
     workers,
 )
 
+MODEL = "HuggingFaceTB/SmolLM2-135M-Instruct"  # the bundled model's served name
+
 pytestmark = pytest.mark.timeout(600)
 
 # Greedy continuation " 11, 12, 13, ...": "13" is two tokens ("1", "3"), and "1" alone (a prefix of
@@ -128,7 +130,7 @@ def test_stop_string_across_two_tokens_openai_stream(cluster, chat, stop):
         req = {"messages": [{"role": "user", "content": "Count from 1 to 20, separated by commas."}]}
     else:
         url, req = cluster.url + "/v1/completions", {"prompt": COUNTING}
-    req = {**req, "model": "default", "max_tokens": 48, "temperature": 0}
+    req = {**req, "model": MODEL, "max_tokens": 48, "temperature": 0}
     free = post(url, {**req, "logprobs": True} if chat else {**req, "logprobs": 0})["choices"][0]
     if chat:
         full, pieces = free["message"]["content"], [t["token"] for t in free["logprobs"]["content"]]
@@ -174,7 +176,7 @@ def test_seeded_sampling_with_logprobs_equals_engine(cluster, engine, tok):
     comp = post(
         cluster.url + "/v1/completions",
         {
-            "model": "default",
+            "model": MODEL,
             "prompt": SAMPLED_PROMPTS[0],
             "max_tokens": knobs["max_new_tokens"],
             "temperature": knobs["temperature"],
