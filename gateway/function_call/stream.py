@@ -2,7 +2,8 @@
 
 `ToolCallStream` feeds on text deltas. Before the tool-call section it releases content, holding back
 a tail that may be the start of the section's marker. Inside the section it releases nothing as text
-and, at each delta, asks the format for the complete calls so far: every new one is released whole
+and, at each delta that may close something (holds `}`, `]` or `>`), asks the format for the complete
+calls so far: every new one is released whole
 (name and full arguments), which OpenAI's streaming allows and every client reassembles by index. At
 the end, a section with no valid call is released as content after all (the model wrote something
 that only looked like a call). Calls to functions not in the request's tools are dropped.
@@ -29,6 +30,8 @@ class ToolCallStream:
     def feed(self, delta: str) -> tuple[str, list[ParsedCall]]:
         """(content delta, new calls)."""
         self.text += delta
+        if self.section is not None and not any(ch in delta for ch in "}]>"):
+            return "", []  # inside the section, a call can only complete with a closing character
         return self._step(final=False)
 
     def finish(self) -> tuple[str, list[ParsedCall]]:

@@ -32,7 +32,7 @@ def _allowed(response) -> bool:
     if response.status_code != 503:
         return False
     err = response.json().get("error", {})
-    return err.get("code") == 503 and "worker in rotation" in err.get("message", "")
+    return err.get("type") == "service_unavailable" and "worker in rotation" in err.get("message", "")
 
 
 @schema.parametrize()
