@@ -87,8 +87,14 @@ def test_next_turn_moves_only_the_new_pages_and_decodes_the_same_tokens(cluster,
     assert d2["pdserve_local_prefill_requests_total"] == 0
     assert t2["meta_info"]["cached_tokens"] >= len(p1) // PAGE * PAGE  # the prefill worker's own cache
 
+    # Turn 1's prompt again: the decode worker holds all its whole pages, and the 8 tokens left are
+    # under the threshold, so it computes them itself and nothing travels.
+    t3, d3 = _generate(cluster.url, p1, 16)
+    assert d3["pdserve_kv_transfer_bytes_total"] == 0 and d3["pdserve_local_prefill_requests_total"] == 1, d3
+    assert t3["meta_info"]["cached_tokens"] == (len(p1) - 1) // PAGE * PAGE
+
     (want1, want2), _ = engine_reference([p1, p2], 16)
-    assert t1["output_ids"] == want1 and t2["output_ids"] == want2
+    assert t1["output_ids"] == want1 and t2["output_ids"] == want2 and t3["output_ids"] == want1
 
 
 def test_short_uncached_prompt_never_reaches_a_prefill_worker(cluster, engine_reference):
