@@ -13,8 +13,8 @@ from typing import Any, Generic, TypeVar, cast
 
 from pydantic import BaseModel, ConfigDict, TypeAdapter, ValidationError
 
-# 3: SamplingParams carries min_new_tokens, logit_bias and no_stop_trim.
-PROTOCOL_VERSION = 3
+# 4: SamplingParams carries min_new_tokens, logit_bias and no_stop_trim.
+PROTOCOL_VERSION = 4
 
 M = TypeVar("M", bound=BaseModel)
 
