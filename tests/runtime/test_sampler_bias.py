@@ -123,3 +123,31 @@ def test_greedy_with_bias_and_min_new_tokens_matches_transformers(
         assert ours.output_ids == _hf(
             hf_bundled, bundled, prompt, 12, logits_processor=LogitsProcessorList([_Bias(bias)])
         )
+
+
+def test_speculative_verification_honours_bias_and_min_new_tokens(bundled, make_engine, tokenizer):
+    """A self-draft proposes the unbiased greedy tokens (and the early EOS): verification must reject
+    them where the bias or the mask changes the answer, and give the plain engine's output."""
+    from pdserve.config import RuntimeConfig
+    from pdserve.decode.drafters import DraftModelDrafter, NgramDrafter
+    from pdserve.decode.speculative import FixedPolicy, SpeculativeStepper
+    from pdserve.runtime.engine import Engine
+
+    msgs = [{"role": "user", "content": "Answer with one word: is the sky blue?"}]
+    prompt = list(
+        tokenizer.apply_chat_template(msgs, add_generation_prompt=True, tokenize=True, return_dict=True)[
+            "input_ids"
+        ]
+    )
+    (plain,) = make_engine(bundled).generate([prompt], SamplingParams(temperature=0, max_new_tokens=20))
+    rows = [
+        SamplingParams(temperature=0, max_new_tokens=20, min_new_tokens=len(plain.output_ids) + 3),
+        SamplingParams(temperature=0, max_new_tokens=20, logit_bias={plain.output_ids[1]: -100.0}),
+        SamplingParams(temperature=0, max_new_tokens=20),
+    ]
+    want = [o.output_ids for o in make_engine(bundled).generate([prompt] * 3, rows)]
+    assert want[0] != plain.output_ids and want[1] != plain.output_ids and want[2] == plain.output_ids
+    cfg = RuntimeConfig(device="cpu", max_total_tokens=4096, attention_backend="torch")
+    for drafter in (lambda r: DraftModelDrafter(r, loaded=bundled), lambda r: NgramDrafter()):
+        spec = Engine(cfg, bundled, lambda r, d=drafter: SpeculativeStepper(r, d(r), FixedPolicy(), 3))
+        assert [o.output_ids for o in spec.generate([prompt] * 3, rows)] == want
