@@ -143,8 +143,12 @@ class ChatMessage(LenientModel):
     def _text_only(cls, v: str | list[ContentPart] | None) -> str | list[ContentPart] | None:
         for p in v if isinstance(v, list) else []:
             if p.type != "text":
-                what = "vision" if "image" in p.type else p.type.removeprefix("input_")
-                raise ValueError(f"a '{p.type}' content part is not supported: the model has no {what} input")
+                for kind, what in (("image", "vision"), ("video", "video"), ("audio", "audio")):
+                    if kind in p.type:
+                        raise ValueError(
+                            f"a '{p.type}' content part is not supported: the model has no {what} input"
+                        )
+                raise ValueError(f"a '{p.type}' content part is not supported: only text parts are")
             if p.text is None:
                 raise ValueError("a text content part needs 'text'")
         return v
