@@ -369,7 +369,12 @@ def _choice(reply: _Reply, i: int, delta: dict | str, lp: dict | None, reason: s
 
 
 class _ChoiceStream:
-    """One chat choice's stream: text deltas in, delta objects out (reasoning held back if asked)."""
+    """One chat choice's stream: text deltas in, delta objects out.
+
+    Reasoning is held back to the last chunk when `stream_reasoning` is false. Under a forced tool choice
+    the content is held back too: the reply should be a call, and a reply that is the constrained JSON
+    (function_call/schema.py) is only known to be one at the end; then the stream agrees with the whole reply.
+    """
 
     def __init__(self, reply: _Reply) -> None:
         self.reply = reply
@@ -377,6 +382,7 @@ class _ChoiceStream:
         self.n_calls = 0
         self.reasoning = ""  # all of it so far
         self.held_reasoning = ""
+        self.held_content = ""
 
     def delta(self, text: str, final: bool) -> dict:
         d = self.out.feed(text)
@@ -387,6 +393,13 @@ class _ChoiceStream:
         if not self.reply.stream_reasoning:  # all the reasoning in the last chunk
             self.held_reasoning += d.reasoning
             d.reasoning = self.held_reasoning if final else ""
+        if self.reply.forced_choice is not None:
+            self.held_content += d.content
+            d.content = self.held_content if final else ""
+            if final and not self.n_calls and not d.calls:
+                calls = calls_from_constrained(self.held_content, self.reply.forced_choice)
+                if calls:
+                    d.content, d.calls = "", calls
         body = _chat_delta(d, self.n_calls)
         self.n_calls += len(d.calls)
         return body

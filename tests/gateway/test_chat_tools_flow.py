@@ -59,7 +59,6 @@ def test_openai_client_tool_call_streamed_and_reassembled(cluster):
         model=MODEL,
         messages=[{"role": "user", "content": "Weather in Paris?"}],
         tools=TOOLS,
-        tool_choice={"type": "function", "function": {"name": "get_weather"}},
         stream=True,
         stream_options={"include_usage": True},
     )
@@ -80,6 +79,12 @@ def test_openai_client_tool_call_streamed_and_reassembled(cluster):
     assert content == "Checking.\n" and finish == "tool_calls"
     assert list(calls) == [0] and calls[0]["name"] == "get_weather" and calls[0]["id"].startswith("call_")
     assert json.loads(calls[0]["arguments"]) == {"city": "Paris"}
+    # A named function: the prompt says so, and the call comes back the same.
+    named = {"type": "function", "function": {"name": "get_weather"}}
+    out = _openai(cluster).chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "Weather?"}], tools=TOOLS, tool_choice=named
+    )
+    assert json.loads(out.choices[0].message.tool_calls[0].function.arguments) == {"city": "Paris"}
     prompt = cluster.tokenizer.decode(cluster.prefill.requests()[-1].input_ids, skip_special_tokens=False)
     assert "You must call the function 'get_weather'." in prompt
 
@@ -205,3 +210,36 @@ def test_llama3_parser_and_parallel_calls(wire_cluster):
         model=MODEL, messages=[{"role": "user", "content": "x"}], tools=TOOLS, parallel_tool_calls=False
     )
     assert len(out.choices[0].message.tool_calls) == 1
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_constrained_json_reply_is_read_as_a_call(cluster, stream):
+    """Under tool_choice required / named, a reply that is the JSON of function_call/schema.py (what a
+    grammar backend makes the model write) is a call, streamed or not."""
+    client = _openai(cluster)
+    named = {"type": "function", "function": {"name": "get_weather"}}
+    msgs = [{"role": "user", "content": "Weather in Paris?"}]
+    for choice, reply in (
+        (named, '{"city": "Lyon"}'),
+        ("required", '[{"name": "get_weather", "parameters": {"city": "Lyon"}}]'),
+    ):
+        cluster.reply = reply
+        if not stream:
+            out = client.chat.completions.create(model=MODEL, messages=msgs, tools=TOOLS, tool_choice=choice)
+            m = out.choices[0].message
+            calls = [(t.function.name, json.loads(t.function.arguments)) for t in m.tool_calls]
+            content, finish = m.content, out.choices[0].finish_reason
+        else:
+            calls, content, finish = [], "", None
+            for chunk in client.chat.completions.create(
+                model=MODEL, messages=msgs, tools=TOOLS, tool_choice=choice, stream=True
+            ):
+                d = chunk.choices[0].delta
+                content += d.content or ""
+                calls += [(t.function.name, json.loads(t.function.arguments)) for t in d.tool_calls or []]
+                finish = chunk.choices[0].finish_reason or finish
+            content = content or None
+        assert (calls, content, finish) == ([("get_weather", {"city": "Lyon"})], None, "tool_calls")
+    # Under "auto" the same JSON is just text.
+    out = client.chat.completions.create(model=MODEL, messages=msgs, tools=TOOLS)
+    assert out.choices[0].message.content == cluster.reply and not out.choices[0].message.tool_calls
