@@ -78,7 +78,11 @@ def _loc_to_param(loc: tuple) -> str | None:
         str(p)
         for p in loc
         if p != "body"
-        and not (isinstance(p, str) and (p in _TYPE_TAGS or "[" in p or p.startswith("function-")))
+        # Union member tags: type names, generics, validators and model classes (capitalized).
+        and not (
+            isinstance(p, str)
+            and (p in _TYPE_TAGS or "[" in p or p.startswith("function-") or p[:1].isupper())
+        )
     ]
     return ".".join(parts) or None
 

@@ -84,6 +84,11 @@ class NativeSamplingParams(_SamplingFields):
 
 
 class GenerateBody(LenientModel):
+    # Exactly one prompt field, also in the OpenAPI document (clients and schema-driven fuzzing read it).
+    model_config = ConfigDict(
+        json_schema_extra={"oneOf": [{"required": ["text"]}, {"required": ["input_ids"]}]}
+    )
+
     text: str | list[str] | None = None
     input_ids: list[int] | list[list[int]] | None = None
     # A list gives each prompt of a batch its own parameters.
