@@ -31,6 +31,8 @@ class GatewayConfig:
     prefill_policy: str = "cache_aware"
     cache_weight: float = 1.0
     load_weight: float = 1.0
+    # Structured output: constraints are compiled here too, so an invalid one is a 400 (xgrammar | none).
+    grammar_backend: str = "xgrammar"
 
 
 def add_cli_args(parser: argparse.ArgumentParser) -> None:
@@ -76,6 +78,12 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--load-weight", type=float, default=d.load_weight, help="cache_aware: cost per in-flight token"
     )
+    parser.add_argument(
+        "--grammar-backend",
+        default=d.grammar_backend,
+        choices=["xgrammar", "none"],
+        help="validates json_schema / regex / ebnf / response_format constraints; none: refuse them",
+    )
 
 
 def config_from_args(args: argparse.Namespace) -> GatewayConfig:
@@ -96,4 +104,5 @@ def config_from_args(args: argparse.Namespace) -> GatewayConfig:
         prefill_policy=args.prefill_policy,
         cache_weight=args.cache_weight,
         load_weight=args.load_weight,
+        grammar_backend=args.grammar_backend,
     )

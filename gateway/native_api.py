@@ -62,6 +62,7 @@ def _inputs(gw, body: GenerateBody, received: float) -> tuple[list[GenInput], bo
     sampling = build_sampling(
         sp, sp.max_new_tokens, body.return_logprob, body.top_logprobs_num, "sampling_params"
     )
+    sampling = gw.constraints.apply(sampling, prefix="sampling_params")  # structured output
     rids = body.rid if isinstance(body.rid, list) else [body.rid] * len(prompts)
     if len(rids) != len(prompts):
         raise bad_request(f"rid has {len(rids)} entries for {len(prompts)} prompts", "rid")

@@ -83,6 +83,7 @@ async def _serve(request: Request, chat: bool) -> Response:
             prompts, param = _completion_prompts(gw.tokenizer, body.prompt), "prompt"
             max_new, logprobs, top_n = body.max_tokens, body.logprobs is not None, body.logprobs or 0
         sampling = build_sampling(body, max_new, logprobs, top_n)
+        sampling = gw.constraints.apply(sampling, body.response_format)  # structured output
         rid = body.rid or uuid.uuid4().hex
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
         reply = _Reply(rid, int(received), gw.cfg.served_model_name, chat, body.n, logprobs, include_usage)

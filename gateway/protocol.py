@@ -35,6 +35,10 @@ class _SamplingFields(BaseModel):
     ignore_eos: bool = False
     seed: int | None = None
     skip_special_tokens: bool = True
+    # Structured output (gateway/structured.py): at most one; SGLang's names.
+    json_schema: str | None = None
+    regex: str | None = None
+    ebnf: str | None = None
 
 
 # ---- SGLang native /generate -----------------------------------------------------------------
@@ -134,8 +138,6 @@ class ChatCompletionBody(_OpenAIBase):
     def _chat_checks(self) -> ChatCompletionBody:
         if self.top_logprobs and not self.logprobs:
             raise ValueError("top_logprobs requires logprobs to be true")
-        if self.response_format and self.response_format.get("type", "text") != "text":
-            raise ValueError("only response_format {'type': 'text'} is supported")
         if self.tools:
             raise ValueError("tools are not supported")
         if self.tool_choice not in (None, "none", "auto"):
@@ -151,6 +153,7 @@ class CompletionBody(_OpenAIBase):
     echo: bool = False
     suffix: str | None = None
     best_of: int | None = None
+    response_format: dict[str, Any] | None = None
 
     @model_validator(mode="after")
     def _completion_checks(self) -> CompletionBody:
@@ -196,6 +199,9 @@ def build_sampling(
             "presence_penalty",
             "stop_token_ids",
             "seed",
+            "json_schema",
+            "regex",
+            "ebnf",
         )
         if getattr(fields, k) is not None
     }

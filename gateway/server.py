@@ -25,6 +25,7 @@ from pdserve.gateway.generation import Generations
 from pdserve.gateway.metrics import CONTENT_TYPE, GatewayMetrics
 from pdserve.gateway.openapi import install_openapi
 from pdserve.gateway.serving import Admission
+from pdserve.gateway.structured import Constraints
 from pdserve.gateway.tokenizer import Tokenizer
 from pdserve.gateway.workers import RoutingPolicy, WorkerRegistry
 from pdserve.port_file import write_port_file
@@ -44,6 +45,7 @@ class GatewayState:
     generations: Generations
     admission: Admission
     started: int
+    constraints: Constraints  # structured output: validates json_schema / regex / ebnf
 
 
 def create_app(cfg: GatewayConfig, tokenizer: Tokenizer | None = None) -> FastAPI:
@@ -63,6 +65,7 @@ def create_app(cfg: GatewayConfig, tokenizer: Tokenizer | None = None) -> FastAP
         generations=Generations(cfg, tok, registry, control, metrics),
         admission=Admission(cfg.max_pending_requests, metrics),
         started=int(time.time()),
+        constraints=Constraints(cfg.grammar_backend, tok),
     )
 
     @asynccontextmanager

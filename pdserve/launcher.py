@@ -112,6 +112,7 @@ _FORWARDED = [
     "speculative_num_draft_tokens",
     "speculative_draft_model_path",
     "disable_radix_cache",
+    "grammar_backend",
 ]
 
 
@@ -137,6 +138,7 @@ def gateway_command(args: argparse.Namespace, port_file: str | None = None) -> l
     argv += ["--control-port", str(_control_port(args))]
     argv += ["--served-model-name", args.served_model_name, "--log-level", args.log_level]
     argv += ["--prefill-policy", args.prefill_policy]
+    argv += ["--grammar-backend", args.grammar_backend]
     if args.model_path:
         argv += ["--model-path", args.model_path]
     if port_file:

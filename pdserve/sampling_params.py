@@ -4,6 +4,10 @@ The gateway builds a `SamplingParams` from the HTTP body (a pydantic validation 
 HTTP 400); workers receive it inside wire messages and hand it to the runtime's sampler. Stop
 *strings* are matched by the gateway on detokenized text; everything else is enforced on the
 decode node.
+
+A request may carry one output constraint: `json_schema` (the schema's JSON text), `regex` or
+`ebnf` (SGLang's native fields; the gateway maps OpenAI's `response_format` onto `json_schema`).
+The nodes that sample mask the logits to it (pdserve/runtime/grammar/).
 """
 
 from __future__ import annotations
@@ -31,6 +35,10 @@ class SamplingParams(BaseModel):
     # Number of top alternatives returned with each sampled token's logprob (0: only the token's).
     logprobs: bool = False
     top_logprobs_num: int = Field(0, ge=0, le=20)
+    # Structured output: at most one of these (see `constraint`).
+    json_schema: str | None = Field(None, max_length=1 << 20)
+    regex: str | None = Field(None, max_length=1 << 16)
+    ebnf: str | None = Field(None, max_length=1 << 20)
 
     @model_validator(mode="after")
     def _check(self) -> SamplingParams:
@@ -38,7 +46,18 @@ class SamplingParams(BaseModel):
             raise ValueError("stop strings must be non-empty")
         if any(t < 0 for t in self.stop_token_ids):
             raise ValueError("stop_token_ids must be non-negative")
+        if sum(c is not None for c in (self.json_schema, self.regex, self.ebnf)) > 1:
+            raise ValueError("give at most one of json_schema, regex and ebnf")
         return self
+
+    @property
+    def constraint(self) -> tuple[str, str] | None:
+        """(kind, text) of the output constraint, kind one of json_schema / regex / ebnf; or None."""
+        for kind in ("json_schema", "regex", "ebnf"):
+            text = getattr(self, kind)
+            if text is not None:
+                return kind, text
+        return None
 
     @property
     def greedy(self) -> bool:
