@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 import threading
 import time
 from collections import OrderedDict
@@ -138,8 +139,9 @@ class GrammarBackend:
 
 
 def _first_line(msg: str) -> str:
+    """The compiler's complaint without its log prefix ("[hh:mm:ss] file.cc:123: ")."""
     lines = [ln.strip() for ln in msg.strip().splitlines() if ln.strip()]
-    return lines[0] if lines else "does not compile"
+    return re.sub(r"^\[[\d:]+\]\s+\S+:\d+:\s*", "", lines[0]) if lines else "does not compile"
 
 
 def make_grammar_backend(

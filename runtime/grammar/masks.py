@@ -58,9 +58,11 @@ def fill_verify_masks(
             for j in range(len(d) + 1):
                 g.fill_mask(bitmask, start + j)
                 rows.append(start + j)
-                if j == len(d) or g.is_terminated() or not g.accept(d[j]):
+                if j == len(d) or not g.accept(d[j]):
                     break
                 accepted += 1
+                if g.is_terminated():  # a drafted stop token: nothing can follow it
+                    break
             g.rollback(accepted)
         start += len(d) + 1
     _apply(logits, bitmask, rows)
