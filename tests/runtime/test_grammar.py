@@ -289,3 +289,26 @@ def test_sampled_speculative_output_obeys_schema(bundled, tokenizer, prompts):
         else:  # cut by max_new_tokens: still a prefix the grammar accepts
             assert o.finish_reason["type"] == "length"
         assert o.stats["spec_num_proposed_drafts"] > 0
+
+
+class DeadEndMatcher:
+    """A grammar with no way forward: its mask allows nothing, it accepts nothing."""
+
+    def fill_mask(self, bitmask, row):
+        bitmask[row].zero_()
+
+    def accept(self, token):
+        return False
+
+    def rollback(self, n):
+        pass
+
+    def is_terminated(self):
+        return False
+
+
+def test_dead_end_ends_the_request_instead_of_hanging(bundled, prompts, monkeypatch):
+    eng = engine(bundled)
+    monkeypatch.setattr(eng.runner, "grammar_matcher", lambda params: DeadEndMatcher())
+    out = eng.generate([prompts[0]], SamplingParams(max_new_tokens=32, temperature=0, regex="a"))[0]
+    assert out.finish_reason["type"] == DEAD_END and len(out.output_ids) == 1
