@@ -6,6 +6,9 @@ For each backend that is installed: building its tokenizer index, compiling a JS
 time), then the time to fill one token mask at every step of walking a valid document through the
 matcher (mean, median, p90). For pdserve's own backend (runtime/grammar/, xgrammar) also: the
 cached compile (a dictionary hit; microseconds) and applying the bitmask to [B, V] logits for B = 1 and 16.
+With `--engine-batch-sizes`, the offline engine (bundled model, fp32) decodes B constrained
+requests and B free ones: the time per decode step of each, and the share of the constrained
+step spent filling and applying masks (timed inside the engine, so machine noise cancels out).
 This is how `--grammar-backend xgrammar` was chosen (docs/benchmarks.md). llguidance and
 outlines-core are not dependencies: `pip install llguidance outlines-core` to include them.
 """
@@ -148,6 +151,66 @@ def bench_outlines_core(hf: Any, vocab: int, eos: list[int]) -> dict[str, float]
     return out
 
 
+ARTICLE = {
+    "type": "object",
+    "properties": {
+        "title": {"type": "string"},
+        "summary": {"type": "string"},
+        "keywords": {"type": "array", "items": {"type": "string"}},
+    },
+    "required": ["title", "summary", "keywords"],
+}
+
+
+def bench_engine_share(model_path: str | None, batch: int, new_tokens: int, threads: int) -> dict[str, float]:
+    """Decode-step time with and without a JSON schema, and the masks' share of the former."""
+    from pdserve.config import RuntimeConfig
+    from pdserve.gateway.tokenizer import Tokenizer
+    from pdserve.runtime import runner as runner_mod
+    from pdserve.runtime.engine import Engine
+    from pdserve.sampling_params import SamplingParams
+
+    tok = Tokenizer.load(model_path)
+    engine = Engine(
+        RuntimeConfig(model_path=model_path, dtype="float32", max_total_tokens=16384, num_threads=threads)
+    )
+    prompts = [
+        tok.encode_chat([{"role": "user", "content": f"Write article {i} as JSON."}]) for i in range(batch)
+    ]
+    masked = {"seconds": 0.0, "calls": 0}
+    inner = runner_mod.apply_grammar_masks
+
+    def timed(logits: torch.Tensor, matchers: list) -> None:
+        t0 = time.perf_counter()
+        inner(logits, matchers)
+        masked["seconds"] += time.perf_counter() - t0
+        masked["calls"] += 1
+
+    runner_mod.apply_grammar_masks = timed  # type: ignore[assignment]
+    out: dict[str, float] = {}
+    try:
+        for name, schema in (("warmup", ARTICLE), ("free", None), ("json", ARTICLE)):
+            sp = SamplingParams(
+                max_new_tokens=new_tokens,
+                temperature=0.0,
+                ignore_eos=True,
+                json_schema=None if schema is None else json.dumps(schema),
+            )
+            masked.update(seconds=0.0, calls=0)
+            t0 = time.perf_counter()
+            res = engine.generate(prompts, sp)
+            seconds = time.perf_counter() - t0
+            steps = max(len(r.output_ids) for r in res)  # one decode step per token after the first
+            if name != "warmup":
+                out[f"{name}_step_ms"] = 1e3 * seconds / steps
+                out[f"{name}_tokens"] = sum(len(r.output_ids) for r in res) / batch
+        out["mask_ms_per_step"] = 1e3 * masked["seconds"] / max(masked["calls"], 1)
+        out["mask_share_pct"] = 100 * out["mask_ms_per_step"] / out["json_step_ms"]
+    finally:
+        runner_mod.apply_grammar_masks = inner  # type: ignore[assignment]
+    return out
+
+
 BACKENDS = {"xgrammar": bench_xgrammar, "llguidance": bench_llguidance, "outlines-core": bench_outlines_core}
 
 
@@ -155,8 +218,12 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="pdserve bench grammar", description=__doc__.split("\n")[0])
     ap.add_argument("--model-path", default=None, help="tokenizer source (default: the bundled model)")
     ap.add_argument("--backends", default=",".join(BACKENDS))
+    ap.add_argument("--engine-batch-sizes", default="", help="e.g. 1,16: the masks' share of a decode step")
+    ap.add_argument("--new-tokens", type=int, default=64, help="with --engine-batch-sizes")
+    ap.add_argument("--num-threads", type=int, default=1, help="torch threads (masks run on one)")
     ap.add_argument("--output-json", default=None)
     args = ap.parse_args(argv)
+    torch.set_num_threads(args.num_threads)
 
     from pdserve.gateway.tokenizer import Tokenizer
 
@@ -172,6 +239,11 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{name}: not installed ({e.name})")
             continue
         print(f"{name:14s} " + "  ".join(f"{k} {v:.1f}" for k, v in results[name].items()), flush=True)
+    for b in [int(x) for x in args.engine_batch_sizes.split(",") if x]:
+        results[f"engine_batch{b}"] = r = bench_engine_share(
+            args.model_path, b, args.new_tokens, args.num_threads
+        )
+        print(f"engine batch {b:3d}  " + "  ".join(f"{k} {v:.2f}" for k, v in r.items()), flush=True)
     if args.output_json:
         with open(args.output_json, "w") as f:
             json.dump(results, f, indent=1)
