@@ -388,6 +388,45 @@ def cache_hit_rate(results: list[RequestResult]) -> float:
     return sum(r.cached_tokens or 0 for r in told) / prompt if prompt else float("nan")
 
 
+# pdserve's own counters, read from /metrics around each run (other servers: not read).
+SERVER_COUNTERS = (
+    "pdserve_prompt_tokens_total",
+    "pdserve_kv_transfer_bytes_total",
+    "pdserve_transfer_skipped_tokens_total",
+    "pdserve_local_prefill_requests_total",
+)
+
+
+def server_counters(url: str) -> dict[str, float]:
+    try:
+        r = httpx.get(url + "/metrics", timeout=10)
+    except httpx.HTTPError:
+        return {}
+    if r.status_code != 200:
+        return {}
+    out = {}
+    for line in r.text.splitlines():
+        name, _, value = line.partition(" ")
+        if name in SERVER_COUNTERS:
+            out[name] = float(value)
+    return out
+
+
+def format_server(before: dict[str, float], after: dict[str, float], requests: int) -> str | None:
+    """What the run cost the server's KV transfer, from its counters; None when it has none."""
+    if not after:
+        return None
+    d = {k: after[k] - before.get(k, 0.0) for k in after}
+    mib = d.get("pdserve_kv_transfer_bytes_total", 0.0) / 2**20
+    prompt = d.get("pdserve_prompt_tokens_total", 0.0)
+    skipped = d.get("pdserve_transfer_skipped_tokens_total", 0.0)
+    return (
+        f"  server: KV moved {mib:.1f} MiB ({mib / max(requests, 1):.2f} MiB/request), "
+        f"{skipped / prompt if prompt else 0.0:.0%} of prompt tokens held by the decode worker (not moved), "
+        f"{d.get('pdserve_local_prefill_requests_total', 0.0):.0f} local prefills"
+    )
+
+
 def _median_ms(xs: list[float]) -> float:
     return float(np.median(xs)) * 1e3 if xs else float("nan")
 
@@ -758,6 +797,7 @@ async def _bench(args: argparse.Namespace, targets: list[Target]) -> tuple[list[
             order = targets if (li + rnd) % 2 == 0 else targets[::-1]
             for t in order:
                 run = {"target": t.name, "url": t.url, "concurrency": conc, "num_prompts": n, "round": rnd}
+                before = server_counters(t.url)
                 if multiturn:
                     by_conv, dur = await run_conversations(cfg, t, convs, conc, count_tokens)
                     res = [r for c in by_conv for r in c]
@@ -771,6 +811,11 @@ async def _bench(args: argparse.Namespace, targets: list[Target]) -> tuple[list[
                 pooled.setdefault((t.name, conc), []).append((res, dur))
                 runs.append(run)
                 print(format_result(t.name, args.backend, conc, args.request_rate, m), flush=True)
+                after = server_counters(t.url)
+                server = format_server(before, after, len(res))
+                if server:
+                    run["server"] = {k: after[k] - before.get(k, 0.0) for k in after}
+                    print(server, flush=True)
     summary = []
     for conc, n in levels:
         ms = [_pool(pooled[(t.name, conc)]) for t in targets]

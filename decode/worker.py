@@ -1,8 +1,10 @@
 """The decode worker: pre-allocate pages, receive KV, and decode every running request together.
 
-Loop (`step`): receive -> schedule (resume retracted requests, admit: pages first, then ask the
-prefill node for the KV; collect transfers; grow pages or retract) -> run one decode step -> hand
-off (retire finished requests) -> reply with one TokenBatch carrying every request's new tokens.
+Loop (`step`): receive -> schedule (resume retracted requests, admit: pages first, on top of the
+prefix this node caches, then ask the prefill node for the KV of the pages after it, or compute the
+prompt here for a local prefill; collect transfers; grow pages or retract) -> run one decode step ->
+hand off (retire finished requests: their pages enter the prefix cache) -> reply with one TokenBatch
+carrying every request's new tokens -> publish this step's cache events to the gateway.
 Request sets, states and the page policy live in `scheduler.py`; this loop only asks it.
 A request past its deadline (`GenerateRequest.deadline_s`, checked once per step) fails with code
 `deadline` and its pages are freed, whatever its state (a transfer in flight is aborted first).
@@ -15,6 +17,7 @@ from typing import Any
 
 from pydantic import ValidationError
 
+from pdserve.cache_events import CacheEvents
 from pdserve.config import WorkerConfig
 from pdserve.decode.scheduler import DecodeScheduler
 from pdserve.decode.stepper import make_stepper
@@ -23,9 +26,11 @@ from pdserve.kv_transfer import KVReceiver, TransferState
 from pdserve.kv_transfer.config import worker_transfer_config
 from pdserve.protocol import gateway as m
 from pdserve.protocol.kv_trailer import FirstToken
-from pdserve.protocol.records import DecodeEvents, RequestStats
+from pdserve.protocol.records import DecodeEvents, PrefillEvents, RequestStats
+from pdserve.runtime.batch import ForwardMode
+from pdserve.runtime.radix_cache import RadixCache
 from pdserve.runtime.request import Request, RequestState
-from pdserve.runtime.runner import ModelRunner
+from pdserve.runtime.runner import ModelRunner, append_samples
 from pdserve.worker_common import make_clock, register_factory, serve_until_drained
 from pdserve.worker_link import WorkerLink
 
@@ -41,7 +46,11 @@ class DecodeWorker:
         self.stepper = make_stepper(self.runner)
         rc = cfg.runtime
         lookahead = 1 + (rc.speculative_num_draft_tokens if rc.speculative_algorithm else 0)
-        self.sched = DecodeScheduler(self.runner.pages, rc.max_running_requests, lookahead)
+        cache = None
+        if not rc.disable_radix_cache:
+            cache = RadixCache(self.runner.allocator, rc.page_size, record_events=True)
+        self.sched = DecodeScheduler(self.runner.pages, rc.max_running_requests, lookahead, cache)
+        self.cache_events = CacheEvents(cfg.worker_id, "decode", cache)
         self.receiver = KVReceiver(
             self.runner.pool.kv,
             self.runner.fingerprint(),
@@ -49,6 +58,8 @@ class DecodeWorker:
         )
         self.prefill_addr: dict[str, str] = {}  # room -> its prefill node's bootstrap address
         self.events: dict[str, DecodeEvents] = {}
+        self.prefill_events: dict[str, PrefillEvents] = {}  # local prefills', until the first output
+        self.transfer_bytes: dict[str, int] = {}  # KV bytes each transfer moved, until the final output
         # Rooms failed for their deadline whose transfer is being aborted: already reported.
         self.expired: set[str] = set()
         self.link: WorkerLink | None = None
@@ -74,6 +85,8 @@ class DecodeWorker:
         outputs += self._run()
         self._hand_off()
         self._reply(outputs)
+        assert self.link is not None
+        self.cache_events.publish(self.link)
 
     def _receive(self) -> None:
         assert self.link is not None
@@ -85,12 +98,22 @@ class DecodeWorker:
         """Resume, admit, collect finished transfers (their first tokens), then grow or retract."""
         s = self.sched
         self.runner.recompute(s.resume_retracted())
+        local = []
         for r in s.admit():
+            if r.state is RequestState.PREFILLING:
+                local.append(r)
+                continue
+            # Only the pages after the prefix this node caches travel (the prefill node checks the hash).
             n = len(r.prompt_ids)
-            self.receiver.request(r.rid, self.prefill_addr[r.rid], r.pages[: s.pages.pages_for(n)], n)
-        outputs = []
+            skip, prefix_hash = s.skip(r)
+            dst = r.pages[skip : s.pages.pages_for(n)]
+            self.receiver.request(r.rid, self.prefill_addr[r.rid], dst, n, skip, prefix_hash)
+        outputs = self._prefill_locally(local)
         for res in self.receiver.poll():
-            out = self._on_transfer_end(res.room, res.state, res.metadata, res.error)
+            if res.prefix_mismatch and s.prefix_refused(res.room) is not None:
+                log.warning("room %s: cached prefix refused, asking again in full: %s", res.room, res.error)
+                continue
+            out = self._on_transfer_end(res.room, res.state, res.metadata, res.error, res.num_bytes)
             if out is not None:
                 outputs.append(out)
         # Retracted requests keep their stepper state (speculative counters, drafter indexes):
@@ -98,8 +121,29 @@ class DecodeWorker:
         s.grow_or_retract()
         return outputs
 
+    def _prefill_locally(self, reqs: list[Request]) -> list[m.TokenOutput]:
+        """Conditional disaggregation: compute these prompts here (from their cached prefix on) in one
+        extend forward and sample their first tokens, as a prefill node would; no KV travels."""
+        if not reqs:
+            return []
+        start = self.clock()
+        logits = self.runner.forward(ForwardMode.EXTEND, reqs, [r.prompt_ids[r.num_computed :] for r in reqs])
+        append_samples(reqs, self.runner.sample(reqs, logits))
+        now = self.clock()
+        outputs = []
+        for r in reqs:
+            entry = self.events[r.rid].get("decode_entry", start)
+            self.prefill_events[r.rid] = PrefillEvents(
+                queue_entry=entry, forward_entry=start, prefill_finished=now
+            )
+            self.events[r.rid]["kv_ready"] = now
+            self.sched.prefilled(r)
+            outputs.append(self._output(r, r.output_ids[:1], first=True))
+        return outputs
+
     def _run(self) -> list[m.TokenOutput]:
-        running = self.sched.running
+        # A request whose first token already finished it is not stepped again.
+        running = [r for r in self.sched.running if not r.finished]
         if not running:
             return []
         before = {r.rid: len(r.output_ids) for r in running}
@@ -119,7 +163,7 @@ class DecodeWorker:
         s = self.sched
         ld = self.link.load
         ld.queued, ld.running = len(s) - len(s.running), len(s.running)
-        ld.free_tokens = s.pages.free_tokens
+        ld.free_tokens = s.free_tokens
 
     def _on_message(self, msg: m.Message) -> None:
         if isinstance(msg, m.GenerateRequest):
@@ -134,11 +178,15 @@ class DecodeWorker:
                 self._fail(msg.room, "bad_request", str(e))
                 return
             self.events[msg.room] = DecodeEvents(decode_entry=self.clock())
-            self.prefill_addr[msg.room] = msg.prefill_bootstrap_addr
+            if not msg.local_prefill:
+                self.prefill_addr[msg.room] = msg.prefill_bootstrap_addr
             r = Request(
                 msg.room, msg.input_ids, msg.sampling, self.runner.spec.eos_token_ids, grammar=grammar
             )
-            self.sched.add(r, msg.deadline_s)
+            self.sched.add(r, msg.deadline_s, local_prefill=msg.local_prefill)
+        elif isinstance(msg, m.FlushCache):
+            assert self.link is not None
+            self.link.send(self.cache_events.flush(msg.flush_id, len(self.sched)))
         elif isinstance(msg, m.AbortRequest):
             if self.sched.is_transferring(msg.room):
                 self.receiver.abort(msg.room)  # poll() reports Failed; the pages are freed there
@@ -162,7 +210,7 @@ class DecodeWorker:
             self._fail(r.rid, "deadline", msg)
 
     def _on_transfer_end(
-        self, room: str, state: TransferState, meta: dict[str, Any] | None, error: str | None
+        self, room: str, state: TransferState, meta: dict[str, Any] | None, error: str | None, num_bytes: int
     ) -> m.TokenOutput | None:
         if room in self.expired:  # failed for its deadline: drop it whatever the transfer did
             self.expired.discard(room)
@@ -185,6 +233,7 @@ class DecodeWorker:
             return None
         r.append_token(first.first_token, first.logprob, first.top_logprobs or None)
         self.events[room]["kv_ready"] = self.clock()
+        self.transfer_bytes[room] = num_bytes
         return self._output(r, r.output_ids[:1], first=True)
 
     def _output(self, r: Request, new: list[int], first: bool = False) -> m.TokenOutput:
@@ -202,12 +251,17 @@ class DecodeWorker:
         )
         if first:
             out.events = self.events[r.rid].copy()
+            out.prefill_events = self.prefill_events.pop(r.rid, None)
         if r.finished:
             ev = self.events.pop(r.rid, {})
             ev["finished"] = self.clock()
             out.events = {**(out.events or {}), **ev}
             out.stats = RequestStats(
-                cached_tokens=0, num_retractions=r.num_retractions, **self.stepper.stats(r)
+                cached_tokens=0,
+                num_retractions=r.num_retractions,
+                transfer_bytes=self.transfer_bytes.pop(r.rid, 0),
+                decode_cached_tokens=r.cached_tokens,
+                **self.stepper.stats(r),
             )
         return out
 
@@ -218,3 +272,5 @@ class DecodeWorker:
     def _forget(self, room: str) -> None:
         self.events.pop(room, None)
         self.prefill_addr.pop(room, None)
+        self.prefill_events.pop(room, None)
+        self.transfer_bytes.pop(room, None)

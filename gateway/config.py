@@ -27,10 +27,14 @@ class GatewayConfig:
     log_level: str = "info"
     # Once both sockets are bound, their ports are written here as JSON (port 0 = any free port).
     port_file: str | None = None
-    # Prefill routing (gateway/workers.py RoutingPolicy): cache_aware | round_robin | least_load.
+    # Routing (gateway/workers.py RoutingPolicy): cache_aware | round_robin | least_load, per role.
     prefill_policy: str = "cache_aware"
+    decode_policy: str = "cache_aware"
     cache_weight: float = 1.0
     load_weight: float = 1.0
+    # Conditional disaggregation (0: off); see RoutingPolicy.
+    disaggregation_min_prefill_tokens: int = 0
+    disaggregation_max_prefill_queue: int = 0
     # Structured output: constraints are compiled here too, so an invalid one is a 400 (xgrammar | none).
     grammar_backend: str = "xgrammar"
 
@@ -73,6 +77,27 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
         "+ load-weight * in-flight tokens), round_robin, least_load",
     )
     parser.add_argument(
+        "--decode-policy",
+        default=d.decode_policy,
+        choices=["cache_aware", "round_robin", "least_load"],
+        help="how a decode worker is picked (the same rules; decode workers cache prompts and outputs, "
+        "and one that holds a prompt's prefix receives only the pages after it)",
+    )
+    parser.add_argument(
+        "--disaggregation-min-prefill-tokens",
+        type=int,
+        default=d.disaggregation_min_prefill_tokens,
+        help="conditional disaggregation: a prompt with fewer tokens than this that the chosen decode "
+        "worker does not cache is computed on that decode worker, no prefill worker involved (0: off)",
+    )
+    parser.add_argument(
+        "--disaggregation-max-prefill-queue",
+        type=int,
+        default=d.disaggregation_max_prefill_queue,
+        help="conditional disaggregation: when every prefill worker has more requests in flight than "
+        "this, the decode worker computes the prompt (0: off)",
+    )
+    parser.add_argument(
         "--cache-weight", type=float, default=d.cache_weight, help="cache_aware: cost per uncached token"
     )
     parser.add_argument(
@@ -102,6 +127,9 @@ def config_from_args(args: argparse.Namespace) -> GatewayConfig:
         log_level=args.log_level,
         port_file=args.port_file,
         prefill_policy=args.prefill_policy,
+        decode_policy=args.decode_policy,
+        disaggregation_min_prefill_tokens=args.disaggregation_min_prefill_tokens,
+        disaggregation_max_prefill_queue=args.disaggregation_max_prefill_queue,
         cache_weight=args.cache_weight,
         load_weight=args.load_weight,
         grammar_backend=args.grammar_backend,

@@ -63,10 +63,12 @@ RoomEvent = TokensArrived | LegFailed
 
 @dataclass
 class Room:
-    """One generation in flight: its two legs and the inbox the request handler reads."""
+    """One generation in flight: its two legs and the inbox the request handler reads. `prefill` is
+    None for a local prefill (conditional disaggregation: the decode worker computes the prompt, and
+    its first output carries the prefill events that PrefillDone carries otherwise)."""
 
     room: str
-    prefill: WorkerInfo
+    prefill: WorkerInfo | None
     decode: WorkerInfo
     tokens: int  # the work reserved on both legs (for routing)
     inbox: asyncio.Queue[RoomEvent] = field(default_factory=asyncio.Queue)
@@ -142,9 +144,10 @@ class ControlPlane:
 
     # ---- rooms -------------------------------------------------------------------------------
 
-    def open_room(self, room_id: str, prefill: WorkerInfo, decode: WorkerInfo, tokens: int) -> Room:
+    def open_room(self, room_id: str, prefill: WorkerInfo | None, decode: WorkerInfo, tokens: int) -> Room:
         room = Room(room_id, prefill, decode, tokens)
-        self.registry.acquire(prefill, tokens)
+        if prefill is not None:
+            self.registry.acquire(prefill, tokens)
         self.registry.acquire(decode, tokens)
         self.rooms[room_id] = room
         return room
@@ -155,12 +158,12 @@ class ControlPlane:
         """Forget the room, release its reserved work, and abort the legs named with a reason."""
         if self.rooms.pop(room.room, None) is None:
             return
-        if room.prefill_done is None:
+        if room.prefill_done is None and room.prefill is not None:
             self.registry.release(room.prefill, room.tokens)
         self.registry.release(room.decode, room.tokens)
         for worker, reason in ((room.decode, abort_decode), (room.prefill, abort_prefill)):
             # A worker already removed from the registry is gone: nothing to abort there.
-            if reason is not None and self.registry.get(worker.worker_id) is worker:
+            if worker is not None and reason is not None and self.registry.get(worker.worker_id) is worker:
                 self.send(worker, AbortRequest(room=room.room, reason=reason))
                 self.metrics.aborted_legs.labels(worker.role, reason).inc()
 
@@ -212,7 +215,7 @@ class ControlPlane:
             if room is None:
                 log.debug("prefill_done for unknown room %s", msg.room)
                 return
-            if room.prefill_done is None:
+            if room.prefill_done is None and room.prefill is not None:
                 room.prefill_done, room.prefill_done_at = msg, t_recv
                 self.registry.release(room.prefill, room.tokens)
                 room.prefill_event.set()
@@ -279,14 +282,13 @@ class ControlPlane:
         )
 
     async def flush_caches(self, timeout_s: float = 10.0) -> dict[str, str]:
-        """Ask every registered prefill worker to empty its prefix cache; returns the refusals
-        (worker id -> why). Each worker then publishes the removal in its KVEvents."""
+        """Ask every registered worker (both roles keep a prefix cache) to empty it; returns the
+        refusals (worker id -> why). Each worker then publishes the removal in its KVEvents."""
         asked: dict[str, asyncio.Future[FlushCacheDone]] = {}
         for w in self.registry.all():
-            if w.role == "prefill":
-                fid = uuid.uuid4().hex
-                asked[w.worker_id] = self._flushes[fid] = asyncio.get_running_loop().create_future()
-                self.send(w, FlushCache(flush_id=fid))
+            fid = uuid.uuid4().hex
+            asked[w.worker_id] = self._flushes[fid] = asyncio.get_running_loop().create_future()
+            self.send(w, FlushCache(flush_id=fid))
         refused: dict[str, str] = {}
         try:
             for wid, fut in asked.items():

@@ -38,7 +38,7 @@ from pdserve.gateway.timeline import (
 )
 from pdserve.gateway.tokenizer import Tokenizer
 from pdserve.gateway.workers import WorkerInfo, WorkerRegistry
-from pdserve.protocol.gateway import GenerateRequest, Role, TokenOutput
+from pdserve.protocol.gateway import GenerateRequest, PrefillDone, Role, TokenOutput
 from pdserve.protocol.records import DecodeEvents, RequestStats
 from pdserve.sampling_params import SamplingParams
 
@@ -65,8 +65,9 @@ class _Again(Exception):
     def __init__(self, ev: LegFailed, room: Room, error: ApiError) -> None:
         super().__init__(error.message)
         self.code, self.error = ev.code, error
-        self.failed = room.prefill.worker_id if ev.role == "prefill" else room.decode.worker_id
-        self.prefill, self.decode = room.prefill.worker_id, room.decode.worker_id
+        prefill = room.prefill.worker_id if room.prefill is not None else ""  # "": a local prefill
+        self.failed = prefill if ev.role == "prefill" else room.decode.worker_id
+        self.prefill, self.decode = prefill, room.decode.worker_id
 
 
 @dataclass(frozen=True)
@@ -194,7 +195,8 @@ class Generations:
         if a.code == "transfer":
             # Either side may be at fault: another decode worker always, another prefill if there is one.
             avoid.add(a.decode)
-            prefer_not.add(a.prefill)
+            if a.prefill:
+                prefer_not.add(a.prefill)
         else:
             avoid.add(a.failed)
         missing = [r for r in ("prefill", "decode") if not self._candidates(r, avoid)]
@@ -225,12 +227,20 @@ class Generations:
     async def _attempt(self, run: _Run) -> AsyncIterator[GenState]:
         inp, st, c = run.inp, run.st, run.c
         prompt = inp.input_ids + list(st.output_ids)  # a migration's prompt: see below
-        prefill = self.registry.pick("prefill", run.avoid | run.prefer_not, prompt) or self.registry.pick(
-            "prefill", run.avoid, prompt
+        decode = self.registry.pick("decode", run.avoid, prompt)
+        # Conditional disaggregation: the decode worker computes a short uncached prompt itself.
+        local = decode is not None and self.registry.prefill_locally(
+            decode, prompt, self._candidates("prefill", run.avoid)
         )
-        decode = self.registry.pick("decode", run.avoid)
-        if prefill is None or decode is None:
-            missing = " and no ".join(r for r, w in (("prefill", prefill), ("decode", decode)) if w is None)
+        prefill = None
+        if not local:
+            prefill = self.registry.pick("prefill", run.avoid | run.prefer_not, prompt) or self.registry.pick(
+                "prefill", run.avoid, prompt
+            )
+        if (prefill is None and not local) or decode is None:
+            missing = " and no ".join(
+                r for r, w in (("prefill", prefill or local), ("decode", decode)) if not w
+            )
             retry = " to retry on" if run.avoid else ""
             raise ApiError(503, f"no {missing} worker in rotation{retry}", headers={"Retry-After": "1"})
         # A migration continues from the tokens produced so far: the new prefill computes their KV
@@ -245,13 +255,19 @@ class Generations:
             room=room.room,
             input_ids=input_ids,
             sampling=sampling,
-            prefill_worker=prefill.worker_id,
-            prefill_bootstrap_addr=prefill.bootstrap_addr,
+            prefill_worker=prefill.worker_id if prefill is not None else "",
+            prefill_bootstrap_addr=prefill.bootstrap_addr if prefill is not None else "",
             decode_worker=decode.worker_id,
+            local_prefill=local,
             deadline_s=inp.received_ts + self.cfg.request_timeout_s,
         )
-        self.control.send(prefill, req)
+        if prefill is not None:
+            self.control.send(prefill, req)
+            self.metrics.routed.labels("prefill", prefill.worker_id).inc()
+        else:
+            self.metrics.local_prefill.inc()
         self.control.send(decode, req)
+        self.metrics.routed.labels("decode", decode.worker_id).inc()
         dispatched = time.time()
         if not run.dispatched_once:
             run.dispatched_once = True
@@ -259,7 +275,7 @@ class Generations:
 
         # Legs to abort on the way out; cleared as the request reaches a clean end.
         abort_decode: str | None = "cancelled"
-        abort_prefill: str | None = "cancelled"
+        abort_prefill: str | None = "cancelled" if prefill is not None else None
         try:
             while not st.finished:
                 ev = await self._next_event(room, inp)
@@ -283,6 +299,15 @@ class Generations:
                 if run.origin is None and ev.output.token_ids:
                     run.origin = (room, dispatched)
                 c.feed(ev.output, ev.t_recv, room.decode.clock.offset)
+                if (
+                    ev.output.prefill_events is not None
+                    and room.prefill is None
+                    and room.prefill_done is None
+                ):
+                    # A local prefill: the decode worker's first output stands in for PrefillDone.
+                    room.prefill_done = PrefillDone(room=room.room, events=ev.output.prefill_events)
+                    room.prefill_done_at = ev.t_recv
+                    room.prefill_event.set()
                 if c.failed is not None:
                     abort_decode = None
                     raise self._leg_failed(room, LegFailed("decode", "aborted", c.failed, True))
@@ -299,7 +324,7 @@ class Generations:
             abort_prefill = None
             origin, t_dispatch = run.origin or (room, dispatched)
             st.meta_info = self._meta_info(inp, st, c, origin, t_dispatch, run.migrations)
-            self._observe_finish(st, c)
+            self._observe_finish(st, c, local=origin.prefill is None)
             yield st
         finally:
             self.control.close_room(room, abort_decode=abort_decode, abort_prefill=abort_prefill)
@@ -316,7 +341,8 @@ class Generations:
             raise ApiError(
                 504,
                 f"request {inp.rid} timed out after {self.cfg.request_timeout_s:g} s "
-                f"(prefill {room.prefill.worker_id}, decode {room.decode.worker_id})",
+                f"(prefill {room.prefill.worker_id if room.prefill else 'local'}, "
+                f"decode {room.decode.worker_id})",
             )
         return ev
 
@@ -326,7 +352,8 @@ class Generations:
         if ev.role not in ("prefill", "decode"):
             return ApiError(status, f"request aborted [{ev.code}]: {ev.message}")
         worker = room.prefill if ev.role == "prefill" else room.decode
-        return ApiError(status, f"{ev.role} leg ({worker.worker_id}) failed [{ev.code}]: {ev.message}")
+        wid = worker.worker_id if worker is not None else "local"
+        return ApiError(status, f"{ev.role} leg ({wid}) failed [{ev.code}]: {ev.message}")
 
     async def _wait_prefill_done(self, room: Room) -> None:
         # PrefillDone may trail the decode's first tokens; its event times are worth a short wait.
@@ -342,12 +369,16 @@ class Generations:
             for _ in range(n):
                 self.metrics.itl.observe(per_token)
 
-    def _observe_finish(self, st: GenState, c: _Collector) -> None:
+    def _observe_finish(self, st: GenState, c: _Collector, local: bool) -> None:
         assert st.meta_info is not None and st.finish_reason is not None
         self.metrics.e2e.observe(st.meta_info["e2e_latency"])
         self.metrics.requests.labels(st.finish_reason["type"]).inc()
         self.metrics.generation_tokens.inc(len(st.output_ids))
         self.metrics.spec(c.stats)
+        self.metrics.cached_tokens.inc(st.cached_tokens)
+        self.metrics.kv_transfer_bytes.inc(c.stats.get("transfer_bytes", 0))
+        if not local:  # a transfer's prefix the decode worker held: those pages did not travel
+            self.metrics.transfer_skipped_tokens.inc(c.stats.get("decode_cached_tokens", 0))
 
     def _meta_info(
         self, inp: GenInput, st: GenState, c: _Collector, room: Room, dispatched: float, migrations: int
@@ -364,7 +395,8 @@ class Generations:
                 response_sent=now,
                 prefill_done_recv=room.prefill_done_at,
                 prefill_events=pd.events if pd is not None else {},
-                prefill_offset=room.prefill.clock.offset,
+                # A local prefill's events are on the decode worker's clock.
+                prefill_offset=(room.prefill or room.decode).clock.offset,
                 decode_events=c.decode_events,
                 decode_offset=0.0,  # mapped onto the gateway clock as they arrived (see _Collector)
                 completion_tokens=len(st.output_ids),
@@ -372,8 +404,11 @@ class Generations:
         )
         s = c.stats
         ct = len(st.output_ids)
-        # The prefill node owns the prefix cache: its count wins over the decode's.
-        cached = pd.cached_tokens if pd is not None else s.get("cached_tokens", 0)
+        # The node that computed the prompt: its cache hit is what saved computation.
+        if room.prefill is None:
+            cached = s.get("decode_cached_tokens", 0)
+        else:
+            cached = pd.cached_tokens if pd is not None else 0
         st.cached_tokens = cached
         correct, proposed = s.get("spec_num_correct_drafts", 0), s.get("spec_num_proposed_drafts", 0)
         verify = s.get("spec_verify_ct", 0)

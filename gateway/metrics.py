@@ -61,6 +61,27 @@ class GatewayMetrics:
             "pdserve_kv_transfer_failures", "KV transfers reported failed by a worker", registry=r
         )
         self.prompt_tokens = Counter("pdserve_prompt_tokens", "Prompt tokens", registry=r)
+        self.routed = Counter(
+            "pdserve_routed_requests", "Request legs sent to each worker", ["role", "worker"], registry=r
+        )
+        self.local_prefill = Counter(
+            "pdserve_local_prefill_requests",
+            "Requests whose prompt a decode worker computed (conditional disaggregation)",
+            registry=r,
+        )
+        self.cached_tokens = Counter(
+            "pdserve_cached_tokens",
+            "Prompt tokens taken from the prefix cache of the worker that computed the prompt",
+            registry=r,
+        )
+        self.transfer_skipped_tokens = Counter(
+            "pdserve_transfer_skipped_tokens",
+            "Prompt tokens whose KV did not travel: the decode worker cached them (incremental transfer)",
+            registry=r,
+        )
+        self.kv_transfer_bytes = Counter(
+            "pdserve_kv_transfer_bytes", "KV bytes moved from prefill to decode workers", registry=r
+        )
         self.generation_tokens = Counter("pdserve_generation_tokens", "Generated tokens", registry=r)
         self.spec_proposed = Counter(
             "pdserve_spec_proposed_drafts", "Speculative draft tokens proposed", registry=r

@@ -52,7 +52,14 @@ def create_app(cfg: GatewayConfig, tokenizer: Tokenizer | None = None) -> FastAP
     """Build the gateway app; pass `tokenizer` to reuse one already loaded."""
     tok = tokenizer or Tokenizer.load(cfg.model_path)
     registry = WorkerRegistry(
-        RoutingPolicy(cfg.prefill_policy, cfg.cache_weight, cfg.load_weight)  # type: ignore[arg-type]
+        RoutingPolicy(
+            prefill=cfg.prefill_policy,  # type: ignore[arg-type]
+            decode=cfg.decode_policy,  # type: ignore[arg-type]
+            cache_weight=cfg.cache_weight,
+            load_weight=cfg.load_weight,
+            min_prefill_tokens=cfg.disaggregation_min_prefill_tokens,
+            max_prefill_queue=cfg.disaggregation_max_prefill_queue,
+        )
     )
     metrics = GatewayMetrics()
     control = ControlPlane(cfg, registry, metrics)
@@ -104,8 +111,8 @@ def create_app(cfg: GatewayConfig, tokenizer: Tokenizer | None = None) -> FastAP
 
     @app.api_route("/flush_cache", methods=["GET", "POST"])
     async def flush_cache() -> Response:
-        """SGLang's endpoint: empty every prefill worker's prefix cache; refused (400, naming the
-        workers) where requests are in flight."""
+        """SGLang's endpoint: empty every worker's prefix cache; refused (400, naming the workers)
+        where requests are in flight."""
         refused = await control.flush_caches()
         if refused:
             msg = "; ".join(f"{wid}: {why}" for wid, why in refused.items())

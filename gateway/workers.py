@@ -2,11 +2,16 @@
 
 Plain bookkeeping, no sockets: `control.py` feeds it from the wire. A worker is in rotation when it
 is registered and not draining; a draining worker still serves (and is pinged for) the requests it
-holds. Routing picks, per role, the worker with the least outstanding work the gateway tracks
-(in-flight requests, then in-flight tokens), breaking ties round-robin. Prefill routing follows
-`RoutingPolicy`: `cache_aware` (default) picks the lowest `cache_weight * uncached prompt tokens
-+ load_weight * in-flight tokens`, the uncached tokens counted on each worker's `PrefixIndex`;
-`least_load` is the rule above; `round_robin` ignores load and cache alike.
+holds. Routing follows `RoutingPolicy`, per role: `cache_aware` (default) picks the lowest
+`cache_weight * uncached prompt tokens + load_weight * in-flight tokens`, the uncached tokens
+counted on each worker's `PrefixIndex` (both roles keep a prefix cache: a decode worker that holds
+a prompt's prefix receives only the pages after it); `least_load` picks the least outstanding work
+the gateway tracks (in-flight requests, then in-flight tokens); `round_robin` ignores load and
+cache alike. Ties go round-robin.
+
+Conditional disaggregation (`prefill_locally`): when the part of a prompt the chosen decode worker
+does not cache is shorter than `min_prefill_tokens`, or every prefill worker has more than
+`max_prefill_queue` requests in flight, the decode worker computes the prompt itself.
 
 A worker's state: `healthy` (in rotation), `draining`, or `down` (lost: heartbeat timeout). A lost
 worker leaves the registry (never pinged, never routed to) but is remembered as down for
@@ -26,8 +31,8 @@ from pdserve.gateway.prefix_index import PrefixIndex
 from pdserve.protocol.gateway import Register, Role
 
 WorkerState = Literal["healthy", "draining", "down"]
-PrefillPolicy = Literal["cache_aware", "round_robin", "least_load"]
-PREFILL_POLICIES: tuple[PrefillPolicy, ...] = ("cache_aware", "round_robin", "least_load")
+Policy = Literal["cache_aware", "round_robin", "least_load"]
+POLICIES: tuple[Policy, ...] = ("cache_aware", "round_robin", "least_load")
 # How long a lost worker stays listed as down unless it registers again.
 DOWN_KEEP_S = 600.0
 
@@ -53,7 +58,7 @@ class WorkerInfo:
     # Registrations under this id after the first one this gateway saw.
     restarts: int = 0
     down_since: float | None = None  # time.monotonic() when it was lost
-    prefix: PrefixIndex = field(default_factory=PrefixIndex)  # prefill: what its cache holds
+    prefix: PrefixIndex = field(default_factory=PrefixIndex)  # what its prefix cache holds
 
     @property
     def bootstrap_addr(self) -> str:
@@ -78,17 +83,25 @@ class Limits:
 
 @dataclass(frozen=True)
 class RoutingPolicy:
-    prefill: PrefillPolicy = "cache_aware"
-    # cache_aware cost of a prefill worker: cache_weight * uncached prompt tokens + load_weight *
-    # tokens it has in flight. Equal weights: a cached token saves as much as a queued one costs.
+    prefill: Policy = "cache_aware"
+    decode: Policy = "cache_aware"
+    # cache_aware cost of a worker: cache_weight * uncached prompt tokens + load_weight * tokens it
+    # has in flight. Equal weights: a cached token saves as much as a queued one costs.
     cache_weight: float = 1.0
     load_weight: float = 1.0
+    # Conditional disaggregation (0: off): fewer uncached prompt tokens than this on the decode worker,
+    # or more than this many requests in flight on every prefill worker, and the decode computes it.
+    min_prefill_tokens: int = 0
+    max_prefill_queue: int = 0
 
     def __post_init__(self) -> None:
-        if self.prefill not in PREFILL_POLICIES:
-            raise ValueError(f"prefill policy {self.prefill!r} is not one of {', '.join(PREFILL_POLICIES)}")
+        for role, p in (("prefill", self.prefill), ("decode", self.decode)):
+            if p not in POLICIES:
+                raise ValueError(f"{role} policy {p!r} is not one of {', '.join(POLICIES)}")
         if self.cache_weight < 0 or self.load_weight < 0:
             raise ValueError("routing weights must be >= 0")
+        if self.min_prefill_tokens < 0 or self.max_prefill_queue < 0:
+            raise ValueError("disaggregation thresholds must be >= 0")
 
 
 def fingerprint_mismatch(theirs: dict, ours: dict) -> list[str]:
@@ -186,13 +199,13 @@ class WorkerRegistry:
     def pick(
         self, role: Role, avoid: Collection[str] = (), input_ids: Sequence[int] = ()
     ) -> WorkerInfo | None:
-        """The worker for the next request with prompt `input_ids`, by the role's policy (decode:
-        least outstanding work); ties round-robin; never a worker id in `avoid` (a failed
-        attempt's). Does not reserve: call `acquire`."""
+        """The worker for the next request with prompt `input_ids`, by the role's policy; ties
+        round-robin; never a worker id in `avoid` (a failed attempt's). Does not reserve: call
+        `acquire`."""
         cands = [w for w in self.in_rotation(role) if w.worker_id not in avoid]
         if not cands:
             return None
-        policy = self.policy.prefill if role == "prefill" else "least_load"
+        policy = self.policy.prefill if role == "prefill" else self.policy.decode
         if policy == "round_robin":
             tied = cands
         elif policy == "cache_aware":
@@ -213,6 +226,19 @@ class WorkerRegistry:
         w = tied[self._rr[role] % len(tied)]
         self._rr[role] += 1
         return w
+
+    def prefill_locally(
+        self, decode: WorkerInfo, input_ids: Sequence[int], prefills: Sequence[WorkerInfo]
+    ) -> bool:
+        """Whether `decode` should compute this prompt itself (see the module docstring)."""
+        p = self.policy
+        if p.min_prefill_tokens > 0:
+            uncached = len(input_ids) - decode.prefix.cached_tokens(input_ids, {})
+            if uncached < p.min_prefill_tokens:
+                return True
+        if p.max_prefill_queue > 0 and prefills:
+            return all(w.inflight_requests > p.max_prefill_queue for w in prefills)
+        return False
 
     @staticmethod
     def acquire(w: WorkerInfo, tokens: int) -> None:

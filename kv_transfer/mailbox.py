@@ -28,6 +28,7 @@ class Send:
     num_tokens: int
     metadata: dict[str, Any]
     t0: float  # time.monotonic() of the call
+    block_hashes: list[int]  # chained hashes of the prompt's whole pages (incremental transfer)
 
 
 @dataclass(frozen=True)
@@ -39,6 +40,8 @@ class Request:
     pages: list[int]
     num_tokens: int
     t0: float
+    skip_pages: int = 0  # the first pages are here already: `pages` are for the rest
+    prefix_hash: int | None = None
 
 
 @dataclass(frozen=True)

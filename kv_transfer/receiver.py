@@ -53,9 +53,34 @@ class KVReceiver(Endpoint):
         self._mailbox.post(mb.Connect(prefill_addr, future))
         future.result(timeout=timeout_s if timeout_s is not None else self._config.bootstrap_timeout_s + 5)
 
-    def request(self, room: str, prefill_addr: str, dst_pages: list[int], num_tokens: int) -> None:
-        """Ask the prefill node at prefill_addr to fill dst_pages with room's KV (num_tokens tokens)."""
-        self._mailbox.post(mb.Request(room, prefill_addr, list(dst_pages), int(num_tokens), time.monotonic()))
+    def request(
+        self,
+        room: str,
+        prefill_addr: str,
+        dst_pages: list[int],
+        num_tokens: int,
+        skip_pages: int = 0,
+        prefix_hash: int | None = None,
+    ) -> None:
+        """Ask the prefill node at prefill_addr to fill dst_pages with room's KV (num_tokens tokens).
+
+        Incremental transfer: with `skip_pages`, this node holds the KV of the room's first
+        `skip_pages` whole pages already (`prefix_hash`: the chained block hash of the last), and
+        `dst_pages` are for the pages after them. If the prefill node's prompt starts otherwise,
+        poll() reports FAILED with `prefix_mismatch` set: request the room again, in full."""
+        if skip_pages and prefix_hash is None:
+            raise ValueError("skipping pages needs the prefix hash")
+        self._mailbox.post(
+            mb.Request(
+                room,
+                prefill_addr,
+                list(dst_pages),
+                int(num_tokens),
+                time.monotonic(),
+                skip_pages=int(skip_pages),
+                prefix_hash=prefix_hash,
+            )
+        )
 
     def abort(self, room: str) -> None:
         """Give up on `room`; its FAILED result still comes out of poll() (free the pages then)."""
@@ -195,11 +220,14 @@ class _ReceiverIO(EndpointIO):
         metadata: dict[str, Any] | None = None,
         error: str | None = None,
         num_bytes: int = 0,
+        prefix_mismatch: bool = False,
     ) -> None:
         room.transition(state)
         self.rooms.pop(room.room, None)
         self.o._states.pop(room.room, None)
-        self.o._results.append(room.result(metadata=metadata, error=error, num_bytes=num_bytes))
+        self.o._results.append(
+            room.result(metadata=metadata, error=error, num_bytes=num_bytes, prefix_mismatch=prefix_mismatch)
+        )
 
     def fail(self, room: RecvRoom, error: str) -> None:
         """Fail a room that is not mid-transfer and tell the prefill node (if it had the page list)."""
@@ -209,7 +237,16 @@ class _ReceiverIO(EndpointIO):
         self.finish(room, TransferState.FAILED, error=error)
 
     def send_page_list(self, peer: _Peer, room: RecvRoom) -> None:
-        self.send(peer, kc.PageList(room=room.room, pages=room.pages, num_tokens=room.num_tokens))
+        self.send(
+            peer,
+            kc.PageList(
+                room=room.room,
+                pages=room.pages,
+                num_tokens=room.num_tokens,
+                skip_pages=room.skip_pages,
+                prefix_hash=room.prefix_hash,
+            ),
+        )
         self.move(room, TransferState.WAITING_FOR_INPUT, self.cfg.waiting_timeout_s)
 
     # ---- events from this process ---------------------------------------------------------------
@@ -257,6 +294,8 @@ class _ReceiverIO(EndpointIO):
             addr=item.addr,
             pages=item.pages,
             num_tokens=item.num_tokens,
+            skip_pages=item.skip_pages,
+            prefix_hash=item.prefix_hash,
         )
         self.rooms[name] = room
         self.o._states[name] = room.state
@@ -305,6 +344,16 @@ class _ReceiverIO(EndpointIO):
                 room = self.rooms.get(name)
                 if room is not None and room.addr == peer.addr and room.state != TransferState.TRANSFERRING:
                     self.finish(room, TransferState.FAILED, error=f"prefill aborted: {reason}")
+            case kc.PrefixMismatch(room=name, reason=reason):
+                room = self.rooms.get(name)
+                if (
+                    room is not None
+                    and room.addr == peer.addr
+                    and room.state == TransferState.WAITING_FOR_INPUT
+                ):
+                    # No Abort: the prefill node keeps the room for the full page list that follows.
+                    error = f"prefix refused by prefill: {reason}"
+                    self.finish(room, TransferState.FAILED, error=error, prefix_mismatch=True)
             case kc.Bye(reason=reason):
                 self.drop_peer(peer, f"prefill {peer.addr} closed the pair: {reason}")
             case _:

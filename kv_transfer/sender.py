@@ -85,9 +85,29 @@ class KVSender(Endpoint):
         )
         self._thread.start()
 
-    def send(self, room: str, src_pages: list[int], num_tokens: int, metadata: dict[str, Any]) -> None:
-        """The prefill of `room` is done: send its pages once the decode's page list is here."""
-        self._mailbox.post(mb.Send(room, list(src_pages), int(num_tokens), dict(metadata), time.monotonic()))
+    def send(
+        self,
+        room: str,
+        src_pages: list[int],
+        num_tokens: int,
+        metadata: dict[str, Any],
+        block_hashes: list[int] | None = None,
+    ) -> None:
+        """The prefill of `room` is done: send its pages once the decode's page list is here.
+
+        `block_hashes`: the chained hashes of the prompt's whole pages (`protocol.block_hash`); with
+        them, a decode node that holds a prefix of the prompt receives only the pages after it. Without
+        them, a page list that skips pages is answered with PrefixMismatch (a full transfer follows)."""
+        self._mailbox.post(
+            mb.Send(
+                room,
+                list(src_pages),
+                int(num_tokens),
+                dict(metadata),
+                time.monotonic(),
+                list(block_hashes or []),
+            )
+        )
 
     def abort(self, room: str) -> None:
         """Give up on `room`; its FAILED result still comes out of poll() (free the pages then)."""
@@ -196,29 +216,49 @@ class _SenderIO(EndpointIO):
 
     def dispatch(self, room: SendRoom, peer: bytes, page_list: kc.PageList) -> None:
         """Both halves known: validate and queue the transfer on the pair's thread."""
-        room.peer = peer
         num_tokens, dst_pages = room.num_tokens, page_list.pages
         n_pages = pages_for(num_tokens, self.o._geometry.page_size)
+        skip = page_list.skip_pages
+        if skip:
+            why = self.prefix_refusal(room, page_list, n_pages)
+            if why is not None:
+                # The room keeps waiting, for the full page list the decode node sends next.
+                self.to_peer(peer, kc.PrefixMismatch(room=room.room, reason=why))
+                return
+        room.peer = peer
         pair = self.pairs.get(peer)
         error = None
         if pair is None:
             error = "the decode node's pair was closed before the transfer"
         elif page_list.num_tokens != num_tokens:
             error = f"token count mismatch: prefill has {num_tokens}, decode expects {page_list.num_tokens}"
-        elif len(room.src_pages) < n_pages or len(dst_pages) < n_pages:
+        elif len(room.src_pages) < n_pages or len(dst_pages) < n_pages - skip:
             error = (
                 f"{num_tokens} tokens need {n_pages} pages; prefill gave {len(room.src_pages)}, "
-                f"decode gave {len(dst_pages)}"
+                f"decode gave {len(dst_pages)} after skipping {skip}"
             )
         if error is not None:
             self.fail(room, error)
             return
         assert pair is not None
         room.job = SendJob(
-            room.room, room.src_pages[:n_pages], dst_pages[:n_pages], num_tokens, room.metadata
+            room.room, room.src_pages[skip:n_pages], dst_pages[: n_pages - skip], num_tokens, room.metadata
         )
         self.move(room, TransferState.BOOTSTRAPPING)  # the pair thread reports Started -> TRANSFERRING
         pair.submit(room.job)
+
+    @staticmethod
+    def prefix_refusal(room: SendRoom, page_list: kc.PageList, n_pages: int) -> str | None:
+        """Why the skipped prefix of `page_list` cannot be trusted, or None: both sides must name
+        the same tokens (chained block hash), and at least one page must still travel."""
+        skip = page_list.skip_pages
+        if skip >= n_pages:
+            return f"{skip} pages skipped of {n_pages}: at least the last page travels"
+        if len(room.block_hashes) < skip:
+            return f"the prefill node has no hashes for {skip} pages of room {room.room}"
+        if room.block_hashes[skip - 1] != page_list.prefix_hash:
+            return f"the first {skip} pages of room {room.room} hold other tokens on the prefill node"
+        return None
 
     # ---- events from this process --------------------------------------------------------------
 
@@ -254,6 +294,7 @@ class _SenderIO(EndpointIO):
             src_pages=item.src_pages,
             num_tokens=item.num_tokens,
             metadata=item.metadata,
+            block_hashes=item.block_hashes,
         )
         self.rooms[name] = room
         self.o._states[name] = room.state

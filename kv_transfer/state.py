@@ -55,6 +55,9 @@ class TransferResult:
     error: str | None
     num_bytes: int
     seconds: float
+    # Receiver, FAILED only: the prefill node refused the skipped prefix (incremental transfer); the
+    # room may be requested again with a full page list.
+    prefix_mismatch: bool = False
 
 
 R = TypeVar("R", bound="TransferRoom")
@@ -95,7 +98,11 @@ class TransferRoom:
         return self.deadline is not None and now >= self.deadline
 
     def result(
-        self, metadata: dict[str, Any] | None = None, error: str | None = None, num_bytes: int = 0
+        self,
+        metadata: dict[str, Any] | None = None,
+        error: str | None = None,
+        num_bytes: int = 0,
+        prefix_mismatch: bool = False,
     ) -> TransferResult:
         assert self.terminal, self.state
         return TransferResult(
@@ -105,6 +112,7 @@ class TransferRoom:
             error=error,
             num_bytes=num_bytes,
             seconds=time.monotonic() - self.started,
+            prefix_mismatch=prefix_mismatch,
         )
 
 
@@ -115,6 +123,7 @@ class SendRoom(TransferRoom):
     src_pages: list[int]
     num_tokens: int
     metadata: dict[str, Any]
+    block_hashes: list[int]  # of the prompt's whole pages: checks a page list's skipped prefix
     peer: bytes | None = None  # the decode node's zmq identity
     job: SendJob | None = None  # queued on the peer's pair thread
     abort_reason: str = ""
@@ -125,5 +134,7 @@ class RecvRoom(TransferRoom):
     """A room on the decode node: the prefill node it comes from and the pages it lands in."""
 
     addr: str  # the prefill node's bootstrap address
-    pages: list[int]
+    pages: list[int]  # for the room's pages from `skip_pages` on
     num_tokens: int
+    skip_pages: int = 0  # whole pages whose KV this node holds already (its prefix cache)
+    prefix_hash: int | None = None  # block hash of the last skipped page

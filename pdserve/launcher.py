@@ -68,6 +68,24 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
         choices=["cache_aware", "round_robin", "least_load"],
         help="how the gateway picks a prefill worker (see `pdserve gateway --help`)",
     )
+    parser.add_argument(
+        "--decode-policy",
+        default="cache_aware",
+        choices=["cache_aware", "round_robin", "least_load"],
+        help="how the gateway picks a decode worker (see `pdserve gateway --help`)",
+    )
+    parser.add_argument(
+        "--disaggregation-min-prefill-tokens",
+        type=int,
+        default=0,
+        help="prompts with fewer uncached tokens are computed on the decode worker (0: off)",
+    )
+    parser.add_argument(
+        "--disaggregation-max-prefill-queue",
+        type=int,
+        default=0,
+        help="past this many requests in flight on every prefill worker, decode computes the prompt (0: off)",
+    )
     parser.add_argument("--log-level", default="info")
     parser.add_argument("--log-dir", default=None, help="write each role's output to <dir>/<role>.log")
     parser.add_argument("--startup-timeout", type=float, default=600.0)
@@ -137,7 +155,9 @@ def gateway_command(args: argparse.Namespace, port_file: str | None = None) -> l
     argv = [sys.executable, "-m", "pdserve.cli", "gateway", "--host", args.host, "--port", str(args.port)]
     argv += ["--control-port", str(_control_port(args))]
     argv += ["--served-model-name", args.served_model_name, "--log-level", args.log_level]
-    argv += ["--prefill-policy", args.prefill_policy]
+    argv += ["--prefill-policy", args.prefill_policy, "--decode-policy", args.decode_policy]
+    argv += ["--disaggregation-min-prefill-tokens", str(args.disaggregation_min_prefill_tokens)]
+    argv += ["--disaggregation-max-prefill-queue", str(args.disaggregation_max_prefill_queue)]
     argv += ["--grammar-backend", args.grammar_backend]
     if args.model_path:
         argv += ["--model-path", args.model_path]

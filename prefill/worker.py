@@ -15,11 +15,13 @@ import logging
 import time
 from typing import Any
 
+from pdserve.cache_events import CacheEvents
 from pdserve.config import WorkerConfig
 from pdserve.drain import DrainSignal
 from pdserve.kv_transfer import KVSender, TransferState
 from pdserve.kv_transfer.config import worker_transfer_config
 from pdserve.protocol import gateway as m
+from pdserve.protocol.block_hash import block_hashes
 from pdserve.protocol.kv_trailer import FirstToken
 from pdserve.protocol.records import PrefillEvents
 from pdserve.runtime.batch import ForwardMode
@@ -40,8 +42,8 @@ class PrefillWorker:
         # Test hook (--test-stall-kv-send): hold each finished prefill this long before its KV is
         # handed to the sender, as a stuck transfer path would.
         self.stall_kv_send_s = cfg.stall_kv_send_s
-        # Sends held back by the stall hook: (due time.monotonic(), room, pages, tokens, metadata).
-        self.stalled: list[tuple[float, str, list[int], int, dict[str, Any]]] = []
+        # Sends held back by the stall hook: (due time.monotonic(), room, pages, tokens, metadata, hashes).
+        self.stalled: list[tuple[float, str, list[int], int, dict[str, Any], list[int]]] = []
         self.clock = make_clock(cfg)
         self.signals = signals or DrainSignal()
         self.runner = ModelRunner(cfg.runtime)
@@ -52,8 +54,7 @@ class PrefillWorker:
         if not rc.disable_radix_cache:
             cache = RadixCache(self.runner.allocator, rc.page_size, record_events=True)
         self.cache = cache
-        # The link's accepted registrations the gateway has had a cache snapshot for.
-        self.snapshot_for = 0
+        self.cache_events = CacheEvents(cfg.worker_id, "prefill", cache)
         self.sched = ExtendScheduler(
             self.runner.pages,
             rc.chunked_prefill_size,
@@ -97,7 +98,8 @@ class PrefillWorker:
         done = self._run(reqs, chunks) if reqs else []
         self._hand_off(done)
         self._reply(done)
-        self._publish_cache()
+        assert self.link is not None
+        self.cache_events.publish(self.link)
 
     def _receive(self) -> None:
         """Ended transfers (their pages are freed), then the gateway's messages."""
@@ -118,37 +120,7 @@ class PrefillWorker:
             if r is not None:
                 self._stop(r)
         elif isinstance(msg, m.FlushCache):
-            self.link.send(self._flush_cache(msg.flush_id))
-
-    def _flush_cache(self, flush_id: str) -> m.FlushCacheDone:
-        """Empty the prefix cache, only when nothing is queued, running or transferring here (their
-        pages may be cached ones); the removal goes to the gateway with this step's KVEvents."""
-        busy = len(self.rooms) + len(self.stalled)
-        if busy:
-            why = f"prefill worker {self.cfg.worker_id} has {busy} requests in flight"
-            return m.FlushCacheDone(flush_id=flush_id, ok=False, message=why)
-        if self.cache is not None:
-            try:
-                self.cache.flush()
-            except RuntimeError as e:
-                return m.FlushCacheDone(flush_id=flush_id, ok=False, message=str(e))
-        return m.FlushCacheDone(flush_id=flush_id, ok=True)
-
-    def _publish_cache(self) -> None:
-        """At most one KVEvents per step: a full snapshot after each (re)registration, since a gateway
-        that (re)admits us knows nothing of our cache, else what was stored and evicted this step."""
-        assert self.link is not None
-        if self.cache is None:
-            return
-        stored, removed = self.cache.take_events()
-        accepted = self.link.accepted
-        ps, wid = self.cache.page_size, self.cfg.worker_id
-        if accepted != self.snapshot_for:
-            self.snapshot_for = accepted
-            snap = self.cache.block_snapshot()
-            self.link.send(m.KVEvents(worker_id=wid, page_size=ps, snapshot=True, stored=snap))
-        elif stored or removed:
-            self.link.send(m.KVEvents(worker_id=wid, page_size=ps, stored=stored, removed=removed))
+            self.link.send(self.cache_events.flush(msg.flush_id, len(self.rooms) + len(self.stalled)))
 
     def _stop(self, r: Request) -> bool:
         """End `r` on this node: its pages are freed now (False), or, with its transfer in flight,
@@ -212,11 +184,14 @@ class PrefillWorker:
                 top_logprobs=r.output_top_logprobs[0] if r.output_top_logprobs else None,
                 cached_tokens=r.cached_tokens,
             ).model_dump()
+            # The names of the prompt's whole pages: a decode node that holds a prefix of them
+            # receives only the pages after it (incremental transfer).
+            hashes = block_hashes(r.prompt_ids, self.runner.page_size)
             if self.stall_kv_send_s > 0:
                 due = time.monotonic() + self.stall_kv_send_s
-                self.stalled.append((due, r.rid, r.pages, len(r.prompt_ids), meta))
+                self.stalled.append((due, r.rid, r.pages, len(r.prompt_ids), meta, hashes))
             else:
-                self.sender.send(r.rid, r.pages, len(r.prompt_ids), meta)
+                self.sender.send(r.rid, r.pages, len(r.prompt_ids), meta, hashes)
         if self.stalled:
             self._release_stalled(time.monotonic())
 
@@ -233,9 +208,9 @@ class PrefillWorker:
     def _release_stalled(self, now: float) -> None:
         due = [x for x in self.stalled if x[0] <= now]
         self.stalled = [x for x in self.stalled if x[0] > now]
-        for _, room, pages, tokens, meta in due:
+        for _, room, pages, tokens, meta, hashes in due:
             # An aborted room was remembered by the sender: this send fails at once and frees the pages.
-            self.sender.send(room, pages, tokens, meta)
+            self.sender.send(room, pages, tokens, meta, hashes)
 
     def _on_transfer_end(self, room: str, state: TransferState, error: str | None) -> None:
         r = self.rooms.pop(room, None)

@@ -52,6 +52,7 @@ class PrefixMatch:
     num_tokens: int
     pages: list[int]
     node: _Node  # the deepest matched node; the lock runs from it to the root
+    last_hash: int = ROOT_HASH  # block hash of the last matched page (what incremental transfer checks)
 
 
 class RadixCache:
@@ -92,6 +93,7 @@ class RadixCache:
         key = tuple(prompt_ids[:usable])
         node, i = self.root, 0
         pages: list[int] = []
+        last_hash = ROOT_HASH
         now = next(self._tick)
         while i < len(key):
             child = node.children.get(key[i : i + ps])
@@ -103,12 +105,13 @@ class RadixCache:
                 assert child is not None
             child.last_access = now
             pages += child.pages
+            last_hash = child.hashes[-1]
             i += len(child.key)
             node = child
         self._lock(node)
         self._held[node] += 1
         self.allocator.incref(pages)
-        return PrefixMatch(i, pages, node)
+        return PrefixMatch(i, pages, node, last_hash)
 
     def release(self, m: PrefixMatch) -> None:
         """Drop the lock `match` took (not the caller's page references: it frees those itself)."""

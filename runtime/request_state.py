@@ -4,7 +4,9 @@ Offline engine: QUEUED -> PREFILLING -> RUNNING -> FINISHED (PREFILLING -> FINIS
                 token already ends the request)
 Prefill node:   QUEUED -> PREFILLING -> TRANSFERRING (KV on its way out) -> FINISHED
 Decode node:    QUEUED -> TRANSFERRING (pages held, KV on its way in) -> RUNNING -> FINISHED,
-                RUNNING -> RETRACTED (pages freed under pool pressure) -> RUNNING (KV recomputed)
+                RUNNING -> RETRACTED (pages freed under pool pressure) -> RUNNING (KV recomputed),
+                TRANSFERRING -> QUEUED (the prefill node refused the cached prefix: asked again in full),
+                QUEUED -> PREFILLING -> RUNNING (a local prefill: no prefill node takes part)
 Every live state may go to FAILED (abort, failed transfer). FINISHED and FAILED are terminal.
 QUEUED -> RUNNING is the decode path for a prompt whose KV was computed on this node without a
 transfer (code that drives a stepper by hand does this).
@@ -31,7 +33,7 @@ _S = RequestState
 _ALLOWED: dict[RequestState, frozenset[RequestState]] = {
     _S.QUEUED: frozenset({_S.PREFILLING, _S.TRANSFERRING, _S.RUNNING, _S.FAILED}),
     _S.PREFILLING: frozenset({_S.TRANSFERRING, _S.RUNNING, _S.FINISHED, _S.FAILED}),
-    _S.TRANSFERRING: frozenset({_S.RUNNING, _S.FINISHED, _S.FAILED}),
+    _S.TRANSFERRING: frozenset({_S.QUEUED, _S.RUNNING, _S.FINISHED, _S.FAILED}),
     _S.RUNNING: frozenset({_S.RETRACTED, _S.FINISHED, _S.FAILED}),
     _S.RETRACTED: frozenset({_S.RUNNING, _S.FAILED}),
     _S.FINISHED: frozenset(),

@@ -79,7 +79,7 @@ class Deregister(_Msg):
 
 
 class KVEvents(_Msg):
-    """Prefill -> gateway, at most one per worker step: page blocks its prefix cache stored and
+    """Worker (prefill or decode) -> gateway, at most one per worker step: page blocks its prefix cache stored and
     removed since the last one, as chained block hashes (`block_hash.py`). `snapshot`: `stored` is
     everything cached now and replaces what the gateway knew (sent after each registration)."""
 
@@ -92,14 +92,14 @@ class KVEvents(_Msg):
 
 
 class FlushCache(_Msg):
-    """Gateway -> prefill worker: empty your prefix cache (refused while requests run)."""
+    """Gateway -> worker: empty your prefix cache (refused while requests run)."""
 
     kind: Literal["flush_cache"] = "flush_cache"
     flush_id: str
 
 
 class FlushCacheDone(_Msg):
-    """Prefill -> gateway: the answer to `FlushCache`; `message` says why when not `ok`."""
+    """Worker -> gateway: the answer to `FlushCache`; `message` says why when not `ok`."""
 
     kind: Literal["flush_cache_done"] = "flush_cache_done"
     flush_id: str
@@ -120,6 +120,9 @@ class GenerateRequest(_Msg):
     prefill_worker: str
     prefill_bootstrap_addr: str
     decode_worker: str
+    # Conditional disaggregation: the decode worker computes the prompt itself and no prefill worker
+    # takes part (`prefill_worker` and `prefill_bootstrap_addr` are then empty).
+    local_prefill: bool = False
     # Absolute deadline on the gateway's clock (received time + request timeout); informational.
     deadline_s: float | None = None
 
@@ -165,6 +168,9 @@ class TokenOutput(_Msg):
     finish_reason: dict[str, Any] | None = None
     # Sent with the first output (decode_entry, kv_ready) and the final one (finished).
     events: DecodeEvents | None = None
+    # A local prefill's events (decode worker clock), with the first output: what PrefillDone carries
+    # from a prefill worker otherwise.
+    prefill_events: PrefillEvents | None = None
     # Sent with the final output.
     stats: RequestStats | None = None
 

@@ -3,7 +3,9 @@
 A receiver (decode) connects one DEALER to a sender's (prefill) bootstrap ROUTER. r = receiver, s = sender:
   Hello     r->s  the receiver's id and pair identity; s compares identities and the protocol version
   HelloAck  s->r  ok, or the reason of the refusal; on success the store port and the group generation
-  PageList  r->s  the decode's pre-allocated page list for a room
+  PageList  r->s  the decode's pre-allocated page list for a room; with `skip_pages`, the decode already
+                  holds the room's first pages (its prefix cache) and lists pages for the rest only
+  PrefixMismatch  s->r  the skipped prefix's hash is not this prompt's: send a full page list instead
   Announce  s->r  data for `room` follows on the pair group: staged chunks, or pool-to-pool runs if given
   Build     s->r  rebuild the pair group under generation `gen`
   PairDead  r->s  the receiver discarded generation `gen`
@@ -40,8 +42,28 @@ class HelloAck(Msg):
 class PageList(Msg):
     kind: Literal["page_list"] = "page_list"
     room: str
+    # Destination pages of the room's pages `skip_pages`, `skip_pages + 1`, ... (all of them: 0 skipped).
     pages: list[int]
     num_tokens: int
+    # Incremental transfer: the receiver holds the KV of the first `skip_pages` whole pages already;
+    # `prefix_hash` is the chained block hash (block_hash.py) of the last of them, which the sender
+    # checks against its own prompt before it sends only the pages after them.
+    skip_pages: int = Field(0, ge=0)
+    prefix_hash: int | None = None
+
+    @model_validator(mode="after")
+    def _skip_has_a_hash(self) -> PageList:
+        if self.skip_pages and self.prefix_hash is None:
+            raise ValueError("a page list that skips pages must give the prefix hash")
+        return self
+
+
+class PrefixMismatch(Msg):
+    """Sender -> receiver: the skipped prefix is not this room's; the room waits for a full page list."""
+
+    kind: Literal["prefix_mismatch"] = "prefix_mismatch"
+    room: str
+    reason: str = ""
 
 
 class Announce(Msg):
@@ -88,7 +110,7 @@ class Bye(Msg):
 
 
 Message = Annotated[
-    Union[Hello, HelloAck, PageList, Announce, Build, PairDead, Abort, Bye],
+    Union[Hello, HelloAck, PageList, PrefixMismatch, Announce, Build, PairDead, Abort, Bye],
     Field(discriminator="kind"),
 ]
 

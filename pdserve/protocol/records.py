@@ -40,6 +40,10 @@ class RequestStats(TypedDict, total=False):
 
     cached_tokens: int
     num_retractions: int
+    # Decode worker: KV bytes that came over the transfer (0 for a local prefill), and how many
+    # prompt tokens were taken from its own prefix cache instead (incremental transfer).
+    transfer_bytes: int
+    decode_cached_tokens: int
     # Speculative decoding (SGLang's meta_info names): verify forwards, drafts proposed and accepted,
     # and how many verify forwards accepted 0, 1, ..., k drafts.
     spec_verify_ct: int

@@ -86,3 +86,12 @@ def test_multiturn_with_and_without_the_prefix_cache(tmp_path):
     assert on[1]["cache_hit_rate"] * on[1]["mean_prompt_tokens"] >= on[0]["mean_prompt_tokens"] - 16
     assert off[0]["cache_hit_rate"] == off[1]["cache_hit_rate"] == 0.0  # reported, and zero
     assert by["nocache"]["metrics"]["cache_hit_rate"] == 0.0 < by["pdserve"]["metrics"]["cache_hit_rate"]
+    # The servers' own counters: turn 2's history stays on the decode worker, whose pages do not move again.
+    srv = {r["target"]: r["server"] for r in data["runs"]}
+    assert srv["nocache"]["pdserve_transfer_skipped_tokens_total"] == 0
+    assert srv["pdserve"]["pdserve_transfer_skipped_tokens_total"] >= on[0]["mean_prompt_tokens"] - 16
+    assert (
+        0
+        < srv["pdserve"]["pdserve_kv_transfer_bytes_total"]
+        < srv["nocache"]["pdserve_kv_transfer_bytes_total"]
+    )

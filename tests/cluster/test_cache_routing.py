@@ -1,5 +1,6 @@
-"""Cache-aware prefill routing end to end: 2 prefill + 1 decode workers (real processes, the bundled
-model), prompts that share long prefixes, and the `cached_tokens` each response reports.
+"""Cache-aware routing end to end: 2 prefill + 2 decode workers (real processes, the bundled model),
+prompts that share long prefixes, and the `cached_tokens` each response reports (the prefill
+workers' hits) and the prompt tokens whose KV did not travel (the decode workers' hits).
 
 8 distinct prefixes of 8 pages, each sent 3 times in interleaved rounds (each round in a rotated
 order, so that round-robin routing puts a prefix's second send on the other worker). The ideal hit
@@ -58,6 +59,11 @@ def _hit_rate(url: str, sends: list[tuple[int, int]]) -> float:
     return cached / prompt
 
 
+def _counter(url: str, name: str) -> float:
+    text = httpx.get(url + "/metrics", timeout=10).text
+    return float(re.search(rf"^{name} (\S+)$", text, re.M).group(1))
+
+
 def _cached_blocks(url: str) -> int:
     ws = httpx.get(url + "/workers", timeout=5).json()["workers"]
     return sum(w["cached_blocks"] for w in ws if w["role"] == "prefill")
@@ -73,17 +79,24 @@ def _wait_blocks(url: str, expect: int, timeout_s: float) -> None:
 def test_cache_aware_routing_serves_most_prompt_tokens_from_cache(tmp_path):
     rates = {}
     for policy in ("round_robin", "cache_aware"):
-        workers: list = [("prefill", {}), ("prefill", {}), ("decode", {})]
+        workers: list = [("prefill", {}), ("prefill", {}), ("decode", {}), ("decode", {})]
         (tmp_path / policy).mkdir()
-        c = start_roles(tmp_path / policy, workers, gateway_flags=["--prefill-policy", policy])
+        flags = ["--prefill-policy", policy, "--decode-policy", policy]
+        c = start_roles(tmp_path / policy, workers, gateway_flags=flags)
         try:
-            c.wait_healthy(workers=3)
+            c.wait_healthy(workers=4)
             rates[policy] = _hit_rate(c.url, _order())
+            rates[f"{policy} decode"] = _counter(c.url, "pdserve_transfer_skipped_tokens_total") / _counter(
+                c.url, "pdserve_prompt_tokens_total"
+            )
         finally:
             c.stop()
     print(f"prompt tokens served from cache: {rates}, ideal {2 / 3:.3f}")
     assert rates["cache_aware"] >= 0.6, rates
     assert rates["round_robin"] <= rates["cache_aware"] - 0.15, rates
+    # The decode workers' caches: a prefix sent back to the decode worker that holds it skips its pages.
+    assert rates["cache_aware decode"] >= 0.5, rates
+    assert rates["round_robin decode"] <= rates["cache_aware decode"] - 0.15, rates
 
 
 def test_index_survives_a_gateway_restart_and_flush_cache_empties_it(tmp_path):

@@ -29,6 +29,7 @@ def _result_dict(result) -> dict:
         "metadata": result.metadata,
         "num_bytes": result.num_bytes,
         "seconds": result.seconds,
+        "prefix_mismatch": result.prefix_mismatch,
     }
 
 
@@ -85,10 +86,20 @@ def main() -> None:
         cmd = json.loads(line)
         op = cmd["op"]
         if op == "send":
-            engine.send(cmd["room"], cmd["pages"], cmd["num_tokens"], cmd["metadata"])
+            engine.send(
+                cmd["room"], cmd["pages"], cmd["num_tokens"], cmd["metadata"], cmd.get("block_hashes")
+            )
             _reply({"ok": True})
         elif op == "request":
-            engine.request(cmd["room"], cmd["addr"], cmd["pages"], cmd["num_tokens"])
+            done.pop(cmd["room"], None)  # a room requested again (after a prefix mismatch): a new result
+            engine.request(
+                cmd["room"],
+                cmd["addr"],
+                cmd["pages"],
+                cmd["num_tokens"],
+                cmd.get("skip_pages", 0),
+                cmd.get("prefix_hash"),
+            )
             _reply({"ok": True})
         elif op == "connect":
             try:

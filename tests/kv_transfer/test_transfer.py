@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from pdserve.kv_transfer.layout import direct_runs
+from pdserve.protocol.block_hash import block_hashes
 
 PAGE = 16
 GEOM = ["--layers", "2", "--heads", "2", "--head-dim", "8", "--page-size", str(PAGE)]
@@ -170,3 +171,68 @@ def test_timed_out_pair_is_rebuilt_under_a_new_generation(spawn):
     prefill.call("send", room="again", pages=[8, 9, 10], num_tokens=40, metadata={"n": 40})
     result = decode.call("wait", rooms=["again"], timeout=30)["results"]["again"]
     assert result["state"] == "SUCCESS" and result["metadata"] == {"n": 40}, result
+
+
+@pytest.mark.timeout(120)
+def test_incremental_transfer_moves_only_the_pages_after_an_agreed_prefix(spawn, tmp_path):
+    """A decode node that holds a prompt's first pages lists only the rest; the prefill node checks the
+    prefix hash, moves only those pages (bytes counted), and refuses a wrong hash, after which the same
+    room is requested in full and succeeds."""
+    prefill = spawn("prefill", "--seed", "1", "--pages", "40", *GEOM)
+    decode = spawn("decode", "--seed", "2", "--pages", "40", *GEOM)
+    prefill.call("dump", path=str(tmp_path / "src.pt"))
+    decode.call("dump", path=str(tmp_path / "dst_before.pt"))
+    assert decode.call("connect", addr=prefill.addr)["ok"]
+    tokens = list(range(100, 100 + 5 * PAGE + 3))  # 5 whole pages and a partial one: 6 pages
+    hashes = block_hashes(tokens, PAGE)
+    src = list(range(0, 6))
+    meta = {"first_token": 7}
+
+    # Agreed prefix of 3 pages: 3 pages travel, into the 3 listed destination pages.
+    prefill.call("send", room="inc", pages=src, num_tokens=len(tokens), metadata=meta, block_hashes=hashes)
+    decode.call(
+        "request",
+        room="inc",
+        addr=prefill.addr,
+        pages=[30, 31, 32],
+        num_tokens=len(tokens),
+        skip_pages=3,
+        prefix_hash=hashes[2],
+    )
+    got = decode.call("wait", rooms=["inc"], timeout=60)["results"]["inc"]
+    assert got["state"] == "SUCCESS", got
+    # A full transfer of one room (below) measures the bytes of 6 pages.
+    prefill.call("send", room="full", pages=src, num_tokens=len(tokens), metadata=meta, block_hashes=hashes)
+    decode.call("request", room="full", addr=prefill.addr, pages=list(range(10, 16)), num_tokens=len(tokens))
+    full = decode.call("wait", rooms=["full"], timeout=60)["results"]["full"]
+    assert full["state"] == "SUCCESS", full
+    # Half the pages: half the page bytes (both also carry the same small trailer).
+    assert got["num_bytes"] < full["num_bytes"] * 0.6, (got, full)
+
+    # A wrong prefix hash: refused without failing the sender's room; the full page list then works.
+    prefill.call("send", room="bad", pages=src, num_tokens=len(tokens), metadata=meta, block_hashes=hashes)
+    decode.call(
+        "request",
+        room="bad",
+        addr=prefill.addr,
+        pages=[20, 21, 22],
+        num_tokens=len(tokens),
+        skip_pages=3,
+        prefix_hash=hashes[2] ^ 1,
+    )
+    bad = decode.call("wait", rooms=["bad"], timeout=60)["results"]["bad"]
+    assert bad["state"] == "FAILED" and bad["prefix_mismatch"], bad
+    decode.call("request", room="bad", addr=prefill.addr, pages=list(range(20, 26)), num_tokens=len(tokens))
+    again = decode.call("wait", rooms=["bad"], timeout=60)["results"]["bad"]
+    assert again["state"] == "SUCCESS" and again["num_bytes"] == full["num_bytes"], again
+    sent = prefill.call("wait", rooms=["inc", "full", "bad"], timeout=30)["results"]
+    assert all(r["state"] == "SUCCESS" for r in sent.values()), sent
+
+    decode.call("dump", path=str(tmp_path / "dst_after.pt"))
+    src_kv = torch.load(tmp_path / "src.pt")
+    expected = torch.load(tmp_path / "dst_before.pt")
+    expected[[30, 31, 32]] = src_kv[[3, 4, 5]]  # only the pages after the skipped prefix
+    expected[list(range(10, 16))] = src_kv[src]
+    expected[list(range(20, 26))] = src_kv[src]
+    after = torch.load(tmp_path / "dst_after.pt")
+    assert torch.equal(after.view(torch.uint8), expected.view(torch.uint8))

@@ -100,6 +100,8 @@ KV_SAMPLES: list[BaseModel] = [
     kc.HelloAck(ok=True, store_port=1234, gen=3),
     kc.HelloAck(ok=False, mismatch=True, error="page_size differs"),
     kc.PageList(room="r1", pages=[4, 5, 9], num_tokens=40),
+    kc.PageList(room="r2", pages=[9], num_tokens=40, skip_pages=2, prefix_hash=12345),
+    kc.PrefixMismatch(room="r2", reason="other tokens"),
     kc.Announce(
         room="r1", seq=7, gen=3, num_pages=3, chunk_pages=2, runs=[2, 1], trailer_len=88, num_tokens=40
     ),
@@ -182,9 +184,15 @@ def test_malformed_records_announce_and_trailer_are_refused():
     bad_events = gw.encode(GATEWAY_SAMPLES[7]).replace(b"queue_entry", b"queue_entri")
     with pytest.raises(MalformedFrame, match="queue_entri"):
         gw.decode(bad_events)
-    bad_runs = kc.encode(KV_SAMPLES[4]).replace(b"[2,1]", b"[2,2]")
+    announce = next(m for m in KV_SAMPLES if isinstance(m, kc.Announce) and m.runs)
+    bad_runs = kc.encode(announce).replace(b"[2,1]", b"[2,2]")
     with pytest.raises(MalformedFrame, match="do not cover 3 pages"):
         kc.decode(bad_runs)
+    no_hash = kc.encode(KV_SAMPLES[4]).replace(b'"prefix_hash":12345', b'"prefix_hash":null')
+    with pytest.raises(MalformedFrame, match="must give the prefix hash"):
+        kc.decode(no_hash)
+    with pytest.raises(MalformedFrame, match="greater than or equal to 0"):
+        kc.decode(kc.encode(KV_SAMPLES[4]).replace(b'"skip_pages":2', b'"skip_pages":-1'))
     with pytest.raises(ProtocolError, match="malformed KV trailer"):
         decode_trailer(b'{"room": "r1"}')
     with pytest.raises(ValueError):
@@ -403,10 +411,10 @@ def test_receiver_refuses_a_prefill_of_another_version_then_keeps_serving(sender
         router.send_multipart([identity, b"garbage"])  # dropped: the handshake still waits
         time.sleep(0.2)
         assert not outcome
-        router.send_multipart([identity, _with_version(kc.encode(kc.HelloAck(ok=True, gen=0)), 3)])
+        router.send_multipart([identity, _with_version(kc.encode(kc.HelloAck(ok=True, gen=0)), 8)])
         thread.join(10)
         assert isinstance(outcome[0], FingerprintMismatch), outcome
-        assert "hello_ack of protocol version 3 refused" in str(outcome[0])
+        assert "hello_ack of protocol version 8 refused" in str(outcome[0])
     finally:
         thread.join(10)
         router.close()
