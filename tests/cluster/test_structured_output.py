@@ -1,5 +1,6 @@
-"""Structured output through a real cluster (`pdserve up`, the bundled model), plain and with NGRAM
-speculation: the prefill node masks the first token, the decode node the rest (drafts included).
+"""Structured output through a real cluster (`pdserve up`, the bundled model), plain, with NGRAM
+speculation, and with local prefill: the prefill node masks the first token (or the decode node,
+when it computes the prompt itself), the decode node the rest (drafts included).
 
 Greedy constrained output must equal the offline engine's token for token, and what the official
 `openai` client and `instructor` get back must validate against the schema, streamed or not.
@@ -14,6 +15,7 @@ import httpx
 import jsonschema
 import pytest
 from harness import start_up
+from reliability.calls import metric
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -34,16 +36,31 @@ RESPONSE_FORMAT = {"type": "json_schema", "json_schema": {"name": "city", "schem
 
 @pytest.fixture(
     scope="module",
-    params=["plain", pytest.param("NGRAM", marks=pytest.mark.slow)],  # two cluster starts
+    # A cluster start each; "local": every prompt is prefilled on the decode worker (conditional
+    # disaggregation), whose first token is then masked there.
+    params=[
+        "plain",
+        pytest.param("NGRAM", marks=pytest.mark.slow),
+        pytest.param("local", marks=pytest.mark.slow),
+    ],
 )
 def cluster(request, tmp_path_factory):
-    extra = ["--speculative-algorithm", "NGRAM"] if request.param == "NGRAM" else []
+    extra = {
+        "plain": [],
+        "NGRAM": ["--speculative-algorithm", "NGRAM"],
+        "local": ["--disaggregation-min-prefill-tokens", "100000"],
+    }[request.param]
     c = start_up(tmp_path_factory.mktemp(f"structured-{request.param}"), extra=extra)
     try:
         c.wait_healthy()
         yield c
     finally:
         c.stop()
+
+
+@pytest.fixture
+def cluster_kind(request) -> str:
+    return request.node.callspec.params["cluster"]
 
 
 @pytest.fixture(scope="module")
@@ -102,7 +119,7 @@ def test_completions_json_object_and_native_regex(cluster, openai_client):
     assert out["meta_info"]["finish_reason"]["type"] == "stop"
 
 
-def test_greedy_constrained_equals_offline_engine(cluster, bundled, tokenizer):
+def test_greedy_constrained_equals_offline_engine(cluster, cluster_kind, bundled, tokenizer):
     """Same tokens as the offline engine under the same grammar (float32, greedy): the masks on
     the prefill and decode nodes (and on verify rows with NGRAM) change nothing but the grammar."""
     from pdserve.config import RuntimeConfig
@@ -114,10 +131,13 @@ def test_greedy_constrained_equals_offline_engine(cluster, bundled, tokenizer):
     sp = {"max_new_tokens": 96, "temperature": 0, "json_schema": json.dumps(SCHEMA)}
     engine = Engine(RuntimeConfig(device="cpu", max_total_tokens=2048, attention_backend="torch"), bundled)
     ref = engine.generate([ids], SamplingParams(**sp))[0]
+    local_before = metric(cluster.url, "pdserve_local_prefill_requests_total")
     out = httpx.post(
         f"{cluster.url}/generate", json={"input_ids": ids, "sampling_params": sp}, timeout=300
     ).json()
     assert out["output_ids"] == ref.output_ids
+    local = metric(cluster.url, "pdserve_local_prefill_requests_total") - local_before
+    assert local == (1 if cluster_kind == "local" else 0)
     jsonschema.validate(json.loads(out["text"]), SCHEMA)
 
 
