@@ -147,11 +147,14 @@ class ModelRunner:
         return self._grammars.matcher(*constraint)
 
     def sample(self, reqs: list[Request], logits: torch.Tensor) -> SampleOutput:
-        """One token per request from logits [len(reqs), V] (masked in place for constrained ones)."""
-        if any(r.grammar is not None for r in reqs):
-            apply_grammar_masks(logits, [r.grammar for r in reqs])
+        """One token per request from logits [len(reqs), V] (masked in place for constrained ones;
+        logprobs stay those of the model's own distribution, as without a grammar)."""
         params = [r.params for r in reqs]
         sbatch = SamplingBatch.build(params, self.device)
+        raw = None
+        if any(r.grammar is not None for r in reqs):
+            raw = logits.clone() if sbatch.need_logprobs else None
+            apply_grammar_masks(logits, [r.grammar for r in reqs])
         penalties = any(
             p.repetition_penalty != 1.0 or p.frequency_penalty != 0.0 or p.presence_penalty != 0.0
             for p in params
@@ -162,6 +165,7 @@ class ModelRunner:
             [r.prompt_ids for r in reqs] if penalties else None,
             [r.output_ids for r in reqs] if penalties else None,
             [len(r.output_ids) for r in reqs],
+            logprob_logits=raw,
         )
 
 

@@ -8,8 +8,10 @@ first draft the grammar refuses (that draft can never be accepted: its masked pr
 the rows after it are never used); then it rolls back every draft it accepted, leaving the matcher
 where it was. `Request.append_token` then feeds it the tokens verification actually emitted.
 
-Masked logits are -inf, so every later stage (penalties, temperature, top-k/p, min-p, the seeded
-draw, rejection sampling, logprobs) sees the constrained distribution. Rows without a grammar are
+Masked logits are -inf, so every later sampling stage (penalties, temperature, top-k/p, min-p, the
+seeded draw, rejection sampling) sees the constrained distribution. Reported logprobs are taken from
+the unmasked logits (callers keep a copy when logprobs are asked for): the model's own distribution,
+as without a grammar, and never -inf, which JSON cannot carry. Rows without a grammar are
 untouched, and a batch without any grammar costs one Python scan of the requests.
 """
 

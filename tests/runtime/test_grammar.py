@@ -312,3 +312,24 @@ def test_dead_end_ends_the_request_instead_of_hanging(bundled, prompts, monkeypa
     monkeypatch.setattr(eng.runner, "grammar_matcher", lambda params: DeadEndMatcher())
     out = eng.generate([prompts[0]], SamplingParams(max_new_tokens=32, temperature=0, regex="a"))[0]
     assert out.finish_reason["type"] == DEAD_END and len(out.output_ids) == 1
+
+
+@pytest.mark.parametrize("speculative", [False, True])
+def test_logprobs_stay_finite_under_a_narrow_grammar(bundled, tokenizer, prompts, speculative):
+    """Logprobs are the model's own (unmasked) ones: finite even where the grammar allows fewer tokens
+    than top_logprobs_num, so they can cross the wire as JSON."""
+    import math
+
+    from pdserve.decode.drafters import NgramDrafter
+
+    make = (
+        (lambda runner: SpeculativeStepper(runner, NgramDrafter(min_n=1), FixedPolicy(), 3))
+        if speculative
+        else None
+    )
+    sp = SamplingParams(max_new_tokens=8, temperature=0, regex="(yes|no)", logprobs=True, top_logprobs_num=5)
+    out = engine(bundled, make).generate([prompts[2]], sp)[0]
+    assert tokenizer.decode(out.output_ids, skip_special_tokens=True) in ("yes", "no")
+    assert len(out.output_logprobs) == len(out.output_ids)
+    assert all(math.isfinite(lp) for lp in out.output_logprobs)
+    assert all(len(top) == 5 and all(math.isfinite(v) for _, v in top) for top in out.output_top_logprobs)
