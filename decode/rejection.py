@@ -16,6 +16,12 @@ computed with the request's output extended by drafts[:j], so penalties see exac
 plain decoding would have seen. Row j of a request draws at step len(output) + j, so a seeded
 request's randomness depends only on its seed and position (not on the rest of the batch); its
 tokens still depend on what was drafted, so seeded outputs differ from non-speculative ones.
+
+Constrained requests (structured output): every verify row is first masked to what the request's
+grammar allows after drafts[:j] (runtime/grammar/masks.py), so p_j is the constrained distribution,
+a draft the grammar refuses is rejected (p_j(x) = 0), and the bonus token obeys the grammar too. The
+matcher is rolled back to where it was; the emitted tokens are fed to it as they are appended.
+Logprobs stay those of the unmasked logits, as on the plain path.
 """
 
 from __future__ import annotations
@@ -25,6 +31,7 @@ from dataclasses import dataclass
 import torch
 
 from pdserve.decode.drafters import Drafts
+from pdserve.runtime.grammar import fill_verify_masks
 from pdserve.runtime.request import Request
 from pdserve.runtime.sampler import Sampler, SamplingBatch
 
@@ -42,6 +49,11 @@ class Verdict:
 
 def verify(sampler: Sampler, reqs: list[Request], drafts: Drafts, logits: torch.Tensor) -> Verdict:
     """Accept drafts for every request; `logits` [sum(k_i + 1), V] are the verify rows, request-major."""
+    raw = logits
+    if any(r.grammar is not None for r in reqs):
+        if any(r.params.logprobs or r.params.top_logprobs_num > 0 for r in reqs):
+            raw = logits.clone()  # logprobs report the model's own distribution
+        fill_verify_masks(logits, [r.grammar for r in reqs], drafts.tokens)  # in place
     ks = [len(t) for t in drafts.tokens]
     starts = [0]
     for k in ks:
@@ -55,7 +67,7 @@ def verify(sampler: Sampler, reqs: list[Request], drafts: Drafts, logits: torch.
     else:
         verdict = _accept_sampled(sampler, reqs, drafts, logits, sb, starts)
     if sb.need_logprobs:
-        _attach_logprobs(verdict, reqs, logits, starts)
+        _attach_logprobs(verdict, reqs, raw, starts)
     return verdict
 
 

@@ -172,13 +172,17 @@ class DecodeWorker:
                 return
             try:
                 self.runner.check_fits(len(msg.input_ids), msg.sampling.max_new_tokens)
+                # Its matcher accepts the prefill's first token first (`_on_transfer_end`).
+                grammar = self.runner.grammar_matcher(msg.sampling)
             except ValueError as e:
                 self._fail(msg.room, "bad_request", str(e))
                 return
             self.events[msg.room] = DecodeEvents(decode_entry=self.clock())
             if not msg.local_prefill:
                 self.prefill_addr[msg.room] = msg.prefill_bootstrap_addr
-            r = Request(msg.room, msg.input_ids, msg.sampling, self.runner.spec.eos_token_ids)
+            r = Request(
+                msg.room, msg.input_ids, msg.sampling, self.runner.spec.eos_token_ids, grammar=grammar
+            )
             self.sched.add(r, msg.deadline_s, local_prefill=msg.local_prefill)
         elif isinstance(msg, m.FlushCache):
             assert self.link is not None

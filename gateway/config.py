@@ -43,6 +43,8 @@ class GatewayConfig:
     # Conditional disaggregation (0: off); see RoutingPolicy.
     disaggregation_min_prefill_tokens: int = 0
     disaggregation_max_prefill_queue: int = 0
+    # Structured output: constraints are compiled here too, so an invalid one is a 400 (xgrammar | none).
+    grammar_backend: str = "xgrammar"
 
 
 def add_cli_args(parser: argparse.ArgumentParser) -> None:
@@ -126,6 +128,12 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--load-weight", type=float, default=d.load_weight, help="cache_aware: cost per in-flight token"
     )
+    parser.add_argument(
+        "--grammar-backend",
+        default=d.grammar_backend,
+        choices=["xgrammar", "none"],
+        help="validates json_schema / regex / ebnf / response_format constraints; none: refuse them",
+    )
 
 
 def config_from_args(args: argparse.Namespace) -> GatewayConfig:
@@ -151,4 +159,5 @@ def config_from_args(args: argparse.Namespace) -> GatewayConfig:
         disaggregation_max_prefill_queue=args.disaggregation_max_prefill_queue,
         cache_weight=args.cache_weight,
         load_weight=args.load_weight,
+        grammar_backend=args.grammar_backend,
     )

@@ -85,6 +85,7 @@ def _inputs(gw, body: GenerateBody, received: float) -> tuple[list[GenInput], bo
         sampling = build_sampling(
             sp, sp.max_new_tokens, body.return_logprob, body.top_logprobs_num, param, vocab
         )
+        sampling = gw.constraints.apply(sampling, prefix=param)  # structured output
         for j in range(sp.n):
             seed = None if sampling.seed is None else sampling.seed + j
             base = rid or uuid.uuid4().hex

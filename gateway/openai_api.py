@@ -7,6 +7,7 @@ whole or as a stream; tools and the tool-call history reach the prompt through f
 
 from __future__ import annotations
 
+import json
 import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
@@ -18,7 +19,7 @@ from pdserve.gateway.chat_output import ChatDelta, ChatOutput, ChatOutputSpec, r
 from pdserve.gateway.errors import ApiError, bad_request, model_not_found
 from pdserve.gateway.function_call import tool_call_format
 from pdserve.gateway.function_call.prompt import chat_messages
-from pdserve.gateway.function_call.schema import calls_from_constrained
+from pdserve.gateway.function_call.schema import calls_from_constrained, tool_call_schema
 from pdserve.gateway.generation import GenInput, GenState
 from pdserve.gateway.protocol import (
     ChatCompletionBody,
@@ -100,6 +101,7 @@ async def _serve(request: Request, chat: bool) -> Response:
         rid = body.rid or uuid.uuid4().hex
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
         skip_special = body.skip_special_tokens
+        forced: str | NamedToolChoice | None = None
         if chat:
             prompts, param = [_chat_prompt(gw.tokenizer, gw.cfg.tool_call_parser, body)], "messages"
             max_new = (
@@ -129,6 +131,12 @@ async def _serve(request: Request, chat: bool) -> Response:
             max_new, logprobs, top_n = body.max_tokens, body.logprobs is not None, body.logprobs or 0
             reply = _Reply(rid, int(received), gw.model_name, chat, body.n, logprobs, include_usage)
         sampling = build_sampling(body, max_new, logprobs, top_n, vocab_size=gw.tokenizer.vocab_size)
+        sampling = gw.constraints.apply(sampling, body.response_format)  # structured output
+        if forced is not None and sampling.constraint is None and gw.constraints.backend_name != "none":
+            # tool_choice "required" or a named function: the reply is constrained to a call
+            # (function_call/schema.py), so that even a small model answers with a valid one.
+            schema = json.dumps(tool_call_schema(body.tools or [], forced))
+            sampling = gw.constraints.apply(sampling.model_copy(update={"json_schema": schema}), prefix="tools")
         inputs = [
             _gen_input(
                 f"{rid}-{i * body.n + j}",

@@ -4,7 +4,7 @@ Lenient where SGLang and vLLM are, strict where a wrong guess would change the a
 - a `null` value means the field's default, everywhere (each model drops null keys before validation);
 - unknown keys are kept aside (pydantic's `extra="allow"`) and ignored, with one warning naming them
   (`parse_body`); a few known keys that would change the answer and cannot be honoured here
-  (`REFUSED_IF_SET`: LoRA, images, hidden states, grammars until a grammar backend is configured)
+  (`REFUSED_IF_SET`: LoRA, images, hidden states, structural tags)
   are a 400 naming them when set to anything but their neutral value;
 - types stay strict (no "1" -> 1 coercion).
 """
@@ -32,10 +32,7 @@ REFUSED_IF_SET: dict[str, str] = {
     "input_embeds": "input embeddings are not supported",
     "return_hidden_states": "hidden states are not returned",
     "custom_logit_processor": "custom logit processors are not supported",
-    "json_schema": "constrained decoding needs a grammar backend",
-    "regex": "constrained decoding needs a grammar backend",
-    "ebnf": "constrained decoding needs a grammar backend",
-    "structural_tag": "constrained decoding needs a grammar backend",
+    "structural_tag": "structural tags are not supported (json_schema, regex and ebnf are)",
 }
 
 
@@ -73,6 +70,10 @@ class _SamplingFields(LenientModel):
     # OpenAI's form: token id (as a string key) -> bias in [-100, 100].
     logit_bias: dict[str, float] | None = None
     no_stop_trim: bool = False
+    # Structured output (gateway/structured.py): at most one; SGLang's names.
+    json_schema: str | None = None
+    regex: str | None = None
+    ebnf: str | None = None
 
 
 # ---- SGLang native /generate -----------------------------------------------------------------
@@ -230,8 +231,6 @@ class ChatCompletionBody(_OpenAIBase):
     def _chat_checks(self) -> ChatCompletionBody:
         if self.top_logprobs and not self.logprobs:
             raise ValueError("top_logprobs requires logprobs to be true")
-        if self.response_format and self.response_format.get("type", "text") != "text":
-            raise ValueError("response_format other than text needs a grammar backend")
         if isinstance(self.tool_choice, NamedToolChoice):
             names = [t.function.name for t in self.tools or []]
             if self.tool_choice.function.name not in names:
@@ -251,6 +250,7 @@ class CompletionBody(_OpenAIBase):
     echo: bool = False
     suffix: str | None = None
     best_of: int | None = None
+    response_format: dict[str, Any] | None = None
 
     @model_validator(mode="after")
     def _completion_checks(self) -> CompletionBody:
@@ -337,6 +337,9 @@ def build_sampling(
             "stop_token_ids",
             "seed",
             "min_new_tokens",
+            "json_schema",
+            "regex",
+            "ebnf",
         )
         if getattr(fields, k) is not None
     }

@@ -25,6 +25,7 @@ from pdserve.gateway.generation import Generations
 from pdserve.gateway.metrics import CONTENT_TYPE, GatewayMetrics
 from pdserve.gateway.openapi import install_openapi
 from pdserve.gateway.serving import Admission
+from pdserve.gateway.structured import Constraints
 from pdserve.gateway.tokenizer import Tokenizer
 from pdserve.gateway.workers import RoutingPolicy, WorkerRegistry
 from pdserve.model_source import model_name
@@ -46,6 +47,7 @@ class GatewayState:
     admission: Admission
     started: int
     model_name: str  # what clients send as `model` (--served-model-name, else the model's own name)
+    constraints: Constraints  # structured output: validates json_schema / regex / ebnf
 
 
 def create_app(cfg: GatewayConfig, tokenizer: Tokenizer | None = None) -> FastAPI:
@@ -73,6 +75,7 @@ def create_app(cfg: GatewayConfig, tokenizer: Tokenizer | None = None) -> FastAP
         admission=Admission(cfg.max_pending_requests, metrics),
         started=int(time.time()),
         model_name=cfg.served_model_name or model_name(cfg.model_path),
+        constraints=Constraints(cfg.grammar_backend, tok),
     )
 
     @asynccontextmanager

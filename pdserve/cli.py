@@ -13,6 +13,7 @@ BENCHMARKS = {
     "transfer": "pdserve.bench.bench_transfer",
     "kernels": "pdserve.bench.bench_kernels",
     "spec": "pdserve.bench.bench_spec",
+    "grammar": "pdserve.bench.bench_grammar",
 }
 
 # role -> module with `add_cli_args(parser)` and `main(args)`

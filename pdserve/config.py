@@ -36,6 +36,8 @@ class RuntimeConfig:
     speculative_draft_model_path: str | None = None
     # The prefix cache of the offline engine and prefill workers (runtime/radix_cache.py).
     disable_radix_cache: bool = False
+    # Structured output (runtime/grammar/): xgrammar | none (constrained requests refused).
+    grammar_backend: str = "xgrammar"
 
     def __post_init__(self) -> None:
         if self.page_size < 1:
@@ -50,6 +52,8 @@ class RuntimeConfig:
             raise ValueError("--speculative-algorithm must be NGRAM or STANDALONE")
         if self.speculative_num_draft_tokens < 0:
             raise ValueError("--speculative-num-draft-tokens must be >= 0")
+        if self.grammar_backend not in ("xgrammar", "none"):
+            raise ValueError("--grammar-backend must be xgrammar or none")
 
     def resolved_device(self) -> str:
         if self.device != "auto":
@@ -86,6 +90,12 @@ def add_runtime_args(parser: argparse.ArgumentParser) -> None:
         "--disable-radix-cache",
         action="store_true",
         help="no prefix cache: every prompt is computed in full",
+    )
+    parser.add_argument(
+        "--grammar-backend",
+        default=d.grammar_backend,
+        choices=["xgrammar", "none"],
+        help="structured output (json_schema, regex, ebnf, response_format); none: refuse them",
     )
 
 

@@ -134,6 +134,7 @@ _FORWARDED = [
     "speculative_num_draft_tokens",
     "speculative_draft_model_path",
     "disable_radix_cache",
+    "grammar_backend",
 ]
 
 
@@ -168,6 +169,7 @@ def gateway_command(args: argparse.Namespace, port_file: str | None = None) -> l
     ):
         if value:
             argv += [flag, value]
+    argv += ["--grammar-backend", args.grammar_backend]
     if args.model_path:
         argv += ["--model-path", args.model_path]
     if port_file:

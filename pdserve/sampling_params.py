@@ -4,6 +4,10 @@ The gateway builds a `SamplingParams` from the HTTP body (a pydantic validation 
 HTTP 400); workers receive it inside wire messages and hand it to the runtime's sampler. Stop
 *strings* are matched by the gateway on detokenized text; everything else is enforced on the
 decode node.
+
+A request may carry one output constraint: `json_schema` (the schema's JSON text), `regex` or
+`ebnf` (SGLang's native fields; the gateway maps OpenAI's `response_format` onto `json_schema`).
+The nodes that sample mask the logits to it (pdserve/runtime/grammar/).
 """
 
 from __future__ import annotations
@@ -37,6 +41,10 @@ class SamplingParams(BaseModel):
     logit_bias: dict[int, float] = Field(default_factory=dict, max_length=1024)
     # Keep a matched stop string (or stop token's text) in the output text (SGLang's no_stop_trim).
     no_stop_trim: bool = False
+    # Structured output: at most one of these (see `constraint`).
+    json_schema: str | None = Field(None, max_length=1 << 20)
+    regex: str | None = Field(None, max_length=1 << 16)
+    ebnf: str | None = Field(None, max_length=1 << 20)
 
     @model_validator(mode="after")
     def _check(self) -> SamplingParams:
@@ -48,7 +56,18 @@ class SamplingParams(BaseModel):
             raise ValueError("min_new_tokens must not exceed max_new_tokens")
         if any(not -100.0 <= b <= 100.0 for b in self.logit_bias.values()):
             raise ValueError("logit_bias values must be between -100 and 100")
+        if sum(c is not None for c in (self.json_schema, self.regex, self.ebnf)) > 1:
+            raise ValueError("give at most one of json_schema, regex and ebnf")
         return self
+
+    @property
+    def constraint(self) -> tuple[str, str] | None:
+        """(kind, text) of the output constraint, kind one of json_schema / regex / ebnf; or None."""
+        for kind in ("json_schema", "regex", "ebnf"):
+            text = getattr(self, kind)
+            if text is not None:
+                return kind, text
+        return None
 
     @property
     def greedy(self) -> bool:

@@ -151,10 +151,11 @@ class PrefillWorker:
             return
         try:
             self.runner.check_fits(len(req.input_ids), req.sampling.max_new_tokens)
+            grammar = self.runner.grammar_matcher(req.sampling)  # the first token is sampled here
         except ValueError as e:
             self._fail(req.room, "bad_request", str(e))
             return
-        r = Request(req.room, req.input_ids, req.sampling, self.runner.spec.eos_token_ids)
+        r = Request(req.room, req.input_ids, req.sampling, self.runner.spec.eos_token_ids, grammar=grammar)
         self.rooms[req.room] = r
         self.events[req.room] = PrefillEvents(queue_entry=self.clock())
         self.sched.add(r, req.deadline_s)

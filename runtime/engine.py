@@ -70,8 +70,10 @@ class Engine:
         vocab = self.runner.spec.vocab_size
         if any(t < 0 or t >= vocab for t in prompt_ids):
             raise ValueError(f"prompt token ids must lie in [0, {vocab})")
+        grammar = self.runner.grammar_matcher(params)  # raises InvalidGrammar (a ValueError)
         rid = rid or f"req-{next(self._ids)}"
-        self.extend.add(Request(rid, list(prompt_ids), params, self.runner.spec.eos_token_ids))
+        r = Request(rid, list(prompt_ids), params, self.runner.spec.eos_token_ids, grammar=grammar)
+        self.extend.add(r)
         self._times[rid] = [time.perf_counter()]
         return rid
 

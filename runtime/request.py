@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from pdserve.runtime.grammar.matcher import DEAD_END, GrammarMatcher
 from pdserve.runtime.request_state import RequestState, check_transition
 from pdserve.sampling_params import SamplingParams
 
@@ -27,6 +28,8 @@ class Request:
     cached_tokens: int = 0
     finish_reason: dict[str, Any] | None = None
     num_retractions: int = 0
+    # The output constraint's matcher (runtime/grammar/), fed every appended token; None: free text.
+    grammar: GrammarMatcher | None = None
     _state: RequestState = field(default=RequestState.QUEUED, init=False)
 
     @property
@@ -66,6 +69,14 @@ class Request:
         if top is not None:
             self.output_top_logprobs.append(top)
         p = self.params
+        if self.grammar is not None:
+            if not self.grammar.accept(token):
+                # Only reachable when the mask allowed nothing: the grammar has no way forward.
+                self.finish_reason = {"type": DEAD_END, "message": "no token can continue the grammar"}
+                return True
+            if self.grammar.is_terminated():  # the grammar's end (its stop token) ends it like EOS
+                self.finish_reason = {"type": "stop", "matched": token}
+                return True
         if token in p.stop_token_ids or (not p.ignore_eos and token in self.eos_token_ids):
             self.finish_reason = {"type": "stop", "matched": token}
         elif len(self.output_ids) >= p.max_new_tokens:

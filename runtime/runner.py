@@ -14,10 +14,13 @@ import torch
 from pdserve.config import RuntimeConfig
 from pdserve.runtime.attention import make_attention_backend
 from pdserve.runtime.batch import ForwardBatch, ForwardMode
+from pdserve.runtime.grammar import GrammarBackend, GrammarMatcher, InvalidGrammar, apply_grammar_masks
+from pdserve.runtime.grammar import make_grammar_backend as _make_grammar_backend
 from pdserve.runtime.kv_pool import KVGeometry, KVPool, PageAllocator, RequestPages
 from pdserve.runtime.loader import LoadedModel, load_model
 from pdserve.runtime.request import Request
 from pdserve.runtime.sampler import SampleOutput, Sampler, SamplingBatch
+from pdserve.sampling_params import SamplingParams
 
 log = logging.getLogger(__name__)
 
@@ -48,6 +51,7 @@ class ModelRunner:
         self.pages = RequestPages(self.allocator, cfg.page_size)
         self.backend = make_attention_backend(cfg.attention_backend, self.device)
         self.sampler = Sampler()
+        self._grammars: GrammarBackend | None = None  # built at the first constrained request
         log.info(
             "KV pool: %d pages x %d tokens (%.2f GiB)",
             num_pages,
@@ -123,9 +127,33 @@ class ModelRunner:
             r.num_computed = 0
             self.forward(ForwardMode.EXTEND, [r], [(r.prompt_ids + r.output_ids)[:-1]])
 
+    def grammar_matcher(self, params: SamplingParams) -> GrammarMatcher | None:
+        """A fresh matcher for the request's output constraint (None without one); raises
+        InvalidGrammar (a ValueError) for one that does not compile or with --grammar-backend none."""
+        constraint = params.constraint
+        if constraint is None:
+            return None
+        if self._grammars is None:
+            if self.cfg.grammar_backend == "none":
+                raise InvalidGrammar(constraint[0], "structured output is off (--grammar-backend none)")
+            from transformers import AutoTokenizer
+
+            hf = AutoTokenizer.from_pretrained(self.loaded.folder)
+            backend = _make_grammar_backend(
+                self.cfg.grammar_backend, hf, self.spec.vocab_size, self.spec.eos_token_ids
+            )
+            assert backend is not None
+            self._grammars = backend
+        return self._grammars.matcher(*constraint)
+
     def sample(self, reqs: list[Request], logits: torch.Tensor) -> SampleOutput:
-        """One token per request from logits [len(reqs), V]."""
+        """One token per request from logits [len(reqs), V] (masked in place for constrained ones;
+        logprobs stay those of the model's own distribution, as without a grammar)."""
         sbatch = SamplingBatch.build([r.params for r in reqs], self.device, [r.eos_token_ids for r in reqs])
+        raw = None
+        if any(r.grammar is not None for r in reqs):
+            raw = logits.clone() if sbatch.need_logprobs else None
+            apply_grammar_masks(logits, [r.grammar for r in reqs])
         penalties = sbatch.any_penalty
         return self.sampler(
             logits,
@@ -133,6 +161,7 @@ class ModelRunner:
             [r.prompt_ids for r in reqs] if penalties else None,
             [r.output_ids for r in reqs] if penalties else None,
             [len(r.output_ids) for r in reqs],
+            logprob_logits=raw,
         )
 
 

@@ -162,8 +162,10 @@ class Sampler:
         prompt_ids: list[list[int]] | None,
         output_ids: list[list[int]] | None,
         steps: torch.Tensor | list[int],
+        logprob_logits: torch.Tensor | None = None,
     ) -> SampleOutput:
-        # logits: [B, V] float32, left unmodified.
+        # logits: [B, V] float32, left unmodified. Logprobs come from `logprob_logits` when given
+        # (the unmasked logits of a grammar-constrained batch), else from `logits`.
         if batch.all_greedy and not batch.any_penalty and not batch.need_logprobs:
             return SampleOutput(logits.argmax(dim=-1), None, None, None)
         penalized = self._penalize(logits, batch, prompt_ids, output_ids)  # [B, V]
@@ -174,7 +176,8 @@ class Sampler:
             token_ids = torch.where(batch.greedy, token_ids, sampled)
         if not batch.need_logprobs:
             return SampleOutput(token_ids, None, None, None)
-        logprobs = torch.log_softmax(logits.float(), dim=-1)  # [B, V]
+        source = logits if logprob_logits is None else logprob_logits
+        logprobs = torch.log_softmax(source.float(), dim=-1)  # [B, V]
         chosen = logprobs.gather(1, token_ids[:, None]).squeeze(1)  # [B]
         top_ids = top_vals = None
         if batch.max_top_logprobs > 0:

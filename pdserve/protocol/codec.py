@@ -13,7 +13,9 @@ from typing import Any, Generic, TypeVar, cast
 
 from pydantic import BaseModel, ConfigDict, TypeAdapter, ValidationError
 
-# 4: SamplingParams carries min_new_tokens, logit_bias and no_stop_trim.
+# 3: incremental KV transfer (PageList.skip_pages, prefix_hash; PrefixMismatch); local prefill.
+# 4: SamplingParams carries min_new_tokens, logit_bias and no_stop_trim, and the output constraints
+#    json_schema, regex and ebnf.
 PROTOCOL_VERSION = 4
 
 M = TypeVar("M", bound=BaseModel)

@@ -100,6 +100,14 @@ GATEWAY_SAMPLES: list[BaseModel] = [
     gw.KVEvents(worker_id="p0", page_size=4, snapshot=True, stored=[1, 2**63 - 1], removed=[7]),
     gw.FlushCache(flush_id="f1"),
     gw.FlushCacheDone(flush_id="f1", ok=False, message="p0 has 2 requests in flight"),
+    gw.GenerateRequest(  # structured output: the constraint travels to both workers
+        room="r2",
+        input_ids=[1],
+        sampling=SamplingParams(json_schema='{"type": "object"}'),
+        prefill_worker="p0",
+        prefill_bootstrap_addr="127.0.0.1:7000",
+        decode_worker="d0",
+    ),
 ]
 
 KV_SAMPLES: list[BaseModel] = [

@@ -1,0 +1,96 @@
+"""Structured output at the gateway: every way a request can ask for it becomes one constraint on
+`SamplingParams` (json_schema / regex / ebnf), compiled here once before any worker sees it.
+
+- OpenAI `response_format`, chat and completions: `{"type": "text"}` (none), `{"type": "json_object"}`
+  (any JSON object: the schema `{"type": "object"}`), `{"type": "json_schema", "json_schema": {"name",
+  "schema", "strict"}}`. The schema is always enforced, whatever `strict` says.
+- SGLang's native `sampling_params.json_schema` (the schema's JSON text), `regex`, `ebnf`; the OpenAI
+  endpoints take `regex` and `ebnf` at the top level as SGLang does.
+
+The constraint is compiled with the workers' backend (runtime/grammar/) over the gateway's tokenizer,
+so an invalid schema, regex or grammar is an HTTP 400 naming the field and the compiler's complaint
+instead of a failure on a worker. Compiled grammars are cached by text, so a repeated schema is a
+dictionary lookup. The backend is built at the first constrained request (a few hundred ms, once).
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+from typing import Any
+
+from pdserve.gateway.errors import bad_request
+from pdserve.gateway.tokenizer import Tokenizer
+from pdserve.sampling_params import SamplingParams
+
+ANY_JSON_OBJECT = '{"type": "object"}'
+
+
+def response_format_schema(rf: dict[str, Any] | None) -> str | None:
+    """The JSON schema text `response_format` asks for; None for text. Raises a 400 ApiError."""
+    if rf is None:
+        return None
+    kind = rf.get("type", "text")
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        return ANY_JSON_OBJECT
+    if kind != "json_schema":
+        raise bad_request(
+            f"response_format type {kind!r} is not supported (text, json_object, json_schema)",
+            "response_format.type",
+        )
+    spec = rf.get("json_schema")
+    if not isinstance(spec, dict):
+        raise bad_request("response_format json_schema needs a 'json_schema' object", "response_format")
+    schema = spec.get("schema", spec.get("schema_"))
+    if schema is None:
+        return ANY_JSON_OBJECT
+    if not isinstance(schema, dict):
+        raise bad_request("the schema must be a JSON object", "response_format.json_schema.schema")
+    return json.dumps(schema)
+
+
+class Constraints:
+    """Validates constraints by compiling them (--grammar-backend); built once per gateway."""
+
+    def __init__(self, backend: str, tokenizer: Tokenizer):
+        self.backend_name = backend
+        self.tokenizer = tokenizer
+        self._backend: Any = None  # runtime.grammar.GrammarBackend, built at first use
+        self._lock = threading.Lock()
+
+    def backend(self) -> Any:
+        with self._lock:
+            if self._backend is None:
+                from pdserve.runtime.grammar.backend import GrammarBackend
+
+                tok = self.tokenizer
+                self._backend = GrammarBackend(tok.hf, tok.vocab_size, [tok.eos_token_id or 0])
+            return self._backend
+
+    def apply(
+        self, sp: SamplingParams, response_format: dict[str, Any] | None = None, prefix: str = ""
+    ) -> SamplingParams:
+        """`sp` with the response_format's schema set, after checking that its constraint compiles."""
+        schema = response_format_schema(response_format)
+        if schema is not None:
+            if sp.constraint is not None:
+                raise bad_request(
+                    f"response_format cannot be combined with {sp.constraint[0]}", "response_format"
+                )
+            sp = sp.model_copy(update={"json_schema": schema})
+        constraint = sp.constraint
+        if constraint is None:
+            return sp
+        kind, text = constraint
+        param = "response_format" if schema is not None else f"{prefix}.{kind}" if prefix else kind
+        if self.backend_name == "none":
+            raise bad_request("structured output is off on this server (--grammar-backend none)", param)
+        from pdserve.runtime.grammar.backend import InvalidGrammar
+
+        try:
+            self.backend().validate(kind, text)
+        except InvalidGrammar as e:
+            raise bad_request(str(e), param) from None
+        return sp
