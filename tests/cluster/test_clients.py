@@ -188,3 +188,30 @@ def test_langchain_bind_tools_round_trip(cluster):
     }
     answer = llm.invoke([*history, ai, get_weather.invoke(ai.tool_calls[0])])
     assert isinstance(answer.content, str) and answer.content and not answer.tool_calls
+
+
+@pytest.mark.parametrize("choice", ["required", "named"])
+def test_forced_tool_choice_is_a_valid_call_without_examples(cluster, choice):
+    """No examples in the history: the 135M model alone does not write a call, but `required` and a named
+    function constrain its reply to the tools' schemas (function_call/schema.py), so the reply is a call
+    whose arguments follow the function's parameters, whole and streamed."""
+    from openai import OpenAI
+
+    client = OpenAI(base_url=cluster.url + "/v1", api_key="none", timeout=300, max_retries=0)
+    msgs = [{"role": "user", "content": "What is the weather in Tokyo?"}]
+    tc = "required" if choice == "required" else {"type": "function", "function": {"name": "get_weather"}}
+    kw = dict(model=MODEL, messages=msgs, tools=TOOLS, tool_choice=tc, temperature=0, max_tokens=60)
+    out = client.chat.completions.create(**kw)
+    assert out.choices[0].finish_reason == "tool_calls", out.choices[0]
+    calls = out.choices[0].message.tool_calls
+    assert calls and all(c.function.name == "get_weather" for c in calls)
+    for c in calls:
+        args = json.loads(c.function.arguments)
+        assert set(args) == {"city"} and isinstance(args["city"], str), args
+    name, args_text = "", ""
+    for chunk in client.chat.completions.create(**kw, stream=True):
+        for d in chunk.choices[0].delta.tool_calls or []:
+            if d.index == 0:
+                name += d.function.name or ""
+                args_text += d.function.arguments or ""
+    assert name == "get_weather" and json.loads(args_text) == json.loads(calls[0].function.arguments)

@@ -19,6 +19,8 @@ from reliability.calls import metric
 
 pytestmark = pytest.mark.timeout(600)
 
+MODEL = "HuggingFaceTB/SmolLM2-135M-Instruct"  # the served name of the bundled model
+
 SCHEMA = {
     "type": "object",
     "properties": {
@@ -72,7 +74,7 @@ def openai_client(cluster):
 
 def test_chat_json_schema_validates(openai_client):
     r = openai_client.chat.completions.create(
-        model="default", messages=ASK, response_format=RESPONSE_FORMAT, max_tokens=128, temperature=0
+        model=MODEL, messages=ASK, response_format=RESPONSE_FORMAT, max_tokens=128, temperature=0
     )
     choice = r.choices[0]
     assert choice.finish_reason == "stop", choice
@@ -81,7 +83,7 @@ def test_chat_json_schema_validates(openai_client):
 
 def test_chat_json_schema_streamed_validates(openai_client):
     stream = openai_client.chat.completions.create(
-        model="default",
+        model=MODEL,
         messages=ASK,
         response_format=RESPONSE_FORMAT,
         max_tokens=128,
@@ -100,7 +102,7 @@ def test_chat_json_schema_streamed_validates(openai_client):
 
 def test_completions_json_object_and_native_regex(cluster, openai_client):
     r = openai_client.completions.create(
-        model="default",
+        model=MODEL,
         prompt="A JSON object describing a cat:",
         max_tokens=96,
         temperature=0,
@@ -152,12 +154,12 @@ def test_instructor_returns_validated_object(openai_client):
     client = instructor.from_openai(openai_client, mode=instructor.Mode.JSON_SCHEMA)
     msgs = [{"role": "user", "content": "Extract: Ada Lovelace is 36 years old."}]
     p = client.chat.completions.create(
-        model="default", response_model=Person, messages=msgs, max_tokens=64, temperature=0, max_retries=0
+        model=MODEL, response_model=Person, messages=msgs, max_tokens=64, temperature=0, max_retries=0
     )
     assert isinstance(p, Person) and p.name
     partials = list(
         client.chat.completions.create_partial(
-            model="default", response_model=Person, messages=msgs, max_tokens=64, temperature=0
+            model=MODEL, response_model=Person, messages=msgs, max_tokens=64, temperature=0
         )
     )
     final = Person.model_validate(partials[-1].model_dump())  # validates the streamed object
