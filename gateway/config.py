@@ -5,6 +5,8 @@ from __future__ import annotations
 import argparse
 from dataclasses import dataclass
 
+from pdserve.cluster_auth import add_secret_arg
+
 
 @dataclass(frozen=True)
 class GatewayConfig:
@@ -35,6 +37,8 @@ class GatewayConfig:
     # Conditional disaggregation (0: off); see RoutingPolicy.
     disaggregation_min_prefill_tokens: int = 0
     disaggregation_max_prefill_queue: int = 0
+    # The cluster secret (pdserve/cluster_auth.py); None: PDSERVE_CLUSTER_SECRET, else unauthenticated.
+    cluster_secret_file: str | None = None
 
 
 def add_cli_args(parser: argparse.ArgumentParser) -> None:
@@ -57,6 +61,7 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--control-host", default=d.control_host, help="bind address of the worker socket")
     parser.add_argument("--control-port", type=int, default=d.control_port)
+    add_secret_arg(parser)
     parser.add_argument("--heartbeat-interval", type=float, default=d.heartbeat_interval_s)
     parser.add_argument("--heartbeat-timeout", type=float, default=d.heartbeat_timeout_s)
     parser.add_argument("--max-pending-requests", type=int, default=d.max_pending_requests)
@@ -124,4 +129,5 @@ def config_from_args(args: argparse.Namespace) -> GatewayConfig:
         disaggregation_max_prefill_queue=args.disaggregation_max_prefill_queue,
         cache_weight=args.cache_weight,
         load_weight=args.load_weight,
+        cluster_secret_file=args.cluster_secret_file,
     )

@@ -13,7 +13,7 @@ from typing import Any, Generic, TypeVar, cast
 
 from pydantic import BaseModel, ConfigDict, TypeAdapter, ValidationError
 
-PROTOCOL_VERSION = 3
+PROTOCOL_VERSION = 4
 
 M = TypeVar("M", bound=BaseModel)
 

@@ -53,7 +53,9 @@ def _metric(text: str, name: str, worker_id: str) -> float:
 
 @pytest.mark.timeout(90)
 def test_readiness_follows_registration_and_drain(gateway):
-    assert start_health_server(0, _link(gateway, "unused", "a"), DrainSignal()) is None  # 0: no port
+    assert (
+        start_health_server("127.0.0.1", 0, _link(gateway, "unused", "a"), DrainSignal()) is None
+    )  # 0: no port
     link, signals = _link(gateway, "h-decode", "a"), DrainSignal()
     server = HealthServer("127.0.0.1", 0, link, signals)
     try:
