@@ -39,6 +39,7 @@ log = logging.getLogger(__name__)
 MIN_SECRET_BYTES = 16
 # A peer that connects and never finishes its Curve handshake is dropped after this.
 HANDSHAKE_S = 5.0
+ZAP_DOMAIN = "pdserve"  # the one domain our ZAP handlers answer for
 
 
 class ClusterSecretError(ValueError):
@@ -120,7 +121,7 @@ def start_authenticator(ctx: zmq.Context[Any], keys: ClusterKeys) -> zmq.auth.ba
     else:
         auth = zmq.auth.thread.ThreadAuthenticator(ctx)
     auth.start()
-    auth.configure_curve_callback(domain="*", credentials_provider=_AllowClient(keys.client.public))
+    auth.configure_curve_callback(domain=ZAP_DOMAIN, credentials_provider=_AllowClient(keys.client.public))
     return auth
 
 
@@ -133,7 +134,7 @@ def secure_server(sock: zmq.Socket[Any], keys: ClusterKeys | None, max_frame_byt
         sock.setsockopt(zmq.CURVE_SERVER, 1)
         sock.setsockopt(zmq.CURVE_SECRETKEY, keys.server.secret)
         sock.setsockopt(zmq.CURVE_PUBLICKEY, keys.server.public)
-        sock.setsockopt(zmq.ZAP_DOMAIN, b"pdserve")
+        sock.setsockopt(zmq.ZAP_DOMAIN, ZAP_DOMAIN.encode())
 
 
 def secure_client(sock: zmq.Socket[Any], keys: ClusterKeys | None, max_frame_bytes: int) -> None:
