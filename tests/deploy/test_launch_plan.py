@@ -185,7 +185,7 @@ def test_up_binds_internal_sockets_to_loopback_and_hands_the_secret_by_environme
     gw = argparse.ArgumentParser()
     add_gateway_args(gw)
     assert config_from_args(gw.parse_args(gateway_command(args)[4:])).control_host == "127.0.0.1"
-    for name, argv in worker_commands(args)[1:]:
+    for _, argv in worker_commands(args)[1:]:
         cfg, unknown = _parse_worker(argv)
         assert cfg.host == "127.0.0.1" and cfg.gateway_addr.startswith("127.0.0.1:") and unknown == []
     # A fresh secret per cluster, in the environment only: never on a command line.
