@@ -13,6 +13,7 @@ BENCHMARKS = {
     "transfer": "pdserve.bench.bench_transfer",
     "kernels": "pdserve.bench.bench_kernels",
     "spec": "pdserve.bench.bench_spec",
+    "control": "pdserve.bench.bench_control",
 }
 
 # role -> module with `add_cli_args(parser)` and `main(args)`
