@@ -13,7 +13,7 @@ class GatewayConfig:
     host: str = "0.0.0.0"
     port: int = 30000
     # Where the control-plane ROUTER socket binds; workers connect DEALER sockets here.
-    control_host: str = "0.0.0.0"
+    control_host: str = "127.0.0.1"
     control_port: int = 30001
     # None: the bundled default model (only its tokenizer is loaded here).
     model_path: str | None = None
@@ -59,7 +59,11 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--log-level", default=d.log_level, choices=["critical", "error", "warning", "info", "debug"]
     )
-    parser.add_argument("--control-host", default=d.control_host, help="bind address of the worker socket")
+    parser.add_argument(
+        "--control-host",
+        default=d.control_host,
+        help="bind address of the worker (control) socket; 0.0.0.0 when workers run on other hosts",
+    )
     parser.add_argument("--control-port", type=int, default=d.control_port)
     add_secret_arg(parser)
     parser.add_argument("--heartbeat-interval", type=float, default=d.heartbeat_interval_s)
