@@ -222,9 +222,6 @@ class ControlPlane:
                 log.exception("error handling a control frame from %r", frames[0] if frames else None)
 
     def _handle(self, frames: list[bytes], t_recv: float) -> None:
-        if len(frames) < 2:
-            log.warning("dropping a control frame without payload: %r", frames)
-            return
         if len(frames) != 2:
             # A DEALER's frame arrives as [identity, payload]: anything else is not one of ours.
             log.warning("dropping a %d-part control message from %r", len(frames), frames[0][:64])

@@ -12,7 +12,7 @@ Exposure: with cluster keys (TransferConfig.keys) the bootstrap ROUTER runs Curv
 handler, so only holders of the cluster secret reach it; nothing is allocated for anyone else. Every
 limit below holds with or without keys: a frame is at most `max_frame_bytes`; a peer's early page
 lists (rooms not sent yet) are capped in number and pages, the oldest refused; a pair whose group was
-never built (a handshake the peer never completed) is closed after `bootstrap_timeout_s`, and idle
+never built (a handshake the peer never completed) is closed after twice `bootstrap_timeout_s`, and idle
 pairs are evicted beyond `max_pairs`, unbuilt ones first. The TCPStore of the pair groups cannot be
 authenticated (torch.distributed has no such option): it listens on this node's own host only, not
 on every interface.
