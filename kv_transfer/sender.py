@@ -480,9 +480,14 @@ class _SenderIO(EndpointIO):
         ttl = self.cfg.orphan_request_ttl_s
         for name in [n for n, e in self.early.items() if now - e.arrived > ttl]:
             del self.early[name]
-        # A handshake whose pair group never came up (the peer never joined it) holds a slot for nothing.
+        # A handshake whose pair group never came up (the peer never joined it) and that waits for
+        # nothing holds a slot for nothing. (One with page lists waiting is left alone: a real decode
+        # node whose first build failed builds again at its first transfer.)
         stale = now - 2 * self.cfg.bootstrap_timeout_s
+        waiting = {e.peer for e in self.early.values()} | {r.peer for r in self.rooms.values()}
         for pair in [
-            p for p in self.pairs.values() if p.built_gen < 0 and p.inflight == 0 and p.created < stale
+            p
+            for p in self.pairs.values()
+            if p.built_gen < 0 and p.inflight == 0 and p.created < stale and p.identity not in waiting
         ]:
             self.close_pair(pair, "the pair group was never built")
