@@ -67,13 +67,23 @@ class DecodeWorker:
     def serve(self) -> None:
         self.receiver.start()
         self.link = WorkerLink(
-            self.cfg.gateway_addr, register_factory(self.cfg, self.runner, self.clock), self.clock
+            self.cfg.gateway_addr,
+            register_factory(self.cfg, self.runner, self.clock),
+            self.clock,
+            keys=self.cfg.keys,
         )
         self.link.start()
         self.link.wait_registered(self.cfg.register_timeout_s, cancel=self.signals.draining)
         log.info("decode worker %s registered", self.cfg.worker_id)
         try:
-            serve_until_drained(self.cfg, self.link, self.signals, self.step, lambda: len(self.sched))
+            serve_until_drained(
+                self.cfg,
+                self.link,
+                self.signals,
+                self.step,
+                lambda: len(self.sched),
+                self.receiver.io_failure,
+            )
         finally:
             self.receiver.close()
             self.link.close()

@@ -27,6 +27,7 @@ import sys
 import urllib.request
 
 from pdserve import env as pdserve_env
+from pdserve.cluster_auth import add_secret_arg
 from pdserve.launcher import start_gateway
 from pdserve.supervisor import Child, Supervisor
 
@@ -109,6 +110,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     )
     p.add_argument("--log-dir", default=env("PDSERVE_LOG_DIR", "pdserve-logs"))
     p.add_argument("--log-level", default="info")
+    add_secret_arg(p)
     p.add_argument("--startup-timeout", type=float, default=600.0, help="seconds to wait for health")
     p.add_argument("--stop-timeout", type=float, default=60.0, help="seconds to let workers drain on stop")
     p.add_argument("--python", default=sys.executable, help="interpreter that has pdserve installed")
@@ -141,6 +143,8 @@ def plan(args: argparse.Namespace, control_port: int | None = None) -> list[Chil
     """Every process to start, gateway first; local workers dial `control_port` (default: the flags')."""
     exe = [args.python, "-m", "pdserve.cli"]
     model = ["--model-path", args.model_path] if args.model_path else []
+    # The path only: the secret itself never goes on a command line (env PDSERVE_CLUSTER_SECRET passes through).
+    model += ["--cluster-secret-file", args.cluster_secret_file] if args.cluster_secret_file else []
     children = []
     if not args.no_gateway:
         gw = exe + ["gateway", "--host", args.gateway_host, "--port", str(args.port)]

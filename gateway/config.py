@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 from dataclasses import dataclass
 
+from pdserve.cluster_auth import add_secret_arg
 from pdserve.gateway.function_call import PARSER_NAMES
 from pdserve.gateway.reasoning import REASONING_PARSERS
 
@@ -14,7 +15,7 @@ class GatewayConfig:
     host: str = "0.0.0.0"
     port: int = 30000
     # Where the control-plane ROUTER socket binds; workers connect DEALER sockets here.
-    control_host: str = "0.0.0.0"
+    control_host: str = "127.0.0.1"
     control_port: int = 30001
     # None: the bundled default model (only its tokenizer is loaded here).
     model_path: str | None = None
@@ -45,6 +46,8 @@ class GatewayConfig:
     disaggregation_max_prefill_queue: int = 0
     # Structured output: constraints are compiled here too, so an invalid one is a 400 (xgrammar | none).
     grammar_backend: str = "xgrammar"
+    # The cluster secret (pdserve/cluster_auth.py); None: PDSERVE_CLUSTER_SECRET, else unauthenticated.
+    cluster_secret_file: str | None = None
 
 
 def add_cli_args(parser: argparse.ArgumentParser) -> None:
@@ -82,8 +85,13 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--log-level", default=d.log_level, choices=["critical", "error", "warning", "info", "debug"]
     )
-    parser.add_argument("--control-host", default=d.control_host, help="bind address of the worker socket")
+    parser.add_argument(
+        "--control-host",
+        default=d.control_host,
+        help="bind address of the worker (control) socket; 0.0.0.0 when workers run on other hosts",
+    )
     parser.add_argument("--control-port", type=int, default=d.control_port)
+    add_secret_arg(parser)
     parser.add_argument("--heartbeat-interval", type=float, default=d.heartbeat_interval_s)
     parser.add_argument("--heartbeat-timeout", type=float, default=d.heartbeat_timeout_s)
     parser.add_argument("--max-pending-requests", type=int, default=d.max_pending_requests)
@@ -160,4 +168,5 @@ def config_from_args(args: argparse.Namespace) -> GatewayConfig:
         cache_weight=args.cache_weight,
         load_weight=args.load_weight,
         grammar_backend=args.grammar_backend,
+        cluster_secret_file=args.cluster_secret_file,
     )

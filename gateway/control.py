@@ -4,6 +4,17 @@ Three asyncio tasks share the socket: `_recv_loop` (every inbound frame), `_send
 writer, fed by a queue so sends can be issued from `finally` blocks and sync code), and
 `_heartbeat_loop` (Ping every interval; a worker silent for `heartbeat_timeout_s` is removed and the
 requests that still need it fail). Worker outputs are routed to the request's `Room` by room id.
+
+Trust: with a cluster secret the socket runs CurveZMQ and admits only peers holding the secret
+(pdserve/cluster_auth.py). Even among those, a worker speaks only for itself: it is known by the zmq
+identity of the connection that registered it (a per-process `worker_id/random` identity), so
+  - a Register for a worker id held by another live connection is refused (retry later);
+  - a Deregister counts only from the connection that registered that id;
+  - outputs (TokenBatch, PrefillDone, RequestFailed) for a room count only from the worker the
+    room's leg was routed to (`Room.prefill`, `Room.decode`); anyone else's are dropped.
+When a room closes, the legs named are aborted, on a worker lost to the heartbeat too (it may be
+alive, only slow): no generation stays queued on a worker nobody waits for. A prefill leg whose
+PrefillDone never came is aborted whenever the decode leg ends, so its pages are freed.
 """
 
 from __future__ import annotations
@@ -19,6 +30,7 @@ import zmq
 import zmq.asyncio
 from pydantic import BaseModel
 
+from pdserve.cluster_auth import ClusterKeys, load_keys, secure_server, start_authenticator, warn_if_open
 from pdserve.gateway.config import GatewayConfig
 from pdserve.gateway.metrics import GatewayMetrics
 from pdserve.gateway.workers import WorkerInfo, WorkerRegistry
@@ -42,6 +54,10 @@ from pdserve.protocol.gateway import (
 )
 
 log = logging.getLogger(__name__)
+
+# The largest control frame accepted: a KVEvents snapshot of a big prefix cache fits many times over.
+# A bigger frame drops the connection (zmq MAXMSGSIZE) before any of it is buffered.
+MAX_FRAME_BYTES = 16 << 20
 
 
 @dataclass(frozen=True)
@@ -79,8 +95,17 @@ class Room:
 
 
 class ControlPlane:
-    def __init__(self, cfg: GatewayConfig, registry: WorkerRegistry, metrics: GatewayMetrics) -> None:
+    def __init__(
+        self,
+        cfg: GatewayConfig,
+        registry: WorkerRegistry,
+        metrics: GatewayMetrics,
+        keys: ClusterKeys | None = None,
+    ) -> None:
+        """`keys`: the cluster's Curve keys; default: from cfg.cluster_secret_file or the environment."""
         self.cfg = cfg
+        self.keys = keys if keys is not None else load_keys(cfg.cluster_secret_file)
+        self._auth: zmq.auth.base.Authenticator | None = None
         self.registry = registry
         self.metrics = metrics
         self.rooms: dict[str, Room] = {}
@@ -95,10 +120,15 @@ class ControlPlane:
 
     async def start(self) -> None:
         self._ctx = zmq.asyncio.Context()
+        if self.keys is not None:
+            self._auth = start_authenticator(self._ctx, self.keys)
+        warn_if_open(self.keys, "the control plane")
         sock = self._ctx.socket(zmq.ROUTER)
         sock.setsockopt(zmq.LINGER, 0)
-        # A restarted worker reconnects under the same identity: let the new connection take over.
+        # A worker's link that reconnects (a dropped TCP connection) keeps its identity: let the new
+        # connection take over. Identities are per process, so no other worker can claim one.
         sock.setsockopt(zmq.ROUTER_HANDOVER, 1)
+        secure_server(sock, self.keys, MAX_FRAME_BYTES)
         addr = f"tcp://{self.cfg.control_host}:{self.cfg.control_port}"
         if self.cfg.control_port == 0:
             self.bound_port = sock.bind_to_random_port(f"tcp://{self.cfg.control_host}")
@@ -111,7 +141,12 @@ class ControlPlane:
             asyncio.create_task(self._send_loop(), name="gateway-send"),
             asyncio.create_task(self._heartbeat_loop(), name="gateway-heartbeat"),
         ]
-        log.info("control plane listening on %s:%d", self.cfg.control_host, self.bound_port)
+        log.info(
+            "control plane listening on %s:%d (%s)",
+            self.cfg.control_host,
+            self.bound_port,
+            "CurveZMQ, cluster secret" if self.keys is not None else "unauthenticated",
+        )
 
     async def stop(self) -> None:
         for t in self._tasks:
@@ -124,6 +159,9 @@ class ControlPlane:
             room.inbox.put_nowait(LegFailed("gateway", "shutdown", "the gateway is shutting down", False))
         if self._sock is not None:
             self._sock.close(linger=0)
+        if self._auth is not None:
+            self._auth.stop()
+            self._auth = None
         if self._ctx is not None:
             self._ctx.term()
         self._sock = self._ctx = None
@@ -170,15 +208,19 @@ class ControlPlane:
     def close_room(
         self, room: Room, abort_decode: str | None = None, abort_prefill: str | None = None
     ) -> None:
-        """Forget the room, release its reserved work, and abort the legs named with a reason."""
+        """Forget the room, release its reserved work, and abort the legs named with a reason. The
+        decode leg has ended here whatever the reason: a prefill leg that never reported PrefillDone
+        is aborted too (its pages are freed)."""
         if self.rooms.pop(room.room, None) is None:
             return
         if room.prefill_done is None and room.prefill is not None:
             self.registry.release(room.prefill, room.tokens)
+            abort_prefill = abort_prefill or "decode leg ended"
         self.registry.release(room.decode, room.tokens)
         for worker, reason in ((room.decode, abort_decode), (room.prefill, abort_prefill)):
-            # A worker already removed from the registry is gone: nothing to abort there.
-            if worker is not None and reason is not None and self.registry.get(worker.worker_id) is worker:
+            # Sent to a worker lost to the heartbeat as well: if it lives on, it stops the work; if it
+            # is gone, the ROUTER drops the frame.
+            if worker is not None and reason is not None:
                 self.send(worker, AbortRequest(room=room.room, reason=reason))
                 self.metrics.aborted_legs.labels(worker.role, reason).inc()
 
@@ -195,10 +237,11 @@ class ControlPlane:
                 log.exception("error handling a control frame from %r", frames[0] if frames else None)
 
     def _handle(self, frames: list[bytes], t_recv: float) -> None:
-        if len(frames) < 2:
-            log.warning("dropping a control frame without payload: %r", frames)
+        if len(frames) != 2:
+            # A DEALER's frame arrives as [identity, payload]: anything else is not one of ours.
+            log.warning("dropping a %d-part control message from %r", len(frames), frames[0][:64])
             return
-        identity, payload = frames[0], frames[-1]
+        identity, payload = frames
         try:
             msg = decode(payload)
         except ProtocolError as e:
@@ -224,11 +267,23 @@ class ControlPlane:
                 if room is None:
                     log.debug("tokens for unknown room %s (finished or aborted)", out.room)
                     continue
+                if room.decode is not worker:
+                    log.warning(
+                        "tokens for room %s from %s, not its decode leg: dropped", out.room, worker.worker_id
+                    )
+                    continue
                 room.inbox.put_nowait(TokensArrived(out, t_recv))
         elif isinstance(msg, PrefillDone):
             room = self.rooms.get(msg.room)
             if room is None:
                 log.debug("prefill_done for unknown room %s", msg.room)
+                return
+            if room.prefill is not worker:
+                log.warning(
+                    "prefill_done for room %s from %s, not its prefill leg: dropped",
+                    msg.room,
+                    worker.worker_id,
+                )
                 return
             if room.prefill_done is None and room.prefill is not None:
                 room.prefill_done, room.prefill_done_at = msg, t_recv
@@ -241,6 +296,15 @@ class ControlPlane:
             if room is None:
                 log.debug("failure for unknown room %s: %s", msg.room, msg.message)
                 return
+            leg = room.prefill if msg.role == "prefill" else room.decode if msg.role == "decode" else None
+            if leg is not worker:
+                log.warning(
+                    "failure for room %s from %s, not its %s leg: dropped",
+                    msg.room,
+                    worker.worker_id,
+                    msg.role,
+                )
+                return
             room.inbox.put_nowait(LegFailed(msg.role, msg.code, msg.message, reported=True))
         elif isinstance(msg, KVEvents):
             worker.prefix.apply(msg)
@@ -249,25 +313,43 @@ class ControlPlane:
             if fut is not None and not fut.done():
                 fut.set_result(msg)
         elif isinstance(msg, Deregister):
+            if msg.worker_id != worker.worker_id:
+                log.warning("%s sent a deregister for %s: ignored", worker.worker_id, msg.worker_id)
+                return
             log.info("worker %s is draining: out of rotation for new requests", worker.worker_id)
             worker.draining = True
             self._update_worker_gauges()
         else:
             log.warning("unexpected %s from worker %s", msg.kind, worker.worker_id)
 
+    def _refuse(self, identity: bytes, reason: str, retry: bool = False) -> None:
+        self._outbox.put_nowait((identity, encode(RegisterAck(accepted=False, reason=reason, retry=retry))))
+
     def _on_register(self, identity: bytes, reg: Register, t_recv: float) -> None:
-        if identity != reg.worker_id.encode():
-            log.warning("worker %s registers from zmq identity %r", reg.worker_id, identity)
+        old = self.registry.get(reg.worker_id)
+        now = time.monotonic()
+        if (
+            old is not None
+            and old.identity != identity
+            and now - old.last_seen <= self.cfg.heartbeat_timeout_s
+        ):
+            # Held by a live connection: a second process under the same id, or one trying to take
+            # it over. A restarted worker gets in once the old connection misses its heartbeats.
+            log.warning("worker id %s is held by another live connection: register refused", reg.worker_id)
+            self._refuse(identity, f"worker id {reg.worker_id} is in use by another connection", retry=True)
+            return
+        other = self.registry.by_identity(identity)
+        if other is not None and other.worker_id != reg.worker_id:
+            self._refuse(identity, f"this connection is registered as {other.worker_id} already")
+            return
         reason = self.registry.check_fingerprint(reg)
         if reason is not None:
             log.error("refusing worker %s: %s", reg.worker_id, reason)
-            self._outbox.put_nowait((identity, encode(RegisterAck(accepted=False, reason=reason))))
+            self._refuse(identity, reason)
             return
         if reg.role == "prefill" and not reg.bootstrap_addr:
-            reason = "a prefill worker must give bootstrap_addr"
-            self._outbox.put_nowait((identity, encode(RegisterAck(accepted=False, reason=reason))))
+            self._refuse(identity, "a prefill worker must give bootstrap_addr")
             return
-        old = self.registry.get(reg.worker_id)
         if old is not None:
             # Same id again: a restarted worker has lost whatever it held.
             self._fail_rooms_of(old, f"{old.role} worker {old.worker_id} re-registered (restarted)")

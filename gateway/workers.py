@@ -119,17 +119,14 @@ class WorkerRegistry:
     # ---- membership --------------------------------------------------------------------------
 
     def check_fingerprint(self, reg: Register) -> str | None:
-        """None when `reg` matches every registered worker; else a reason naming the fields."""
+        """None when `reg` matches every registered worker; else a reason naming the differing fields,
+        never their expected values (a refusal must not teach a stranger what to send next)."""
         for w in self._workers.values():
             if w.worker_id == reg.worker_id:
                 continue
             diff = fingerprint_mismatch(reg.fingerprint, w.reg.fingerprint)
             if diff:
-                parts = ", ".join(
-                    f"{k}={reg.fingerprint.get(k)!r} (registered {w.worker_id!r} has {w.reg.fingerprint.get(k)!r})"
-                    for k in diff
-                )
-                return f"model fingerprint mismatch: {parts}"
+                return f"model fingerprint mismatch in: {', '.join(diff)}"
         return None
 
     def add(self, reg: Register, identity: bytes, now_mono: float) -> WorkerInfo:
@@ -163,7 +160,8 @@ class WorkerRegistry:
         return self._workers.get(worker_id)
 
     def by_identity(self, identity: bytes) -> WorkerInfo | None:
-        w = self._workers.get(identity.decode(errors="replace"))
+        # A worker's identity is `worker_id/<random>` (pdserve.worker_link), or its bare id.
+        w = self._workers.get(identity.decode(errors="replace").split("/", 1)[0])
         if w is not None and w.identity == identity:
             return w
         return next((w for w in self._workers.values() if w.identity == identity), None)

@@ -7,6 +7,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from pdserve.cluster_auth import ClusterKeys
 from pdserve.config import TRANSFER_TIMEOUT_S, WAITING_TIMEOUT_S
 
 if TYPE_CHECKING:
@@ -34,6 +35,11 @@ class TransferConfig:
     orphan_request_ttl_s: how long a sender keeps a decode's page list for a room it has not seen yet.
     stall_data_s: test hook; the sender announces each transfer, then waits this long before any data
         moves, as a wire that stalls mid-transfer would (0: off).
+    keys: the cluster's Curve keys (pdserve/cluster_auth.py): the bootstrap ROUTER and the decode's
+        DEALERs run CurveZMQ and admit only holders of the secret (None: unauthenticated).
+    max_frame_bytes: the largest bootstrap frame; a bigger one drops the connection (zmq MAXMSGSIZE).
+    max_early_lists: page lists kept per decode peer for rooms the sender has not seen yet; beyond it
+        the oldest is refused (Abort). max_early_pages bounds the pages they list, per peer.
     """
 
     backend: str = "gloo"
@@ -47,6 +53,10 @@ class TransferConfig:
     socket_ifname: str | None = None
     orphan_request_ttl_s: float = 600.0
     stall_data_s: float = 0.0
+    keys: ClusterKeys | None = None
+    max_frame_bytes: int = 4 << 20
+    max_early_lists: int = 1024
+    max_early_pages: int = 1 << 18
 
     def __post_init__(self) -> None:
         if self.backend not in BACKENDS:
@@ -74,4 +84,5 @@ def worker_transfer_config(cfg: WorkerConfig, kv: torch.Tensor) -> TransferConfi
         waiting_timeout_s=cfg.waiting_timeout_s,
         transfer_timeout_s=cfg.transfer_timeout_s,
         stall_data_s=cfg.stall_kv_data_s,
+        keys=cfg.keys,
     )

@@ -1,16 +1,19 @@
 """What the two ends of the hand-off share: the caller-facing result queue and the I/O thread's life.
 
 `KVSender` and `KVReceiver` both let the caller's thread only post to a mailbox or read a deque; one
-I/O thread owns all room state, writes `_states` and appends to `_results`.
+I/O thread owns all room state, writes `_states` and appends to `_results`. Nothing a peer sends may
+end that thread; should it end anyway, `io_failure` says so (the worker's health port reports it).
 """
 
 from __future__ import annotations
 
 import collections
+import logging
 import threading
 from typing import Any
 
 import zmq
+import zmq.auth.base
 
 from pdserve.kv_transfer.config import TransferConfig
 from pdserve.kv_transfer.handshake import pair_identity
@@ -30,6 +33,8 @@ class Endpoint:
         self._states: dict[str, TransferState] = {}  # written by the I/O thread only
         self._thread: threading.Thread | None = None
         self._ctx: zmq.Context[zmq.Socket[bytes]] | None = None
+        self._auth: zmq.auth.base.Authenticator | None = None  # ZAP handler of a keyed bootstrap server
+        self._io_error: str | None = None  # why the I/O thread ended, if it did before close()
 
     def poll(self) -> list[TransferResult]:
         """Rooms finished (SUCCESS or FAILED) since the last poll; their pages may be freed now."""
@@ -41,12 +46,31 @@ class Endpoint:
     def state(self, room: str) -> TransferState | None:
         return self._states.get(room)
 
+    def io_failure(self) -> str | None:
+        """None while the I/O thread runs (or before start / after close); else why it stopped."""
+        if self._thread is not None and not self._thread.is_alive():
+            return f"the KV transfer I/O thread stopped: {self._io_error or 'exited'}"
+        return None
+
+    def _run_io(self, io: Any) -> None:
+        """The I/O thread's body: `io.run()` until Close; an escape is recorded, never silent."""
+        try:
+            io.run()
+        except BaseException as e:  # noqa: BLE001 - recorded for io_failure, then the thread ends
+            self._io_error = f"{type(e).__name__}: {e}"
+            logging.getLogger("pdserve.kv_transfer").exception("kv_transfer: the I/O thread died")
+        finally:
+            io.shutdown()
+
     def close(self) -> None:
         """Stop the I/O thread (it closes the pairs), then the zmq context and the mailbox."""
         if self._thread is not None:
             self._mailbox.post(Close())
             self._thread.join(timeout=5)
             self._thread = None
+        if self._auth is not None:
+            self._auth.stop()
+            self._auth = None
         if self._ctx is not None:
             self._ctx.destroy(linger=0)
             self._ctx = None

@@ -2,7 +2,9 @@
 
 `EndpointIO` polls its zmq sockets and the mailbox's pipe. Each frame is decoded with the one KV
 control codec; a refused frame (another protocol version, a malformed body) goes to `on_refused`
-and never stops the loop, nor does an exception in any handler. Subclasses (the sender's and the
+and never stops the loop, nor does an exception in any handler or in reading a socket. A message of the
+wrong number of frames is dropped by `peer_of`; a frame over the socket's size limit never arrives (zmq
+MAXMSGSIZE drops the connection). Subclasses (the sender's and the
 receiver's I/O state) implement the hooks below; `Close` ends the loop.
 """
 
@@ -34,12 +36,12 @@ class EndpointIO:
         while True:
             events = dict(self.poller.poll(int(TICK_S * 1000)))
             for sock in [s for s in events if isinstance(s, zmq.Socket)]:
-                self._read(sock)
+                guarded(self._read, sock)
             for item in self.mailbox.drain():
                 if isinstance(item, Close):
                     return
                 guarded(self.on_local, item)
-            self.on_timers(time.monotonic())
+            guarded(self.on_timers, time.monotonic())
 
     def _read(self, sock: zmq.Socket[bytes]) -> None:
         while self.owns(sock):  # a handler may close the socket

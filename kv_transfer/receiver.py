@@ -20,6 +20,7 @@ from typing import Any
 
 import zmq
 
+from pdserve.cluster_auth import secure_client
 from pdserve.kv_transfer import mailbox as mb
 from pdserve.kv_transfer.config import TransferConfig
 from pdserve.kv_transfer.endpoint import Endpoint
@@ -87,11 +88,7 @@ class KVReceiver(Endpoint):
         self._mailbox.post(mb.Abort(room, "aborted by decode"))
 
     def _io_loop(self) -> None:
-        io = _ReceiverIO(self)
-        try:
-            io.run()
-        finally:
-            io.shutdown()
+        self._run_io(_ReceiverIO(self))
 
 
 @dataclass
@@ -125,6 +122,9 @@ class _ReceiverIO(EndpointIO):
         return sock in self.by_sock
 
     def peer_of(self, sock: zmq.Socket[bytes], frames: list[bytes]) -> _Peer | None:
+        if len(frames) != 1:  # a ROUTER sends us one frame per message
+            log.warning("kv_transfer: dropped a %d-part message from a prefill node", len(frames))
+            return None
         return self.by_sock.get(sock)
 
     def shutdown(self) -> None:
@@ -159,6 +159,7 @@ class _ReceiverIO(EndpointIO):
         sock = self.o._ctx.socket(zmq.DEALER)
         sock.setsockopt(zmq.LINGER, 0)
         sock.setsockopt(zmq.IDENTITY, self.o.receiver_id.encode())
+        secure_client(sock, self.cfg.keys, self.cfg.max_frame_bytes)
         host, port = split_addr(addr)
         sock.connect(f"tcp://{addr}" if ":" not in host else f"tcp://[{host}]:{port}")
         peer = _Peer(addr, sock, hello_deadline=time.monotonic() + self.cfg.bootstrap_timeout_s)

@@ -7,6 +7,15 @@ thread that owns all room state and the pyzmq ROUTER bootstrap socket, and one c
 A room's data moves once both halves are known: send() from the prefill worker (pages, metadata) and
 the decode's REQUEST (its page list), in either order. Pages given to send() stay in use until poll()
 reports the room (SUCCESS or FAILED); free them then, not before.
+
+Exposure: with cluster keys (TransferConfig.keys) the bootstrap ROUTER runs CurveZMQ behind a ZAP
+handler, so only holders of the cluster secret reach it; nothing is allocated for anyone else. Every
+limit below holds with or without keys: a frame is at most `max_frame_bytes`; a peer's early page
+lists (rooms not sent yet) are capped in number and pages, the oldest refused; a pair whose group was
+never built (a handshake the peer never completed) is closed after twice `bootstrap_timeout_s`, and idle
+pairs are evicted beyond `max_pairs`, unbuilt ones first. The TCPStore of the pair groups cannot be
+authenticated (torch.distributed has no such option): it listens on this node's own host only, not
+on every interface.
 """
 
 from __future__ import annotations
@@ -14,6 +23,7 @@ from __future__ import annotations
 import collections
 import itertools
 import logging
+import socket
 import threading
 import time
 from dataclasses import dataclass
@@ -23,6 +33,7 @@ from typing import Any
 import zmq
 from torch._C._distributed_c10d import TCPStore
 
+from pdserve.cluster_auth import secure_server, start_authenticator
 from pdserve.kv_transfer import mailbox as mb
 from pdserve.kv_transfer.config import TransferConfig
 from pdserve.kv_transfer.endpoint import Endpoint
@@ -60,16 +71,28 @@ class KVSender(Endpoint):
 
     def start(self) -> None:
         """Bind the bootstrap ROUTER and host the pair groups' TCPStore; start the I/O thread."""
-        self._store = TCPStore(
-            self._host,
-            0,
-            None,
-            True,
-            timedelta(seconds=self._config.bootstrap_timeout_s),
-            wait_for_workers=False,
-        )
+        # TCPStore alone would listen on every interface: hand it a socket bound to our host instead.
+        family = socket.AF_INET6 if ":" in self._host else socket.AF_INET
+        with socket.socket(family, socket.SOCK_STREAM) as listener:
+            listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            listener.bind((self._host, 0))
+            listener.listen(128)
+            store_port = listener.getsockname()[1]
+            self._store = TCPStore(
+                self._host,
+                store_port,
+                None,
+                True,
+                timedelta(seconds=self._config.bootstrap_timeout_s),
+                wait_for_workers=False,
+                master_listen_fd=listener.detach(),  # the store owns (and closes) the socket now
+                use_libuv=True,
+            )
         self._ctx = zmq.Context()
+        if self._config.keys is not None:
+            self._auth = start_authenticator(self._ctx, self._config.keys)
         router = self._ctx.socket(zmq.ROUTER)
+        secure_server(router, self._config.keys, self._config.max_frame_bytes)
         router.setsockopt(zmq.LINGER, 0)
         # A decode node that reconnects (after a refusal, eviction or timeout) reuses its identity: let the
         # new connection take it over instead of having its messages dropped as a duplicate.
@@ -124,11 +147,9 @@ class KVSender(Endpoint):
     # ---- I/O thread ---------------------------------------------------------------------------
 
     def _io_loop(self, router: zmq.Socket[bytes]) -> None:
-        io = _SenderIO(self, router)
         try:
-            io.run()
+            self._run_io(_SenderIO(self, router))
         finally:
-            io.shutdown()
             router.close(linger=0)
 
 
@@ -169,7 +190,10 @@ class _SenderIO(EndpointIO):
         return sock is self.router
 
     def peer_of(self, sock: zmq.Socket[bytes], frames: list[bytes]) -> bytes | None:
-        return frames[0] if len(frames) == 2 else None  # [identity, payload] on a ROUTER
+        if len(frames) != 2:  # [identity, payload] on a ROUTER: anything else is not a decode node's
+            log.warning("kv_transfer: dropped a %d-part message on the bootstrap port", len(frames))
+            return None
+        return frames[0]
 
     def shutdown(self) -> None:
         for pair in list(self.pairs.values()):
@@ -178,7 +202,13 @@ class _SenderIO(EndpointIO):
         for pair in self.closing:
             pair.join(timeout_s=2.0)
 
-    def close_pair(self, pair: SenderPair) -> None:
+    def close_pair(self, pair: SenderPair, bye: str | None = None) -> None:
+        """Close `pair`; with `bye`, tell the peer why and refuse its early page lists."""
+        if bye is not None:
+            self.to_peer(pair.identity, kc.Bye(reason=bye))
+            for name in [n for n, e in self.early.items() if e.peer == pair.identity]:
+                del self.early[name]
+                self.to_peer(pair.identity, kc.Abort(room=name, reason=bye))
         pair.close()
         self.pairs.pop(pair.identity, None)
         self.closing = [p for p in self.closing if p.alive] + [pair]
@@ -378,7 +408,26 @@ class _SenderIO(EndpointIO):
             reason = f"room {name} already finished on the prefill node: {self.finished[name]}"
             self.to_peer(identity, kc.Abort(room=name, reason=reason))
         else:
-            self.early[name] = _EarlyPageList(identity, msg, time.monotonic())
+            self.keep_early(identity, msg)
+
+    def keep_early(self, identity: bytes, msg: kc.PageList) -> None:
+        """Keep a page list for a room not sent yet, within the peer's caps (the oldest goes first)."""
+        if len(msg.pages) > self.cfg.max_early_pages:
+            self.to_peer(identity, kc.Abort(room=msg.room, reason="page list too long"))
+            return
+        old = self.early.pop(msg.room, None)
+        if old is not None and old.peer != identity:
+            self.early[msg.room] = old  # another peer's room: not ours to replace
+            self.to_peer(identity, kc.Abort(room=msg.room, reason=f"room {msg.room} has a page list"))
+            return
+        mine = [e for e in self.early.values() if e.peer == identity]  # oldest first (insertion order)
+        pages = sum(len(e.msg.pages) for e in mine) + len(msg.pages)
+        while mine and (len(mine) >= self.cfg.max_early_lists or pages > self.cfg.max_early_pages):
+            drop = mine.pop(0)
+            pages -= len(drop.msg.pages)
+            del self.early[drop.msg.room]
+            self.to_peer(identity, kc.Abort(room=drop.msg.room, reason="too many early page lists"))
+        self.early[msg.room] = _EarlyPageList(identity, msg, time.monotonic())
 
     def on_hello(self, identity: bytes, msg: kc.Hello) -> None:
         error = compare_identities(self.o._identity, msg.identity, "decode")
@@ -408,16 +457,19 @@ class _SenderIO(EndpointIO):
         self.to_peer(identity, kc.HelloAck(ok=True, store_port=self.o._store.port, gen=gen))
 
     def make_room_for_pair(self) -> bool:
-        """Close the least recently used idle pair if at the limit. False if every pair is busy."""
+        """Close an idle pair if at the limit: one whose group was never built first, then the least
+        recently used. False if every pair has a transfer or waits for one. Early page lists pin
+        only a pair whose group was built (a stranger's handshake with bogus page lists, never
+        followed by the group, would otherwise lock out every real decode node)."""
         if len(self.pairs) < self.cfg.max_pairs:
             return True
-        busy = {e.peer for e in self.early.values()} | {r.peer for r in self.rooms.values()}
+        built = {p.identity for p in self.pairs.values() if p.built_gen >= 0}
+        busy = {r.peer for r in self.rooms.values()} | {e.peer for e in self.early.values()} & built
         idle = [p for p in self.pairs.values() if p.inflight == 0 and p.identity not in busy]
         if not idle:
             return False
-        victim = min(idle, key=lambda p: p.last_used)
-        self.to_peer(victim.identity, kc.Bye(reason="pair evicted (max_pairs)"))
-        self.close_pair(victim)
+        victim = min(idle, key=lambda p: (p.built_gen >= 0, p.last_used))
+        self.close_pair(victim, "pair evicted (max_pairs)")
         return True
 
     def on_timers(self, now: float) -> None:
@@ -428,3 +480,14 @@ class _SenderIO(EndpointIO):
         ttl = self.cfg.orphan_request_ttl_s
         for name in [n for n, e in self.early.items() if now - e.arrived > ttl]:
             del self.early[name]
+        # A handshake whose pair group never came up (the peer never joined it) and that waits for
+        # nothing holds a slot for nothing. (One with page lists waiting is left alone: a real decode
+        # node whose first build failed builds again at its first transfer.)
+        stale = now - 2 * self.cfg.bootstrap_timeout_s
+        waiting = {e.peer for e in self.early.values()} | {r.peer for r in self.rooms.values()}
+        for pair in [
+            p
+            for p in self.pairs.values()
+            if p.built_gen < 0 and p.inflight == 0 and p.created < stale and p.identity not in waiting
+        ]:
+            self.close_pair(pair, "the pair group was never built")

@@ -56,7 +56,9 @@ class SenderPair(PairThread[SendJob | _Build]):
     ) -> None:
         self.identity = identity
         self.pair_id = identity.decode()
-        self.last_used = time.monotonic()
+        self.last_used = self.created = time.monotonic()
+        # The generation of the last group built (-1: none yet); written by the pair thread only.
+        self.built_gen = -1
         self.inflight = 0  # jobs queued or running; I/O thread only
         # A generation the receiver reported dead; the thread drops its group if it matches (atomic write).
         self.discard_gen: int = -1
@@ -90,6 +92,7 @@ class SenderPair(PairThread[SendJob | _Build]):
                 rank=SENDER_RANK,
                 local_host=self._store_host,
             )
+            self.built_gen = gen
             return None
         except Exception as exc:  # noqa: BLE001 - any build failure means "no group", reported upward
             return f"building pair group gen {gen} failed: {exc}"

@@ -14,6 +14,7 @@ BENCHMARKS = {
     "kernels": "pdserve.bench.bench_kernels",
     "spec": "pdserve.bench.bench_spec",
     "grammar": "pdserve.bench.bench_grammar",
+    "control": "pdserve.bench.bench_control",
 }
 
 # role -> module with `add_cli_args(parser)` and `main(args)`

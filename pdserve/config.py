@@ -6,6 +6,7 @@ import argparse
 from dataclasses import dataclass, fields
 
 from pdserve import env
+from pdserve.cluster_auth import ClusterKeys, add_secret_arg, load_keys
 
 # The KV transfer's timeouts, one default each: the worker flags, `pdserve up` and
 # kv_transfer.TransferConfig all take them from here.
@@ -127,6 +128,10 @@ class WorkerConfig:
     drain_timeout_s: float = 600.0
     # /livez, /readyz and /metrics for orchestrators (0: off); see pdserve/health.py.
     health_port: int = 0
+    # The cluster secret (pdserve/cluster_auth.py); None: PDSERVE_CLUSTER_SECRET, else unauthenticated.
+    cluster_secret_file: str | None = None
+    # Its Curve keys, derived once at start (worker_config_from_args); None: unauthenticated.
+    keys: ClusterKeys | None = None
     # Test hooks (hidden flags): seconds added to this worker's clock, for the gateway's clock-offset
     # estimation; and (prefill) seconds each finished prefill's KV is held back, as a stuck transfer,
     # or each announced transfer's data is held back, as a wire stalling mid-transfer.
@@ -181,9 +186,10 @@ def add_worker_args(parser: argparse.ArgumentParser, role: str) -> None:
         "--health-port",
         type=int,
         default=env.health_port(),
-        help="serve /livez, /readyz and /metrics here (env PDSERVE_HEALTH_PORT; 0: off)",
+        help="serve /livez, /readyz and /metrics here, on --host (env PDSERVE_HEALTH_PORT; 0: off)",
     )
     parser.add_argument("--log-level", default=env.log_level(), help="(env PDSERVE_LOG_LEVEL)")
+    add_secret_arg(parser)
     # Test hooks: hidden, so that no deployment sets them by accident.
     parser.add_argument(
         "--test-clock-skew", dest="clock_skew_s", type=float, default=0.0, help=argparse.SUPPRESS
@@ -203,4 +209,7 @@ def worker_config_from_args(args: argparse.Namespace, role: str) -> WorkerConfig
     names = {f.name for f in fields(WorkerConfig)} - {"role", "runtime"}
     kw = {k: v for k, v in vars(args).items() if k in names}
     kw["worker_id"] = kw.get("worker_id") or f"{role}-{uuid.uuid4().hex[:8]}"
+    if "/" in kw["worker_id"]:
+        raise ValueError("--worker-id must not contain '/'")
+    kw["keys"] = load_keys(kw.get("cluster_secret_file"))
     return WorkerConfig(role=role, runtime=runtime_config_from_args(args), **kw)

@@ -10,6 +10,8 @@ read when a process starts (argument parsing) or when a path is first needed, ne
   PDSERVE_BOOTSTRAP_PORT  --disaggregation-bootstrap-port: the prefill's KV bootstrap port (8998)
   PDSERVE_HEALTH_PORT     --health-port: /livez, /readyz and /metrics of a worker (0: off)
   PDSERVE_LOG_LEVEL       --log-level of a worker (info)
+  PDSERVE_CLUSTER_SECRET  the cluster secret (pdserve/cluster_auth.py) when --cluster-secret-file is
+                          not given: gateway and workers (`pdserve up` sets it for its children)
   PDSERVE_CACHE_DIR       cache folder: dequantized GGUF weights, saved tokenizers
                           (unset: $XDG_CACHE_HOME/pdserve, else ~/.cache/pdserve)
   GLOO_SOCKET_IFNAME      network interface of the KV pair groups when TransferConfig.socket_ifname
@@ -69,6 +71,13 @@ def health_port() -> int:
 
 def log_level() -> str:
     return _get("PDSERVE_LOG_LEVEL", "info")  # type: ignore[return-value]
+
+
+def cluster_secret() -> str | None:
+    return _get("PDSERVE_CLUSTER_SECRET")
+
+
+CLUSTER_SECRET_VAR = "PDSERVE_CLUSTER_SECRET"
 
 
 def cache_dir() -> str:

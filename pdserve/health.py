@@ -1,9 +1,12 @@
 """A worker's health port for Kubernetes probes and Prometheus: a tiny HTTP server on a daemon thread.
 
 Workers talk only zmq and torch.distributed, so the kubelet needs this to tell their state:
-  GET /livez    200 while the process answers (a wedged interpreter fails it).
+  GET /livez    200 while the process answers and its engine threads run (a wedged interpreter
+                fails it; so does a dead KV transfer I/O thread: `failure`), 503 with the reason.
+  GET /health   the same as /livez.
   GET /readyz   200 once registered with the gateway and until draining starts; 503 with the
                 reason otherwise. Start-up probes use it too, so they cover weight loading.
+The server binds to the worker's --host, not every interface.
   GET /metrics  the load the worker reports to the gateway, in Prometheus text format.
 Stdlib HTTP on purpose: the worker process stays free of an asyncio loop and a web framework.
 """
@@ -11,7 +14,7 @@ Stdlib HTTP on purpose: the worker process stays free of an asyncio loop and a w
 from __future__ import annotations
 
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 from prometheus_client import CollectorRegistry, generate_latest
@@ -21,9 +24,18 @@ from prometheus_client.registry import Collector
 from pdserve.drain import DrainSignal
 from pdserve.worker_link import WorkerLink
 
+Failure = Callable[[], str | None]  # None: healthy; else why not (e.g. KVSender.io_failure)
 
-def readiness(link: WorkerLink, signals: DrainSignal) -> str | None:
+
+def _no_failure() -> str | None:
+    return None
+
+
+def readiness(link: WorkerLink, signals: DrainSignal, failure: Failure = _no_failure) -> str | None:
     """None when the worker should be in rotation, else why not."""
+    why = failure()
+    if why is not None:
+        return why
     if link.refused:
         return f"registration refused: {link.refused}"
     if signals.draining.is_set():
@@ -34,8 +46,8 @@ def readiness(link: WorkerLink, signals: DrainSignal) -> str | None:
 
 
 class _LoadCollector(Collector):
-    def __init__(self, link: WorkerLink, signals: DrainSignal) -> None:
-        self._link, self._signals = link, signals
+    def __init__(self, link: WorkerLink, signals: DrainSignal, failure: Failure) -> None:
+        self._link, self._signals, self._failure = link, signals, failure
 
     def collect(self) -> Iterator[GaugeMetricFamily]:
         ld, wid = self._link.load, self._link.worker_id
@@ -44,7 +56,11 @@ class _LoadCollector(Collector):
             "running_requests": ("requests being computed or transferred", ld.running),
             "free_kv_tokens": ("free KV pool capacity in tokens", ld.free_tokens),
             "draining": ("1 while draining", int(self._signals.draining.is_set())),
-            "ready": ("1 while in rotation", int(readiness(self._link, self._signals) is None)),
+            "ready": (
+                "1 while in rotation",
+                int(readiness(self._link, self._signals, self._failure) is None),
+            ),
+            "healthy": ("0 once an engine thread died", int(self._failure() is None)),
         }
         for name, (doc, value) in values.items():
             g = GaugeMetricFamily(f"pdserve_worker_{name}", doc, labels=["worker_id"])
@@ -53,17 +69,20 @@ class _LoadCollector(Collector):
 
 
 class HealthServer:
-    def __init__(self, host: str, port: int, link: WorkerLink, signals: DrainSignal) -> None:
+    def __init__(
+        self, host: str, port: int, link: WorkerLink, signals: DrainSignal, failure: Failure = _no_failure
+    ) -> None:
         registry = CollectorRegistry(auto_describe=False)
-        registry.register(_LoadCollector(link, signals))
+        registry.register(_LoadCollector(link, signals, failure))
 
         class Handler(BaseHTTPRequestHandler):
             def do_GET(self) -> None:  # noqa: N802 (the stdlib's name)
                 path = self.path.split("?", 1)[0]
-                if path == "/livez":
-                    self._reply(200, b"ok\n")
+                if path in ("/livez", "/health"):
+                    dead = failure()
+                    self._reply(200, b"ok\n") if dead is None else self._reply(503, dead.encode() + b"\n")
                 elif path == "/readyz":
-                    why = readiness(link, signals)
+                    why = readiness(link, signals, failure)
                     self._reply(200, b"ok\n") if why is None else self._reply(503, why.encode() + b"\n")
                 elif path == "/metrics":
                     self._reply(200, generate_latest(registry), "text/plain; version=0.0.4")
@@ -93,9 +112,9 @@ class HealthServer:
 
 
 def start_health_server(
-    port: int, link: WorkerLink, signals: DrainSignal, host: str = "0.0.0.0"
+    host: str, port: int, link: WorkerLink, signals: DrainSignal, failure: Failure = _no_failure
 ) -> HealthServer | None:
-    """Serve /livez, /readyz and /metrics on `port` (None when port is 0: no health port)."""
+    """Serve /livez, /health, /readyz and /metrics on host:port (None when port is 0: no health port)."""
     if not port:
         return None
-    return HealthServer(host, port, link, signals)
+    return HealthServer(host, port, link, signals, failure)

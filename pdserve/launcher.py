@@ -1,17 +1,26 @@
 """`pdserve up`: a whole cluster on this host (one gateway, P prefill and D decode workers), and the
 gateway start that `deploy/launch.py` shares with it. The children are supervised by
 `pdserve.supervisor`: a crashed one is restarted, and all of them die with the launcher.
+
+Every socket binds to a host the user gave: HTTP to --host, the gateway's control socket and every
+worker's sockets (KV bootstrap, TCPStore, gloo, health) to --internal-host (127.0.0.1 by default, so
+a local cluster opens nothing beyond loopback). The children share a cluster secret
+(pdserve/cluster_auth.py): --cluster-secret-file, else PDSERVE_CLUSTER_SECRET, else a random one
+made here, handed to the children in their environment (never on a command line, which `ps` shows).
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
+import secrets
 import sys
 import tempfile
 import urllib.request
 
 from pdserve import env
+from pdserve.cluster_auth import add_secret_arg
 from pdserve.config import TRANSFER_TIMEOUT_S, WAITING_TIMEOUT_S, add_runtime_args
 from pdserve.port_file import wait_port_file
 from pdserve.supervisor import Child, RestartPolicy, Supervisor
@@ -43,6 +52,13 @@ def start_gateway(sup: Supervisor, gateway: Child, port_file: str) -> tuple[int,
 def add_cli_args(parser: argparse.ArgumentParser) -> None:
     add_runtime_args(parser)
     parser.add_argument("--host", default="127.0.0.1", help="HTTP address of the gateway")
+    parser.add_argument(
+        "--internal-host",
+        default="127.0.0.1",
+        help="bind address of the gateway's control socket and of every worker socket (KV bootstrap, "
+        "TCPStore, health); 0.0.0.0 only if other hosts must reach them",
+    )
+    add_secret_arg(parser)
     parser.add_argument("--port", type=int, default=30000, help="gateway HTTP port (0: any free port)")
     parser.add_argument(
         "--control-port", type=int, default=None, help="gateway control socket (default port+1; 0: any)"
@@ -157,7 +173,8 @@ def _control_port(args: argparse.Namespace) -> int:
 
 def gateway_command(args: argparse.Namespace, port_file: str | None = None) -> list[str]:
     argv = [sys.executable, "-m", "pdserve.cli", "gateway", "--host", args.host, "--port", str(args.port)]
-    argv += ["--control-port", str(_control_port(args))]
+    argv += ["--control-host", args.internal_host, "--control-port", str(_control_port(args))]
+    argv += _secret_flag(args)
     argv += ["--log-level", args.log_level]
     argv += ["--prefill-policy", args.prefill_policy, "--decode-policy", args.decode_policy]
     argv += ["--disaggregation-min-prefill-tokens", str(args.disaggregation_min_prefill_tokens)]
@@ -181,18 +198,25 @@ def worker_commands(args: argparse.Namespace, control_port: int | None = None) -
     """(name, argv) of every child, gateway first; workers dial `control_port` (default: the flags')."""
     exe = [sys.executable, "-m", "pdserve.cli"]
     control = _control_port(args) if control_port is None else control_port
-    common = _flags(args, _FORWARDED) + [
-        "--gateway",
-        f"127.0.0.1:{control}",
-        "--num-threads",
-        str(_threads(args)),
-        "--log-level",
-        args.log_level,
-        "--transfer-timeout",
-        str(args.transfer_timeout),
-        "--waiting-timeout",
-        str(args.waiting_timeout),
-    ]
+    dial = "127.0.0.1" if args.internal_host in ("0.0.0.0", "::") else args.internal_host
+    common = (
+        _flags(args, _FORWARDED)
+        + [
+            "--gateway",
+            f"{dial}:{control}",
+            "--host",
+            dial,
+            "--num-threads",
+            str(_threads(args)),
+            "--log-level",
+            args.log_level,
+            "--transfer-timeout",
+            str(args.transfer_timeout),
+            "--waiting-timeout",
+            str(args.waiting_timeout),
+        ]
+        + _secret_flag(args)
+    )
     cmds = [("gateway", gateway_command(args))]
     for i in range(args.num_prefill):
         name = f"prefill-{i}"
@@ -203,6 +227,32 @@ def worker_commands(args: argparse.Namespace, control_port: int | None = None) -
         name = f"decode-{i}"
         cmds.append((name, exe + ["decode", "--worker-id", name] + common))
     return cmds
+
+
+def _secret_flag(args: argparse.Namespace) -> list[str]:
+    return ["--cluster-secret-file", args.cluster_secret_file] if args.cluster_secret_file else []
+
+
+def secret_env(args: argparse.Namespace) -> dict[str, str]:
+    """The children's cluster secret: none to add when given by file or environment, else a fresh one."""
+    if args.cluster_secret_file or env.cluster_secret() is not None:
+        return {}
+    return {env.CLUSTER_SECRET_VAR: secrets.token_urlsafe(32)}
+
+
+def _opened(url: str, args: argparse.Namespace, control: int) -> str:
+    """What the cluster listens on, for the start-up message (worker ports as the gateway lists them)."""
+    lines = [f"  HTTP          {url}", f"  control       {args.internal_host}:{control} (CurveZMQ)"]
+    try:
+        with urllib.request.urlopen(url + "/workers", timeout=2) as r:
+            workers = json.loads(r.read()).get("workers", [])
+        for w in workers:
+            if w.get("bootstrap_addr"):
+                lines.append(f"  KV bootstrap  {w['bootstrap_addr']} ({w.get('worker_id')}; CurveZMQ)")
+    except (OSError, ValueError):
+        pass
+    lines.append(f"  workers       TCPStore, gloo pair groups: {args.internal_host}, free ports")
+    return "\n".join(lines)
 
 
 def _threads(args: argparse.Namespace) -> int:
@@ -246,19 +296,20 @@ def main(args: argparse.Namespace) -> int:
     )
     sup = Supervisor(args.log_dir, args.stop_timeout, prefix="pdserve up", policy=policy)
     sup.handle_signals()
-    env = worker_env(args)
+    secret = secret_env(args)
+    child_env = {**worker_env(args), **secret}
     with tempfile.TemporaryDirectory(prefix="pdserve-up-") as tmp:
         port_file = args.port_file or os.path.join(tmp, "gateway.ports")
         try:
             try:
                 port, control = start_gateway(
-                    sup, Child("gateway", gateway_command(args, port_file), {}), port_file
+                    sup, Child("gateway", gateway_command(args, port_file), secret), port_file
                 )
             except (RuntimeError, TimeoutError) as e:
                 sup.say(f"the gateway did not start: {e}", error=True)
                 return 1
             for name, argv in worker_commands(args, control)[1:]:
-                sup.start(Child(name, argv, env))
+                sup.start(Child(name, argv, child_env))
             url = f"http://{args.host}:{port}"
             why = sup.wait_until(lambda: _healthy(url), args.startup_timeout)
             if sup.stopping:  # Ctrl-C or SIGTERM before the cluster was up: a requested stop
@@ -268,7 +319,7 @@ def main(args: argparse.Namespace) -> int:
                 return 1
             print(
                 f"pdserve is up at {url} ({args.num_prefill} prefill, {args.num_decode} decode); "
-                f"try: curl {url}/v1/models",
+                f"try: curl {url}/v1/models\n{_opened(url, args, control)}",
                 flush=True,
             )
             return sup.watch()

@@ -9,9 +9,10 @@ import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Protocol
 
+from pdserve.cluster_auth import warn_if_open
 from pdserve.config import WorkerConfig, worker_config_from_args
 from pdserve.drain import DrainSignal
-from pdserve.health import start_health_server
+from pdserve.health import Failure, start_health_server
 from pdserve.model_source import ModelSourceError
 from pdserve.protocol import gateway as m
 from pdserve.worker_link import RegistrationRefused, WorkerLink
@@ -59,10 +60,17 @@ def run_worker(
     signals = DrainSignal()
     signals.install()
     try:
-        worker_cls(worker_config_from_args(args, role), signals).serve()
+        cfg = worker_config_from_args(args, role)
+        warn_if_open(
+            cfg.keys, "this worker's control link" + (" and KV bootstrap port" if role == "prefill" else "")
+        )
+        worker_cls(cfg, signals).serve()
     except (ValueError, ModelSourceError, RegistrationRefused, TimeoutError) as e:
         print(f"pdserve {role}: {e}", file=sys.stderr)
         return 2
+    except EngineDead as e:
+        print(f"pdserve {role}: {e}", file=sys.stderr)
+        return 1
     return 0
 
 
@@ -72,14 +80,24 @@ def serve_until_drained(
     signals: DrainSignal,
     step: Callable[[], None],
     outstanding: Callable[[], int],
+    failure: Failure | None = None,
 ) -> None:
     """Run `step` until stopped; on drain: deregister, keep stepping until nothing is outstanding
-    (or the drain timeout), then return. Serves the health port meanwhile, when one is set."""
+    (or the drain timeout), then return. Serves the health port meanwhile, when one is set.
+
+    `failure` (the KV engine's `io_failure`): once it reports, the worker is unhealthy on its health
+    port, leaves rotation and drains; it then raises `EngineDead`, so that its process exits non-zero
+    and a supervisor restarts it."""
     log = logging.getLogger(f"pdserve.{cfg.role}")
-    health = start_health_server(cfg.health_port, link, signals)
+    failure = failure or (lambda: None)
+    health = start_health_server(cfg.host, cfg.health_port, link, signals, failure)
     drain_deadline = None
+    dead: str | None = None
     try:
         while not signals.stop.is_set():
+            if dead is None and (dead := failure()) is not None:
+                log.error("%s: leaving rotation and draining", dead)
+                signals.draining.set()
             if signals.draining.is_set() and drain_deadline is None:
                 drain_deadline = time.monotonic() + cfg.drain_timeout_s
                 link.load.draining = True
@@ -92,3 +110,9 @@ def serve_until_drained(
     finally:
         if health is not None:
             health.close()
+    if dead is not None:
+        raise EngineDead(dead)
+
+
+class EngineDead(RuntimeError):
+    """An engine thread of the worker died (see serve_until_drained)."""

@@ -4,6 +4,12 @@ The I/O thread registers, answers pings at once with its own clock readings (so 
 clock-offset estimate do not depend on how long a forward takes), and hands every other message
 to the worker loop through a queue. The worker loop sends through `send`, which wakes the I/O
 thread over an inproc socket; zmq sockets are never shared between threads.
+
+The DEALER's zmq identity is `worker_id/<random>`, new for each process: the gateway knows this
+worker by the connection that registered it, and no other process can speak under its name. With
+cluster keys the socket runs CurveZMQ (pdserve/cluster_auth.py). A refusal marked `retry` (our id
+is still held by the connection of a previous run of this worker) is retried every
+`RETRY_REGISTER_S` instead of ending the worker.
 """
 
 from __future__ import annotations
@@ -18,10 +24,14 @@ from dataclasses import dataclass
 
 import zmq
 
+from pdserve.cluster_auth import ClusterKeys, secure_client
 from pdserve.protocol import gateway as m
 from pdserve.protocol.codec import ProtocolError, VersionMismatch
 
 log = logging.getLogger(__name__)
+
+RETRY_REGISTER_S = 1.0
+MAX_FRAME_BYTES = 16 << 20  # the gateway's frames: requests and acks, far below this
 
 
 @dataclass
@@ -45,11 +55,15 @@ class WorkerLink:
         register: Callable[[], m.Register],
         clock: Callable[[], float],
         reregister_after_s: float = 10.0,
+        keys: ClusterKeys | None = None,
     ):
         self._ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context.instance()
         self._register = register
         self.clock = clock
         self.worker_id = register().worker_id
+        self.identity = f"{self.worker_id}/{uuid.uuid4().hex}".encode()
+        self._keys = keys
+        self._retry_at: float | None = None  # when to register again after a `retry` refusal
         self.gateway_addr = gateway_addr if "://" in gateway_addr else f"tcp://{gateway_addr}"
         self.load = LoadReport()
         self.inbox: queue.Queue[m.Message] = queue.Queue()
@@ -113,8 +127,9 @@ class WorkerLink:
 
     def _run(self) -> None:
         dealer = self._ctx.socket(zmq.DEALER)
-        dealer.setsockopt(zmq.IDENTITY, self.worker_id.encode())
+        dealer.setsockopt(zmq.IDENTITY, self.identity)
         dealer.setsockopt(zmq.LINGER, 500)
+        secure_client(dealer, self._keys, MAX_FRAME_BYTES)
         dealer.connect(self.gateway_addr)
         poller = zmq.Poller()
         poller.register(dealer, zmq.POLLIN)
@@ -137,6 +152,9 @@ class WorkerLink:
                         frame = dealer.recv()
                         last_heard = time.monotonic()
                         self._on_frame(dealer, frame)
+                if self._retry_at is not None and time.monotonic() >= self._retry_at:
+                    self._retry_at = None
+                    dealer.send(m.encode(self._register()))
                 if time.monotonic() - last_heard > self._reregister_after_s:
                     # The gateway restarted or lost us: introduce ourselves again.
                     dealer.send(m.encode(self._register()))
@@ -173,6 +191,9 @@ class WorkerLink:
             if msg.accepted:
                 self.accepted += 1
                 self.registered.set()
+            elif msg.retry:
+                log.warning("registration refused for now (%s): retrying", msg.reason)
+                self._retry_at = time.monotonic() + RETRY_REGISTER_S
             else:
                 self.refused = msg.reason or "refused by the gateway"
                 log.error("registration refused: %s", self.refused)

@@ -81,12 +81,15 @@ class PrefillWorker:
             self.cfg.gateway_addr,
             register_factory(self.cfg, self.runner, self.clock, self.sender.addr),
             self.clock,
+            keys=self.cfg.keys,
         )
         self.link.start()
         self.link.wait_registered(self.cfg.register_timeout_s, cancel=self.signals.draining)
         log.info("prefill worker %s registered; KV bootstrap at %s", self.cfg.worker_id, self.sender.addr)
         try:
-            serve_until_drained(self.cfg, self.link, self.signals, self.step, lambda: len(self.rooms))
+            serve_until_drained(
+                self.cfg, self.link, self.signals, self.step, lambda: len(self.rooms), self.sender.io_failure
+            )
         finally:
             self.sender.close()
             self.link.close()

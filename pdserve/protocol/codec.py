@@ -16,7 +16,8 @@ from pydantic import BaseModel, ConfigDict, TypeAdapter, ValidationError
 # 3: incremental KV transfer (PageList.skip_pages, prefix_hash; PrefixMismatch); local prefill.
 # 4: SamplingParams carries min_new_tokens, logit_bias and no_stop_trim, and the output constraints
 #    json_schema, regex and ebnf.
-PROTOCOL_VERSION = 4
+# 5: RegisterAck.retry (a worker id still held by a live connection).
+PROTOCOL_VERSION = 5
 
 M = TypeVar("M", bound=BaseModel)
 

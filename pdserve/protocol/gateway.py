@@ -46,6 +46,9 @@ class RegisterAck(_Msg):
     kind: Literal["register_ack"] = "register_ack"
     accepted: bool
     reason: str = ""
+    # A refusal that may pass later (the worker id is held by another live connection): the worker
+    # registers again after a pause instead of giving up.
+    retry: bool = False
 
 
 class Ping(_Msg):

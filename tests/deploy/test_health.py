@@ -53,7 +53,9 @@ def _metric(text: str, name: str, worker_id: str) -> float:
 
 @pytest.mark.timeout(90)
 def test_readiness_follows_registration_and_drain(gateway):
-    assert start_health_server(0, _link(gateway, "unused", "a"), DrainSignal()) is None  # 0: no port
+    assert (
+        start_health_server("127.0.0.1", 0, _link(gateway, "unused", "a"), DrainSignal()) is None
+    )  # 0: no port
     link, signals = _link(gateway, "h-decode", "a"), DrainSignal()
     server = HealthServer("127.0.0.1", 0, link, signals)
     try:
@@ -96,3 +98,62 @@ def test_refused_registration_is_not_ready(gateway):
         server.close()
         first.close()
         second.close()
+
+
+@pytest.mark.timeout(90)
+def test_a_worker_whose_kv_io_thread_died_is_unhealthy_leaves_rotation_and_exits(gateway):
+    import threading
+
+    import torch
+
+    from pdserve.config import RuntimeConfig, WorkerConfig
+    from pdserve.kv_transfer import KVSender, TransferConfig
+    from pdserve.kv_transfer.mailbox import Close
+    from pdserve.worker_common import EngineDead, serve_until_drained
+
+    sender = KVSender(torch.zeros(4, 1, 2, 4, 1, 8), {"arch": "a"}, "127.0.0.1", 0, TransferConfig())
+    sender.start()
+    link, signals = _link(gateway, "h-kv", "a"), DrainSignal()
+    server = HealthServer("127.0.0.1", 0, link, signals, sender.io_failure)
+    try:
+        link.start()
+        link.wait_registered(30)
+        for path in ("/livez", "/health", "/readyz"):
+            assert _get(server, path).status_code == 200, path
+        sender._mailbox.post(Close())  # forced: the I/O thread ends, the process lives on
+        sender._thread.join(5)
+        for path in ("/livez", "/health", "/readyz"):
+            r = _get(server, path)
+            assert r.status_code == 503 and "KV transfer I/O thread stopped" in r.text, (path, r.text)
+        text = _get(server, "/metrics").text
+        assert _metric(text, "healthy", "h-kv") == 0 and _metric(text, "ready", "h-kv") == 0
+        # The worker loop notices, drains (out of rotation) and ends with EngineDead: exit code 1.
+        cfg = WorkerConfig(role="decode", runtime=RuntimeConfig(), worker_id="h-kv")
+        done: list[BaseException] = []
+        loop = threading.Thread(
+            target=lambda: _catch(
+                done,
+                serve_until_drained,
+                cfg,
+                link,
+                signals,
+                lambda: time.sleep(0.01),
+                lambda: 0,
+                sender.io_failure,
+            )
+        )
+        loop.start()
+        loop.join(10)
+        assert done and isinstance(done[0], EngineDead) and signals.draining.is_set()
+        assert link.load.draining
+    finally:
+        server.close()
+        link.close()
+        sender.close()
+
+
+def _catch(out: list, fn, *args) -> None:
+    try:
+        fn(*args)
+    except BaseException as e:  # noqa: BLE001 - handed to the test thread
+        out.append(e)

@@ -3,7 +3,9 @@
 Cross-references checked on the built objects: Service and PDB selectors match pod labels, probe
 and Service ports exist in the containers, the environment the workers read is set, the worker
 command lines parse with pdserve's own argument parsers, GPU requests equal limits, /dev/shm is
-memory-backed, the grace period outlasts the drain, scrape annotations name a real port.
+memory-backed, the grace period outlasts the drain, scrape annotations name a real port, every pod
+reads the cluster secret from the Secret the manifests make, and the NetworkPolicies let only the
+cluster's own pods reach the control and KV ports.
 """
 
 from __future__ import annotations
@@ -11,6 +13,7 @@ from __future__ import annotations
 import argparse
 import copy
 import re
+import secrets
 import shutil
 import subprocess
 from pathlib import Path
@@ -29,11 +32,15 @@ POD_IP, POD_NAME = "10.1.2.3", "pdserve-x-0"
 
 
 @pytest.fixture(scope="module", params=OVERLAYS)
-def built(request) -> tuple[str, list[dict]]:
+def built(request, tmp_path_factory) -> tuple[str, list[dict]]:
     if shutil.which("kubectl") is None:
         pytest.skip("kubectl is not installed")
+    # A copy with the cluster secret file a deployment makes first (it is never committed).
+    k8s = tmp_path_factory.mktemp("k8s") / "k8s"
+    shutil.copytree(K8S, k8s)
+    (k8s / "base" / "cluster-secret").write_text(secrets.token_hex(32))
     out = subprocess.run(
-        ["kubectl", "kustomize", str(K8S / "overlays" / request.param)],
+        ["kubectl", "kustomize", str(k8s / "overlays" / request.param)],
         capture_output=True,
         text=True,
         timeout=60,
@@ -100,7 +107,15 @@ def argv_of(c: dict, env: dict[str, str]) -> list[str]:
 def test_every_object_validates(built):
     _, docs = built
     kinds = sorted({d["kind"] for d in docs})
-    assert kinds == ["ConfigMap", "Deployment", "PodDisruptionBudget", "Service", "StatefulSet"]
+    assert kinds == [
+        "ConfigMap",
+        "Deployment",
+        "NetworkPolicy",
+        "PodDisruptionBudget",
+        "Secret",
+        "Service",
+        "StatefulSet",
+    ]
     for d in docs:
         kubernetes_validate.validate(d, K8S_VERSION, strict=True)
 
@@ -158,7 +173,7 @@ def test_probes_and_scrape_ports_exist(built):
         assert ann["prometheus.io/path"] == "/metrics"
 
 
-def test_workers_get_what_they_read_and_drain_in_time(built, monkeypatch):
+def test_workers_get_what_they_read_and_drain_in_time(built, monkeypatch, tmp_path):
     overlay, docs = built
     gateway = one(docs, "Deployment", "pdserve-gateway")
     for role in WORKERS:
@@ -192,7 +207,8 @@ def test_workers_get_what_they_read_and_drain_in_time(built, monkeypatch):
         # Flag defaults come from the environment when the parser is built, as in the pod.
         for k, v in env.items():
             monkeypatch.setenv(k, v)
-        cfg = _worker_config(role, argv_of(c, env))
+        cfg = _worker_config(role, argv_of(c, env), tmp_path)
+        assert cfg.keys is not None
         assert cfg.gateway_addr == env["PDSERVE_GATEWAY"] and cfg.host == POD_IP
         assert cfg.worker_id == POD_NAME and cfg.drain_timeout_s == float(env["PDSERVE_DRAIN_TIMEOUT"])
         assert cfg.runtime.device == {"gpu": "cuda", "cpu-demo": "cpu"}[overlay]
@@ -202,10 +218,15 @@ def test_workers_get_what_they_read_and_drain_in_time(built, monkeypatch):
             assert cfg.health_port == container_port(c, "health")
 
 
-def _worker_config(role: str, argv: list[str]):
+def _worker_config(role: str, argv: list[str], tmp_path):
     from pdserve.config import add_worker_args, worker_config_from_args
 
     assert argv[0] == role
+    # The secret file is the kubelet's to write (checked in the cluster secret test): one like it here.
+    at = argv.index("--cluster-secret-file") + 1
+    secret = tmp_path / "cluster-secret"
+    secret.write_text(secrets.token_hex(32))
+    argv = argv[:at] + [str(secret)] + argv[at + 1 :]
     p = argparse.ArgumentParser(exit_on_error=False)
     add_worker_args(p, role)
     return worker_config_from_args(p.parse_args(argv[1:]), role)
@@ -248,3 +269,79 @@ def test_shell_lines_only_use_defined_variables(built):
         env = config(docs, c)
         used = set(re.findall(r"\$\{?([A-Z_][A-Z0-9_]*)", c["args"][0]))
         assert used <= env.keys(), used - env.keys()
+
+
+def test_every_pod_reads_the_cluster_secret_the_manifests_make(built, tmp_path, monkeypatch):
+    import base64
+
+    from pdserve.cluster_auth import load_keys
+
+    _, docs = built
+    (secret,) = objs(docs, "Secret")
+    keys = []
+    for w in workloads(docs):
+        spec, c = w["spec"]["template"]["spec"], container(w)
+        (vol,) = [
+            v for v in spec["volumes"] if v.get("secret", {}).get("secretName") == secret["metadata"]["name"]
+        ]
+        assert vol["secret"]["defaultMode"] == 0o400
+        (mount,) = [m for m in c["volumeMounts"] if m["name"] == vol["name"]]
+        assert mount["readOnly"] is True
+        argv = argv_of(c, config(docs, c))
+        path = argv[argv.index("--cluster-secret-file") + 1]
+        assert path.startswith(mount["mountPath"] + "/")
+        # The file the kubelet writes there, read as the pod's process reads it.
+        local = tmp_path / path.rsplit("/", 1)[1]
+        local.write_bytes(base64.b64decode(secret["data"][local.name]))
+        monkeypatch.delenv("PDSERVE_CLUSTER_SECRET", raising=False)
+        keys.append(load_keys(str(local)))
+    assert keys[0] is not None and all(k == keys[0] for k in keys)  # one secret for every pod
+
+
+def _selects(selector: dict, labels: dict[str, str] | None) -> bool:
+    if labels is None:  # not a pod of this namespace: outside traffic
+        return False
+    if not selector.get("matchLabels", {}).items() <= labels.items():
+        return False
+    for e in selector.get("matchExpressions", []):
+        assert e["operator"] == "In"
+        if labels.get(e["key"]) not in e["values"]:
+            return False
+    return True
+
+
+def _admits(docs: list[dict], target: str, source: str | None, port: int) -> bool:
+    """Whether the NetworkPolicies let a pod of component `source` (None: anything outside the
+    cluster's pods) reach `port` on a pod of component `target`."""
+    labels = {c: w["spec"]["template"]["metadata"]["labels"] for w in workloads(docs) for c in [component(w)]}
+    policies = [p for p in objs(docs, "NetworkPolicy") if _selects(p["spec"]["podSelector"], labels[target])]
+    assert policies, f"no NetworkPolicy selects the {target} pods"
+    for p in policies:
+        for rule in p["spec"].get("ingress", []):
+            ports = [x["port"] for x in rule.get("ports", [])]
+            if ports and port not in ports:
+                continue
+            peers = rule.get("from")
+            if not peers or any(_selects(f["podSelector"], labels.get(source or "")) for f in peers):
+                return True
+    return False
+
+
+def test_network_policies_fence_the_control_and_kv_ports(built):
+    _, docs = built
+    for p in objs(docs, "NetworkPolicy"):
+        assert p["spec"]["policyTypes"] == ["Ingress"]
+    gateway = container(one(docs, "Deployment", "pdserve-gateway"))
+    http, control = container_port(gateway, "http"), container_port(gateway, "control")
+    prefill = container(one(docs, "StatefulSet", "pdserve-prefill"))
+    bootstrap, health = container_port(prefill, "bootstrap"), container_port(prefill, "health")
+    store = 41234  # the TCPStore and gloo bind free ports: the policy must fence every port
+    assert _admits(docs, "gateway", None, http)
+    assert not _admits(docs, "gateway", None, control)
+    assert _admits(docs, "gateway", "prefill", control) and _admits(docs, "gateway", "decode", control)
+    for port in (bootstrap, store):
+        assert not _admits(docs, "prefill", None, port) and _admits(docs, "prefill", "decode", port)
+        assert not _admits(docs, "prefill", "gateway", port)
+    assert not _admits(docs, "decode", None, store) and _admits(docs, "decode", "prefill", store)
+    for role in WORKERS:  # probes and Prometheus
+        assert _admits(docs, role, None, health)

@@ -171,3 +171,31 @@ def test_up_passes_the_prefill_policy_to_the_gateway():
         assert config_from_args(gw.parse_args(argv[4:])).prefill_policy == policy
     with pytest.raises(SystemExit):
         parser.parse_args(["--prefill-policy", "random"])
+
+
+def test_up_binds_internal_sockets_to_loopback_and_hands_the_secret_by_environment(monkeypatch):
+    from pdserve.gateway.config import add_cli_args as add_gateway_args
+    from pdserve.gateway.config import config_from_args
+    from pdserve.launcher import add_cli_args, gateway_command, secret_env, worker_commands
+
+    monkeypatch.delenv("PDSERVE_CLUSTER_SECRET", raising=False)
+    parser = argparse.ArgumentParser()
+    add_cli_args(parser)
+    args = parser.parse_args([])
+    gw = argparse.ArgumentParser()
+    add_gateway_args(gw)
+    assert config_from_args(gw.parse_args(gateway_command(args)[4:])).control_host == "127.0.0.1"
+    for _, argv in worker_commands(args)[1:]:
+        cfg, unknown = _parse_worker(argv)
+        assert cfg.host == "127.0.0.1" and cfg.gateway_addr.startswith("127.0.0.1:") and unknown == []
+    # A fresh secret per cluster, in the environment only: never on a command line.
+    one, two = secret_env(args), secret_env(args)
+    secret = one["PDSERVE_CLUSTER_SECRET"]
+    assert len(secret) >= 32 and secret != two["PDSERVE_CLUSTER_SECRET"]
+    assert all(secret not in " ".join(argv) for _, argv in worker_commands(args))
+    # One the user gave is used as it is.
+    with_file = parser.parse_args(["--cluster-secret-file", "/run/secret"])
+    assert secret_env(with_file) == {}
+    assert all("/run/secret" in argv for _, argv in worker_commands(with_file))
+    monkeypatch.setenv("PDSERVE_CLUSTER_SECRET", "x" * 32)
+    assert secret_env(args) == {}

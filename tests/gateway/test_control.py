@@ -117,15 +117,17 @@ def test_register_ping_pong_then_silence_removes(gw):
 
 
 @pytest.mark.timeout(30)
-def test_fingerprint_mismatch_refused_with_field_named(gw):
+def test_fingerprint_mismatch_refused_with_field_named_but_no_value(gw):
     a, b = Dealer(control_addr(gw), "d0"), Dealer(control_addr(gw), "d1")
     try:
         a.send(_register("d0"))
         assert a.recv_kind(m.RegisterAck).accepted
-        b.send(_register("d1", page_size=32))
+        b.send(_register("d1", page_size=32, dtype="float32"))
         ack = b.recv_kind(m.RegisterAck)
-        assert not ack.accepted
-        assert "page_size" in ack.reason and "32" in ack.reason and "16" in ack.reason
+        assert not ack.accepted and not ack.retry
+        assert "page_size" in ack.reason and "dtype" in ack.reason
+        # The expected values stay private: a stranger learns what differs, not what to send.
+        assert "16" not in ack.reason and "bfloat16" not in ack.reason and "d0" not in ack.reason
         assert gw.app.state.gw.registry.get("d1") is None
     finally:
         a.close()
