@@ -335,8 +335,8 @@ def test_worker_link_refuses_a_gateway_of_another_version():
     link.start()
     try:
         identity, _ = router.recv_multipart()
-        router.send_multipart([identity, _with_version(gw.encode(gw.RegisterAck(accepted=True)), 5)])
-        with pytest.raises(RegistrationRefused, match="version 5 refused"):
+        router.send_multipart([identity, _with_version(gw.encode(gw.RegisterAck(accepted=True)), 7)])
+        with pytest.raises(RegistrationRefused, match="version 7 refused"):
             link.wait_registered(5)
     finally:
         link.close()
