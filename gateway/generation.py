@@ -97,6 +97,9 @@ class GenState:
     finish_reason: dict | None = None
     meta_info: dict | None = None
     cached_tokens: int = 0
+    # Prompt logprobs from the request's logprob_start_len on (None for the first prompt token).
+    input_logprobs: list[float | None] | None = None
+    input_top_logprobs: list[list[tuple[int, float]] | None] | None = None
 
 
 @dataclass
@@ -230,8 +233,11 @@ class Generations:
         prompt = inp.input_ids + list(st.output_ids)  # a migration's prompt: see below
         decode = self.registry.pick("decode", run.avoid, prompt)
         # Conditional disaggregation: the decode worker computes a short uncached prompt itself.
-        local = decode is not None and self.registry.prefill_locally(
-            decode, prompt, self._candidates("prefill", run.avoid)
+        # Prompt logprobs come from a prefill worker.
+        local = (
+            decode is not None
+            and inp.sampling.logprob_start_len < 0
+            and self.registry.prefill_locally(decode, prompt, self._candidates("prefill", run.avoid))
         )
         prefill = None
         if not local:
@@ -447,6 +453,18 @@ class Generations:
         if migrations:  # only then: an uninterrupted request keeps SGLang's exact meta_info shape
             meta["num_migrations"] = migrations
         if inp.sampling.logprobs:
+            start = inp.sampling.logprob_start_len
+            if start >= 0 and pd is not None and pd.input_logprobs is not None:
+                # Prompt logprobs, computed by the prefill node (runtime/prompt_logprobs.py).
+                ids = inp.input_ids[start:]
+                st.input_logprobs = list(pd.input_logprobs)
+                st.input_top_logprobs = pd.input_top_logprobs
+                meta["input_token_logprobs"] = [[lp, t, None] for lp, t in zip(pd.input_logprobs, ids)]
+                if inp.sampling.top_logprobs_num > 0 and pd.input_top_logprobs is not None:
+                    meta["input_top_logprobs"] = [
+                        None if top is None else [[lp, t, None] for t, lp in top]
+                        for top in pd.input_top_logprobs
+                    ]
             meta["output_token_logprobs"] = [[lp, t, None] for lp, t in zip(st.logprobs, st.output_ids)]
             if inp.sampling.top_logprobs_num > 0:
                 meta["output_top_logprobs"] = [[[lp, t, None] for t, lp in top] for top in st.top_logprobs]

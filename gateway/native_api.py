@@ -29,15 +29,20 @@ async def generate(request: Request) -> Response:
     gw = request.app.state.gw
 
     batched = False  # a list in, a list out: batch prompts or n > 1
+    text_in_logprobs = False
 
     def parse(raw: dict, received: float) -> tuple[list[GenInput], bool, str]:
-        nonlocal batched
+        nonlocal batched, text_in_logprobs
         body: GenerateBody = parse_body(GenerateBody, raw)
         inputs, batched = _inputs(gw, body, received)
+        text_in_logprobs = body.return_text_in_logprobs
         return inputs, body.stream, "text" if body.text is not None else "input_ids"
 
     def full(states: list[GenState]) -> object:
         out = [result(st, gw.tokenizer, gw.cfg.reasoning_parser) for st in states]
+        if text_in_logprobs:
+            for o in out:
+                logprob_texts(o["meta_info"], gw.tokenizer)
         return out if batched else out[0]
 
     def chunks(inputs: list[GenInput]) -> AsyncIterator[bytes]:
@@ -85,6 +90,8 @@ def _inputs(gw, body: GenerateBody, received: float) -> tuple[list[GenInput], bo
         sampling = build_sampling(
             sp, sp.max_new_tokens, body.return_logprob, body.top_logprobs_num, param, vocab
         )
+        if body.return_logprob and body.logprob_start_len >= 0:  # prompt logprobs from this position on
+            sampling = sampling.model_copy(update={"logprob_start_len": body.logprob_start_len})
         sampling = gw.constraints.apply(sampling, prefix=param)  # structured output
         for j in range(sp.n):
             seed = None if sampling.seed is None else sampling.seed + j
@@ -109,6 +116,23 @@ def result(st: GenState, tok: Tokenizer | None = None, reasoning_parser: str | N
         thought, _ = fmt.split(st.text)
         st.meta_info["reasoning_tokens"] = reasoning_tokens(tok, st.output_ids, fmt, thought)
     return {"text": st.text, "output_ids": list(st.output_ids), "meta_info": st.meta_info}
+
+
+def logprob_texts(meta: dict | None, tok: Tokenizer) -> None:
+    """`return_text_in_logprobs`: each [logprob, token id, None] entry gets its token's text."""
+    if not meta:
+        return
+
+    def fill(entry: list) -> None:
+        entry[2] = tok.token_text(entry[1])
+
+    for key in ("input_token_logprobs", "output_token_logprobs"):
+        for e in meta.get(key) or []:
+            fill(e)
+    for key in ("input_top_logprobs", "output_top_logprobs"):
+        for top in meta.get(key) or []:
+            for e in top or []:
+                fill(e)
 
 
 def _partial_meta(st: GenState, finish_reason: dict | None = None) -> dict:

@@ -52,6 +52,8 @@ class _Reply:
     # tool_choice "required" or a named function: a reply that is the constrained JSON is read as calls.
     forced_choice: str | NamedToolChoice | None = None
     stream_reasoning: bool = True
+    # Completions with `echo`: each prompt's token ids, given back before its completion.
+    echo: tuple[tuple[int, ...], ...] = ()
 
 
 def _model_card(gw) -> dict:
@@ -129,14 +131,21 @@ async def _serve(request: Request, chat: bool) -> Response:
         else:
             prompts, param = _completion_prompts(gw.tokenizer, body.prompt), "prompt"
             max_new, logprobs, top_n = body.max_tokens, body.logprobs is not None, body.logprobs or 0
-            reply = _Reply(rid, int(received), gw.model_name, chat, body.n, logprobs, include_usage)
+            echo = tuple(tuple(p) for p in prompts) if body.echo else ()
+            reply = _Reply(
+                rid, int(received), gw.model_name, chat, body.n, logprobs, include_usage, echo=echo
+            )
         sampling = build_sampling(body, max_new, logprobs, top_n, vocab_size=gw.tokenizer.vocab_size)
+        if reply.echo and logprobs:  # the prompt's own logprobs too (what lm-eval's loglikelihood reads)
+            sampling = sampling.model_copy(update={"logprob_start_len": 0})
         sampling = gw.constraints.apply(sampling, body.response_format)  # structured output
         if forced is not None and sampling.constraint is None and gw.constraints.backend_name != "none":
             # tool_choice "required" or a named function: the reply is constrained to a call
             # (function_call/schema.py), so that even a small model answers with a valid one.
             schema = json.dumps(tool_call_schema(body.tools or [], forced))
-            sampling = gw.constraints.apply(sampling.model_copy(update={"json_schema": schema}), prefix="tools")
+            sampling = gw.constraints.apply(
+                sampling.model_copy(update={"json_schema": schema}), prefix="tools"
+            )
         inputs = [
             _gen_input(
                 f"{rid}-{i * body.n + j}",
@@ -304,6 +313,33 @@ def _chat_result(tok: Tokenizer, reply: _Reply, st: GenState) -> tuple[ChatDelta
     return out, n
 
 
+def _echoed(
+    tok: Tokenizer, reply: _Reply, st: GenState, prompt: tuple[int, ...], lp: dict | None
+) -> tuple[str, dict | None]:
+    """`echo`: the prompt's text before the completion's, and its tokens' logprobs (the first is None,
+    as OpenAI's) before the completion's, offsets running on."""
+    head = tok.decode(list(prompt), False)
+    if lp is None:
+        return head + st.text, None
+    lps = list(st.input_logprobs or [None] * len(prompt))
+    tops = st.input_top_logprobs or [None] * len(prompt)
+    tokens = [tok.token_text(t) for t in prompt]
+    offsets, off = [], 0
+    for s in tokens:
+        offsets.append(off)
+        off += len(s)
+    top = None
+    if lp.get("top_logprobs") is not None:
+        top = [None if t is None else {tok.token_text(i): v for i, v in t} for t in tops]
+        top += lp["top_logprobs"]
+    return head + st.text, {
+        "tokens": tokens + lp["tokens"],
+        "token_logprobs": lps + lp["token_logprobs"],
+        "top_logprobs": top,
+        "text_offset": offsets + [len(head) + o for o in lp["text_offset"]],
+    }
+
+
 def _full_response(tok: Tokenizer, reply: _Reply, states: list[GenState]) -> dict:
     choices = []
     reasoning = []
@@ -324,10 +360,13 @@ def _full_response(tok: Tokenizer, reply: _Reply, states: list[GenState]) -> dic
             )
         else:
             reason, matched = _finish(st)
+            text = st.text
+            if reply.echo:
+                text, lp = _echoed(tok, reply, st, reply.echo[i // reply.n], lp)
             choices.append(
                 {
                     "index": i,
-                    "text": st.text,
+                    "text": text,
                     "logprobs": lp,
                     "finish_reason": reason,
                     "matched_stop": matched,

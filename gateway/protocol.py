@@ -100,8 +100,7 @@ class GenerateBody(LenientModel):
     rid: str | list[str] | None = None
     return_logprob: bool = False
     top_logprobs_num: int = Field(0, ge=0, le=20)
-    # Accepted for compatibility: logprobs are returned for output tokens only.
-    logprob_start_len: int = -1
+    logprob_start_len: int = Field(-1, ge=-1)  # prompt logprobs from this position on (-1: none)
     return_text_in_logprobs: bool = False
 
     @model_validator(mode="after")
@@ -254,8 +253,8 @@ class CompletionBody(_OpenAIBase):
 
     @model_validator(mode="after")
     def _completion_checks(self) -> CompletionBody:
-        if self.echo:
-            raise ValueError("echo is not supported")
+        if self.echo and self.stream:
+            raise ValueError("echo is not supported with stream")
         if self.suffix:
             raise ValueError("suffix is not supported")
         if self.best_of not in (None, 1, self.n):

@@ -35,6 +35,9 @@ class SamplingParams(BaseModel):
     # Number of top alternatives returned with each sampled token's logprob (0: only the token's).
     logprobs: bool = False
     top_logprobs_num: int = Field(0, ge=0, le=20)
+    # Prompt logprobs (SGLang's logprob_start_len): from this prompt position on, the prefill node
+    # returns each prompt token's logprob (and top_logprobs_num alternatives); -1: none.
+    logprob_start_len: int = Field(-1, ge=-1)
     # EOS and stop_token_ids are masked out of the distribution until this many tokens exist (SGLang).
     min_new_tokens: int = Field(0, ge=0, le=1 << 20)
     # Added to the logits of these token ids before sampling (OpenAI's logit_bias, -100..100).

@@ -26,6 +26,7 @@ from pdserve.protocol.kv_trailer import FirstToken
 from pdserve.protocol.records import PrefillEvents
 from pdserve.runtime.batch import ForwardMode
 from pdserve.runtime.extend_scheduler import ExtendScheduler
+from pdserve.runtime.prompt_logprobs import take_prompt_logprobs
 from pdserve.runtime.radix_cache import RadixCache
 from pdserve.runtime.request import Request, RequestState
 from pdserve.runtime.request_state import TERMINAL
@@ -168,7 +169,12 @@ class PrefillWorker:
         now = self.clock()
         for r in reqs:
             self.events[r.rid].setdefault("forward_entry", now)
-        logits = self.runner.forward(ForwardMode.EXTEND, reqs, chunks)
+        before = [r.num_computed for r in reqs]
+        if any(r.params.logprob_start_len >= 0 for r in reqs):  # prompt logprobs: every row's logits
+            logits = self.runner.forward(ForwardMode.EXTEND, reqs, chunks, all_logits=True)
+            logits = take_prompt_logprobs(reqs, before, chunks, logits)
+        else:
+            logits = self.runner.forward(ForwardMode.EXTEND, reqs, chunks)
         done, rows = self.sched.take_completed(reqs)
         if done:
             append_samples(done, self.runner.sample(done, logits[rows]))
@@ -201,8 +207,15 @@ class PrefillWorker:
     def _reply(self, done: list[Request]) -> None:
         assert self.link is not None
         for r in done:
+            lps = r.params.logprob_start_len >= 0
             self.link.send(
-                m.PrefillDone(room=r.rid, events=self.events.pop(r.rid), cached_tokens=r.cached_tokens)
+                m.PrefillDone(
+                    room=r.rid,
+                    events=self.events.pop(r.rid),
+                    cached_tokens=r.cached_tokens,
+                    input_logprobs=r.input_logprobs if lps else None,
+                    input_top_logprobs=r.input_top_logprobs if lps and r.params.top_logprobs_num else None,
+                )
             )
         ld = self.link.load
         ld.queued, ld.running = len(self.sched.waiting), len(self.rooms)

@@ -100,7 +100,10 @@ class ExtendScheduler:
         if self.cache is None:
             return self.pages.reserve(r, self.reserve_tokens(r))
         # Matched before evicting, so the eviction cannot take the prefix this request is about to use.
-        m = self.cache.match(r.prompt_ids)
+        # Prompt logprobs from position s need logits from position s - 1 on: only a prefix before it
+        # may come from the cache.
+        start = r.params.logprob_start_len
+        m = self.cache.match(r.prompt_ids if start < 0 else r.prompt_ids[:start])
         r.pages, r.num_computed, r.cached_tokens = list(m.pages), m.num_tokens, m.num_tokens
         short = self.pages.pages_for(self.reserve_tokens(r)) - len(r.pages) - self.pages.allocator.num_free
         if 0 < short <= self.cache.evictable_pages:  # evict only when that admits the request

@@ -26,6 +26,9 @@ class Request:
     num_computed: int = 0
     # Prompt tokens whose KV came from the prefix cache at admission (whole pages).
     cached_tokens: int = 0
+    # Prompt logprobs from `params.logprob_start_len` on (prefill node; runtime/prompt_logprobs.py).
+    input_logprobs: list[float | None] = field(default_factory=list)
+    input_top_logprobs: list[list[tuple[int, float]] | None] = field(default_factory=list)
     finish_reason: dict[str, Any] | None = None
     num_retractions: int = 0
     # The output constraint's matcher (runtime/grammar/), fed every appended token; None: free text.

@@ -105,8 +105,15 @@ class ModelRunner:
     def release(self, req: Request) -> None:
         self.pages.release(req)
 
-    def forward(self, mode: ForwardMode, reqs: list[Request], new_tokens: list[list[int]]) -> torch.Tensor:
-        """Run new tokens on top of each request's computed prefix; returns logits (see ForwardBatch)."""
+    def forward(
+        self,
+        mode: ForwardMode,
+        reqs: list[Request],
+        new_tokens: list[list[int]],
+        all_logits: bool | None = None,
+    ) -> torch.Tensor:
+        """Run new tokens on top of each request's computed prefix; returns logits (see ForwardBatch;
+        `all_logits`: one row per new token instead of one per request)."""
         batch = ForwardBatch.build(
             mode,
             new_tokens,
@@ -114,6 +121,7 @@ class ModelRunner:
             [r.pages for r in reqs],
             self.page_size,
             self.device,
+            all_logits,
         )
         logits: torch.Tensor = self.model(batch, self.pool, self.backend)
         for r, toks in zip(reqs, new_tokens):

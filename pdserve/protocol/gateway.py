@@ -145,6 +145,9 @@ class PrefillDone(_Msg):
     room: str
     events: PrefillEvents
     cached_tokens: int = 0
+    # Prompt logprobs from the request's logprob_start_len on (the first prompt token's is None).
+    input_logprobs: list[float | None] | None = None
+    input_top_logprobs: list[list[tuple[int, float]] | None] | None = None
 
 
 class RequestFailed(_Msg):

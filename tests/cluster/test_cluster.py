@@ -309,3 +309,54 @@ def test_timeline_ordered_under_clock_skew(tmp_path):
             assert abs(offset - skews[worker]) <= rtt / 2 + 1e-6, (worker, offset, rtt)
     finally:
         c.stop()
+
+
+def test_prompt_logprobs_equal_transformers_log_softmax(cluster, hf_bundled, tokenizer):
+    """`return_logprob` with `logprob_start_len` gives the prompt's logprobs, computed on the prefill node,
+    equal to transformers' log-softmax (fp32, 1e-4), also when the prompt's prefix is cached; completions
+    with `echo` and `logprobs` (what lm-eval's loglikelihood reads) give the same numbers."""
+    import torch
+
+    (ids,) = tokenize(cluster, ["The quick brown fox jumps over the lazy dog because it was in a hurry to reach"
+                                " the river before the sun went down behind the hills"])  # fmt: skip
+    with torch.no_grad():
+        ref = torch.log_softmax(hf_bundled(torch.tensor([ids])).logits[0].float(), -1)
+    want = [None] + [ref[k - 1, ids[k]].item() for k in range(1, len(ids))]
+    top2 = [None] + [ref[k - 1].topk(2).indices.tolist() for k in range(1, len(ids))]
+
+    def close(got: list, expect: list) -> bool:
+        return len(got) == len(expect) and all(
+            (g is None and e is None) or (g is not None and e is not None and abs(g - e) < 1e-4)
+            for g, e in zip(got, expect)
+        )
+
+    for start in (0, 20, 0):  # the second 0: the prompt's pages are cached by now
+        body = {"input_ids": ids, "return_logprob": True, "logprob_start_len": start, "top_logprobs_num": 2,
+                "return_text_in_logprobs": True, "sampling_params": {"max_new_tokens": 2, "temperature": 0}}  # fmt: skip
+        meta = generate(cluster.url, body)["meta_info"]
+        got = meta["input_token_logprobs"]
+        assert [t for _, t, _ in got] == ids[start:]
+        assert close([lp for lp, _, _ in got], want[start:]), (start, got[:3], want[start : start + 3])
+        assert got[-1][2] == tokenizer.decode([ids[-1]])  # return_text_in_logprobs
+        tops = meta["input_top_logprobs"]
+        assert len(tops) == len(ids) - start and (start > 0 or tops[0] is None)
+        assert [[t for _, t, _ in top] for top in tops if top] == [x for x in top2[start:] if x]
+        assert len(meta["output_token_logprobs"]) == 2
+
+    r = httpx.post(
+        cluster.url + "/v1/completions",
+        json={"prompt": ids, "max_tokens": 1, "temperature": 0, "logprobs": 1, "echo": True},
+        timeout=300,
+    )
+    assert r.status_code == 200, r.text
+    choice = r.json()["choices"][0]
+    prompt_text = tokenizer.decode(ids)
+    assert choice["text"].startswith(prompt_text) and len(choice["text"]) > len(prompt_text)
+    lp = choice["logprobs"]
+    assert len(lp["token_logprobs"]) == len(ids) + 1 and lp["tokens"][0] == tokenizer.decode([ids[0]])
+    assert close(lp["token_logprobs"][: len(ids)], want)
+    assert lp["text_offset"][len(ids)] == len(prompt_text)
+    stream = httpx.post(
+        cluster.url + "/v1/completions", json={"prompt": ids, "echo": True, "stream": True}, timeout=60
+    )
+    assert stream.status_code == 400 and "echo" in stream.json()["error"]["message"]
