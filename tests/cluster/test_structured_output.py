@@ -164,3 +164,34 @@ def test_instructor_returns_validated_object(openai_client):
     )
     final = Person.model_validate(partials[-1].model_dump())  # validates the streamed object
     assert final.model_dump() == p.model_dump()  # streamed and whole: the same greedy object
+
+
+def test_langchain_with_structured_output(cluster):
+    from langchain_openai import ChatOpenAI
+    from pydantic import BaseModel, Field
+
+    class Person(BaseModel):
+        """A person named in the text."""
+
+        name: str = Field(max_length=32)
+        age: int = Field(ge=0, le=150)
+
+    llm = ChatOpenAI(model=MODEL, base_url=f"{cluster.url}/v1", api_key="none", temperature=0, max_tokens=64)
+    structured = llm.with_structured_output(Person, method="json_schema")
+    msg = "Extract: Alan Turing was 41 years old."
+    p = structured.invoke(msg)
+    assert isinstance(p, Person) and p.name
+    streamed = list(structured.stream(msg))
+    assert streamed and streamed[-1] == p  # streamed and whole: the same greedy object
+
+
+def test_forced_tool_call_is_valid_under_every_cluster_kind(openai_client):
+    """tool_choice names a function: the reply is constrained to its parameters (plain, NGRAM, local)."""
+    tools = [{"type": "function", "function": {"name": "lookup", "parameters": SCHEMA}}]
+    choice = {"type": "function", "function": {"name": "lookup"}}
+    out = openai_client.chat.completions.create(
+        model=MODEL, messages=ASK, tools=tools, tool_choice=choice, max_tokens=128, temperature=0
+    )
+    (call,) = out.choices[0].message.tool_calls
+    assert call.function.name == "lookup" and out.choices[0].finish_reason == "tool_calls"
+    jsonschema.validate(json.loads(call.function.arguments), SCHEMA)
