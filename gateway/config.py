@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import argparse
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
+from pdserve import env
 from pdserve.cluster_auth import add_secret_arg
 from pdserve.gateway.function_call import PARSER_NAMES
 from pdserve.gateway.reasoning import REASONING_PARSERS
@@ -48,6 +49,11 @@ class GatewayConfig:
     grammar_backend: str = "xgrammar"
     # The cluster secret (pdserve/cluster_auth.py); None: PDSERVE_CLUSTER_SECRET, else unauthenticated.
     cluster_secret_file: str | None = None
+    # HTTP API keys (gateway/auth.py); None: that kind of endpoint is open.
+    api_key: str | None = field(default=None, repr=False)  # never printed with the config
+    admin_api_key: str | None = field(default=None, repr=False)
+    protect_health: bool = False
+    protect_metrics: bool = False
 
 
 def add_cli_args(parser: argparse.ArgumentParser) -> None:
@@ -92,6 +98,20 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--control-port", type=int, default=d.control_port)
     add_secret_arg(parser)
+    parser.add_argument(
+        "--api-key",
+        default=env.api_key(),
+        help="require `Authorization: Bearer <key>` on the inference endpoints (default: $PDSERVE_API_KEY; "
+        "prefer the variable: a flag is visible in the process list)",
+    )
+    parser.add_argument(
+        "--admin-api-key",
+        default=env.admin_api_key(),
+        help="the key of /workers, /flush_cache and /abort_request (default: $PDSERVE_ADMIN_API_KEY; "
+        "unset: the API key)",
+    )
+    parser.add_argument("--protect-health", action="store_true", help="/health needs the API key too")
+    parser.add_argument("--protect-metrics", action="store_true", help="/metrics needs the API key too")
     parser.add_argument("--heartbeat-interval", type=float, default=d.heartbeat_interval_s)
     parser.add_argument("--heartbeat-timeout", type=float, default=d.heartbeat_timeout_s)
     parser.add_argument("--max-pending-requests", type=int, default=d.max_pending_requests)
@@ -169,4 +189,8 @@ def config_from_args(args: argparse.Namespace) -> GatewayConfig:
         load_weight=args.load_weight,
         grammar_backend=args.grammar_backend,
         cluster_secret_file=args.cluster_secret_file,
+        api_key=args.api_key,
+        admin_api_key=args.admin_api_key,
+        protect_health=args.protect_health,
+        protect_metrics=args.protect_metrics,
     )

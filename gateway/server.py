@@ -18,6 +18,7 @@ from fastapi import FastAPI, Query, Request
 from fastapi.responses import JSONResponse, Response
 
 from pdserve.gateway import native_api, openai_api, sglang_api
+from pdserve.gateway.auth import ApiKeyMiddleware, ApiKeys
 from pdserve.gateway.config import GatewayConfig
 from pdserve.gateway.control import ControlPlane
 from pdserve.gateway.errors import error_body, install_error_handlers
@@ -90,6 +91,8 @@ def create_app(cfg: GatewayConfig, tokenizer: Tokenizer | None = None) -> FastAP
 
     app = FastAPI(title="pdserve gateway", lifespan=lifespan)
     app.state.gw = gw
+    keys = ApiKeys(cfg.api_key, cfg.admin_api_key, cfg.protect_health, cfg.protect_metrics)
+    app.add_middleware(ApiKeyMiddleware, keys=keys)
     install_error_handlers(app)
     install_openapi(app)
     app.include_router(native_api.router)

@@ -15,6 +15,7 @@ BENCHMARKS = {
     "spec": "pdserve.bench.bench_spec",
     "grammar": "pdserve.bench.bench_grammar",
     "control": "pdserve.bench.bench_control",
+    "auth": "pdserve.bench.bench_auth",
 }
 
 # role -> module with `add_cli_args(parser)` and `main(args)`

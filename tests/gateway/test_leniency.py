@@ -235,7 +235,11 @@ def test_multi_part_text_is_joined_like_sglang(cluster, tokenizer):
         ({"text": "hi", "lora_path": "my-adapter"}, "lora_path", "LoRA"),
         ({"text": "hi", "image_data": ["http://x/cat.png"]}, "image_data", "vision"),
         ({"text": "hi", "return_hidden_states": True}, "return_hidden_states", "hidden states"),
-        ({"text": "hi", "sampling_params": {"structural_tag": "{}"}}, "sampling_params.structural_tag", "structural"),
+        (
+            {"text": "hi", "sampling_params": {"structural_tag": "{}"}},
+            "sampling_params.structural_tag",
+            "structural",
+        ),
     ],
 )
 def test_fields_that_would_change_the_answer_are_refused_by_name(cluster, body, param, needle):

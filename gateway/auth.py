@@ -1,0 +1,93 @@
+"""HTTP API keys, as SGLang and vLLM take them: `Authorization: Bearer <key>`.
+
+Three kinds of path:
+- inference (every path not listed below: `/generate`, `/v1/*`, SGLang's info endpoints, the docs):
+  the API key (`--api-key`, else PDSERVE_API_KEY) or the admin key;
+- operational (`ADMIN_PATHS`: `/workers`, `/flush_cache`, `/abort_request`): the admin key
+  (`--admin-api-key`, else PDSERVE_ADMIN_API_KEY); with no admin key, the API key;
+- `/health` and `/metrics`: open, unless `--protect-health` / `--protect-metrics` put them under the
+  API key (Kubernetes probes and Prometheus scrapers usually carry none).
+No key configured: that kind of path is open. A refusal is a 401 with OpenAI's body (`invalid_api_key`);
+keys are compared in constant time (hmac.compare_digest) and never logged. A plain ASGI middleware, so
+streamed responses pass through untouched.
+"""
+
+from __future__ import annotations
+
+import hmac
+import json
+from dataclasses import dataclass
+from typing import Any
+
+from pdserve.gateway.errors import error_body
+
+ADMIN_PATHS = frozenset({"/workers", "/flush_cache", "/abort_request"})
+OPEN_PATHS = frozenset({"/health", "/metrics"})
+
+
+@dataclass(frozen=True)
+class ApiKeys:
+    api_key: str | None = None
+    admin_api_key: str | None = None
+    protect_health: bool = False
+    protect_metrics: bool = False
+
+    def required(self, path: str) -> tuple[str, ...]:
+        """The keys any one of which opens `path` (empty: open)."""
+        if path in OPEN_PATHS:
+            protected = self.protect_health if path == "/health" else self.protect_metrics
+            if not protected:
+                return ()
+        if path in ADMIN_PATHS:
+            key = self.admin_api_key or self.api_key
+            return (key,) if key else ()
+        return tuple(k for k in (self.api_key, self.admin_api_key) if k) if self.api_key else ()
+
+
+def _bearer(headers: list[tuple[bytes, bytes]]) -> bytes | None:
+    for name, value in headers:
+        if name.lower() == b"authorization":
+            scheme, _, token = value.partition(b" ")
+            return token.strip() if scheme.lower() == b"bearer" else None
+    return None
+
+
+class ApiKeyMiddleware:
+    def __init__(self, app: Any, keys: ApiKeys) -> None:
+        self.app, self.keys = app, keys
+
+    async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        wanted = self.keys.required(scope["path"])
+        if wanted:
+            given = _bearer(scope.get("headers", []))
+            # Every key is compared, whatever matched: the time does not tell which one was close.
+            ok = False
+            for key in wanted:
+                ok |= given is not None and hmac.compare_digest(given, key.encode())
+            if not ok:
+                what = (
+                    "the admin API key"
+                    if scope["path"] in ADMIN_PATHS and self.keys.admin_api_key
+                    else "an API key"
+                )
+                body = error_body(
+                    401, f"this endpoint needs {what}: Authorization: Bearer <key>", None, "invalid_api_key"
+                )
+                payload = json.dumps(body).encode()
+                await send(
+                    {
+                        "type": "http.response.start",
+                        "status": 401,
+                        "headers": [
+                            (b"content-type", b"application/json"),
+                            (b"content-length", str(len(payload)).encode()),
+                            (b"www-authenticate", b"Bearer"),
+                        ],
+                    }
+                )
+                await send({"type": "http.response.body", "body": payload})
+                return
+        await self.app(scope, receive, send)
