@@ -30,6 +30,9 @@ class GatewayConfig:
     heartbeat_timeout_s: float = 5.0
     # In-flight HTTP requests beyond this are refused at once with 503 + Retry-After.
     max_pending_requests: int = 512
+    # One request's limits: its body, and the generations it asks for (prompts x n).
+    max_request_bytes: int = 32 << 20
+    max_generations_per_request: int = 256
     request_timeout_s: float = 600.0
     # How long the final response waits for a late PrefillDone before stitching without it.
     prefill_done_grace_s: float = 2.0
@@ -115,6 +118,15 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--heartbeat-interval", type=float, default=d.heartbeat_interval_s)
     parser.add_argument("--heartbeat-timeout", type=float, default=d.heartbeat_timeout_s)
     parser.add_argument("--max-pending-requests", type=int, default=d.max_pending_requests)
+    parser.add_argument(
+        "--max-request-bytes", type=int, default=d.max_request_bytes, help="a larger body is a 413"
+    )
+    parser.add_argument(
+        "--max-generations-per-request",
+        type=int,
+        default=d.max_generations_per_request,
+        help="prompts x n of one request; more is a 400",
+    )
     parser.add_argument("--request-timeout", type=float, default=d.request_timeout_s, help="seconds")
     parser.add_argument(
         "--port-file",
@@ -177,6 +189,8 @@ def config_from_args(args: argparse.Namespace) -> GatewayConfig:
         heartbeat_interval_s=args.heartbeat_interval,
         heartbeat_timeout_s=args.heartbeat_timeout,
         max_pending_requests=args.max_pending_requests,
+        max_request_bytes=args.max_request_bytes,
+        max_generations_per_request=args.max_generations_per_request,
         request_timeout_s=args.request_timeout,
         enable_metrics=args.enable_metrics,
         log_level=args.log_level,

@@ -21,6 +21,7 @@ log = logging.getLogger(__name__)
 _TYPES = {
     400: "invalid_request_error",
     401: "invalid_request_error",
+    413: "invalid_request_error",
     404: "not_found_error",
     405: "invalid_request_error",
     500: "internal_server_error",
@@ -123,6 +124,10 @@ def parse_json_body(raw: bytes) -> dict:
         body = json.loads(raw)
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise bad_request(f"malformed JSON body: {e}") from None
+    except RecursionError:
+        raise bad_request("JSON body nested too deeply") from None
+    except ValueError as e:  # an integer beyond Python's digit limit
+        raise bad_request(f"unreadable JSON body: {e}") from None
     if not isinstance(body, dict):
         raise bad_request("request body must be a JSON object")
     return body

@@ -157,6 +157,20 @@ def _snapshot(st: GenState) -> GenState:
     )
 
 
+async def read_body(request: Request, limit: int) -> bytes:
+    """The request body, refused with a 413 as soon as it is known to exceed `limit` bytes."""
+    declared = request.headers.get("content-length")
+    if declared is not None and declared.isdigit() and int(declared) > limit:
+        raise ApiError(413, f"the request body is larger than the limit of {limit} bytes")
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            raise ApiError(413, f"the request body is larger than the limit of {limit} bytes")
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
 async def serve_generation(
     request: Request,
     admission: Admission,
@@ -174,7 +188,14 @@ async def serve_generation(
     handed_to_stream = False
     try:
         received = time.time()
-        inputs, stream, param = parse(parse_json_body(await request.body()), received)
+        raw = await read_body(request, generations.cfg.max_request_bytes)
+        # Off the event loop: a huge prompt's tokenization must not stall heartbeats or other requests.
+        inputs, stream, param = await asyncio.to_thread(parse, parse_json_body(raw), received)
+        limit = generations.cfg.max_generations_per_request
+        if len(inputs) > limit:
+            raise ApiError(
+                400, f"the request asks for {len(inputs)} generations (prompts x n); the limit is {limit}"
+            )
         inputs = generations.prepare(inputs, param)
         if stream:
 
