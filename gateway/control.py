@@ -332,9 +332,10 @@ class ControlPlane:
             old is not None
             and old.identity != identity
             and now - old.last_seen <= self.cfg.heartbeat_timeout_s
+            and not self._holder_gone(old, now)
         ):
             # Held by a live connection: a second process under the same id, or one trying to take
-            # it over. A restarted worker gets in once the old connection misses its heartbeats.
+            # it over. A restarted worker gets in once the old connection has not answered a probe.
             log.warning("worker id %s is held by another live connection: register refused", reg.worker_id)
             self._refuse(identity, f"worker id {reg.worker_id} is in use by another connection", retry=True)
             return
@@ -360,6 +361,21 @@ class ControlPlane:
         # A first round trip right away so the offset estimate does not wait a heartbeat interval.
         self.send(w, Ping(t0=time.time()))
         self._update_worker_gauges()
+
+    def _holder_gone(self, old: WorkerInfo, now: float) -> bool:
+        """Another connection claims `old`'s id. The first claim pings the holder; a claim (the claimant
+        retries every second) made when the holder has stayed silent for the probe window since that ping
+        finds it gone: a restart, whose old process died without a word, gets its id back in about a
+        second instead of a heartbeat timeout. A live holder answers, and the claim is refused again."""
+        probe = old.conflict_probe
+        window = min(self.cfg.heartbeat_timeout_s, max(1.0, 2 * self.cfg.heartbeat_interval_s))
+        if probe is not None and old.last_seen < probe and now - probe >= window:
+            log.info("worker %s did not answer a probe: a new connection takes its id", old.worker_id)
+            return True
+        if probe is None or old.last_seen >= probe:
+            old.conflict_probe = now
+            self.send(old, Ping(t0=time.time()))
+        return False
 
     def _on_pong(self, w: WorkerInfo, pong: Pong, t_recv: float) -> None:
         w.clock.add_round_trip(pong.t0, pong.t1, pong.t2, t_recv)

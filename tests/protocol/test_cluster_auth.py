@@ -160,6 +160,11 @@ def test_a_taken_id_is_refused_and_only_its_own_connection_deregisters_it(contro
         assert not ack.accepted and ack.retry and "in use" in ack.reason
         w = control_plane.registry.get("d0")
         assert w.identity == link.identity and w.restarts == 0
+        # The holder answered the probe that claim sent: a second claim, past the probe window, fails too.
+        time.sleep(1.5)
+        thief.send(gw.encode(_register("d0")))
+        assert not _recv(thief, gw, gw.RegisterAck).accepted
+        assert control_plane.registry.get("d0").identity == link.identity
         # A deregister under d0's name from anyone else: from an unregistered peer, from another worker.
         thief.send(gw.encode(gw.Deregister(worker_id="d0")))
         other.send(gw.encode(_register("d1")))
@@ -182,13 +187,17 @@ def test_a_taken_id_is_refused_and_only_its_own_connection_deregisters_it(contro
 
 
 def test_a_restarted_worker_gets_its_id_back_once_the_old_connection_is_lost():
-    for cp in _plane(None, heartbeat_timeout_s=1.0):
+    # A heartbeat timeout far longer than the test: the id comes back because the old connection does
+    # not answer the probe the new one's claim sent, within about a second.
+    for cp in _plane(None, heartbeat_timeout_s=60.0):
         first = _link(cp.bound_port, "d0", None)
         first.wait_registered(5)
         first.close()  # the process dies: no more pongs
         second = _link(cp.bound_port, "d0", None)  # its restart, a new connection
         try:
-            second.wait_registered(10)  # refused with retry until the old one missed its heartbeats
+            t0 = time.monotonic()
+            second.wait_registered(10)  # refused with retry until the old one missed the probe
+            assert time.monotonic() - t0 < 5
             assert cp.registry.get("d0").identity == second.identity
             assert cp.registry.get("d0").restarts == 1
         finally:
