@@ -231,18 +231,20 @@ class Generations:
     async def _attempt(self, run: _Run) -> AsyncIterator[GenState]:
         inp, st, c = run.inp, run.st, run.c
         prompt = inp.input_ids + list(st.output_ids)  # a migration's prompt: see below
-        decode = self.registry.pick("decode", run.avoid, prompt)
+        hashes: dict[int, list[int]] = {}  # the prompt's block hashes, computed once for all three
+        decode = self.registry.pick("decode", run.avoid, prompt, hashes)
         # Conditional disaggregation: the decode worker computes a short uncached prompt itself.
         # Prompt logprobs come from a prefill worker.
         local = (
             decode is not None
             and inp.sampling.logprob_start_len < 0
-            and self.registry.prefill_locally(decode, prompt, self._candidates("prefill", run.avoid))
+            and self.registry.prefill_locally(decode, prompt, self._candidates("prefill", run.avoid), hashes)
         )
         prefill = None
         if not local:
-            prefill = self.registry.pick("prefill", run.avoid | run.prefer_not, prompt) or self.registry.pick(
-                "prefill", run.avoid, prompt
+            reg = self.registry
+            prefill = reg.pick("prefill", run.avoid | run.prefer_not, prompt, hashes) or reg.pick(
+                "prefill", run.avoid, prompt, hashes
             )
         if (prefill is None and not local) or decode is None:
             missing = " and no ".join(

@@ -197,11 +197,16 @@ class WorkerRegistry:
     # ---- routing -----------------------------------------------------------------------------
 
     def pick(
-        self, role: Role, avoid: Collection[str] = (), input_ids: Sequence[int] = ()
+        self,
+        role: Role,
+        avoid: Collection[str] = (),
+        input_ids: Sequence[int] = (),
+        hashes: dict[int, list[int]] | None = None,
     ) -> WorkerInfo | None:
         """The worker for the next request with prompt `input_ids`, by the role's policy; ties
-        round-robin; never a worker id in `avoid` (a failed attempt's). Does not reserve: call
-        `acquire`."""
+        round-robin; never a worker id in `avoid` (a failed attempt's). `hashes`: the prompt's block
+        hashes per page size, filled on first use, to share across the calls for one request. Does not
+        reserve: call `acquire`."""
         cands = [w for w in self.in_rotation(role) if w.worker_id not in avoid]
         if not cands:
             return None
@@ -210,7 +215,7 @@ class WorkerRegistry:
             tied = cands
         elif policy == "cache_aware":
             a, b = self.policy.cache_weight, self.policy.load_weight
-            hashes: dict[int, list[int]] = {}
+            hashes = {} if hashes is None else hashes
             costs = {
                 w.worker_id: a * (len(input_ids) - w.prefix.cached_tokens(input_ids, hashes))
                 + b * w.inflight_tokens
@@ -228,12 +233,18 @@ class WorkerRegistry:
         return w
 
     def prefill_locally(
-        self, decode: WorkerInfo, input_ids: Sequence[int], prefills: Sequence[WorkerInfo]
+        self,
+        decode: WorkerInfo,
+        input_ids: Sequence[int],
+        prefills: Sequence[WorkerInfo],
+        hashes: dict[int, list[int]] | None = None,
     ) -> bool:
         """Whether `decode` should compute this prompt itself (see the module docstring)."""
         p = self.policy
         if p.min_prefill_tokens > 0:
-            uncached = len(input_ids) - decode.prefix.cached_tokens(input_ids, {})
+            uncached = len(input_ids) - decode.prefix.cached_tokens(
+                input_ids, {} if hashes is None else hashes
+            )
             if uncached < p.min_prefill_tokens:
                 return True
         if p.max_prefill_queue > 0 and prefills:

@@ -20,6 +20,7 @@ from concurrent.futures import ThreadPoolExecutor
 import httpx
 import pytest
 from harness import start_roles, start_up
+from reliability.calls import metric
 
 # Minutes of real clusters killed and restarted: in `make test-all` (CI), not in `make test`.
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
@@ -59,11 +60,6 @@ def _hit_rate(url: str, sends: list[tuple[int, int]]) -> float:
     return cached / prompt
 
 
-def _counter(url: str, name: str) -> float:
-    text = httpx.get(url + "/metrics", timeout=10).text
-    return float(re.search(rf"^{name} (\S+)$", text, re.M).group(1))
-
-
 def _cached_blocks(url: str) -> int:
     ws = httpx.get(url + "/workers", timeout=5).json()["workers"]
     return sum(w["cached_blocks"] for w in ws if w["role"] == "prefill")
@@ -86,7 +82,7 @@ def test_cache_aware_routing_serves_most_prompt_tokens_from_cache(tmp_path):
         try:
             c.wait_healthy(workers=4)
             rates[policy] = _hit_rate(c.url, _order())
-            rates[f"{policy} decode"] = _counter(c.url, "pdserve_transfer_skipped_tokens_total") / _counter(
+            rates[f"{policy} decode"] = metric(c.url, "pdserve_transfer_skipped_tokens_total") / metric(
                 c.url, "pdserve_prompt_tokens_total"
             )
         finally:

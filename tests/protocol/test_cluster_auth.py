@@ -427,22 +427,6 @@ def test_the_decode_side_drops_multipart_frames_from_a_prefill_and_keeps_serving
     _transfer(sender, receiver, "after-multipart")
 
 
-@pytest.fixture
-def sender():
-    s = KVSender(_pool(1), FP, "127.0.0.1", 0, FAST)
-    s.start()
-    yield s
-    s.close()
-
-
-@pytest.fixture
-def receiver():
-    r = KVReceiver(_pool(2), FP, FAST)
-    r.start()
-    yield r
-    r.close()
-
-
 def test_with_keys_the_bootstrap_port_serves_only_holders_of_the_secret():
     keyed = dataclasses.replace(FAST, keys=KEYS, bootstrap_timeout_s=2)
     sender = KVSender(_pool(1), FP, "127.0.0.1", 0, keyed)

@@ -373,22 +373,6 @@ def _transfer(sender: KVSender, receiver: KVReceiver, room: str) -> None:
     assert torch.equal(receiver._kv[[3, 4]], sender._kv[[1, 2]])
 
 
-@pytest.fixture
-def sender():
-    s = KVSender(_pool(1), FP, "127.0.0.1", 0, FAST)
-    s.start()
-    yield s
-    s.close()
-
-
-@pytest.fixture
-def receiver():
-    r = KVReceiver(_pool(2), FP, FAST)
-    r.start()
-    yield r
-    r.close()
-
-
 def test_bootstrap_server_refuses_a_hello_of_another_version_and_garbage_then_keeps_serving(sender, receiver):
     ctx = zmq.Context()
     sock = _dealer(ctx, f"tcp://{sender.addr}", b"stranger")
