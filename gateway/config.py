@@ -28,11 +28,17 @@ class GatewayConfig:
     reasoning_parser: str | None = None
     heartbeat_interval_s: float = 1.0
     heartbeat_timeout_s: float = 5.0
-    # In-flight HTTP requests beyond this are refused at once with 503 + Retry-After.
-    max_pending_requests: int = 512
+    # Generations (prompts x n) in flight beyond this are refused at once with 503 + Retry-After.
+    max_pending_generations: int = 512
+    # HTTP generation requests in flight per client (its API key, else its address): 429 beyond (0: no limit).
+    max_requests_per_client: int = 256
     # One request's limits: its body, and the generations it asks for (prompts x n).
     max_request_bytes: int = 32 << 20
     max_generations_per_request: int = 256
+    # Slow clients: a body not all arrived within this is a 408; a connection with no request in
+    # progress (no complete headers yet, or idle between requests) is closed after idle_timeout_s.
+    request_body_timeout_s: float = 60.0
+    idle_timeout_s: float = 30.0
     request_timeout_s: float = 600.0
     # How long the final response waits for a late PrefillDone before stitching without it.
     prefill_done_grace_s: float = 2.0
@@ -117,7 +123,34 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--protect-metrics", action="store_true", help="/metrics needs the API key too")
     parser.add_argument("--heartbeat-interval", type=float, default=d.heartbeat_interval_s)
     parser.add_argument("--heartbeat-timeout", type=float, default=d.heartbeat_timeout_s)
-    parser.add_argument("--max-pending-requests", type=int, default=d.max_pending_requests)
+    parser.add_argument(
+        "--max-pending-generations",
+        "--max-pending-requests",
+        dest="max_pending_generations",
+        type=int,
+        default=d.max_pending_generations,
+        help="generations (prompts x n, over all requests) in flight; more is a 503 with Retry-After",
+    )
+    parser.add_argument(
+        "--max-requests-per-client",
+        type=int,
+        default=d.max_requests_per_client,
+        help="generation requests in flight per client (its API key, else its IP address); more is a 429 "
+        "(0: no limit)",
+    )
+    parser.add_argument(
+        "--request-body-timeout",
+        type=float,
+        default=d.request_body_timeout_s,
+        help="seconds for a request body to arrive in full; later is a 408",
+    )
+    parser.add_argument(
+        "--idle-timeout",
+        type=float,
+        default=d.idle_timeout_s,
+        help="seconds a connection may stay open without a request in progress (headers not complete, "
+        "or idle between requests)",
+    )
     parser.add_argument(
         "--max-request-bytes", type=int, default=d.max_request_bytes, help="a larger body is a 413"
     )
@@ -188,7 +221,10 @@ def config_from_args(args: argparse.Namespace) -> GatewayConfig:
         reasoning_parser=args.reasoning_parser,
         heartbeat_interval_s=args.heartbeat_interval,
         heartbeat_timeout_s=args.heartbeat_timeout,
-        max_pending_requests=args.max_pending_requests,
+        max_pending_generations=args.max_pending_generations,
+        max_requests_per_client=args.max_requests_per_client,
+        request_body_timeout_s=args.request_body_timeout,
+        idle_timeout_s=args.idle_timeout,
         max_request_bytes=args.max_request_bytes,
         max_generations_per_request=args.max_generations_per_request,
         request_timeout_s=args.request_timeout,

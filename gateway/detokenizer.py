@@ -6,7 +6,7 @@ end in U+FFFD, so a multi-byte character split across tokens is never emitted ha
 
 `StopStringMatcher` works on the cumulative text: once a stop string appears, the text is cut just
 before it (OpenAI/SGLang semantics); until then it releases only text that cannot be the start of a
-stop string.
+stop string. Its cost is linear in the text and the stop strings' length.
 """
 
 from __future__ import annotations
@@ -48,13 +48,22 @@ class IncrementalDetokenizer:
 
 
 class StopStringMatcher:
-    """Feeds on stable text; tells what may be released and whether a stop string matched."""
+    """Feeds on stable text; tells what may be released and whether a stop string matched.
+
+    One Knuth-Morris-Pratt automaton per stop string, advanced one character at a time: each
+    character costs O(1) amortized per stop string, however long the strings (a longest-suffix
+    search per feed was quadratic in their length). The first stop string to complete wins (of
+    those completing on the same character, the longest); text that could still be the start of
+    one (the longest automaton state) is held back. The result does not depend on how the text
+    is split into feeds.
+    """
 
     def __init__(self, stops: Sequence[str], keep_stop: bool = False) -> None:
         self.stops = [s for s in stops if s]
         # SGLang's no_stop_trim: the text ends after the matched stop string instead of before it.
         self.keep_stop = keep_stop
-        self._max_len = max((len(s) for s in self.stops), default=0)
+        self._fail = [_failure(s) for s in self.stops]
+        self._state = [0] * len(self.stops)  # chars of each stop string matched at the text's end
         self.text = ""  # all stable text seen (cut at the stop string once matched)
         self.released = 0  # chars of `text` already handed out
         self.matched: str | None = None
@@ -63,16 +72,18 @@ class StopStringMatcher:
         """Add stable text; return the text now safe to release."""
         if self.matched is not None or not delta:
             return ""
-        # A match can only involve the new text plus the last (max_len - 1) old chars.
-        start = max(0, len(self.text) - self._max_len + 1)
-        self.text += delta
-        hit = self._find(start)
-        if hit is not None:
-            pos, stop = hit
-            self.matched = stop
-            self.text = self.text[: pos + (len(stop) if self.keep_stop else 0)]
+        if not self.stops:
+            self.text += delta
             return self._release(len(self.text))
-        return self._release(len(self.text) - self._held_back())
+        for i, ch in enumerate(delta):
+            hit = self._step(ch)
+            if hit is not None:
+                end = len(self.text) + i + 1
+                self.matched = hit
+                self.text = (self.text + delta[: i + 1])[: end - (0 if self.keep_stop else len(hit))]
+                return self._release(len(self.text))
+        self.text += delta
+        return self._release(len(self.text) - max(self._state))
 
     def finish(self) -> str:
         """No more text will come: release what was held back."""
@@ -80,25 +91,38 @@ class StopStringMatcher:
             return ""
         return self._release(len(self.text))
 
-    def _find(self, start: int) -> tuple[int, str] | None:
-        best: tuple[int, str] | None = None
-        for s in self.stops:
-            pos = self.text.find(s, start)
-            if pos >= 0 and (best is None or pos < best[0]):
-                best = (pos, s)
-        return best
-
-    def _held_back(self) -> int:
-        """Length of the longest suffix of `text` that is a proper prefix of some stop string."""
-        n = min(len(self.text), self._max_len - 1)
-        for k in range(n, 0, -1):
-            tail = self.text[-k:]
-            if any(s.startswith(tail) for s in self.stops):
-                return k
-        return 0
+    def _step(self, ch: str) -> str | None:
+        """Advance every automaton by `ch`; the stop string completed by it, if any."""
+        hit: str | None = None
+        for j, s in enumerate(self.stops):
+            q, fail = self._state[j], self._fail[j]
+            while q and s[q] != ch:
+                q = fail[q - 1]
+            if s[q] == ch:
+                q += 1
+            if q == len(s):
+                if hit is None or len(s) > len(hit):
+                    hit = s
+                q = fail[q - 1]
+            self._state[j] = q
+        return hit
 
     def _release(self, upto: int) -> str:
         upto = max(upto, self.released)
         out = self.text[self.released : upto]
         self.released = upto
         return out
+
+
+def _failure(s: str) -> list[int]:
+    """KMP's prefix function: fail[i] = length of the longest proper prefix of s[: i + 1] that is
+    also its suffix."""
+    fail = [0] * len(s)
+    k = 0
+    for i in range(1, len(s)):
+        while k and s[i] != s[k]:
+            k = fail[k - 1]
+        if s[i] == s[k]:
+            k += 1
+        fail[i] = k
+    return fail

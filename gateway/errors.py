@@ -24,6 +24,8 @@ _TYPES = {
     413: "invalid_request_error",
     404: "not_found_error",
     405: "invalid_request_error",
+    408: "timeout_error",
+    429: "rate_limit_error",
     500: "internal_server_error",
     503: "service_unavailable",
     504: "timeout_error",

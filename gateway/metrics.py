@@ -91,6 +91,9 @@ class GatewayMetrics:
         )
         self.spec_verify = Counter("pdserve_spec_verify", "Speculative verify forwards", registry=r)
         self.pending = Gauge("pdserve_pending_requests", "HTTP requests in flight at the gateway", registry=r)
+        self.pending_generations = Gauge(
+            "pdserve_pending_generations", "Generations (prompts x n) admitted and not finished", registry=r
+        )
         self.workers = Gauge("pdserve_workers", "Workers in rotation", ["role"], registry=r)
         labels = ["worker", "role"]
         self.queued = Gauge("pdserve_worker_queue_depth", "Requests queued on a worker", labels, registry=r)

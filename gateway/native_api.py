@@ -18,7 +18,7 @@ from pdserve.gateway.errors import ApiError, bad_request
 from pdserve.gateway.generation import Generations, GenInput, GenState
 from pdserve.gateway.protocol import GenerateBody, build_sampling, parse_body, with_seed
 from pdserve.gateway.reasoning import reasoning_format
-from pdserve.gateway.serving import SSE_DONE, merge_streams, serve_generation, sse
+from pdserve.gateway.serving import SSE_DONE, check_generations, merge_streams, serve_generation, sse
 from pdserve.gateway.tokenizer import Tokenizer
 
 router = APIRouter()
@@ -56,6 +56,14 @@ def _is_batch_ids(ids: object) -> bool:
 
 
 def _inputs(gw, body: GenerateBody, received: float) -> tuple[list[GenInput], bool]:
+    # Counted before any prompt is tokenized: 400 prompts x n = 128 fit in a 16 KB body.
+    if isinstance(body.sampling_params, list):
+        count = sum(sp.n for sp in body.sampling_params)
+    else:
+        texts_or_ids = body.text if body.text is not None else body.input_ids
+        batch = isinstance(body.text, list) or _is_batch_ids(texts_or_ids)
+        count = body.sampling_params.n * (len(texts_or_ids or []) if batch else 1)
+    check_generations(count, gw.cfg.max_generations_per_request)
     if body.text is not None:
         texts = [body.text] if isinstance(body.text, str) else body.text
         if not texts:
@@ -63,7 +71,8 @@ def _inputs(gw, body: GenerateBody, received: float) -> tuple[list[GenInput], bo
         for t in texts:
             if t == "":
                 raise bad_request("the prompt is empty", "text")
-        prompts = [gw.tokenizer.encode(t) for t in texts]
+        ctx = gw.registry.context_length()
+        prompts = [gw.tokenizer.encode(t, ctx, "text") for t in texts]
         batched = isinstance(body.text, list)
     else:
         ids = body.input_ids

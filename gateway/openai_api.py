@@ -30,7 +30,7 @@ from pdserve.gateway.protocol import (
     with_seed,
 )
 from pdserve.gateway.reasoning import reasoning_format
-from pdserve.gateway.serving import SSE_DONE, merge_streams, serve_generation, sse
+from pdserve.gateway.serving import SSE_DONE, check_generations, merge_streams, serve_generation, sse
 from pdserve.gateway.tokenizer import Tokenizer
 from pdserve.sampling_params import SamplingParams
 
@@ -102,10 +102,13 @@ async def _serve(request: Request, chat: bool) -> Response:
             raise model_not_found(body.model)
         rid = body.rid or uuid.uuid4().hex
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
+        prompt_count = 1 if chat or isinstance(body.prompt, str) or _is_ids(body.prompt) else len(body.prompt)
+        check_generations(prompt_count * body.n, gw.cfg.max_generations_per_request)
         skip_special = body.skip_special_tokens
         forced: str | NamedToolChoice | None = None
         if chat:
-            prompts, param = [_chat_prompt(gw.tokenizer, gw.cfg.tool_call_parser, body)], "messages"
+            ctx = gw.registry.context_length()
+            prompts, param = [_chat_prompt(gw.tokenizer, gw.cfg.tool_call_parser, body, ctx)], "messages"
             max_new = (
                 body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
             )
@@ -129,7 +132,8 @@ async def _serve(request: Request, chat: bool) -> Response:
                 body.stream_reasoning,
             )
         else:
-            prompts, param = _completion_prompts(gw.tokenizer, body.prompt), "prompt"
+            ctx = gw.registry.context_length()
+            prompts, param = _completion_prompts(gw.tokenizer, body.prompt, ctx), "prompt"
             max_new, logprobs, top_n = body.max_tokens, body.logprobs is not None, body.logprobs or 0
             echo = tuple(tuple(p) for p in prompts) if body.echo else ()
             reply = _Reply(
@@ -196,13 +200,17 @@ def _template_kwargs(body: ChatCompletionBody) -> dict:
     return kwargs
 
 
-def _chat_prompt(tok: Tokenizer, parser: str | None, body: ChatCompletionBody) -> list[int]:
+def _chat_prompt(
+    tok: Tokenizer, parser: str | None, body: ChatCompletionBody, max_tokens: int | None
+) -> list[int]:
     msgs, tools = chat_messages(body, tool_call_format(parser), tok.template_supports_tools)
     kwargs = _template_kwargs(body)
     try:
-        return tok.encode_chat(msgs, tools, kwargs)
+        text = tok.chat_prompt(msgs, tools, kwargs)
     except Exception as e:  # jinja errors from the model's template (e.g. role order)
         raise bad_request(f"the chat template refused the messages: {e}", "messages") from None
+    tok.check_chars(text, max_tokens, "messages")
+    return tok.encode_rendered(text)
 
 
 def _output_spec(gw, body: ChatCompletionBody) -> ChatOutputSpec:
@@ -222,13 +230,18 @@ def _output_spec(gw, body: ChatCompletionBody) -> ChatOutputSpec:
     )
 
 
-def _completion_prompts(tok: Tokenizer, prompt: str | list) -> list[list[int]]:
+def _is_ids(prompt: list) -> bool:
+    """A completions prompt that is one list of token ids (not a batch)."""
+    return bool(prompt) and isinstance(prompt[0], int)
+
+
+def _completion_prompts(tok: Tokenizer, prompt: str | list, max_tokens: int | None) -> list[list[int]]:
     if isinstance(prompt, str):
-        return [tok.encode(prompt)] if prompt else [[]]
+        return [tok.encode(prompt, max_tokens)] if prompt else [[]]
     if not prompt:
         raise bad_request("the prompt is empty", "prompt")
     if isinstance(prompt[0], str):
-        return [tok.encode(p) if p else [] for p in prompt]
+        return [tok.encode(p, max_tokens) if p else [] for p in prompt]
     if isinstance(prompt[0], int):
         return [list(prompt)]
     return [list(p) for p in prompt]

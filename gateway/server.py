@@ -20,6 +20,7 @@ from fastapi.responses import JSONResponse, Response
 from pdserve.gateway import native_api, openai_api, sglang_api
 from pdserve.gateway.auth import ApiKeyMiddleware, ApiKeys
 from pdserve.gateway.config import GatewayConfig
+from pdserve.gateway.connections import IdleTimeoutProtocol, raise_open_files_limit
 from pdserve.gateway.control import ControlPlane
 from pdserve.gateway.errors import error_body, install_error_handlers
 from pdserve.gateway.generation import Generations
@@ -73,7 +74,7 @@ def create_app(cfg: GatewayConfig, tokenizer: Tokenizer | None = None) -> FastAP
         control=control,
         metrics=metrics,
         generations=Generations(cfg, tok, registry, control, metrics),
-        admission=Admission(cfg.max_pending_requests, metrics),
+        admission=Admission(cfg.max_pending_generations, cfg.max_requests_per_client, metrics),
         started=int(time.time()),
         model_name=cfg.served_model_name or model_name(cfg.model_path),
         constraints=Constraints(cfg.grammar_backend, tok),
@@ -164,8 +165,13 @@ def run(cfg: GatewayConfig) -> None:
     family = socket.AF_INET6 if ":" in cfg.host else socket.AF_INET
     sock = socket.create_server((cfg.host, cfg.port), family=family, backlog=2048)
     cfg = dataclasses.replace(cfg, port=sock.getsockname()[1])
+    log.info("open-files limit %d (one per connection)", raise_open_files_limit())
     app = create_app(cfg)
-    server = uvicorn.Server(uvicorn.Config(app, log_level=cfg.log_level, timeout_keep_alive=30))
+    server = uvicorn.Server(
+        uvicorn.Config(
+            app, log_level=cfg.log_level, http=IdleTimeoutProtocol, timeout_keep_alive=cfg.idle_timeout_s
+        )
+    )
     server.run(sockets=[sock])
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import hashlib
 import json
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -30,27 +31,70 @@ class ClientGone(Exception):
 
 
 class Admission:
-    """Bounds in-flight HTTP generation requests; beyond the bound, 503 at once."""
+    """What one client, and all clients together, may have in flight.
 
-    def __init__(self, limit: int, metrics: GatewayMetrics) -> None:
-        self.limit = limit
-        self.pending = 0
+    Per client (its API key when it sends one, else its address): HTTP generation requests, from
+    the moment the headers are in, so that slow or stalled bodies hold only their own client's
+    slots (429 beyond `per_client`). Across clients: generations (prompts x n), counted once the
+    request is parsed (503 beyond `generations`).
+    """
+
+    def __init__(self, generations: int, per_client: int, metrics: GatewayMetrics) -> None:
+        self.limit = generations
+        self.per_client = per_client
+        self.pending = 0  # generations admitted
+        self.requests = 0  # HTTP generation requests in flight
+        self.clients: dict[str, int] = {}
         self.metrics = metrics
 
-    def enter(self) -> None:
-        if self.pending >= self.limit:
+    def enter_client(self, client: str) -> None:
+        n = self.clients.get(client, 0)
+        if self.per_client and n >= self.per_client:
+            self.metrics.rejected.labels("client_limit").inc()
+            raise ApiError(
+                429,
+                f"this client already has {n} requests in flight, its limit; retry later",
+                headers={"Retry-After": "1"},
+                code="rate_limit_exceeded",
+            )
+        self.clients[client] = n + 1
+        self.requests += 1
+        self.metrics.pending.set(self.requests)
+
+    def leave_client(self, client: str) -> None:
+        n = self.clients.pop(client) - 1
+        if n:
+            self.clients[client] = n
+        self.requests -= 1
+        self.metrics.pending.set(self.requests)
+
+    def enter(self, n: int) -> None:
+        if n > self.limit:
+            raise ApiError(
+                400, f"the request asks for {n} generations; the gateway runs at most {self.limit} at once"
+            )
+        if self.pending + n > self.limit:
             self.metrics.rejected.labels("overloaded").inc()
             raise ApiError(
                 503,
-                f"the gateway is at its limit of {self.limit} pending requests; retry later",
+                f"the gateway is at its limit of {self.limit} pending generations; retry later",
                 headers={"Retry-After": "1"},
             )
-        self.pending += 1
-        self.metrics.pending.set(self.pending)
+        self.pending += n
+        self.metrics.pending_generations.set(self.pending)
 
-    def leave(self) -> None:
-        self.pending -= 1
-        self.metrics.pending.set(self.pending)
+    def leave(self, n: int) -> None:
+        self.pending -= n
+        self.metrics.pending_generations.set(self.pending)
+
+
+def client_id(request: Request, keyed: bool) -> str:
+    """Whom a request's limits count against: its API key (hashed: never kept) when the gateway
+    checks keys (`keyed`), else its address (unchecked, any bearer would make a new client)."""
+    auth = request.headers.get("authorization", "")
+    if keyed and auth:
+        return "key:" + hashlib.sha256(auth.encode()).hexdigest()[:16]
+    return "addr:" + (request.client.host if request.client else "?")
 
 
 async def _wait_disconnect(request: Request) -> None:
@@ -157,18 +201,33 @@ def _snapshot(st: GenState) -> GenState:
     )
 
 
-async def read_body(request: Request, limit: int) -> bytes:
-    """The request body, refused with a 413 as soon as it is known to exceed `limit` bytes."""
+async def read_body(request: Request, limit: int, timeout_s: float) -> bytes:
+    """The request body, refused with a 413 as soon as it is known to exceed `limit` bytes, and
+    with a 408 when it has not all arrived within `timeout_s`."""
     declared = request.headers.get("content-length")
     if declared is not None and declared.isdigit() and int(declared) > limit:
         raise ApiError(413, f"the request body is larger than the limit of {limit} bytes")
-    chunks, size = [], 0
-    async for chunk in request.stream():
-        size += len(chunk)
-        if size > limit:
-            raise ApiError(413, f"the request body is larger than the limit of {limit} bytes")
-        chunks.append(chunk)
+    chunks: list[bytes] = []
+
+    async def read() -> None:
+        size = 0
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > limit:
+                raise ApiError(413, f"the request body is larger than the limit of {limit} bytes")
+            chunks.append(chunk)
+
+    try:
+        await asyncio.wait_for(read(), timeout_s)
+    except TimeoutError:
+        raise ApiError(408, f"the request body did not arrive within {timeout_s:g} s") from None
     return b"".join(chunks)
+
+
+def check_generations(count: int, limit: int) -> None:
+    """A request's generations (prompts x n) within `limit`; parsers call it before tokenizing."""
+    if count > limit:
+        raise ApiError(400, f"the request asks for {count} generations (prompts x n); the limit is {limit}")
 
 
 async def serve_generation(
@@ -179,23 +238,25 @@ async def serve_generation(
     full: Callable[[list[GenState]], Any],
     chunks: Callable[[list[GenInput]], AsyncIterator[bytes]],
 ) -> Response:
-    """A generation request's life: admit -> parse/tokenize -> check -> dispatch+collect -> respond.
+    """A generation request's life: the client's slot -> body -> parse/tokenize -> admit its
+    generations -> check -> dispatch+collect -> respond.
 
     `parse(body, received_ts)` gives the generations to run, whether to stream, and the prompt's
     parameter name; `full` shapes the collected results; `chunks` shapes a stream (SSE bytes).
     """
-    admission.enter()
+    cfg = generations.cfg
+    client = client_id(request, bool(cfg.api_key or cfg.admin_api_key))
+    admission.enter_client(client)
+    admitted = 0
     handed_to_stream = False
     try:
         received = time.time()
-        raw = await read_body(request, generations.cfg.max_request_bytes)
+        raw = await read_body(request, cfg.max_request_bytes, cfg.request_body_timeout_s)
         # Off the event loop: a huge prompt's tokenization must not stall heartbeats or other requests.
         inputs, stream, param = await asyncio.to_thread(parse, parse_json_body(raw), received)
-        limit = generations.cfg.max_generations_per_request
-        if len(inputs) > limit:
-            raise ApiError(
-                400, f"the request asks for {len(inputs)} generations (prompts x n); the limit is {limit}"
-            )
+        check_generations(len(inputs), cfg.max_generations_per_request)
+        admission.enter(len(inputs))
+        admitted = len(inputs)
         inputs = generations.prepare(inputs, param)
         if stream:
 
@@ -205,7 +266,8 @@ async def serve_generation(
                         async for b in it:
                             yield b
                 finally:
-                    admission.leave()
+                    admission.leave(admitted)
+                    admission.leave_client(client)
 
             handed_to_stream = True
             return StreamingResponse(
@@ -218,4 +280,5 @@ async def serve_generation(
         return JSONResponse(full(states))
     finally:
         if not handed_to_stream:
-            admission.leave()
+            admission.leave(admitted)
+            admission.leave_client(client)

@@ -16,6 +16,7 @@ import tempfile
 from dataclasses import dataclass
 
 from pdserve import env
+from pdserve.gateway.errors import bad_request
 from pdserve.model_source import resolve_model_source
 
 log = logging.getLogger(__name__)
@@ -47,9 +48,28 @@ class Tokenizer:
     def eos_token_id(self) -> int | None:
         return self.hf.eos_token_id
 
-    def encode(self, text: str) -> list[int]:
-        """A raw prompt, with whatever special tokens the tokenizer adds by itself (as SGLang)."""
+    def encode(self, text: str, max_tokens: int | None = None, param: str = "prompt") -> list[int]:
+        """A raw prompt, with whatever special tokens the tokenizer adds by itself (as SGLang).
+        `max_tokens`: refuse at once a text too long to fit in that many tokens (`check_chars`)."""
+        self.check_chars(text, max_tokens, param)
         return list(self.hf.encode(text))
+
+    @functools.cached_property
+    def max_token_chars(self) -> int:
+        """The most characters one token can stand for: the longest token string (byte-level tokens
+        have one character per byte, so at least as many as the text it decodes to)."""
+        vocab = self.hf.get_vocab()
+        return max(len(t) for t in list(vocab) + list(self.hf.all_special_tokens))
+
+    def check_chars(self, text: str, max_tokens: int | None, param: str) -> None:
+        """A text of more than `max_tokens x max_token_chars` characters cannot encode to `max_tokens`
+        tokens or fewer: a 400 before any time is spent tokenizing it."""
+        if max_tokens is not None and len(text) > max_tokens * self.max_token_chars:
+            raise bad_request(
+                f"the prompt has {len(text)} characters, more than {max_tokens} tokens (the context "
+                f"length) can hold with this tokenizer ({self.max_token_chars} characters per token at most)",
+                param,
+            )
 
     def chat_prompt(
         self, messages: list[dict], tools: list[dict] | None = None, template_kwargs: dict | None = None
@@ -60,11 +80,19 @@ class Tokenizer:
         )
 
     def encode_chat(
-        self, messages: list[dict], tools: list[dict] | None = None, template_kwargs: dict | None = None
+        self,
+        messages: list[dict],
+        tools: list[dict] | None = None,
+        template_kwargs: dict | None = None,
+        max_tokens: int | None = None,
     ) -> list[int]:
-        return list(
-            self.hf.encode(self.chat_prompt(messages, tools, template_kwargs), add_special_tokens=False)
-        )
+        text = self.chat_prompt(messages, tools, template_kwargs)
+        self.check_chars(text, max_tokens, "messages")
+        return self.encode_rendered(text)
+
+    def encode_rendered(self, text: str) -> list[int]:
+        """A prompt the chat template rendered: it holds its special tokens already."""
+        return list(self.hf.encode(text, add_special_tokens=False))
 
     @functools.cached_property
     def template_supports_tools(self) -> bool:

@@ -183,6 +183,11 @@ class WorkerRegistry:
     def healthy(self) -> bool:
         return bool(self.in_rotation("prefill")) and bool(self.in_rotation("decode"))
 
+    def context_length(self) -> int | None:
+        """The smallest context length of the workers in rotation (None without workers)."""
+        limits = self.limits()
+        return limits.context_length if limits else None
+
     def limits(self) -> Limits | None:
         live = self.in_rotation("prefill") + self.in_rotation("decode")
         if not live:

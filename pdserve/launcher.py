@@ -106,6 +106,9 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
         default=0,
         help="past this many requests in flight on every prefill worker, decode computes the prompt (0: off)",
     )
+    limits = parser.add_argument_group("the gateway's limits (see `pdserve gateway --help`; default: its own)")
+    for flag, kind in _GATEWAY_LIMITS:
+        limits.add_argument(flag, type=kind, default=None)
     parser.add_argument("--log-level", default="info")
     parser.add_argument("--log-dir", default=None, help="write each role's output to <dir>/<role>.log")
     parser.add_argument("--startup-timeout", type=float, default=600.0)
@@ -133,6 +136,17 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
         default=WAITING_TIMEOUT_S,
     )
 
+
+# The gateway's limit flags `pdserve up` takes and forwards when given.
+_GATEWAY_LIMITS: list[tuple[str, type]] = [
+    ("--max-pending-generations", int),
+    ("--max-requests-per-client", int),
+    ("--max-request-bytes", int),
+    ("--max-generations-per-request", int),
+    ("--request-body-timeout", float),
+    ("--idle-timeout", float),
+    ("--request-timeout", float),
+]
 
 # Runtime flags forwarded verbatim to every worker.
 _FORWARDED = [
@@ -187,6 +201,7 @@ def gateway_command(args: argparse.Namespace, port_file: str | None = None) -> l
         if value:
             argv += [flag, value]
     argv += ["--grammar-backend", args.grammar_backend]
+    argv += _flags(args, [flag[2:].replace("-", "_") for flag, _ in _GATEWAY_LIMITS])
     if args.model_path:
         argv += ["--model-path", args.model_path]
     if port_file:

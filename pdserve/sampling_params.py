@@ -14,6 +14,10 @@ from __future__ import annotations
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+# Stop strings: how many, and how long each (the gateway matches them against every output character).
+MAX_STOPS = 16
+MAX_STOP_CHARS = 1024
+
 
 class SamplingParams(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
@@ -28,7 +32,7 @@ class SamplingParams(BaseModel):
     repetition_penalty: float = Field(1.0, gt=0.0, le=10.0)
     frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0)
     presence_penalty: float = Field(0.0, ge=-2.0, le=2.0)
-    stop: list[str] = Field(default_factory=list, max_length=16)
+    stop: list[str] = Field(default_factory=list, max_length=MAX_STOPS)
     stop_token_ids: list[int] = Field(default_factory=list, max_length=64)
     ignore_eos: bool = False
     seed: int | None = Field(None, ge=0, le=2**63 - 1)
@@ -53,6 +57,8 @@ class SamplingParams(BaseModel):
     def _check(self) -> SamplingParams:
         if any(s == "" for s in self.stop):
             raise ValueError("stop strings must be non-empty")
+        if any(len(s) > MAX_STOP_CHARS for s in self.stop):
+            raise ValueError(f"a stop string may have at most {MAX_STOP_CHARS} characters")
         if any(t < 0 for t in self.stop_token_ids):
             raise ValueError("stop_token_ids must be non-negative")
         if self.min_new_tokens > self.max_new_tokens:

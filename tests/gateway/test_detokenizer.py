@@ -130,3 +130,55 @@ def test_cached_tokenizer_matches_gguf_build(tmp_path, monkeypatch, tokenizer):
         assert cached.encode(t) == built.encode(t)
         assert cached.decode(built.encode(t)) == t
     assert (cached.vocab_size, cached.eos_token_id) == (built.vocab_size, built.eos_token_id)
+
+
+def _reference_stop(stops: list[str], text: str) -> tuple[str, str | None]:
+    """Char by char: the first stop string to complete (the longest of those completing together)."""
+    for end in range(1, len(text) + 1):
+        done = [s for s in stops if text[:end].endswith(s)]
+        if done:
+            hit = max(done, key=len)
+            return text[: end - len(hit)], hit
+    return text, None
+
+
+@pytest.mark.parametrize("seed", range(8))
+def test_stop_matcher_agrees_with_a_char_by_char_reference(seed):
+    """Random stop strings over a small alphabet (overlaps and self-overlaps are common), random feed
+    sizes: the released text and the match are the reference's, however the text is split."""
+    import random
+
+    rng = random.Random(seed)
+    for _ in range(200):
+        stops = [
+            "".join(rng.choice("ab") for _ in range(rng.randint(1, 5))) for _ in range(rng.randint(1, 4))
+        ]
+        text = "".join(rng.choice("abc") for _ in range(rng.randint(0, 30)))
+        want_text, want_hit = _reference_stop(stops, text)
+        m = StopStringMatcher(stops)
+        got, i = "", 0
+        while i < len(text) and m.matched is None:
+            step = rng.randint(1, 6)
+            got += m.feed(text[i : i + step])
+            assert want_text.startswith(got), (stops, text, got)
+            i += step
+        got += m.finish()
+        assert (got, m.matched) == (want_text, want_hit), (stops, text)
+
+
+def test_keep_stop_ends_after_the_match():
+    m = StopStringMatcher(["END"], keep_stop=True)
+    assert m.feed("abc EN") == "abc "
+    assert m.feed("D more") == "END"
+    assert m.text == "abc END" and m.matched == "END"
+
+
+def test_long_stop_strings_cost_linear_time():
+    """16 stop strings of 1,024 characters that almost match everywhere: a quadratic matcher does
+    ~10^9 steps on this text, the automaton a few million (counted, not timed)."""
+    stops = ["a" * 1023 + chr(ord("b") + i) for i in range(16)]
+    m = StopStringMatcher(stops)
+    text = "a" * 20_000
+    released = "".join(m.feed(text[i : i + 4]) for i in range(0, len(text), 4))
+    assert released == "a" * (20_000 - 1023)  # the last 1,023 could still start a stop string
+    assert m.finish() == "a" * 1023

@@ -362,7 +362,7 @@ def test_client_disconnect_aborts_both_legs(cluster):
 def test_overload_answers_503_at_once(tokenizer):
     from .conftest import WireWorker, control_addr, gateway_client, text_script
 
-    with gateway_client(tokenizer, max_pending_requests=1) as c:
+    with gateway_client(tokenizer, max_pending_generations=1) as c:
         addr = control_addr(c)
         ws = [
             WireWorker(addr, "p0", "prefill").start(),
@@ -382,7 +382,7 @@ def test_overload_answers_503_at_once(tokenizer):
             r = c.post("/generate", json={"text": "b"})
             assert time.monotonic() - t0 < 0.5
             assert r.status_code == 503 and r.headers["retry-after"] == "1"
-            assert "limit of 1 pending" in r.json()["error"]["message"]
+            assert "limit of 1 pending generations" in r.json()["error"]["message"]
             t.join(10)
             assert (
                 c.post("/generate", json={"text": "b", "sampling_params": {"max_new_tokens": 2}}).status_code

@@ -48,7 +48,7 @@ def cluster(tmp_path_factory):
     c = start_roles(
         tmp_path_factory.mktemp("pressure"),
         [("prefill", {}, PRESSURE_FLAGS), ("decode", {}, [*PRESSURE_FLAGS, "--max-total-tokens", "256"])],
-        gateway_flags=[*GATEWAY_FLAGS, "--max-pending-requests", str(MAX_PENDING)],
+        gateway_flags=[*GATEWAY_FLAGS, "--max-pending-generations", str(MAX_PENDING)],
     )
     try:
         c.wait_healthy(workers=2)
@@ -114,7 +114,7 @@ def test_burst_above_the_bound_gets_fast_503_and_memory_stays_bounded(cluster):
         assert refused and served
         for r, dt in refused:
             assert r.headers.get("retry-after") == "1"
-            assert "pending requests" in r.json()["error"]["message"]
+            assert "pending generations" in r.json()["error"]["message"]
             # Refused at once, not queued behind the generations (3.1 s was seen on two cores shared by
             # two test runs: the bound leaves room for a slow client thread, not for a queue).
             assert dt < 10.0, dt
