@@ -1,8 +1,9 @@
 """What the threads of one endpoint tell its I/O thread: typed mailbox items, and the mailbox itself.
 
 Caller -> I/O thread: Send (sender), Request and Connect (receiver), Abort, Close.
-Pair thread -> I/O thread: Outbound (sender: a control message to its peer), Started (sender),
-Done (both; metadata only on the receiver), GroupDead (receiver: tell the sender to drop a generation).
+Pair thread -> I/O thread: Outbound (sender) and ToSender (receiver): a control message to the peer;
+Started (sender), Done (both; metadata only on the receiver), GroupDead (receiver: tell the sender to
+drop a generation).
 The I/O thread dispatches on the item's type (`match`); it owns every room, so items carry only values.
 """
 
@@ -100,7 +101,15 @@ class GroupDead:
     reason: str
 
 
-Item = Send | Request | Connect | Abort | Close | Outbound | Started | Done | GroupDead
+@dataclass(frozen=True)
+class ToSender:
+    """Receiver pair: send `msg` to the prefill node at `addr` (only the I/O thread touches the socket)."""
+
+    addr: str
+    msg: kc.Message
+
+
+Item = Send | Request | Connect | Abort | Close | Outbound | Started | Done | GroupDead | ToSender
 
 
 class Mailbox:

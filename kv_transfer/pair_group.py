@@ -1,9 +1,9 @@
 """One pair's two-rank process group (rank 0 = prefill/sender, rank 1 = decode/receiver) and its data path.
 
 No global init_process_group: each pair builds ProcessGroupGloo / ProcessGroupNCCL directly over
-PrefixStore(f"pair/{pair_id}/{gen}", TCPStore client). The sender hosts the TCPStore server; every build
-opens its own store client because a gloo group resets its store's timeout. A group that saw a timeout or
-a peer failure is dead for good: the owner drops it and builds generation gen+1.
+PrefixStore(f"pair/{pair_id}/{gen}", the generation's PairStore): the two ranks meet through keys carried
+on the pair's own control channel (pair_store.py), so no store port is opened. A group that saw a timeout
+or a peer failure is dead for good: the owner drops it and builds generation gen+1.
 
 Called only from a pair's own thread; every operation here may block up to its timeout.
 """
@@ -16,7 +16,7 @@ from datetime import timedelta
 from typing import Generic, Protocol, TypeVar, cast
 
 import torch
-from torch._C._distributed_c10d import PrefixStore, ProcessGroupGloo, TCPStore, Work
+from torch._C._distributed_c10d import PrefixStore, ProcessGroupGloo, Work
 
 from pdserve import env
 from pdserve.kv_transfer.config import TransferConfig
@@ -30,6 +30,7 @@ from pdserve.kv_transfer.layout import (
     scatter_pages,
     trailer_tag,
 )
+from pdserve.kv_transfer.pair_store import PairStore
 
 SENDER_RANK = 0
 RECEIVER_RANK = 1
@@ -57,8 +58,7 @@ class PairGroup:
     def __init__(
         self,
         *,
-        store_host: str,
-        store_port: int,
+        store: PairStore,
         pair_id: str,
         gen: int,
         rank: int,
@@ -74,7 +74,8 @@ class PairGroup:
         # gloo moves host memory: a CUDA pool is staged through pinned host buffers.
         self._stage_on_host = config.backend == "gloo" and kv.is_cuda
         connect_timeout = timedelta(seconds=config.bootstrap_timeout_s)
-        store = TCPStore(store_host, store_port, None, False, connect_timeout)
+        store.set_timeout(connect_timeout)
+        self._store = store  # the Python object must outlive the group that calls into it
         prefixed = PrefixStore(f"pair/{pair_id}/{gen}", store)
         if config.backend == "gloo":
             # torch's stub declares Options (devices, threads); the runtime class is _Options (_devices...).
@@ -284,16 +285,13 @@ class PairThread(Generic[J]):
     def _handle(self, job: J) -> None:
         raise NotImplementedError
 
-    def _replace_group(
-        self, *, store_host: str, store_port: int, pair_id: str, gen: int, rank: int, local_host: str
-    ) -> None:
+    def _replace_group(self, *, store: PairStore, pair_id: str, gen: int, rank: int, local_host: str) -> None:
         """Close the current group, if any, and build a new one; raises what the build raises."""
         if self._group is not None:
             self._group.close()
             self._group = None
         self._group = PairGroup(
-            store_host=store_host,
-            store_port=store_port,
+            store=store,
             pair_id=pair_id,
             gen=gen,
             rank=rank,

@@ -10,6 +10,7 @@ prompt's KV (committed after the trailer's room id matched); on FAILED free them
 
 from __future__ import annotations
 
+import base64
 import concurrent.futures
 import logging
 import threading
@@ -101,7 +102,6 @@ class _Peer:
     pending: list[str] = field(default_factory=list)  # rooms waiting for the handshake
     futures: list[concurrent.futures.Future[None]] = field(default_factory=list)
     last_used: float = field(default_factory=time.monotonic)
-    store_port: int = 0
 
 
 class _ReceiverIO(EndpointIO):
@@ -277,6 +277,9 @@ class _ReceiverIO(EndpointIO):
             case mb.GroupDead(addr=addr, gen=gen, reason=reason):
                 if addr in self.peers:
                     self.send(self.peers[addr], kc.PairDead(gen=gen, reason=reason))
+            case mb.ToSender(addr=addr, msg=msg):
+                if addr in self.peers:
+                    self.send(self.peers[addr], msg)
             case _:
                 raise TypeError(f"unexpected mailbox item on the receiver: {item!r}")
 
@@ -334,9 +337,12 @@ class _ReceiverIO(EndpointIO):
                 self.on_hello_ack(peer, msg)
             case kc.Build(gen=gen):
                 if peer.pair is not None:
-                    peer.pair.build(gen, peer.store_port, self.o.receiver_id)
+                    peer.pair.build(gen, self.o.receiver_id)
             case kc.Announce():
                 self.on_announce(peer, msg)
+            case kc.StoreSet(gen=gen, key=key, value=value):
+                if peer.pair is not None:
+                    peer.pair.stores.deliver(gen, key, base64.b64decode(value, validate=True))
             case kc.Abort(unknown_pair=True, room=name):
                 room = self.rooms.get(name)
                 if room is not None and room.addr == peer.addr:
@@ -369,14 +375,13 @@ class _ReceiverIO(EndpointIO):
         if peer.pair is None:
             peer.pair = ReceiverPair(
                 addr=peer.addr,
-                store_host=host,
+                peer_host=host,
                 kv=self.o._kv,
                 geometry=self.o._geometry,
                 config=self.cfg,
                 mailbox=self.o._mailbox,
             )
-        peer.store_port = msg.store_port
-        peer.pair.build(msg.gen, peer.store_port, self.o.receiver_id)
+        peer.pair.build(msg.gen, self.o.receiver_id)
         peer.ready = True
         for future in peer.futures:
             if not future.done():

@@ -7,15 +7,19 @@ its mailbox (mailbox.py): Done (with the trailer's metadata on success) and Grou
 
 from __future__ import annotations
 
+import base64
 from dataclasses import dataclass
+from datetime import timedelta
 
 import torch
 
 from pdserve.kv_transfer.config import TransferConfig
 from pdserve.kv_transfer.io_loop import local_address_towards
 from pdserve.kv_transfer.layout import PoolGeometry
-from pdserve.kv_transfer.mailbox import Done, GroupDead, Mailbox
+from pdserve.kv_transfer.mailbox import Done, GroupDead, Mailbox, ToSender
 from pdserve.kv_transfer.pair_group import RECEIVER_RANK, PairThread
+from pdserve.kv_transfer.pair_store import PairStores
+from pdserve.protocol import kv_control as kc
 from pdserve.protocol.codec import ProtocolError
 from pdserve.protocol.kv_trailer import decode_trailer
 
@@ -35,7 +39,6 @@ class RecvJob:
 @dataclass
 class _Build:
     gen: int
-    store_port: int
     pair_id: str
 
 
@@ -46,19 +49,25 @@ class ReceiverPair(PairThread[RecvJob | _Build]):
         self,
         *,
         addr: str,
-        store_host: str,
+        peer_host: str,
         kv: torch.Tensor,
         geometry: PoolGeometry,
         config: TransferConfig,
         mailbox: Mailbox,
     ) -> None:
         self.addr = addr
-        self._store_host = store_host
+        self._peer_host = peer_host
         self._kv, self._geometry, self._config, self._mailbox = kv, geometry, config, mailbox
+        # The rendezvous keys of this pair's groups travel on the bootstrap channel (pair_store.py).
+        self.stores = PairStores(self._publish, timedelta(seconds=config.bootstrap_timeout_s))
         self._start(f"kv-recv-pair-{addr}")
 
-    def build(self, gen: int, store_port: int, pair_id: str) -> None:
-        self._jobs.put(_Build(gen, store_port, pair_id))
+    def build(self, gen: int, pair_id: str) -> None:
+        self._jobs.put(_Build(gen, pair_id))
+
+    def _publish(self, gen: int, key: str, value: bytes) -> None:
+        msg = kc.StoreSet(gen=gen, key=key, value=base64.b64encode(value).decode())
+        self._mailbox.post(ToSender(self.addr, msg))
 
     def submit(self, job: RecvJob) -> None:
         self._jobs.put(job)
@@ -72,12 +81,11 @@ class ReceiverPair(PairThread[RecvJob | _Build]):
     def _build(self, job: _Build) -> None:
         try:
             self._replace_group(
-                store_host=self._store_host,
-                store_port=job.store_port,
+                store=self.stores.for_gen(job.gen),
                 pair_id=job.pair_id,
                 gen=job.gen,
                 rank=RECEIVER_RANK,
-                local_host=local_address_towards(self._store_host),
+                local_host=local_address_towards(self._peer_host),
             )
         except Exception as exc:  # noqa: BLE001 - the sender sees its own build fail and rebuilds
             self._mailbox.post(

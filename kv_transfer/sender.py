@@ -13,25 +13,22 @@ handler, so only holders of the cluster secret reach it; nothing is allocated fo
 limit below holds with or without keys: a frame is at most `max_frame_bytes`; a peer's early page
 lists (rooms not sent yet) are capped in number and pages, the oldest refused; a pair whose group was
 never built (a handshake the peer never completed) is closed after twice `bootstrap_timeout_s`, and idle
-pairs are evicted beyond `max_pairs`, unbuilt ones first. The TCPStore of the pair groups cannot be
-authenticated (torch.distributed has no such option): it listens on this node's own host only, not
-on every interface.
+pairs are evicted beyond `max_pairs`, unbuilt ones first. The pair groups meet through keys carried
+on this same channel (pair_store.py): no store port is opened.
 """
 
 from __future__ import annotations
 
+import base64
 import collections
 import itertools
 import logging
-import socket
 import threading
 import time
 from dataclasses import dataclass
-from datetime import timedelta
 from typing import Any
 
 import zmq
-from torch._C._distributed_c10d import TCPStore
 
 from pdserve.cluster_auth import secure_server, start_authenticator
 from pdserve.kv_transfer import mailbox as mb
@@ -64,30 +61,12 @@ class KVSender(Endpoint):
         super().__init__(kv, fingerprint, config)
         self._host, self._port = host, bootstrap_port
         self._errors: collections.deque[str] = collections.deque(maxlen=64)
-        self._store: TCPStore | None = None
         self.addr = ""
 
     # ---- public interface (any thread, non-blocking) ------------------------------------
 
     def start(self) -> None:
-        """Bind the bootstrap ROUTER and host the pair groups' TCPStore; start the I/O thread."""
-        # TCPStore alone would listen on every interface: hand it a socket bound to our host instead.
-        family = socket.AF_INET6 if ":" in self._host else socket.AF_INET
-        with socket.socket(family, socket.SOCK_STREAM) as listener:
-            listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-            listener.bind((self._host, 0))
-            listener.listen(128)
-            store_port = listener.getsockname()[1]
-            self._store = TCPStore(
-                self._host,
-                store_port,
-                None,
-                True,
-                timedelta(seconds=self._config.bootstrap_timeout_s),
-                wait_for_workers=False,
-                master_listen_fd=listener.detach(),  # the store owns (and closes) the socket now
-                use_libuv=True,
-            )
+        """Bind the bootstrap ROUTER; start the I/O thread."""
         self._ctx = zmq.Context()
         if self._config.keys is not None:
             self._auth = start_authenticator(self._ctx, self._config.keys)
@@ -139,10 +118,6 @@ class KVSender(Endpoint):
     def handshake_errors(self) -> list[str]:
         """Recent refused handshakes (fingerprint mismatches, too many pairs), oldest first."""
         return list(self._errors)
-
-    def close(self) -> None:
-        super().close()
-        self._store = None
 
     # ---- I/O thread ---------------------------------------------------------------------------
 
@@ -376,6 +351,10 @@ class _SenderIO(EndpointIO):
                 self.on_hello(identity, msg)
             case kc.PageList():
                 self.on_page_list(identity, msg)
+            case kc.StoreSet(gen=gen, key=key, value=value):
+                pair = self.pairs.get(identity)
+                if pair is not None:
+                    pair.stores.deliver(gen, key, base64.b64decode(value, validate=True))
             case kc.Abort(room=name, reason=reason):
                 self.abort(name, f"aborted by decode: {reason}")
             case kc.PairDead(gen=gen):
@@ -438,15 +417,13 @@ class _SenderIO(EndpointIO):
             self.o._errors.append(f"refused decode {identity.decode(errors='replace')}: {error}")
             self.to_peer(identity, kc.HelloAck(ok=False, mismatch=mismatch, error=error))
             return
-        assert self.o._store is not None
         pair = self.pairs.get(identity)
         if pair is None:
             pair = SenderPair(
                 identity=identity,
                 kv=self.o._kv,
                 geometry=self.o._geometry,
-                store_host=self.o._host,
-                store_port=self.o._store.port,
+                host=self.o._host,
                 config=self.cfg,
                 mailbox=self.o._mailbox,
                 gens=self.next_gen,
@@ -454,7 +431,7 @@ class _SenderIO(EndpointIO):
             self.pairs[identity] = pair
         gen = pair.new_gen()
         pair.build(gen)
-        self.to_peer(identity, kc.HelloAck(ok=True, store_port=self.o._store.port, gen=gen))
+        self.to_peer(identity, kc.HelloAck(ok=True, gen=gen))
 
     def make_room_for_pair(self) -> bool:
         """Close an idle pair if at the limit: one whose group was never built first, then the least

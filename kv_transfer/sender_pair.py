@@ -6,11 +6,13 @@ sender's I/O thread through its mailbox (mailbox.py): Outbound to send a control
 
 from __future__ import annotations
 
+import base64
 import itertools
 import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from datetime import timedelta
 from typing import Any
 
 import torch
@@ -19,6 +21,7 @@ from pdserve.kv_transfer.config import TransferConfig
 from pdserve.kv_transfer.layout import PoolGeometry, chunk_pages, direct_runs
 from pdserve.kv_transfer.mailbox import Done, Mailbox, Outbound, Started
 from pdserve.kv_transfer.pair_group import SENDER_RANK, PairThread
+from pdserve.kv_transfer.pair_store import PairStores
 from pdserve.protocol import kv_control as kc
 from pdserve.protocol.kv_trailer import encode_trailer
 
@@ -48,8 +51,7 @@ class SenderPair(PairThread[SendJob | _Build]):
         identity: bytes,
         kv: torch.Tensor,
         geometry: PoolGeometry,
-        store_host: str,
-        store_port: int,
+        host: str,
         config: TransferConfig,
         mailbox: Mailbox,
         gens: Callable[[], int],
@@ -63,7 +65,9 @@ class SenderPair(PairThread[SendJob | _Build]):
         # A generation the receiver reported dead; the thread drops its group if it matches (atomic write).
         self.discard_gen: int = -1
         self._kv, self._geometry, self._config, self._mailbox = kv, geometry, config, mailbox
-        self._store_host, self._store_port = store_host, store_port
+        self._host = host
+        # The rendezvous keys of this pair's groups travel on the bootstrap channel (pair_store.py).
+        self.stores = PairStores(self._publish, timedelta(seconds=config.bootstrap_timeout_s))
         # Generations come from one counter per sender, so a pair re-created for the same decode node
         # never reuses a store prefix whose keys still hold a dead group's addresses.
         self.new_gen = gens
@@ -82,15 +86,17 @@ class SenderPair(PairThread[SendJob | _Build]):
     def _out(self, msg: kc.Message) -> None:
         self._mailbox.post(Outbound(self.identity, msg))
 
+    def _publish(self, gen: int, key: str, value: bytes) -> None:
+        self._out(kc.StoreSet(gen=gen, key=key, value=base64.b64encode(value).decode()))
+
     def _build(self, gen: int) -> str | None:
         try:
             self._replace_group(
-                store_host=self._store_host,
-                store_port=self._store_port,
+                store=self.stores.for_gen(gen),
                 pair_id=self.pair_id,
                 gen=gen,
                 rank=SENDER_RANK,
-                local_host=self._store_host,
+                local_host=self._host,
             )
             self.built_gen = gen
             return None

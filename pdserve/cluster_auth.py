@@ -14,8 +14,9 @@ the secret fails the handshake: it cannot send a frame that reaches our code, an
 Without a secret, the sockets run as before (plain TCP, anyone who reaches the port may speak) and
 the process logs a warning at startup.
 
-What Curve cannot cover: the TCPStore and gloo sockets of the KV pair groups (torch.distributed has
-no authentication); they bind to the worker's own --host only (docs/reliability.md).
+What Curve cannot cover: the gloo (or NCCL) data sockets of the KV pair groups (torch.distributed has
+no authentication); they bind to the worker's own --host only (docs/reliability.md). Their rendezvous
+keys travel on the Curve channel (kv_transfer/pair_store.py), so no store port is open.
 """
 
 from __future__ import annotations

@@ -3,7 +3,7 @@ gateway start that `deploy/launch.py` shares with it. The children are supervise
 `pdserve.supervisor`: a crashed one is restarted, and all of them die with the launcher.
 
 Every socket binds to a host the user gave: HTTP to --host, the gateway's control socket and every
-worker's sockets (KV bootstrap, TCPStore, gloo, health) to --internal-host (127.0.0.1 by default, so
+worker's sockets (KV bootstrap, gloo, health) to --internal-host (127.0.0.1 by default, so
 a local cluster opens nothing beyond loopback). The children share a cluster secret
 (pdserve/cluster_auth.py): --cluster-secret-file, else PDSERVE_CLUSTER_SECRET, else a random one
 made here, handed to the children in their environment (never on a command line, which `ps` shows).
@@ -56,7 +56,7 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
         "--internal-host",
         default="127.0.0.1",
         help="bind address of the gateway's control socket and of every worker socket (KV bootstrap, "
-        "TCPStore, health); 0.0.0.0 only if other hosts must reach them",
+        "gloo, health); 0.0.0.0 only if other hosts must reach them",
     )
     add_secret_arg(parser)
     parser.add_argument("--port", type=int, default=30000, help="gateway HTTP port (0: any free port)")
@@ -266,7 +266,7 @@ def _opened(url: str, args: argparse.Namespace, control: int) -> str:
                 lines.append(f"  KV bootstrap  {w['bootstrap_addr']} ({w.get('worker_id')}; CurveZMQ)")
     except (OSError, ValueError):
         pass
-    lines.append(f"  workers       TCPStore, gloo pair groups: {args.internal_host}, free ports")
+    lines.append(f"  workers       gloo pair groups: {args.internal_host}, free ports")
     return "\n".join(lines)
 
 

@@ -2,12 +2,13 @@
 
 A receiver (decode) connects one DEALER to a sender's (prefill) bootstrap ROUTER. r = receiver, s = sender:
   Hello     r->s  the receiver's id and pair identity; s compares identities and the protocol version
-  HelloAck  s->r  ok, or the reason of the refusal; on success the store port and the group generation
+  HelloAck  s->r  ok, or the reason of the refusal; on success the group generation to build
   PageList  r->s  the decode's pre-allocated page list for a room; with `skip_pages`, the decode already
                   holds the room's first pages (its prefix cache) and lists pages for the rest only
   PrefixMismatch  s->r  the skipped prefix's hash is not this prompt's: send a full page list instead
   Announce  s->r  data for `room` follows on the pair group: staged chunks, or pool-to-pool runs if given
   Build     s->r  rebuild the pair group under generation `gen`
+  StoreSet  both  a key of the pair group's rendezvous store (kv_transfer/pair_store.py)
   PairDead  r->s  the receiver discarded generation `gen`
   Abort     both  the other side gave up on `room`
   Bye       both  the pair is closed (eviction, shutdown)
@@ -35,7 +36,6 @@ class HelloAck(Msg):
     error: str = ""
     # The refusal is for a model, layout or protocol mismatch (not a full node): retrying will not help.
     mismatch: bool = False
-    store_port: int = 0
     gen: int = 0
 
 
@@ -89,6 +89,15 @@ class Build(Msg):
     gen: int
 
 
+class StoreSet(Msg):
+    """One key the sending side set in generation `gen`'s rendezvous store (value base64-encoded)."""
+
+    kind: Literal["store_set"] = "store_set"
+    gen: int = Field(ge=0)
+    key: str = Field(max_length=512)
+    value: str = Field(max_length=8192)
+
+
 class PairDead(Msg):
     kind: Literal["pair_dead"] = "pair_dead"
     gen: int
@@ -110,7 +119,7 @@ class Bye(Msg):
 
 
 Message = Annotated[
-    Union[Hello, HelloAck, PageList, PrefixMismatch, Announce, Build, PairDead, Abort, Bye],
+    Union[Hello, HelloAck, PageList, PrefixMismatch, Announce, Build, StoreSet, PairDead, Abort, Bye],
     Field(discriminator="kind"),
 ]
 

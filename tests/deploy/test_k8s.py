@@ -335,7 +335,7 @@ def test_network_policies_fence_the_control_and_kv_ports(built):
     http, control = container_port(gateway, "http"), container_port(gateway, "control")
     prefill = container(one(docs, "StatefulSet", "pdserve-prefill"))
     bootstrap, health = container_port(prefill, "bootstrap"), container_port(prefill, "health")
-    store = 41234  # the TCPStore and gloo bind free ports: the policy must fence every port
+    store = 41234  # gloo binds free ports: the policy must fence every port
     assert _admits(docs, "gateway", None, http)
     assert not _admits(docs, "gateway", None, control)
     assert _admits(docs, "gateway", "prefill", control) and _admits(docs, "gateway", "decode", control)

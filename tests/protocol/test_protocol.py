@@ -112,7 +112,7 @@ GATEWAY_SAMPLES: list[BaseModel] = [
 
 KV_SAMPLES: list[BaseModel] = [
     kc.Hello(receiver_id="abc", identity={**FP, "kv_transfer.backend": "gloo"}),
-    kc.HelloAck(ok=True, store_port=1234, gen=3),
+    kc.HelloAck(ok=True, gen=3),
     kc.HelloAck(ok=False, mismatch=True, error="page_size differs"),
     kc.PageList(room="r1", pages=[4, 5, 9], num_tokens=40),
     kc.PageList(room="r2", pages=[9], num_tokens=40, skip_pages=2, prefix_hash=12345),
@@ -124,6 +124,7 @@ KV_SAMPLES: list[BaseModel] = [
     kc.PairDead(gen=3, reason="timed out"),
     kc.Abort(room="r1", reason="page list before a handshake", unknown_pair=True),
     kc.Bye(reason="shutting down"),
+    kc.StoreSet(gen=3, key="pair/d0/3/0", value="AAEC"),
 ]
 
 
