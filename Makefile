@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: up test test-all lint typecheck bench-engine bench-serving clean
+.PHONY: up test test-all lint typecheck bench-engine bench-serving gpu-bundle clean
 
 $(STAMP): pyproject.toml
 	$(PY) -m venv $(VENV)
@@ -54,3 +54,14 @@ bench-serving: $(STAMP)
 
 clean:
 	rm -rf $(VENV) build *.egg-info
+
+## Prepare .gpu/ for the GPU check (benchmarks/gpu_check.sh): the wheels the GPU image lacks, for
+## Python 3.12 on x86-64, and the bundled model's GGUF in parts of at most 50 MiB (a transfer limit).
+GPU_PLATFORMS := $(foreach n,28 27 17,--platform manylinux_2_$(n)_x86_64) --platform manylinux2014_x86_64
+gpu-bundle: $(STAMP)
+	rm -rf .gpu && mkdir -p .gpu/wheels
+	$(BIN)/pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+		$(GPU_PLATFORMS) -d .gpu/wheels -r benchmarks/gpu_wheels.txt
+	split -b 50m "$$($(BIN)/python -c 'from pdserve.model_source import resolve_model_source as r; print(r(None).gguf_path)')" \
+		.gpu/model.part-
+	du -sh .gpu/wheels .gpu/model.part-*

@@ -227,7 +227,10 @@ def _cpu_smoke() -> None:
     print(f"interpreted smoke check: decode max err {err.abs().max().item():.1e}, KV store exact: {same}")
 
 
-def main() -> int:
+def main(argv: list[str] | None = None) -> int:
+    import argparse
+
+    argparse.ArgumentParser("pdserve bench kernels", description=__doc__.split("\n\n")[0]).parse_args(argv)
     if not torch.cuda.is_available():
         print("bench_kernels: no CUDA device here; the timings need a GPU. Nothing was measured.")
         if os.environ.get("TRITON_INTERPRET", "1") == "1":

@@ -108,14 +108,14 @@ def _decode(conn, num_pages: int, config: TransferConfig, prefill_addr: str, raw
     receiver.close()
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("--tokens", type=int, nargs="+", default=[1024, 4096, 16384])
     parser.add_argument("--reps", type=int, default=5)
     parser.add_argument("--chunk-mib", type=int, default=TransferConfig().chunk_bytes >> 20)
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
 
     max_pages = -(-max(args.tokens) // PAGE_SIZE)
     config = TransferConfig(

@@ -17,6 +17,7 @@ BENCHMARKS = {
     "control": "pdserve.bench.bench_control",
     "auth": "pdserve.bench.bench_auth",
     "abuse": "pdserve.bench.bench_abuse",
+    "gpu": "pdserve.bench.gpu_check",
 }
 
 # role -> module with `add_cli_args(parser)` and `main(args)`

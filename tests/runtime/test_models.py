@@ -5,36 +5,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from pdserve.runtime.attention import TorchAttention
-from pdserve.runtime.batch import ForwardBatch, ForwardMode
-from pdserve.runtime.kv_pool import KVGeometry, KVPool, PageAllocator
-from pdserve.runtime.loader import LoadedModel, load_model
+from pdserve.bench.gpu_parity import extend_logits
+from pdserve.runtime.loader import load_model
 
 REL_TOL = 1e-4  # max |ours - ref| / max |ref|
 TINY_NAMES = ["llama3-rope-tied", "llama-untied", "qwen2-bias", "qwen3-qknorm"]
-
-
-def batched_extend_logits(
-    loaded: LoadedModel, prompts: list[list[int]], page_size: int
-) -> list[torch.Tensor]:
-    """Every position's logits for each prompt, all prompts in ONE extend forward."""
-    spec = loaded.spec
-    geo = KVGeometry(spec.num_layers, spec.num_kv_heads, spec.head_dim, page_size, loaded.dtype)
-    total = sum(len(p) for p in prompts)
-    pool = KVPool(geo, KVPool.pages_for(geo, total) + len(prompts))
-    alloc = PageAllocator(pool.num_pages)
-    # Allocate interleaved, one page per request at a time, so pages are not contiguous per request.
-    tables: list[list[int]] = [[] for _ in prompts]
-    need = [-(-len(p) // page_size) for p in prompts]
-    while any(len(t) < n for t, n in zip(tables, need)):
-        for t, n in zip(tables, need):
-            if len(t) < n:
-                t.extend(alloc.alloc(1))
-    batch = ForwardBatch.build(
-        ForwardMode.EXTEND, prompts, [0] * len(prompts), tables, page_size, all_logits=True
-    )
-    logits = loaded.model(batch, pool, TorchAttention())  # [sum(len), V]
-    return list(logits.split([len(p) for p in prompts]))
 
 
 def hf_logits(hf, prompt: list[int]) -> torch.Tensor:
@@ -62,7 +37,7 @@ def test_bundled_model_matches_transformers(bundled, hf_bundled, tokenizer):
     ]
     prompts = [tokenizer(t).input_ids for t in texts]
     assert len({len(p) for p in prompts}) == len(prompts), "want mixed lengths"
-    ours = batched_extend_logits(bundled, prompts, page_size=16)
+    ours = extend_logits(bundled, prompts, page_size=16)
     for i, p in enumerate(prompts):
         assert_close_to_ref(ours[i], hf_logits(hf_bundled, p), f"prompt {i} ({len(p)} tokens)")
 
@@ -76,7 +51,7 @@ def test_tiny_models_match_transformers(tiny_folders, name, page_size):
     ours = load_model(folder, dtype="float32")
     hf = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
     prompts = _prompts(ours.spec.vocab_size, [9, 1, 23, 5, 40], seed=TINY_NAMES.index(name))
-    logits = batched_extend_logits(ours, prompts, page_size)
+    logits = extend_logits(ours, prompts, page_size)
     for i, p in enumerate(prompts):
         assert_close_to_ref(logits[i], hf_logits(hf, p), f"{name} prompt {i} ({len(p)} tokens)")
 
@@ -103,6 +78,6 @@ def test_llama3_rope_scaling_is_applied(tiny_folders):
     ours = load_model(folder, dtype="float32")
     hf = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
     prompts = _prompts(ours.spec.vocab_size, [33, 64, 120], seed=7)
-    logits = batched_extend_logits(ours, prompts, page_size=4)
+    logits = extend_logits(ours, prompts, page_size=4)
     for i, p in enumerate(prompts):
         assert_close_to_ref(logits[i], hf_logits(hf, p), f"prompt {i} ({len(p)} tokens)")

@@ -1,0 +1,49 @@
+"""The GPU check's dry run (`pdserve bench gpu --dry-run`): every stage that needs no CUDA runs here, so
+the script cannot rot between GPU runs: the wheel list still covers what the GPU image lacks, pdserve
+still builds as a complete wheel offline, the GPU kernel tests are still collected, the benchmarks
+still start, parity holds on the tiny checkpoints, and the GPU command lines still parse."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from pdserve.bench import gpu_check
+
+
+@pytest.mark.timeout(600)
+def test_dry_run(tmp_path):
+    out = tmp_path / "out"
+    r = subprocess.run(
+        [sys.executable, "-m", "pdserve.cli", "bench", "gpu", "--dry-run", "--out", str(out)],
+        capture_output=True,
+        text=True,
+        timeout=580,
+    )
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    stages = {s["name"]: s for s in json.loads((out / "summary.json").read_text())["stages"]}
+    assert list(stages) == [
+        "env", "wheels", "packaging", "kernel_tests", "kernel_bench", "parity", "engine_bench", "cluster"
+    ]  # fmt: skip
+    for name in ("env", "wheels", "packaging", "kernel_tests", "kernel_bench", "parity"):
+        assert stages[name]["status"] == "ok", stages[name]
+    for name in ("engine_bench", "cluster"):
+        assert stages[name]["status"] == "skipped" and "needs CUDA" in stages[name]["detail"]
+    parity = stages["parity"]["numbers"]["models"]
+    assert len(parity) == 4 and all(m["greedy_equal"] == m["prompts"] == 10 for m in parity)
+    assert max(m["logits_rel_diff"] for m in parity) < 1e-4
+    assert (out / "summary.txt").read_text().count("\n") == 8
+
+
+def test_wheel_check_names_what_the_list_lacks(tmp_path, monkeypatch):
+    original = gpu_check.WHEELS_FILE.read_text()
+    listed = tmp_path / "wheels.txt"
+    monkeypatch.setattr(gpu_check, "WHEELS_FILE", listed)
+    listed.write_text("\n".join(line for line in original.splitlines() if not line.startswith("fastapi")))
+    assert gpu_check.missing_on_gpu() == (["fastapi"], [])
+    listed.write_text(original.replace("fastapi==", "fastapi==0.0.1 # "))
+    missing, stale = gpu_check.missing_on_gpu()
+    assert missing == [] and len(stale) == 1 and stale[0].startswith("fastapi 0.0.1 (here ")
