@@ -51,11 +51,9 @@ class DecodeWorker:
             cache = RadixCache(self.runner.allocator, rc.page_size, record_events=True)
         self.sched = DecodeScheduler(self.runner.pages, rc.max_running_requests, lookahead, cache)
         self.cache_events = CacheEvents(cfg.worker_id, "decode", cache)
-        self.receiver = KVReceiver(
-            self.runner.pool.kv,
-            self.runner.fingerprint(),
-            worker_transfer_config(cfg, self.runner.pool.kv),
-        )
+        transfer_cfg = worker_transfer_config(cfg, self.runner.pool.kv)
+        self.receiver = KVReceiver(self.runner.pool.kv, self.runner.fingerprint(), transfer_cfg)
+        self.kv_backend = transfer_cfg.backend  # reported as each transferred request's kv_path
         self.prefill_addr: dict[str, str] = {}  # room -> its prefill node's bootstrap address
         self.events: dict[str, DecodeEvents] = {}
         self.prefill_events: dict[str, PrefillEvents] = {}  # local prefills', until the first output
@@ -118,6 +116,7 @@ class DecodeWorker:
             skip, prefix_hash = s.skip(r)
             dst = r.pages[skip : s.pages.pages_for(n)]
             self.receiver.request(r.rid, self.prefill_addr[r.rid], dst, n, skip, prefix_hash)
+            self.events[r.rid]["kv_requested"] = self.clock()
         outputs = self._prefill_locally(local)
         for res in self.receiver.poll():
             if res.prefix_mismatch and s.prefix_refused(res.room) is not None:
@@ -143,6 +142,7 @@ class DecodeWorker:
         outputs = []
         for r in reqs:
             entry = self.events[r.rid].get("decode_entry", start)
+            self.events[r.rid]["kv_requested"] = start
             self.prefill_events[r.rid] = PrefillEvents(
                 queue_entry=entry, forward_entry=start, prefill_finished=now
             )
@@ -266,9 +266,11 @@ class DecodeWorker:
             ev = self.events.pop(r.rid, {})
             ev["finished"] = self.clock()
             out.events = {**(out.events or {}), **ev}
+            transferred = r.rid in self.transfer_bytes
             out.stats = RequestStats(
                 cached_tokens=0,
                 num_retractions=r.num_retractions,
+                kv_path=self.kv_backend if transferred else "local",
                 transfer_bytes=self.transfer_bytes.pop(r.rid, 0),
                 decode_cached_tokens=r.cached_tokens,
                 **self.stepper.stats(r),

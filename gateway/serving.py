@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import json
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -197,6 +198,9 @@ async def serve_generation(
                 400, f"the request asks for {len(inputs)} generations (prompts x n); the limit is {limit}"
             )
         inputs = generations.prepare(inputs, param)
+        traceparent = request.headers.get("traceparent")
+        if traceparent and generations.tracing is not None:  # the client's trace: the root's parent
+            inputs = [dataclasses.replace(i, traceparent=traceparent) for i in inputs]
         if stream:
 
             async def body() -> AsyncIterator[bytes]:

@@ -22,6 +22,7 @@ import urllib.request
 from pdserve import env
 from pdserve.cluster_auth import add_secret_arg
 from pdserve.config import TRANSFER_TIMEOUT_S, WAITING_TIMEOUT_S, add_runtime_args
+from pdserve.gateway.config import add_trace_args
 from pdserve.port_file import wait_port_file
 from pdserve.supervisor import Child, RestartPolicy, Supervisor
 
@@ -106,6 +107,7 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
         default=0,
         help="past this many requests in flight on every prefill worker, decode computes the prompt (0: off)",
     )
+    add_trace_args(parser)
     parser.add_argument("--log-level", default="info")
     parser.add_argument("--log-dir", default=None, help="write each role's output to <dir>/<role>.log")
     parser.add_argument("--startup-timeout", type=float, default=600.0)
@@ -187,6 +189,10 @@ def gateway_command(args: argparse.Namespace, port_file: str | None = None) -> l
         if value:
             argv += [flag, value]
     argv += ["--grammar-backend", args.grammar_backend]
+    if getattr(args, "enable_trace", False):
+        argv += ["--enable-trace", "--otlp-traces-endpoint", args.otlp_traces_endpoint]
+        if args.otlp_traces_protocol:
+            argv += ["--otlp-traces-protocol", args.otlp_traces_protocol]
     if args.model_path:
         argv += ["--model-path", args.model_path]
     if port_file:
