@@ -43,6 +43,8 @@ from dataclasses import asdict, dataclass, field, replace
 import httpx
 import numpy as np
 
+from pdserve.progress import Counter
+
 BACKEND_PATHS = {
     "openai-chat": "/v1/chat/completions",
     "openai": "/v1/completions",
@@ -312,6 +314,11 @@ async def send_request(
     return res
 
 
+def _say(line: str) -> None:
+    """Progress off a terminal: plain lines on stderr (the results go to stdout)."""
+    print(line, file=sys.stderr, flush=True)
+
+
 def _client(cfg: RunConfig, concurrency: int) -> httpx.AsyncClient:
     # A pool of 0 keep-alive connections makes each request open its own (servers that close idle ones).
     keep = 0 if cfg.fresh_connections else concurrency
@@ -332,10 +339,13 @@ async def run_level(
     rng = np.random.default_rng(seed)
     sem = asyncio.Semaphore(concurrency)
     async with _client(cfg, concurrency) as client:
+        bar = Counter(len(prompts), f"{t.name} concurrency {concurrency}", _say)
 
         async def one(p: Prompt) -> RequestResult:
             async with sem:
-                return await send_request(client, cfg, t, p, count_tokens)
+                r = await send_request(client, cfg, t, p, count_tokens)
+                bar.update()
+                return r
 
         start = time.perf_counter()
         tasks = []
@@ -344,6 +354,7 @@ async def run_level(
                 await asyncio.sleep(rng.exponential(1.0 / rate))
             tasks.append(asyncio.create_task(one(p)))
         results = await asyncio.gather(*tasks)
+        bar.close()
         return list(results), time.perf_counter() - start
 
 
@@ -358,6 +369,7 @@ async def run_conversations(
     conversations in flight. A failed turn ends its conversation (the next has no answer to build on)."""
     sem = asyncio.Semaphore(concurrency)
     async with _client(cfg, concurrency) as client:
+        bar = Counter(sum(len(c.turns) for c in convs), f"{t.name} concurrency {concurrency}", _say, "turns")
 
         async def one(c: Conversation) -> list[RequestResult]:
             out: list[RequestResult] = []
@@ -368,6 +380,7 @@ async def run_conversations(
                         client, cfg, t, Prompt(user, None, c.output_len, history), count_tokens
                     )
                     out.append(r)
+                    bar.update()
                     if not r.ok:
                         break
                     history += ((user, r.text),)
@@ -375,6 +388,7 @@ async def run_conversations(
 
         start = time.perf_counter()
         results = await asyncio.gather(*(one(c) for c in convs))
+        bar.close()
         return list(results), time.perf_counter() - start
 
 
