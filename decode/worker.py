@@ -177,6 +177,8 @@ class DecodeWorker:
 
     def _on_message(self, msg: m.Message) -> None:
         if isinstance(msg, m.GenerateRequest):
+            if msg.traceparent is not None:
+                log.debug("room %s: traceparent %s", msg.room, msg.traceparent)
             if self.signals.draining.is_set():
                 self._fail(msg.room, "draining", "the decode worker is draining")
                 return

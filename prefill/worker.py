@@ -151,6 +151,8 @@ class PrefillWorker:
 
     def _admit(self, req: m.GenerateRequest) -> None:
         assert self.link is not None
+        if req.traceparent is not None:
+            log.debug("room %s: traceparent %s", req.room, req.traceparent)
         if self.signals.draining.is_set():
             self._fail(req.room, "draining", "the prefill worker is draining")
             return
