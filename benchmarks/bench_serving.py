@@ -43,7 +43,7 @@ from dataclasses import asdict, dataclass, field, replace
 import httpx
 import numpy as np
 
-from pdserve.progress import Counter
+from pdserve.progress import Counter, stderr
 
 BACKEND_PATHS = {
     "openai-chat": "/v1/chat/completions",
@@ -314,11 +314,6 @@ async def send_request(
     return res
 
 
-def _say(line: str) -> None:
-    """Progress off a terminal: plain lines on stderr (the results go to stdout)."""
-    print(line, file=sys.stderr, flush=True)
-
-
 def _client(cfg: RunConfig, concurrency: int) -> httpx.AsyncClient:
     # A pool of 0 keep-alive connections makes each request open its own (servers that close idle ones).
     keep = 0 if cfg.fresh_connections else concurrency
@@ -339,7 +334,7 @@ async def run_level(
     rng = np.random.default_rng(seed)
     sem = asyncio.Semaphore(concurrency)
     async with _client(cfg, concurrency) as client:
-        bar = Counter(len(prompts), f"{t.name} concurrency {concurrency}", _say)
+        bar = Counter(len(prompts), f"{t.name} concurrency {concurrency}", stderr)
 
         async def one(p: Prompt) -> RequestResult:
             async with sem:
@@ -369,7 +364,9 @@ async def run_conversations(
     conversations in flight. A failed turn ends its conversation (the next has no answer to build on)."""
     sem = asyncio.Semaphore(concurrency)
     async with _client(cfg, concurrency) as client:
-        bar = Counter(sum(len(c.turns) for c in convs), f"{t.name} concurrency {concurrency}", _say, "turns")
+        bar = Counter(
+            sum(len(c.turns) for c in convs), f"{t.name} concurrency {concurrency}", stderr, "turns"
+        )
 
         async def one(c: Conversation) -> list[RequestResult]:
             out: list[RequestResult] = []

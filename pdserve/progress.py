@@ -18,6 +18,11 @@ from typing import Any, TypeVar
 T = TypeVar("T")
 
 
+def stderr(line: str) -> None:
+    """Progress lines of the benchmarks (their results go to stdout)."""
+    print(line, file=sys.stderr, flush=True)
+
+
 def on_terminal() -> bool:
     return sys.stderr.isatty()
 
