@@ -19,6 +19,9 @@ from pdserve.gateway.request_trace import RequestTrace
 log = logging.getLogger(__name__)
 
 PROTOCOLS = ("http/protobuf", "grpc")
+# One export's limit, its retries included: what an unreachable collector can add to the gateway's stop
+# (the spans of that batch are dropped, with the SDK's log line saying so).
+EXPORT_TIMEOUT_S = 3.0
 
 
 def default_protocol(endpoint: str) -> str:
@@ -43,14 +46,16 @@ class Tracing:
             from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter as Grpc
 
             target = endpoint.split("://", 1)[-1]
-            exporter = Grpc(endpoint=target, insecure=not endpoint.startswith("https://"))
+            exporter = Grpc(
+                endpoint=target, insecure=not endpoint.startswith("https://"), timeout=EXPORT_TIMEOUT_S
+            )
         elif protocol == "http/protobuf":
             from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter as Http
 
             url = endpoint if "://" in endpoint else f"http://{endpoint}"
             if urlparse(url).path in ("", "/"):
                 url = url.rstrip("/") + "/v1/traces"
-            exporter = Http(endpoint=url)
+            exporter = Http(endpoint=url, timeout=EXPORT_TIMEOUT_S)
         else:
             raise ValueError(f"unknown OTLP protocol {protocol!r}; one of {', '.join(PROTOCOLS)}")
         self.endpoint, self.protocol = endpoint, protocol
