@@ -45,8 +45,9 @@ class RequestStats(TypedDict, total=False):
     # prompt tokens were taken from its own prefix cache instead (incremental transfer).
     transfer_bytes: int
     decode_cached_tokens: int
-    # How the prompt's KV reached the decode worker: the transfer backend ("gloo", "nccl"), or "local"
-    # (computed on the decode worker, conditional disaggregation).
+    # How the prompt's KV reached the decode worker: "<backend>/<direct|staged>" ("gloo/direct": pool to
+    # pool in page runs; "staged": through gather/scatter chunks), or "local" (computed on the decode
+    # worker, conditional disaggregation).
     kv_path: str
     # Speculative decoding (SGLang's meta_info names): verify forwards, drafts proposed and accepted,
     # and how many verify forwards accepted 0, 1, ..., k drafts.

@@ -61,7 +61,7 @@ def _trace(prefill_skew: float, decode_skew: float, err: float):
             prefill_offset=prefill_skew + err,
             forward_chunks=[(s + prefill_skew, e + prefill_skew) for s, e in CHUNKS],
             decode_events=de,
-            stats={"transfer_bytes": 4096, "kv_path": "gloo", "spec_verify_ct": 7},
+            stats={"transfer_bytes": 4096, "kv_path": "gloo/direct", "spec_verify_ct": 7},
             prompt_tokens=100,
             completion_tokens=20,
             cached_tokens=32,
