@@ -101,3 +101,47 @@ def test_recent_requests_ring_is_bounded():
     for _ in range(5):
         ring.add(_trace(0.0, 0.0, 0.0))
     assert len(ring) == 3
+
+
+def test_a_local_prefill_has_one_forward_span_and_no_kv_path():
+    t = _trace(0.0, 0.0, 0.0)
+    local = build_trace(
+        TraceInput(
+            rid="r2",
+            tl=stitch(
+                TimelineInput(
+                    request_received=TRUE["received"],
+                    dispatch_finished=TRUE["dispatched"],
+                    first_token_recv=TRUE["first_recv"],
+                    final_recv=TRUE["final_recv"],
+                    response_sent=TRUE["sent"],
+                    prefill_done_recv=TRUE["first_recv"],
+                    prefill_events={k: TRUE[k] for k in ("queue_entry", "forward_entry", "prefill_finished")},
+                    prefill_offset=0.0,
+                    decode_events={},
+                    decode_offset=0.0,
+                    completion_tokens=20,
+                )
+            ),
+            prefill_worker="",
+            decode_worker="decode-0",
+            prefill_events={k: TRUE[k] for k in ("queue_entry", "forward_entry", "prefill_finished")},
+            prefill_offset=0.0,
+            forward_chunks=[],
+            decode_events={},
+            stats={"kv_path": "local"},
+            prompt_tokens=10,
+            completion_tokens=20,
+            cached_tokens=0,
+            migrations=0,
+            meta_info={},
+        )
+    )
+    forwards = [s for s in local.spans if s.name == "prefill.forward"]
+    assert len(forwards) == 1 and forwards[0].attributes["pdserve.worker"] == "decode-0"
+    assert (forwards[0].start, forwards[0].end) == pytest.approx(
+        (TRUE["forward_entry"], TRUE["prefill_finished"])
+    )
+    assert local.attributes["pdserve.prefill_worker"] == "local"
+    assert {s.attributes.get("pdserve.kv.path") for s in local.spans if s.name.startswith("kv_")} == {"local"}
+    assert len(t.spans) == len(local.spans) + 1  # the transferred request had two forward chunks
