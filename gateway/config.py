@@ -116,7 +116,7 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--admin-api-key",
         default=env.admin_api_key(),
-        help="the key of /workers, /flush_cache and /abort_request (default: $PDSERVE_ADMIN_API_KEY; "
+        help="the key of /workers, /flush_cache, /abort_request and /dashboard (default: $PDSERVE_ADMIN_API_KEY; "
         "unset: the API key)",
     )
     parser.add_argument("--protect-health", action="store_true", help="/health needs the API key too")
