@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: up test test-all lint typecheck bench-engine bench-serving gpu-bundle clean
+.PHONY: up test test-all browser lint typecheck bench-engine bench-serving gpu-bundle clean
 
 $(STAMP): pyproject.toml
 	$(PY) -m venv $(VENV)
@@ -26,10 +26,16 @@ test: $(STAMP)
 	$(BIN)/python -m pytest -m "not slow" --durations=15
 
 ## Lint and type-check, then every test, the soak and the long fault tests included (what CI runs)
-test-all: $(STAMP)
+test-all: $(STAMP) browser
 	$(BIN)/ruff check .
 	$(MAKE) --no-print-directory typecheck
 	$(BIN)/python -m pytest --durations=15
+
+## Chromium and chromedriver from the system packages, for the dashboard's browser test (as root or with sudo)
+browser:
+	@if command -v chromium >/dev/null && command -v chromedriver >/dev/null; then exit 0; fi; \
+	SUDO=$$([ "$$(id -u)" = 0 ] || echo sudo); \
+	$$SUDO apt-get update -q && DEBIAN_FRONTEND=noninteractive $$SUDO apt-get install -y -q chromium chromium-driver
 
 ## Type-check the core packages with mypy (settings in pyproject.toml). pyproject's package-dir maps
 ## pdserve.runtime onto runtime/ and so on, which mypy cannot follow: it reads a tree of symlinks laid out

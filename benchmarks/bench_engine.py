@@ -23,6 +23,7 @@ from dataclasses import dataclass
 import torch
 
 from pdserve.config import RuntimeConfig
+from pdserve.progress import Counter, stderr
 from pdserve.runtime.engine import Engine
 from pdserve.runtime.loader import LoadedModel, load_model
 from pdserve.sampling_params import SamplingParams
@@ -155,6 +156,7 @@ def main(argv: list[str] | None = None) -> int:
         flush=True,
     )
     rows = []
+    bar = Counter(len(args.batch_sizes) * args.repeats, "bench engine", stderr, unit="runs")
     for bs in args.batch_sizes:
         prompts = make_prompts(vocab, bs, args.prompt_len, args.seed)
         ours: list[Run] = []
@@ -163,6 +165,7 @@ def main(argv: list[str] | None = None) -> int:
             ours.append(run_ours(engine, prompts, args.new_tokens))
             if hf is not None:
                 theirs.append(run_hf(hf, prompts, args.new_tokens, pad_id, args.device))
+            bar.update()
         out_tokens = bs * args.new_tokens
         best = min(ours, key=lambda r: r.seconds)
         row = {
@@ -175,6 +178,7 @@ def main(argv: list[str] | None = None) -> int:
         rows.append(row)
         print(f"  batch {bs}: done ({best.seconds:.1f} s ours)", file=sys.stderr, flush=True)
 
+    bar.close()
     print(
         f"{'batch':>5} {'pdserve tok/s':>14} {'(decode only)':>14} {'transformers tok/s':>19} {'ratio':>6} "
         f"{'matmul floor tok/s':>19} {'floor/transformers':>19}"

@@ -43,6 +43,8 @@ from dataclasses import asdict, dataclass, field, replace
 import httpx
 import numpy as np
 
+from pdserve.progress import Counter, stderr
+
 BACKEND_PATHS = {
     "openai-chat": "/v1/chat/completions",
     "openai": "/v1/completions",
@@ -332,10 +334,13 @@ async def run_level(
     rng = np.random.default_rng(seed)
     sem = asyncio.Semaphore(concurrency)
     async with _client(cfg, concurrency) as client:
+        bar = Counter(len(prompts), f"{t.name} concurrency {concurrency}", stderr)
 
         async def one(p: Prompt) -> RequestResult:
             async with sem:
-                return await send_request(client, cfg, t, p, count_tokens)
+                r = await send_request(client, cfg, t, p, count_tokens)
+                bar.update()
+                return r
 
         start = time.perf_counter()
         tasks = []
@@ -344,6 +349,7 @@ async def run_level(
                 await asyncio.sleep(rng.exponential(1.0 / rate))
             tasks.append(asyncio.create_task(one(p)))
         results = await asyncio.gather(*tasks)
+        bar.close()
         return list(results), time.perf_counter() - start
 
 
@@ -358,6 +364,9 @@ async def run_conversations(
     conversations in flight. A failed turn ends its conversation (the next has no answer to build on)."""
     sem = asyncio.Semaphore(concurrency)
     async with _client(cfg, concurrency) as client:
+        bar = Counter(
+            sum(len(c.turns) for c in convs), f"{t.name} concurrency {concurrency}", stderr, "turns"
+        )
 
         async def one(c: Conversation) -> list[RequestResult]:
             out: list[RequestResult] = []
@@ -368,6 +377,7 @@ async def run_conversations(
                         client, cfg, t, Prompt(user, None, c.output_len, history), count_tokens
                     )
                     out.append(r)
+                    bar.update()
                     if not r.ok:
                         break
                     history += ((user, r.text),)
@@ -375,6 +385,7 @@ async def run_conversations(
 
         start = time.perf_counter()
         results = await asyncio.gather(*(one(c) for c in convs))
+        bar.close()
         return list(results), time.perf_counter() - start
 
 
@@ -739,6 +750,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--request-timeout", type=float, default=600.0)
     p.add_argument("--seed", type=int, default=1)
     p.add_argument("--output-json", default=None)
+    p.add_argument(
+        "--plot",
+        default=None,
+        metavar="DIR",
+        help="write TTFT and ITL CDFs, throughput against concurrency (PNG) and the raw results (JSON) here",
+    )
     p.add_argument("--launch-pdserve", action="store_true", help="start `pdserve up` and stop it at the end")
     p.add_argument("--pdserve-args", default="", help="extra flags for the launched `pdserve up`")
     p.add_argument("--launch-pdserve-variant", action="append", default=[], metavar="NAME=FLAGS",
@@ -773,7 +790,18 @@ def _prompts(args: argparse.Namespace, n: int, tok) -> list[Prompt]:
     return [replace(p, output_len=args.output_len) for p in prompts] if args.output_len else prompts
 
 
-async def _bench(args: argparse.Namespace, targets: list[Target]) -> tuple[list[dict], list[dict]]:
+def _samples(pooled: dict[tuple[str, int], list]) -> dict[tuple[str, int], dict[str, list[float]]]:
+    """Every successful request's TTFT and ITL samples (seconds), per (target, concurrency)."""
+    out = {}
+    for key, runs in pooled.items():
+        ok = [r for rs, _ in runs for r in rs if r.ok]
+        out[key] = {"ttft": [r.ttft for r in ok], "itl": [x for r in ok for x in r.itl]}
+    return out
+
+
+async def _bench(
+    args: argparse.Namespace, targets: list[Target]
+) -> tuple[list[dict], list[dict], dict[tuple[str, int], dict[str, list[float]]]]:
     cfg = RunConfig(args.backend, args.temperature, args.request_timeout, args.fresh_connections)
     levels = _levels(args)
     need_tok = args.dataset == "random" or args.no_usage or args.tokenizer is not None
@@ -831,7 +859,7 @@ async def _bench(args: argparse.Namespace, targets: list[Target]) -> tuple[list[
             title = f"per turn: concurrency {conc}, {n} conversations x {args.num_turns} turns"
             title += f" x {args.rounds} round(s)"
             print(format_turns(title, [t.name for t in targets], turns), flush=True)
-    return runs, summary
+    return runs, summary, _samples(pooled)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -843,7 +871,7 @@ def main(argv: list[str] | None = None) -> int:
         for s in launched:
             wait_healthy(s, args.launch_timeout)
         targets = _targets(args, launched)
-        runs, summary = asyncio.run(_bench(args, targets))
+        runs, summary, samples = asyncio.run(_bench(args, targets))
     finally:
         for s in launched:
             s.stop()
@@ -851,6 +879,11 @@ def main(argv: list[str] | None = None) -> int:
         with open(args.output_json, "w") as f:
             json.dump({"config": vars(args), "targets": [asdict(t) for t in targets], "runs": runs,
                        "summary": summary}, f, indent=2)  # fmt: skip
+    if args.plot:
+        from pdserve.bench.plots import write_plots
+
+        for path in write_plots(args.plot, summary, samples, vars(args)):
+            print(f"wrote {path}", flush=True)
     return 0 if all(r["metrics"]["failed"] == 0 for r in runs) else 1
 
 

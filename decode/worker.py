@@ -51,15 +51,14 @@ class DecodeWorker:
             cache = RadixCache(self.runner.allocator, rc.page_size, record_events=True)
         self.sched = DecodeScheduler(self.runner.pages, rc.max_running_requests, lookahead, cache)
         self.cache_events = CacheEvents(cfg.worker_id, "decode", cache)
-        self.receiver = KVReceiver(
-            self.runner.pool.kv,
-            self.runner.fingerprint(),
-            worker_transfer_config(cfg, self.runner.pool.kv),
-        )
+        transfer_cfg = worker_transfer_config(cfg, self.runner.pool.kv)
+        self.receiver = KVReceiver(self.runner.pool.kv, self.runner.fingerprint(), transfer_cfg)
+        self.kv_backend = transfer_cfg.backend
         self.prefill_addr: dict[str, str] = {}  # room -> its prefill node's bootstrap address
         self.events: dict[str, DecodeEvents] = {}
         self.prefill_events: dict[str, PrefillEvents] = {}  # local prefills', until the first output
         self.transfer_bytes: dict[str, int] = {}  # KV bytes each transfer moved, until the final output
+        self.transfer_path: dict[str, str] = {}  # how: "gloo/direct", "nccl/staged"... (RequestStats.kv_path)
         # Rooms failed for their deadline whose transfer is being aborted: already reported.
         self.expired: set[str] = set()
         self.link: WorkerLink | None = None
@@ -118,12 +117,15 @@ class DecodeWorker:
             skip, prefix_hash = s.skip(r)
             dst = r.pages[skip : s.pages.pages_for(n)]
             self.receiver.request(r.rid, self.prefill_addr[r.rid], dst, n, skip, prefix_hash)
+            self.events[r.rid]["kv_requested"] = self.clock()
         outputs = self._prefill_locally(local)
         for res in self.receiver.poll():
             if res.prefix_mismatch and s.prefix_refused(res.room) is not None:
                 log.warning("room %s: cached prefix refused, asking again in full: %s", res.room, res.error)
                 continue
-            out = self._on_transfer_end(res.room, res.state, res.metadata, res.error, res.num_bytes)
+            out = self._on_transfer_end(
+                res.room, res.state, res.metadata, res.error, res.num_bytes, res.direct
+            )
             if out is not None:
                 outputs.append(out)
         # Retracted requests keep their stepper state (speculative counters, drafter indexes):
@@ -143,6 +145,7 @@ class DecodeWorker:
         outputs = []
         for r in reqs:
             entry = self.events[r.rid].get("decode_entry", start)
+            self.events[r.rid]["kv_requested"] = start
             self.prefill_events[r.rid] = PrefillEvents(
                 queue_entry=entry, forward_entry=start, prefill_finished=now
             )
@@ -177,6 +180,8 @@ class DecodeWorker:
 
     def _on_message(self, msg: m.Message) -> None:
         if isinstance(msg, m.GenerateRequest):
+            if msg.traceparent is not None:
+                log.debug("room %s: traceparent %s", msg.room, msg.traceparent)
             if self.signals.draining.is_set():
                 self._fail(msg.room, "draining", "the decode worker is draining")
                 return
@@ -220,7 +225,13 @@ class DecodeWorker:
             self._fail(r.rid, "deadline", msg)
 
     def _on_transfer_end(
-        self, room: str, state: TransferState, meta: dict[str, Any] | None, error: str | None, num_bytes: int
+        self,
+        room: str,
+        state: TransferState,
+        meta: dict[str, Any] | None,
+        error: str | None,
+        num_bytes: int,
+        direct: bool = False,
     ) -> m.TokenOutput | None:
         if room in self.expired:  # failed for its deadline: drop it whatever the transfer did
             self.expired.discard(room)
@@ -244,6 +255,7 @@ class DecodeWorker:
         r.append_token(first.first_token, first.logprob, first.top_logprobs or None)
         self.events[room]["kv_ready"] = self.clock()
         self.transfer_bytes[room] = num_bytes
+        self.transfer_path[room] = f"{self.kv_backend}/{'direct' if direct else 'staged'}"
         return self._output(r, r.output_ids[:1], first=True)
 
     def _output(self, r: Request, new: list[int], first: bool = False) -> m.TokenOutput:
@@ -269,6 +281,7 @@ class DecodeWorker:
             out.stats = RequestStats(
                 cached_tokens=0,
                 num_retractions=r.num_retractions,
+                kv_path=self.transfer_path.pop(r.rid, "local"),
                 transfer_bytes=self.transfer_bytes.pop(r.rid, 0),
                 decode_cached_tokens=r.cached_tokens,
                 **self.stepper.stats(r),
@@ -284,3 +297,4 @@ class DecodeWorker:
         self.prefill_addr.pop(room, None)
         self.prefill_events.pop(room, None)
         self.transfer_bytes.pop(room, None)
+        self.transfer_path.pop(room, None)

@@ -3,8 +3,11 @@
 Three kinds of path:
 - inference (every path not listed below: `/generate`, `/v1/*`, SGLang's info endpoints, the docs):
   the API key (`--api-key`, else PDSERVE_API_KEY) or the admin key;
-- operational (`ADMIN_PATHS`: `/workers`, `/flush_cache`, `/abort_request`): the admin key
-  (`--admin-api-key`, else PDSERVE_ADMIN_API_KEY); with no admin key, the API key;
+- operational (`ADMIN_PATHS`: `/workers`, `/flush_cache`, `/abort_request`, and the timeline page
+  `/dashboard` with its `/dashboard/data`): the admin key (`--admin-api-key`, else
+  PDSERVE_ADMIN_API_KEY); with no admin key, the API key. A browser cannot send a bearer token when it
+  opens a page, so the dashboard's paths also take the key as HTTP Basic's password (any user name):
+  their 401 asks for it (`WWW-Authenticate: Basic`), and the page's own requests then carry it;
 - `/health` and `/metrics`: open, unless `--protect-health` / `--protect-metrics` put them under the
   API key (Kubernetes probes and Prometheus scrapers usually carry none).
 No key configured: that kind of path is open. A refusal is a 401 with OpenAI's body (`invalid_api_key`);
@@ -14,6 +17,8 @@ streamed responses pass through untouched.
 
 from __future__ import annotations
 
+import base64
+import binascii
 import hmac
 import json
 from dataclasses import dataclass
@@ -21,7 +26,8 @@ from typing import Any
 
 from pdserve.gateway.errors import error_body
 
-ADMIN_PATHS = frozenset({"/workers", "/flush_cache", "/abort_request"})
+DASHBOARD_PATHS = frozenset({"/dashboard", "/dashboard/data"})
+ADMIN_PATHS = frozenset({"/workers", "/flush_cache", "/abort_request"}) | DASHBOARD_PATHS
 OPEN_PATHS = frozenset({"/health", "/metrics"})
 
 
@@ -44,11 +50,19 @@ class ApiKeys:
         return tuple(k for k in (self.api_key, self.admin_api_key) if k) if self.api_key else ()
 
 
-def _bearer(headers: list[tuple[bytes, bytes]]) -> bytes | None:
+def _bearer(headers: list[tuple[bytes, bytes]], basic: bool = False) -> bytes | None:
+    """The bearer token; with `basic`, also HTTP Basic's password."""
     for name, value in headers:
         if name.lower() == b"authorization":
             scheme, _, token = value.partition(b" ")
-            return token.strip() if scheme.lower() == b"bearer" else None
+            if scheme.lower() == b"bearer":
+                return token.strip()
+            if basic and scheme.lower() == b"basic":
+                try:
+                    return base64.b64decode(token.strip(), validate=True).partition(b":")[2]
+                except (binascii.Error, ValueError):
+                    return None
+            return None
     return None
 
 
@@ -62,7 +76,8 @@ class ApiKeyMiddleware:
             return
         wanted = self.keys.required(scope["path"])
         if wanted:
-            given = _bearer(scope.get("headers", []))
+            dashboard = scope["path"] in DASHBOARD_PATHS
+            given = _bearer(scope.get("headers", []), basic=dashboard)
             # Every key is compared, whatever matched: the time does not tell which one was close.
             ok = False
             for key in wanted:
@@ -84,7 +99,10 @@ class ApiKeyMiddleware:
                         "headers": [
                             (b"content-type", b"application/json"),
                             (b"content-length", str(len(payload)).encode()),
-                            (b"www-authenticate", b"Bearer"),
+                            (
+                                b"www-authenticate",
+                                b'Basic realm="pdserve dashboard"' if dashboard else b"Bearer",
+                            ),
                         ],
                     }
                 )

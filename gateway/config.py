@@ -63,6 +63,12 @@ class GatewayConfig:
     admin_api_key: str | None = field(default=None, repr=False)
     protect_health: bool = False
     protect_metrics: bool = False
+    # OpenTelemetry traces (gateway/tracing.py), SGLang's flag names; the protocol None: from the endpoint.
+    enable_trace: bool = False
+    otlp_traces_endpoint: str = "localhost:4317"
+    otlp_traces_protocol: str | None = None
+    # Finished requests the dashboard keeps (gateway/dashboard.py).
+    dashboard_requests: int = 200
 
 
 def add_cli_args(parser: argparse.ArgumentParser) -> None:
@@ -116,7 +122,7 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--admin-api-key",
         default=env.admin_api_key(),
-        help="the key of /workers, /flush_cache and /abort_request (default: $PDSERVE_ADMIN_API_KEY; "
+        help="the key of /workers, /flush_cache, /abort_request and /dashboard (default: $PDSERVE_ADMIN_API_KEY; "
         "unset: the API key)",
     )
     parser.add_argument("--protect-health", action="store_true", help="/health needs the API key too")
@@ -207,6 +213,34 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
         choices=["xgrammar", "none"],
         help="validates json_schema / regex / ebnf / response_format constraints; none: refuse them",
     )
+    add_trace_args(parser)
+    parser.add_argument(
+        "--dashboard-requests",
+        type=int,
+        default=d.dashboard_requests,
+        help="finished requests /dashboard keeps and shows",
+    )
+
+
+def add_trace_args(parser: argparse.ArgumentParser) -> None:
+    """The tracing flags (SGLang's names); `pdserve up` takes them too."""
+    d = GatewayConfig()
+    parser.add_argument(
+        "--enable-trace",
+        action="store_true",
+        help="export one OpenTelemetry trace per request (spans on the gateway's clock) over OTLP",
+    )
+    parser.add_argument(
+        "--otlp-traces-endpoint",
+        default=d.otlp_traces_endpoint,
+        help="the OTLP receiver: host:port for gRPC, http(s)://host:port[/v1/traces] for http/protobuf",
+    )
+    parser.add_argument(
+        "--otlp-traces-protocol",
+        default=d.otlp_traces_protocol,
+        choices=["http/protobuf", "grpc"],
+        help="default: http/protobuf for an http(s):// endpoint, else grpc",
+    )
 
 
 def config_from_args(args: argparse.Namespace) -> GatewayConfig:
@@ -243,4 +277,8 @@ def config_from_args(args: argparse.Namespace) -> GatewayConfig:
         admin_api_key=args.admin_api_key,
         protect_health=args.protect_health,
         protect_metrics=args.protect_metrics,
+        enable_trace=args.enable_trace,
+        otlp_traces_endpoint=args.otlp_traces_endpoint,
+        otlp_traces_protocol=args.otlp_traces_protocol,
+        dashboard_requests=args.dashboard_requests,
     )

@@ -20,7 +20,7 @@ import contextlib
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field, replace
 
 from pdserve.gateway.config import GatewayConfig
@@ -29,7 +29,9 @@ from pdserve.gateway.detokenizer import IncrementalDetokenizer, StopStringMatche
 from pdserve.gateway.errors import ApiError, bad_request
 from pdserve.gateway.metrics import GatewayMetrics
 from pdserve.gateway.protocol import check_prompt_ids, with_max_new_tokens
+from pdserve.gateway.request_trace import RequestTrace, TraceInput, build_trace
 from pdserve.gateway.timeline import (
+    Timeline,
     TimelineInput,
     decode_throughput,
     spec_accept_length,
@@ -37,6 +39,7 @@ from pdserve.gateway.timeline import (
     stitch,
 )
 from pdserve.gateway.tokenizer import Tokenizer
+from pdserve.gateway.tracing import RequestSpan, Tracing
 from pdserve.gateway.workers import WorkerInfo, WorkerRegistry
 from pdserve.protocol.gateway import GenerateRequest, PrefillDone, Role, TokenOutput
 from pdserve.protocol.records import DecodeEvents, RequestStats
@@ -80,6 +83,8 @@ class GenInput:
     max_new_tokens_given: bool
     received_ts: float
     skip_special_tokens: bool = True
+    # The client's W3C trace context (the `traceparent` header): the parent of the request's trace.
+    traceparent: str | None = None
 
 
 @dataclass
@@ -116,6 +121,7 @@ class _Run:
     dispatched_once: bool = False
     # The attempt that delivered the first token: its prefill events and dispatch time go in meta_info.
     origin: tuple[Room, float] | None = None
+    span: RequestSpan | None = None  # the trace's root, with tracing on
 
 
 class Generations:
@@ -126,6 +132,8 @@ class Generations:
         registry: WorkerRegistry,
         control: ControlPlane,
         metrics: GatewayMetrics,
+        tracing: Tracing | None = None,
+        on_finish: Callable[[RequestTrace], None] | None = None,
     ) -> None:
         self.cfg, self.tokenizer, self.registry, self.control, self.metrics = (
             cfg,
@@ -134,6 +142,9 @@ class Generations:
             control,
             metrics,
         )
+        # OpenTelemetry export (None: off) and the dashboard's recent requests: both take each
+        # finished request's spans, built once.
+        self.tracing, self.on_finish = tracing, on_finish
 
     # ---- before dispatch ---------------------------------------------------------------------
 
@@ -178,13 +189,19 @@ class Generations:
         most `MAX_MIGRATIONS` times). Other failures, and those past the limits, raise `ApiError`."""
         st = GenState(inp.rid, len(inp.input_ids))
         run = _Run(inp, st, _Collector(self.tokenizer, inp, st))
-        while True:
-            try:
-                async for s in self._attempt(run):
-                    yield s
-                return
-            except _Again as a:
-                self._again(run, a)
+        if self.tracing is not None:
+            run.span = self.tracing.begin(inp.received_ts, inp.traceparent)
+        try:
+            while True:
+                try:
+                    async for s in self._attempt(run):
+                        yield s
+                    return
+                except _Again as a:
+                    self._again(run, a)
+        finally:
+            if run.span is not None:  # ended already when the request finished
+                run.span.fail("the request did not finish", time.time())
 
     def _again(self, run: _Run, a: _Again) -> None:
         """Count a retry or a migration and mark the workers to avoid, or raise the failure."""
@@ -269,6 +286,7 @@ class Generations:
             decode_worker=decode.worker_id,
             local_prefill=local,
             deadline_s=inp.received_ts + self.cfg.request_timeout_s,
+            traceparent=run.span.traceparent if run.span is not None else None,
         )
         if prefill is not None:
             self.control.send(prefill, req)
@@ -332,8 +350,14 @@ class Generations:
             await self._wait_prefill_done(room)
             abort_prefill = None
             origin, t_dispatch = run.origin or (room, dispatched)
-            st.meta_info = self._meta_info(inp, st, c, origin, t_dispatch, run.migrations)
+            st.meta_info, tl = self._meta_info(inp, st, c, origin, t_dispatch, run.migrations)
             self._observe_finish(st, c, local=origin.prefill is None)
+            if run.span is not None or self.on_finish is not None:
+                trace = self._trace(inp, st, c, origin, tl, run.migrations)
+                if run.span is not None:
+                    run.span.finish(trace)
+                if self.on_finish is not None:
+                    self.on_finish(trace)
             yield st
         finally:
             self.control.close_room(room, abort_decode=abort_decode, abort_prefill=abort_prefill)
@@ -389,9 +413,33 @@ class Generations:
         if not local:  # a transfer's prefix the decode worker held: those pages did not travel
             self.metrics.transfer_skipped_tokens.inc(c.stats.get("decode_cached_tokens", 0))
 
+    def _trace(
+        self, inp: GenInput, st: GenState, c: _Collector, room: Room, tl: Timeline, migrations: int
+    ) -> RequestTrace:
+        pd = room.prefill_done
+        assert st.meta_info is not None
+        return build_trace(
+            TraceInput(
+                rid=inp.rid,
+                tl=tl,
+                prefill_worker=room.prefill.worker_id if room.prefill is not None else "",
+                decode_worker=room.decode.worker_id,
+                prefill_events=pd.events if pd is not None else {},
+                prefill_offset=(room.prefill or room.decode).clock.offset,
+                forward_chunks=pd.forward_chunks if pd is not None else [],
+                decode_events=c.decode_events,
+                stats=c.stats,
+                prompt_tokens=st.prompt_tokens,
+                completion_tokens=len(st.output_ids),
+                cached_tokens=st.cached_tokens,
+                migrations=migrations,
+                meta_info=st.meta_info,
+            )
+        )
+
     def _meta_info(
         self, inp: GenInput, st: GenState, c: _Collector, room: Room, dispatched: float, migrations: int
-    ) -> dict:
+    ) -> tuple[dict, Timeline]:
         """`room`: the attempt that delivered the first token (its prefill events are the request's)."""
         pd = room.prefill_done
         now = time.time()
@@ -470,7 +518,7 @@ class Generations:
             meta["output_token_logprobs"] = [[lp, t, None] for lp, t in zip(st.logprobs, st.output_ids)]
             if inp.sampling.top_logprobs_num > 0:
                 meta["output_top_logprobs"] = [[[lp, t, None] for t, lp in top] for top in st.top_logprobs]
-        return meta
+        return meta, tl
 
 
 class _Collector:

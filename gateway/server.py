@@ -17,11 +17,12 @@ from dataclasses import dataclass
 from fastapi import FastAPI, Query, Request
 from fastapi.responses import JSONResponse, Response
 
-from pdserve.gateway import native_api, openai_api, sglang_api
+from pdserve.gateway import dashboard, native_api, openai_api, sglang_api
 from pdserve.gateway.auth import ApiKeyMiddleware, ApiKeys
 from pdserve.gateway.config import GatewayConfig
 from pdserve.gateway.connections import IdleTimeoutProtocol, raise_open_files_limit
 from pdserve.gateway.control import ControlPlane
+from pdserve.gateway.dashboard import RecentRequests
 from pdserve.gateway.errors import error_body, install_error_handlers
 from pdserve.gateway.generation import Generations
 from pdserve.gateway.metrics import CONTENT_TYPE, GatewayMetrics
@@ -29,6 +30,7 @@ from pdserve.gateway.openapi import install_openapi
 from pdserve.gateway.serving import Admission
 from pdserve.gateway.structured import Constraints
 from pdserve.gateway.tokenizer import Tokenizer
+from pdserve.gateway.tracing import Tracing
 from pdserve.gateway.workers import RoutingPolicy, WorkerRegistry
 from pdserve.model_source import model_name
 from pdserve.port_file import write_port_file
@@ -50,6 +52,8 @@ class GatewayState:
     started: int
     model_name: str  # what clients send as `model` (--served-model-name, else the model's own name)
     constraints: Constraints  # structured output: validates json_schema / regex / ebnf
+    recent: RecentRequests  # finished requests, for /dashboard
+    tracing: Tracing | None  # OpenTelemetry export (--enable-trace)
 
 
 def create_app(cfg: GatewayConfig, tokenizer: Tokenizer | None = None) -> FastAPI:
@@ -67,17 +71,25 @@ def create_app(cfg: GatewayConfig, tokenizer: Tokenizer | None = None) -> FastAP
     )
     metrics = GatewayMetrics()
     control = ControlPlane(cfg, registry, metrics)
+    recent = RecentRequests(cfg.dashboard_requests)
+    tracing = (
+        Tracing(cfg.otlp_traces_endpoint, cfg.otlp_traces_protocol, model_name(cfg.model_path))
+        if cfg.enable_trace
+        else None
+    )
     gw = GatewayState(
         cfg=cfg,
         tokenizer=tok,
         registry=registry,
         control=control,
         metrics=metrics,
-        generations=Generations(cfg, tok, registry, control, metrics),
+        generations=Generations(cfg, tok, registry, control, metrics, tracing, recent.add),
         admission=Admission(cfg.max_pending_generations, cfg.max_requests_per_client, metrics),
         started=int(time.time()),
         model_name=cfg.served_model_name or model_name(cfg.model_path),
         constraints=Constraints(cfg.grammar_backend, tok),
+        recent=recent,
+        tracing=tracing,
     )
 
     @asynccontextmanager
@@ -89,6 +101,8 @@ def create_app(cfg: GatewayConfig, tokenizer: Tokenizer | None = None) -> FastAP
             yield
         finally:
             await control.stop()
+            if tracing is not None:
+                tracing.shutdown()  # what is queued is exported
 
     app = FastAPI(title="pdserve gateway", lifespan=lifespan)
     app.state.gw = gw
@@ -99,6 +113,7 @@ def create_app(cfg: GatewayConfig, tokenizer: Tokenizer | None = None) -> FastAP
     app.include_router(native_api.router)
     app.include_router(openai_api.router)
     app.include_router(sglang_api.router)
+    app.include_router(dashboard.router)
 
     @app.get("/health")
     async def health() -> Response:

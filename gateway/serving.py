@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import hashlib
 import json
 import time
@@ -258,6 +259,9 @@ async def serve_generation(
         admission.enter(len(inputs))
         admitted = len(inputs)
         inputs = generations.prepare(inputs, param)
+        traceparent = request.headers.get("traceparent")
+        if traceparent and generations.tracing is not None:  # the client's trace: the root's parent
+            inputs = [dataclasses.replace(i, traceparent=traceparent) for i in inputs]
         if stream:
 
             async def body() -> AsyncIterator[bytes]:

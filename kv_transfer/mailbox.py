@@ -90,6 +90,7 @@ class Done:
     error: str | None
     num_bytes: int = 0
     metadata: dict[str, Any] | None = None
+    direct: bool = False  # receiver: pool to pool (page runs), not staged chunks
 
 
 @dataclass(frozen=True)

@@ -222,12 +222,19 @@ class _ReceiverIO(EndpointIO):
         error: str | None = None,
         num_bytes: int = 0,
         prefix_mismatch: bool = False,
+        direct: bool = False,
     ) -> None:
         room.transition(state)
         self.rooms.pop(room.room, None)
         self.o._states.pop(room.room, None)
         self.o._results.append(
-            room.result(metadata=metadata, error=error, num_bytes=num_bytes, prefix_mismatch=prefix_mismatch)
+            room.result(
+                metadata=metadata,
+                error=error,
+                num_bytes=num_bytes,
+                prefix_mismatch=prefix_mismatch,
+                direct=direct,
+            )
         )
 
     def fail(self, room: RecvRoom, error: str) -> None:
@@ -318,7 +325,13 @@ class _ReceiverIO(EndpointIO):
             return  # a drained transfer for a room that is already gone
         error = "aborted by decode" if room.aborted else item.error
         if error is None:
-            self.finish(room, TransferState.SUCCESS, metadata=item.metadata, num_bytes=item.num_bytes)
+            self.finish(
+                room,
+                TransferState.SUCCESS,
+                metadata=item.metadata,
+                num_bytes=item.num_bytes,
+                direct=item.direct,
+            )
         else:
             self.finish(room, TransferState.FAILED, error=error)
 

@@ -126,4 +126,5 @@ class ReceiverPair(PairThread[RecvJob | _Build]):
         if room != job.room:
             self._mailbox.post(Done(job.room, f"room id mismatch: expected {job.room}, data is for {room}"))
             return
-        self._mailbox.post(Done(job.room, None, job.num_pages * self._geometry.page_bytes, metadata))
+        nbytes = job.num_pages * self._geometry.page_bytes
+        self._mailbox.post(Done(job.room, None, nbytes, metadata, direct=job.runs is not None))

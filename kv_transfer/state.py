@@ -58,6 +58,8 @@ class TransferResult:
     # Receiver, FAILED only: the prefill node refused the skipped prefix (incremental transfer); the
     # room may be requested again with a full page list.
     prefix_mismatch: bool = False
+    # Receiver, SUCCESS: the pages came pool to pool (page runs) rather than through staging chunks.
+    direct: bool = False
 
 
 R = TypeVar("R", bound="TransferRoom")
@@ -103,6 +105,7 @@ class TransferRoom:
         error: str | None = None,
         num_bytes: int = 0,
         prefix_mismatch: bool = False,
+        direct: bool = False,
     ) -> TransferResult:
         assert self.terminal, self.state
         return TransferResult(
@@ -113,6 +116,7 @@ class TransferRoom:
             num_bytes=num_bytes,
             seconds=time.monotonic() - self.started,
             prefix_mismatch=prefix_mismatch,
+            direct=direct,
         )
 
 

@@ -22,6 +22,7 @@ import urllib.request
 from pdserve import env
 from pdserve.cluster_auth import add_secret_arg
 from pdserve.config import TRANSFER_TIMEOUT_S, WAITING_TIMEOUT_S, add_runtime_args
+from pdserve.gateway.config import add_trace_args
 from pdserve.port_file import wait_port_file
 from pdserve.supervisor import Child, RestartPolicy, Supervisor
 
@@ -109,6 +110,7 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
     limits = parser.add_argument_group("the gateway's limits (see `pdserve gateway --help`; default: its own)")
     for flag, kind in _GATEWAY_LIMITS:
         limits.add_argument(flag, type=kind, default=None)
+    add_trace_args(parser)
     parser.add_argument("--log-level", default="info")
     parser.add_argument("--log-dir", default=None, help="write each role's output to <dir>/<role>.log")
     parser.add_argument("--startup-timeout", type=float, default=600.0)
@@ -202,6 +204,10 @@ def gateway_command(args: argparse.Namespace, port_file: str | None = None) -> l
             argv += [flag, value]
     argv += ["--grammar-backend", args.grammar_backend]
     argv += _flags(args, [flag[2:].replace("-", "_") for flag, _ in _GATEWAY_LIMITS])
+    if getattr(args, "enable_trace", False):
+        argv += ["--enable-trace", "--otlp-traces-endpoint", args.otlp_traces_endpoint]
+        if args.otlp_traces_protocol:
+            argv += ["--otlp-traces-protocol", args.otlp_traces_protocol]
     if args.model_path:
         argv += ["--model-path", args.model_path]
     if port_file:

@@ -72,6 +72,7 @@ class PrefillWorker:
         )
         self.rooms: dict[str, Request] = {}  # queued, prefilling or transferring
         self.events: dict[str, PrefillEvents] = {}
+        self.chunks: dict[str, list[tuple[float, float]]] = {}  # each forward's (start, end), per room
         # Rooms failed for their deadline whose transfer is being stopped: already reported.
         self.expired: set[str] = set()
         self.link: WorkerLink | None = None
@@ -150,6 +151,8 @@ class PrefillWorker:
 
     def _admit(self, req: m.GenerateRequest) -> None:
         assert self.link is not None
+        if req.traceparent is not None:
+            log.debug("room %s: traceparent %s", req.room, req.traceparent)
         if self.signals.draining.is_set():
             self._fail(req.room, "draining", "the prefill worker is draining")
             return
@@ -178,9 +181,11 @@ class PrefillWorker:
         done, rows = self.sched.take_completed(reqs)
         if done:
             append_samples(done, self.runner.sample(done, logits[rows]))
-            now = self.clock()
-            for r in done:
-                self.events[r.rid]["prefill_finished"] = now
+        end = self.clock()
+        for r in reqs:
+            self.chunks.setdefault(r.rid, []).append((now, end))
+        for r in done:
+            self.events[r.rid]["prefill_finished"] = end
         return done
 
     def _hand_off(self, done: list[Request]) -> None:
@@ -213,6 +218,7 @@ class PrefillWorker:
                     room=r.rid,
                     events=self.events.pop(r.rid),
                     cached_tokens=r.cached_tokens,
+                    forward_chunks=self.chunks.pop(r.rid, []),
                     input_logprobs=r.input_logprobs if lps else None,
                     input_top_logprobs=r.input_top_logprobs if lps and r.params.top_logprobs_num else None,
                 )
@@ -248,3 +254,4 @@ class PrefillWorker:
     def _forget(self, room: str) -> None:
         self.rooms.pop(room, None)
         self.events.pop(room, None)
+        self.chunks.pop(room, None)

@@ -14,6 +14,7 @@ import logging
 import os
 import shutil
 import tempfile
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -23,6 +24,7 @@ from safetensors import safe_open
 
 from pdserve import env
 from pdserve.model_source import ModelSource, ModelSourceError, resolve_model_source
+from pdserve.progress import progress
 from pdserve.runtime.model_config import ModelSpec, rope_inv_freq
 from pdserve.runtime.models.llama import CausalLM, Rotary
 
@@ -77,6 +79,7 @@ def gguf_to_folder(source: ModelSource) -> str:
         if os.path.isfile(os.path.join(dest, "model.safetensors")):
             return dest
         log.info("dequantizing %s (once; cached in %s)", source.gguf_path, dest)
+        t0 = time.monotonic()
         from safetensors.torch import save_file
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -98,6 +101,7 @@ def gguf_to_folder(source: ModelSource) -> str:
             tok.save_pretrained(tmp)
             shutil.rmtree(dest, ignore_errors=True)
             os.replace(tmp, dest)
+            log.info("dequantized %s in %.1f s", source.gguf_path, time.monotonic() - t0)
         finally:
             shutil.rmtree(tmp, ignore_errors=True)
     return dest
@@ -131,7 +135,9 @@ def weights_hash(folder: str) -> str:
 def iter_weights(folder: str) -> Iterator[tuple[str, torch.Tensor]]:
     for path in _weight_files(folder):
         with safe_open(path, framework="pt") as f:
-            for name in f.keys():
+            names = list(f.keys())
+            desc = f"loading {os.path.basename(path)}"
+            for name in progress(names, len(names), desc, log.info, unit="tensors"):
                 yield name, f.get_tensor(name)
 
 

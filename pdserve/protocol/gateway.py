@@ -128,6 +128,9 @@ class GenerateRequest(_Msg):
     local_prefill: bool = False
     # Absolute deadline on the gateway's clock (received time + request timeout); informational.
     deadline_s: float | None = None
+    # W3C trace context of the request's trace (`traceparent`), when the gateway traces it; a worker
+    # may log it. Spans are built by the gateway (gateway/tracing.py), not by the workers.
+    traceparent: str | None = None
 
 
 class AbortRequest(_Msg):
@@ -145,6 +148,8 @@ class PrefillDone(_Msg):
     room: str
     events: PrefillEvents
     cached_tokens: int = 0
+    # Worker-clock (start, end) of every extend forward that computed part of this prompt (chunked prefill).
+    forward_chunks: list[tuple[float, float]] = []
     # Prompt logprobs from the request's logprob_start_len on (the first prompt token's is None).
     input_logprobs: list[float | None] | None = None
     input_top_logprobs: list[list[tuple[int, float]] | None] | None = None

@@ -29,6 +29,7 @@ class DecodeEvents(TypedDict, total=False):
     __pydantic_config__ = _STRICT  # type: ignore[misc]
 
     decode_entry: float  # GenerateRequest admitted
+    kv_requested: float  # pages allocated, the KV asked of the prefill node (admission ended)
     kv_ready: float  # the prompt's KV and first token arrived
     finished: float  # the request finished
 
@@ -44,6 +45,10 @@ class RequestStats(TypedDict, total=False):
     # prompt tokens were taken from its own prefix cache instead (incremental transfer).
     transfer_bytes: int
     decode_cached_tokens: int
+    # How the prompt's KV reached the decode worker: "<backend>/<direct|staged>" ("gloo/direct": pool to
+    # pool in page runs; "staged": through gather/scatter chunks), or "local" (computed on the decode
+    # worker, conditional disaggregation).
+    kv_path: str
     # Speculative decoding (SGLang's meta_info names): verify forwards, drafts proposed and accepted,
     # and how many verify forwards accepted 0, 1, ..., k drafts.
     spec_verify_ct: int

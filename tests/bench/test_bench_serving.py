@@ -45,8 +45,10 @@ def test_bench_against_cluster(tmp_path):
         rc = main(["--base-url", c.url, *common, "--output-json", str(out)])
         # Two names for one server: the comparison path, over the native streaming API.
         cmp_out = tmp_path / "compare.json"
+        plots = tmp_path / "plots"
         cmp_rc = main([f"--targets=a={c.url},b={c.url}", "--backend", "pdserve-native", *common,
-                       "--fresh-connections", "--output-json", str(cmp_out)])  # fmt: skip
+                       "--max-concurrency", "1,2", "--fresh-connections", "--output-json", str(cmp_out),
+                       "--plot", str(plots)])  # fmt: skip
     finally:
         c.stop()
     assert rc == 0
@@ -63,8 +65,32 @@ def test_bench_against_cluster(tmp_path):
 
     assert cmp_rc == 0
     cmp = json.loads(cmp_out.read_text())
-    assert [s["target"] for s in cmp["summary"]] == ["a", "b"]
+    assert [(s["target"], s["concurrency"]) for s in cmp["summary"]] == [
+        ("a", 1),
+        ("b", 1),
+        ("a", 2),
+        ("b", 2),
+    ]
     for s in cmp["summary"]:
         assert s["metrics"]["completed"] == 4
         assert s["metrics"]["total_output_tokens"] == 32
         assert not math.isnan(s["metrics"]["median_itl_ms"])
+
+    # --plot: non-empty PNGs with the expected axes, both targets on each, and the raw samples.
+    for name in ("ttft_cdf.png", "itl_cdf.png", "throughput.png"):
+        png = (plots / name).read_bytes()
+        assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 10_000, (name, len(png))
+    raw = json.loads((plots / "results.json").read_text())
+    for name, what in (("ttft_cdf.png", "TTFT (ms)"), ("itl_cdf.png", "inter-token latency (ms)")):
+        axes = raw["plots"][name]
+        assert [a["title"] for a in axes] == ["concurrency 1", "concurrency 2"]
+        assert all(a["xlabel"] == what and a["series"] == ["a", "b"] for a in axes), axes
+    (tp,) = raw["plots"]["throughput.png"]
+    assert (tp["xlabel"], tp["ylabel"], tp["series"]) == (
+        "concurrency",
+        "output throughput (tok/s)",
+        ["a", "b"],
+    )
+    by = {(s["target"], s["concurrency"]): s for s in raw["samples"]}
+    assert set(by) == {("a", 1), ("b", 1), ("a", 2), ("b", 2)}
+    assert all(len(s["ttft"]) == 4 and len(s["itl"]) > 0 for s in by.values())

@@ -7,7 +7,8 @@ import pytest
 from .conftest import gateway_client
 
 INFERENCE = [("POST", "/generate"), ("POST", "/v1/chat/completions"), ("GET", "/v1/models"), ("GET", "/docs")]
-ADMIN = [("GET", "/workers"), ("POST", "/flush_cache"), ("POST", "/abort_request")]
+ADMIN = [("GET", "/workers"), ("POST", "/flush_cache"), ("POST", "/abort_request"), ("GET", "/dashboard"),
+         ("GET", "/dashboard/data")]  # fmt: skip
 
 
 def _call(c, method: str, path: str, key: str | None = None):
@@ -55,6 +56,25 @@ def test_inference_key_opens_inference_endpoints(keyed, method, path):
 def test_only_the_admin_key_opens_admin_endpoints(keyed, method, path):
     _refused(_call(keyed, method, path, "inference-key"))
     assert _call(keyed, method, path, "admin-key").status_code != 401
+
+
+def test_dashboard_takes_the_admin_key_as_basic_password(keyed):
+    """A browser opening the page is asked for the key (HTTP Basic), and its own requests carry it."""
+    import base64
+
+    r = keyed.get("/dashboard")
+    assert r.status_code == 401 and r.headers["www-authenticate"].startswith("Basic")
+    assert keyed.get("/workers").headers["www-authenticate"] == "Bearer"
+    basic = lambda pw: {"Authorization": "Basic " + base64.b64encode(f"ops:{pw}".encode()).decode()}
+    for path in ("/dashboard", "/dashboard/data"):
+        assert keyed.get(path, headers=basic("admin-key")).status_code == 200
+        _refused(keyed.get(path, headers=basic("inference-key")))
+    page = keyed.get("/dashboard", headers=basic("admin-key")).text
+    assert "<script>" in page and "http://" not in page and "https://" not in page  # nothing from elsewhere
+    # Basic is the dashboard's only: other admin endpoints still want a bearer token.
+    _refused(keyed.get("/workers", headers=basic("admin-key")))
+    data = keyed.get("/dashboard/data", headers={"Authorization": "Bearer admin-key"}).json()
+    assert data["workers"] == [] and data["requests"] == [] and "decode" in data["phases"]
 
 
 def test_health_and_metrics_are_open_unless_protected(keyed, tokenizer):

@@ -30,6 +30,7 @@ def _result_dict(result) -> dict:
         "num_bytes": result.num_bytes,
         "seconds": result.seconds,
         "prefix_mismatch": result.prefix_mismatch,
+        "direct": result.direct,
     }
 
 

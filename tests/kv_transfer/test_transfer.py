@@ -69,6 +69,7 @@ def test_transfers_are_byte_exact_and_touch_only_destination_pages(spawn, tmp_pa
         assert got[name]["metadata"] == {"first_token": tokens, "room": name}
         assert sent[name]["state"] == "SUCCESS", sent[name]
         assert got[name]["num_bytes"] == sent[name]["num_bytes"] > 0
+        assert got[name]["direct"] == (name == "r480"), (name, got[name])  # the path reported (traces)
 
     decode.call("dump", path=str(tmp_path / "dst_after.pt"))
     src_kv = torch.load(tmp_path / "src.pt")

@@ -1,0 +1,83 @@
+"""The timeline page: `/dashboard` (static HTML + JavaScript from the package, nothing fetched from
+elsewhere) and `/dashboard/data`, the JSON it polls: the workers with their state, load, KV pool use
+and cache hit rate, and the recent finished requests with their phases and spans on the gateway's
+clock (request_trace.py). Neither shows prompt or output text; both need the admin key when one is
+set (auth.py).
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from importlib import resources
+from typing import Any
+
+from fastapi import APIRouter, Request
+from fastapi.responses import HTMLResponse
+
+from pdserve.gateway.request_trace import PHASES, RequestTrace
+from pdserve.gateway.workers import WorkerInfo, WorkerRegistry
+
+router = APIRouter()
+
+
+class RecentRequests:
+    """The last `maxlen` finished requests (a bounded ring)."""
+
+    def __init__(self, maxlen: int) -> None:
+        self._ring: deque[RequestTrace] = deque(maxlen=max(1, maxlen))
+
+    def add(self, t: RequestTrace) -> None:
+        self._ring.append(t)
+
+    def __iter__(self) -> Any:
+        return iter(list(self._ring))
+
+    def __len__(self) -> int:
+        return len(self._ring)
+
+
+def _worker_json(w: WorkerInfo, hits: dict[str, list[int]]) -> dict[str, Any]:
+    total = w.reg.max_total_tokens
+    cached, prompt = hits.get(w.worker_id, [0, 0])
+    return {
+        "worker_id": w.worker_id,
+        "role": w.role,
+        "state": w.state,
+        "queued": w.queued,
+        "running": w.running,
+        "inflight_requests": w.inflight_requests,
+        "pool_used": (total - w.free_tokens) / total if total > 0 else 0.0,
+        "max_total_tokens": total,
+        "clock_offset_s": w.clock.offset,
+        # Over the recent requests whose prompt this worker computed: prompt tokens found in its cache.
+        "cache_hit_rate": cached / prompt if prompt > 0 else None,
+    }
+
+
+def dashboard_data(registry: WorkerRegistry, recent: RecentRequests) -> dict[str, Any]:
+    reqs = list(recent)
+    hits: dict[str, list[int]] = {}
+    for t in reqs:
+        h = hits.setdefault(t.prefill_worker or t.decode_worker, [0, 0])
+        h[0] += t.cached_tokens
+        h[1] += t.prompt_tokens
+    workers = registry.all() + registry.down(time.monotonic())
+    return {
+        "now": time.time(),
+        "phases": list(PHASES),
+        "workers": [_worker_json(w, hits) for w in workers],
+        "requests": [t.to_json() for t in reversed(reqs)],  # newest first
+    }
+
+
+@router.get("/dashboard", include_in_schema=False)
+async def dashboard_page() -> HTMLResponse:
+    html = resources.files("pdserve.gateway").joinpath("static/dashboard.html").read_text("utf-8")
+    return HTMLResponse(html, headers={"Cache-Control": "no-cache"})
+
+
+@router.get("/dashboard/data", include_in_schema=False)
+async def dashboard_json(request: Request) -> dict[str, Any]:
+    gw = request.app.state.gw
+    return dashboard_data(gw.registry, gw.recent)
