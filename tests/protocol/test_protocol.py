@@ -257,9 +257,9 @@ def test_gateway_refuses_a_register_of_another_version_and_garbage_then_keeps_se
     ctx = zmq.Context()
     sock = _dealer(ctx, f"tcp://127.0.0.1:{control_plane.bound_port}", b"d0")
     try:
-        sock.send(_with_version(gw.encode(_register()), 9))
+        sock.send(_with_version(gw.encode(_register()), 97))
         ack = _recv(sock, gw, gw.RegisterAck)
-        assert not ack.accepted and "register of protocol version 9 refused" in ack.reason
+        assert not ack.accepted and "register of protocol version 97 refused" in ack.reason
         assert control_plane.registry.get("d0") is None
         sock.send(b"\xff garbage")
         sock.send(gw.encode(_register()).replace(b'"vocab_size":100', b'"vocab_size":"many"'))
@@ -317,7 +317,7 @@ def test_worker_link_drops_bad_frames_and_keeps_answering_pings():
         router.send_multipart([identity, gw.encode(gw.RegisterAck(accepted=True))])
         link.wait_registered(5)
         router.send_multipart([identity, b"{not json"])
-        router.send_multipart([identity, _with_version(gw.encode(gw.Ping(t0=1.0)), 7)])
+        router.send_multipart([identity, _with_version(gw.encode(gw.Ping(t0=1.0)), 99)])
         router.send_multipart([identity, b'{"v":%d,"msg":{"kind":"ping"}}' % PROTOCOL_VERSION])  # t0 missing
         router.send_multipart([identity, gw.encode(gw.Ping(t0=2.0))])
         pong = _recv(router, gw, gw.Pong)
@@ -336,8 +336,8 @@ def test_worker_link_refuses_a_gateway_of_another_version():
     link.start()
     try:
         identity, _ = router.recv_multipart()
-        router.send_multipart([identity, _with_version(gw.encode(gw.RegisterAck(accepted=True)), 7)])
-        with pytest.raises(RegistrationRefused, match="version 7 refused"):
+        router.send_multipart([identity, _with_version(gw.encode(gw.RegisterAck(accepted=True)), 99)])
+        with pytest.raises(RegistrationRefused, match="version 99 refused"):
             link.wait_registered(5)
     finally:
         link.close()
@@ -381,9 +381,9 @@ def test_bootstrap_server_refuses_a_hello_of_another_version_and_garbage_then_ke
         sock.send(b"\x00\x01 garbage")
         sock.send(kc.encode(kc.PageList(room="x", pages=[1], num_tokens=1)).replace(b"[1]", b'"one"'))
         hello = kc.Hello(receiver_id="stranger", identity={})
-        sock.send(_with_version(kc.encode(hello), 9))
+        sock.send(_with_version(kc.encode(hello), 97))
         ack = _recv(sock, kc, kc.HelloAck)
-        assert not ack.ok and ack.mismatch and "hello of protocol version 9 refused" in ack.error
+        assert not ack.ok and ack.mismatch and "hello of protocol version 97 refused" in ack.error
         assert any("version 9" in e for e in sender.handshake_errors())
     finally:
         sock.close()
@@ -411,10 +411,10 @@ def test_receiver_refuses_a_prefill_of_another_version_then_keeps_serving(sender
         router.send_multipart([identity, b"garbage"])  # dropped: the handshake still waits
         time.sleep(0.2)
         assert not outcome
-        router.send_multipart([identity, _with_version(kc.encode(kc.HelloAck(ok=True, gen=0)), 8)])
+        router.send_multipart([identity, _with_version(kc.encode(kc.HelloAck(ok=True, gen=0)), 98)])
         thread.join(10)
         assert isinstance(outcome[0], FingerprintMismatch), outcome
-        assert "hello_ack of protocol version 8 refused" in str(outcome[0])
+        assert "hello_ack of protocol version 98 refused" in str(outcome[0])
     finally:
         thread.join(10)
         router.close()
