@@ -3,7 +3,8 @@
 Three kinds of path:
 - inference (every path not listed below: `/generate`, `/v1/*`, SGLang's info endpoints, the docs):
   the API key (`--api-key`, else PDSERVE_API_KEY) or the admin key;
-- operational (`ADMIN_PATHS`: `/workers`, `/flush_cache`, `/abort_request`): the admin key
+- operational (`ADMIN_PATHS`: `/workers`, `/flush_cache`, `/abort_request`, the weight endpoints of
+  gateway/weights_api.py): the admin key
   (`--admin-api-key`, else PDSERVE_ADMIN_API_KEY); with no admin key, the API key;
 - `/health` and `/metrics`: open, unless `--protect-health` / `--protect-metrics` put them under the
   API key (Kubernetes probes and Prometheus scrapers usually carry none).
@@ -21,7 +22,20 @@ from typing import Any
 
 from pdserve.gateway.errors import error_body
 
-ADMIN_PATHS = frozenset({"/workers", "/flush_cache", "/abort_request"})
+ADMIN_PATHS = frozenset(
+    {
+        "/workers",
+        "/flush_cache",
+        "/abort_request",
+        "/update_weights_from_disk",
+        "/init_weights_update_group",
+        "/update_weights_from_distributed",
+        "/destroy_weights_update_group",
+        "/get_weight_version",
+        "/pause_generation",
+        "/continue_generation",
+    }
+)
 OPEN_PATHS = frozenset({"/health", "/metrics"})
 
 

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from fastapi import FastAPI, Query, Request
 from fastapi.responses import JSONResponse, Response
 
-from pdserve.gateway import native_api, openai_api, sglang_api
+from pdserve.gateway import native_api, openai_api, sglang_api, weights_api
 from pdserve.gateway.auth import ApiKeyMiddleware, ApiKeys
 from pdserve.gateway.config import GatewayConfig
 from pdserve.gateway.control import ControlPlane
@@ -28,6 +28,7 @@ from pdserve.gateway.openapi import install_openapi
 from pdserve.gateway.serving import Admission
 from pdserve.gateway.structured import Constraints
 from pdserve.gateway.tokenizer import Tokenizer
+from pdserve.gateway.weights import WeightUpdates
 from pdserve.gateway.workers import RoutingPolicy, WorkerRegistry
 from pdserve.model_source import model_name
 from pdserve.port_file import write_port_file
@@ -49,6 +50,7 @@ class GatewayState:
     started: int
     model_name: str  # what clients send as `model` (--served-model-name, else the model's own name)
     constraints: Constraints  # structured output: validates json_schema / regex / ebnf
+    weights: WeightUpdates  # live weight updates over every worker
 
 
 def create_app(cfg: GatewayConfig, tokenizer: Tokenizer | None = None) -> FastAPI:
@@ -77,6 +79,7 @@ def create_app(cfg: GatewayConfig, tokenizer: Tokenizer | None = None) -> FastAP
         started=int(time.time()),
         model_name=cfg.served_model_name or model_name(cfg.model_path),
         constraints=Constraints(cfg.grammar_backend, tok),
+        weights=WeightUpdates(control, registry),
     )
 
     @asynccontextmanager
@@ -98,6 +101,7 @@ def create_app(cfg: GatewayConfig, tokenizer: Tokenizer | None = None) -> FastAP
     app.include_router(native_api.router)
     app.include_router(openai_api.router)
     app.include_router(sglang_api.router)
+    app.include_router(weights_api.router)
 
     @app.get("/health")
     async def health() -> Response:
@@ -131,6 +135,7 @@ def create_app(cfg: GatewayConfig, tokenizer: Tokenizer | None = None) -> FastAP
                     "restarts": w.restarts,
                     "registered_at": w.registered_at,
                     "draining": w.draining,
+                    "weight_version": w.weight_version,
                     "bootstrap_addr": w.reg.bootstrap_addr,
                     "clock_offset_s": w.clock.offset,
                     "queued": w.queued,
