@@ -9,10 +9,11 @@ greedily from the prompt plus the tokens before it, whatever KV the cluster comp
 from __future__ import annotations
 
 import json
-import multiprocessing as mp
 import os
 import shutil
 import socket
+import subprocess
+import sys
 import threading
 import time
 
@@ -35,7 +36,7 @@ PROMPTS = [
     "List the planets of the solar system and",
     "Explain how a bicycle stays upright",
 ]
-MAX_NEW = 160
+MAX_NEW = 128
 # Which weights each version label the tests set holds: True for checkpoint B.
 IS_B = {"default": False, "B": True, "C": False, "E": True}
 
@@ -62,26 +63,32 @@ def ckpts(tmp_path_factory):
     return base, out["b"], out["bad"]
 
 
-@pytest.fixture(scope="module")
-def engine():
-    """The offline engine (no prefix cache); `weights(b)` puts the B norm in or takes it out."""
-    eng = Engine(RuntimeConfig(max_total_tokens=8192, disable_radix_cache=True))
-    norm = eng.runner.model.model.norm.weight
-    orig = norm.detach().clone()
+class Reference:
+    """Greedy outputs of the offline engine (no prefix cache) on the bundled weights or on checkpoint B."""
 
-    def greedy(prompt: list[int], n: int, b: bool) -> list[int]:
+    def __init__(self) -> None:
+        self.eng = Engine(RuntimeConfig(max_total_tokens=8192, disable_radix_cache=True))
+        self.norm = self.eng.runner.model.model.norm.weight
+        self.orig = self.norm.detach().clone()
+
+    def greedy_many(self, jobs: list[tuple[list[int], int]], b: bool) -> list[list[int]]:
+        """[(prompt, tokens)] run together, on B's weights if `b`."""
         with torch.no_grad():
-            norm.copy_(_scaled_norm(orig) if b else orig)
+            self.norm.copy_(_scaled_norm(self.orig) if b else self.orig)
         try:
-            return eng.generate([prompt], SamplingParams(temperature=0, max_new_tokens=n, ignore_eos=True))[
-                0
-            ].output_ids
+            params = [SamplingParams(temperature=0, max_new_tokens=n, ignore_eos=True) for _, n in jobs]
+            return [o.output_ids for o in self.eng.generate([p for p, _ in jobs], params)]
         finally:
             with torch.no_grad():
-                norm.copy_(orig)
+                self.norm.copy_(self.orig)
 
-    eng.greedy = greedy  # type: ignore[attr-defined]
-    return eng
+    def greedy(self, prompt: list[int], n: int, b: bool) -> list[int]:
+        return self.greedy_many([(prompt, n)], b)[0]
+
+
+@pytest.fixture(scope="module")
+def engine() -> Reference:
+    return Reference()
 
 
 @pytest.fixture(scope="module")
@@ -162,7 +169,8 @@ def check_straddled(
     """Each stream finished with two segments [old, new] split at k; tokens before k are the old weights'
     greedy output, after k the new weights' from that prefix. Returns the longest gap between chunks."""
     gap = 0.0
-    for s, p in zip(streams, prompts):
+    outs, ks = [], []
+    for s in streams:
         s.join(300)
         assert s.error is None and s.final is not None, s.error
         out = s.final["output_ids"]
@@ -173,9 +181,14 @@ def check_straddled(
         assert segs == [{"version": old, "start": 0, "end": k}, {"version": new, "start": k, "end": MAX_NEW}]
         assert 0 < k < MAX_NEW
         assert s.final["meta_info"]["weight_version"] == new
-        assert out[:k] == engine.greedy(p, k, old_b)
-        assert out[k:] == engine.greedy(p + out[:k], MAX_NEW - k, new_b)
+        outs.append(out)
+        ks.append(k)
         gap = max(gap, max(b[0] - a[0] for a, b in zip(s.arrivals, s.arrivals[1:])))
+    before = engine.greedy_many([(p, k) for p, k in zip(prompts, ks)], old_b)
+    after = engine.greedy_many([(p + o[:k], MAX_NEW - k) for p, o, k in zip(prompts, outs, ks)], new_b)
+    for o, k, b, a in zip(outs, ks, before, after):
+        assert o[:k] == b
+        assert o[k:] == a
     return gap
 
 
@@ -215,24 +228,6 @@ def test_update_from_disk_while_four_requests_stream(cluster, ckpts, engine):
     assert info["weight_version"] == "B"
 
 
-def _trainer(port: int, folder: str, names: list[str], go, done) -> None:
-    """A trainer: rank 0 of the weights group; broadcasts the bundled model's tensors `names` on `go`."""
-    from safetensors import safe_open
-
-    from pdserve.runtime.weights_group import WeightsGroup
-
-    g = WeightsGroup(
-        master_address="127.0.0.1", master_port=port, rank=0, world_size=3, group_name="wg", backend="gloo"
-    )
-    with safe_open(os.path.join(folder, "model.safetensors"), framework="pt") as f:
-        tensors = [f.get_tensor(n).float().contiguous() for n in names]
-    go.wait(300)
-    for t in tensors:
-        g.broadcast(t)
-    done.set()
-    time.sleep(1)
-
-
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -246,10 +241,13 @@ def test_update_from_distributed_while_four_requests_stream(cluster, ckpts, engi
     names = [NORM, "model.layers.0.self_attn.k_proj.weight"]
     shapes = tensor_shapes(base, names)
     port = free_port()
-    ctx = mp.get_context("spawn")
-    go, done = ctx.Event(), ctx.Event()
-    trainer = ctx.Process(target=_trainer, args=(port, base, names, go, done), daemon=True)
-    trainer.start()
+    here = os.path.dirname(__file__)
+    trainer = subprocess.Popen(
+        [sys.executable, os.path.join(here, "weights_trainer.py"), str(port), base, *names],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
     try:
         body = {
             "master_address": "127.0.0.1",
@@ -262,9 +260,12 @@ def test_update_from_distributed_while_four_requests_stream(cluster, ckpts, engi
         r = admin(cluster, "/init_weights_update_group", body)
         assert r.status_code == 200, r.text
         assert sorted(r.json()["ranks"].values()) == [1, 2]
+        assert trainer.stdout is not None and trainer.stdin is not None
+        assert trainer.stdout.readline().strip() == "joined"
         prompts = tokenize(PROMPTS)
         streams = start_streams(cluster, prompts)
-        go.set()
+        trainer.stdin.write("go\n")
+        trainer.stdin.flush()
         body = {
             "names": names,
             "dtypes": ["float32"] * 2,
@@ -274,7 +275,7 @@ def test_update_from_distributed_while_four_requests_stream(cluster, ckpts, engi
         }
         r = admin(cluster, "/update_weights_from_distributed", body)
         assert r.status_code == 200, r.text
-        assert done.wait(30)
+        assert trainer.stdout.readline().strip() == "done"
         res = r.json()
         gap = check_straddled(streams, engine, prompts, "B", "C", True, False)
         print(
@@ -286,9 +287,11 @@ def test_update_from_distributed_while_four_requests_stream(cluster, ckpts, engi
         r = admin(cluster, "/update_weights_from_distributed", {**body, "weight_version": "D"})
         assert r.status_code == 400 and "init" in r.json()["error"]["message"]
     finally:
-        trainer.join(10)
-        if trainer.is_alive():
+        try:
+            trainer.wait(10)
+        except subprocess.TimeoutExpired:
             trainer.kill()
+            trainer.wait()
     assert version(cluster) == "C"
 
 
@@ -372,14 +375,18 @@ def test_a_prompt_cached_under_one_version_is_recomputed_under_the_next(cluster,
 
 def test_pause_and_continue_generation(cluster, engine):
     [p] = tokenize([PROMPTS[2]])
-    [s] = start_streams(cluster, [p])
+    s = Stream(cluster.url, p, max_new=40)
+    s.start()
+    while s.tokens < 4:
+        assert s.is_alive() or s.tokens, s.error
+        time.sleep(0.02)
     r = admin(cluster, "/pause_generation", {"mode": "in_place"})
     assert r.status_code == 200, r.text
     time.sleep(0.3)
     held = s.tokens
     time.sleep(1.0)
-    assert s.tokens == held < MAX_NEW  # nothing moves while paused
+    assert s.tokens == held < 40  # nothing moves while paused
     assert admin(cluster, "/continue_generation").status_code == 200
     s.join(300)
-    assert s.final is not None and len(s.final["output_ids"]) == MAX_NEW
-    assert s.final["output_ids"] == engine.greedy(p, MAX_NEW, IS_B[version(cluster)])
+    assert s.final is not None and len(s.final["output_ids"]) == 40
+    assert s.final["output_ids"] == engine.greedy(p, 40, IS_B[version(cluster)])
