@@ -27,6 +27,9 @@ from pdserve.config import RuntimeConfig
 from pdserve.runtime.engine import Engine
 from pdserve.sampling_params import SamplingParams
 
+# A cluster of its own and streams of 128 tokens: about 4 minutes on two shared cores.
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
+
 ADMIN = "weights-admin-key"
 AUTH = {"Authorization": f"Bearer {ADMIN}"}
 NORM = "model.norm.weight"
