@@ -4,7 +4,8 @@ requests see.
 
 Each round streams `--streams` greedy requests; once every stream has its first tokens, the update is
 sent (or, for the baseline, nothing). The longest inter-token gap of the streams in an update round
-is set beside that of a baseline round without one, measured in the same run. From disk alternates
+is set beside that of a baseline round without one, measured in the same run. `commit s` is the gateway's
+wait for every worker's commit (each applies it after the step it is in); `in worker s` the swap itself. From disk alternates
 between the bundled weights and a copy with the final norm rescaled (made in a temporary folder);
 from distributed, this process is the trainer (rank 0) and broadcasts every tensor of the model.
 
@@ -113,7 +114,7 @@ def main(argv: list[str] | None = None) -> None:
                 raise TimeoutError(f"cluster not healthy; logs in {tmp}")
             time.sleep(0.5)
         stream_round(url, 1, 8, None)  # warm-up
-        rows: dict[str, list[tuple[float, float, float]]] = {"none": [], "disk": [], "distributed": []}
+        rows: dict[str, list[tuple[float, float, float, float]]] = {"none": [], "disk": [], "distributed": []}
 
         def post(path: str, body: dict) -> dict:
             r = httpx.post(url + path, json=body, timeout=600)
@@ -156,7 +157,7 @@ def main(argv: list[str] | None = None) -> None:
         k = 0
         for r in range(args.rounds):
             _, gap = stream_round(url, args.streams, args.max_new_tokens, None)
-            rows["none"].append((0.0, 0.0, gap))
+            rows["none"].append((0.0, 0.0, gap, 0.0))
             k += 1
             path = second if k % 2 else base
             res, gap = stream_round(
@@ -168,7 +169,9 @@ def main(argv: list[str] | None = None) -> None:
                 ),
             )
             assert res is not None
-            rows["disk"].append((res["seconds"], res["commit_seconds"], gap))
+            rows["disk"].append(
+                (res["seconds"], res["commit_seconds"], gap, max(res["worker_commit_seconds"].values()))
+            )
 
             def distributed(r: int = r) -> dict:
                 sender = threading.Thread(target=lambda: [group.broadcast(v) for v in tensors.values()])
@@ -188,18 +191,22 @@ def main(argv: list[str] | None = None) -> None:
 
             res, gap = stream_round(url, args.streams, args.max_new_tokens, distributed)
             assert res is not None
-            rows["distributed"].append((res["seconds"], res["commit_seconds"], gap))
+            rows["distributed"].append(
+                (res["seconds"], res["commit_seconds"], gap, max(res["worker_commit_seconds"].values()))
+            )
         post("/destroy_weights_update_group", {"group_name": "bench"})
         nbytes = sum(v.numel() * 4 for v in tensors.values())
         print(
             f"bundled model, {len(tensors)} tensors, {nbytes / 2**20:.0f} MiB float32; {args.streams} streams "
             f"x {args.max_new_tokens} tokens; median of {args.rounds} rounds"
         )
-        print(f"{'update':<12} {'total s':>8} {'commit s':>9} {'longest inter-token gap s':>26}")
+        print(
+            f"{'update':<12} {'total s':>8} {'commit s':>9} {'in worker s':>12} {'longest inter-token gap s':>26}"
+        )
         for name, xs in rows.items():
-            tot, com, gap = (statistics.median(x[i] for x in xs) for i in range(3))
+            tot, com, gap, wk = (statistics.median(x[i] for x in xs) for i in range(4))
             label = "(none)" if name == "none" else name
-            print(f"{label:<12} {tot:>8.2f} {com:>9.3f} {gap:>26.3f}")
+            print(f"{label:<12} {tot:>8.2f} {com:>9.3f} {wk:>12.3f} {gap:>26.3f}")
         print(json.dumps({k: [list(x) for x in v] for k, v in rows.items()}))
     finally:
         signal_group(proc, signal.SIGTERM)

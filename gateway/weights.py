@@ -147,6 +147,15 @@ class WeightUpdates:
                     w.worker_id,
                     failed[w.worker_id],
                 )
+        asked = {w.worker_id for w in workers}
+        for w in self.registry.all():  # registered during the update: on the old weights
+            if w.worker_id not in asked and w.weight_version != new:
+                w.stale_weights = True
+                log.warning(
+                    "worker %s joined during the update on version %s: out of rotation",
+                    w.worker_id,
+                    w.weight_version,
+                )
         log.info("weights updated to version %s in %.2f s", new, t_done - t0)
         return {
             "success": not failed,

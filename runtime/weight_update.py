@@ -246,7 +246,10 @@ class WeightUpdater:
         self._staged = None
         with torch.no_grad():
             for param, rows, value in staged.copies:
-                (param if rows is None else param[rows]).copy_(value)
+                if rows is None and value.is_contiguous() and value.stride() == param.stride():
+                    param.data = value  # the staged tensor becomes the parameter: no copy
+                else:
+                    (param if rows is None else param[rows]).copy_(value)
         if any(p.is_cuda for p, _, _ in staged.copies[:1]):
             torch.cuda.synchronize()
         if cmd.weight_version:
