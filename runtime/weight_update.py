@@ -88,6 +88,7 @@ def stage(model: CausalLM, weights: Iterable[tuple[str, torch.Tensor]], require_
             )
         copies.append((p, rows, tensor.to(device=p.device, dtype=p.dtype)))
         covered[pname] = covered.get(pname, 0) + want[0]
+    copies = _assemble_fused(copies)
     if require_all:
         missing = [n for n, p in params.items() if covered.get(n, 0) < p.shape[0]]
         if missing:
@@ -95,6 +96,34 @@ def stage(model: CausalLM, weights: Iterable[tuple[str, torch.Tensor]], require_
                 f"the checkpoint lacks {len(missing)} of the model's tensors, e.g. {missing[:3]}"
             )
     return copies
+
+
+def _assemble_fused(copies: Copies) -> Copies:
+    """Shards that together fill a whole fused parameter (q/k/v, gate/up) become one new tensor, so
+    the commit swaps it in instead of copying the rows (done here, off the worker's loop)."""
+    shards: dict[int, list[tuple[slice, torch.Tensor]]] = {}
+    for p, rows, v in copies:
+        if rows is not None:
+            shards.setdefault(id(p), []).append((rows, v))
+    out: Copies = []
+    done: set[int] = set()
+    for p, rows, v in copies:
+        if rows is None:
+            out.append((p, rows, v))
+            continue
+        parts = sorted(shards[id(p)], key=lambda x: x[0].start)
+        whole = [r.start for r, _ in parts] == [0] + [r.stop for r, _ in parts[:-1]] and parts[-1][
+            0
+        ].stop == p.shape[0]
+        if not whole:
+            out.append((p, rows, v))
+        elif id(p) not in done:
+            done.add(id(p))
+            full = torch.empty_like(p)
+            for r, part in parts:
+                full[r] = part
+            out.append((p, None, full))
+    return out
 
 
 def check_checkpoint(spec: ModelSpec, model_path: str, load_format: str | None) -> str:
