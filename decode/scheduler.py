@@ -260,12 +260,17 @@ class DecodeScheduler:
     def _cache_pages(self, r: Request) -> None:
         self._unmatch(r)
         self.no_cache.discard(r.rid)
-        if self.cache is None:
+        if self.cache is None or not r.kv_cacheable:
             return
         ps = self.pages.page_size
         n = min(r.num_computed, r.num_tokens - 1, len(r.pages) * ps) // ps
         self.cache.insert((r.prompt_ids + r.output_ids)[: n * ps], r.pages[:n])
         r.pages = r.pages[n:]
+
+    def live(self) -> list[Request]:
+        """Every request this node holds, in any set."""
+        sets = (self.pending, self.transferring.values(), self.prefilling, self.running, self.retracted)
+        return [r for s in sets for r in s]
 
     def remove(self, rid: str) -> Request | None:
         """Drop a request from whichever set holds it (abort); it fails and its pages are freed.

@@ -31,6 +31,7 @@ from pdserve.runtime.batch import ForwardMode
 from pdserve.runtime.radix_cache import RadixCache
 from pdserve.runtime.request import Request, RequestState
 from pdserve.runtime.runner import ModelRunner, append_samples
+from pdserve.runtime.weight_update import WeightUpdater
 from pdserve.worker_common import make_clock, register_factory, serve_until_drained
 from pdserve.worker_link import WorkerLink
 
@@ -62,12 +63,15 @@ class DecodeWorker:
         # Rooms failed for their deadline whose transfer is being aborted: already reported.
         self.expired: set[str] = set()
         self.link: WorkerLink | None = None
+        self.weights = WeightUpdater(
+            self.runner.model, self.runner.spec, cache, cfg.host, self._weights_changed
+        )
 
     def serve(self) -> None:
         self.receiver.start()
         self.link = WorkerLink(
             self.cfg.gateway_addr,
-            register_factory(self.cfg, self.runner, self.clock),
+            register_factory(self.cfg, self.runner, self.clock, None, lambda: self.weights.version),
             self.clock,
             keys=self.cfg.keys,
         )
@@ -84,11 +88,18 @@ class DecodeWorker:
                 self.receiver.io_failure,
             )
         finally:
+            self.weights.close()
             self.receiver.close()
             self.link.close()
 
     def step(self) -> None:
         self._receive()
+        assert self.link is not None
+        for reply in self.weights.poll():
+            self.link.send(reply)
+        if self.weights.paused:  # /pause_generation: no forward until resumed
+            self.cache_events.publish(self.link)
+            return
         self._expire()
         outputs = self._schedule()
         outputs += self._run()
@@ -100,7 +111,8 @@ class DecodeWorker:
     def _receive(self) -> None:
         assert self.link is not None
         s = self.sched
-        for msg in self.link.recv(0.0 if s.running else (0.005 if len(s) else 0.05)):
+        wait = 0.0 if s.running else (0.005 if len(s) else 0.05)
+        for msg in self.link.recv(0.05 if self.weights.paused else wait):
             self._on_message(msg)
 
     def _schedule(self) -> list[m.TokenOutput]:
@@ -199,6 +211,11 @@ class DecodeWorker:
                 msg.room, msg.input_ids, msg.sampling, self.runner.spec.eos_token_ids, grammar=grammar
             )
             self.sched.add(r, msg.deadline_s, local_prefill=msg.local_prefill)
+        elif isinstance(msg, m.WeightsCommand):
+            assert self.link is not None
+            reply = self.weights.on_command(msg)
+            if reply is not None:
+                self.link.send(reply)
         elif isinstance(msg, m.FlushCache):
             assert self.link is not None
             self.link.send(self.cache_events.flush(msg.flush_id, len(self.sched)))
@@ -253,12 +270,17 @@ class DecodeWorker:
         if r is None:
             return None
         r.append_token(first.first_token, first.logprob, first.top_logprobs or None)
+        if first.weight_version != self.weights.version:
+            r.kv_cacheable = False  # its prompt's KV is another version's
         self.events[room]["kv_ready"] = self.clock()
         self.transfer_bytes[room] = num_bytes
         self.transfer_path[room] = f"{self.kv_backend}/{'direct' if direct else 'staged'}"
-        return self._output(r, r.output_ids[:1], first=True)
+        return self._output(r, r.output_ids[:1], first=True, version=first.weight_version)
 
-    def _output(self, r: Request, new: list[int], first: bool = False) -> m.TokenOutput:
+    def _output(
+        self, r: Request, new: list[int], first: bool = False, version: str | None = None
+    ) -> m.TokenOutput:
+        """`version`: the weights that produced `new` (default: this node's, which ran this step)."""
         n = len(new)
         want_lp = r.params.logprobs or r.params.top_logprobs_num > 0
         out = m.TokenOutput(
@@ -270,6 +292,7 @@ class DecodeWorker:
             else None,
             finished=r.finished,
             finish_reason=r.finish_reason,
+            weight_version=self.weights.version if version is None else version,
         )
         if first:
             out.events = self.events[r.rid].copy()
@@ -291,6 +314,11 @@ class DecodeWorker:
     def _fail(self, room: str, code: str, message: str) -> None:
         assert self.link is not None
         self.link.send(m.RequestFailed(room=room, role="decode", code=code, message=message))
+
+    def _weights_changed(self) -> None:
+        """A weight update committed: the KV of every request here may mix versions; never cache it."""
+        for r in self.sched.live():
+            r.kv_cacheable = False
 
     def _forget(self, room: str) -> None:
         self.events.pop(room, None)

@@ -3,11 +3,12 @@
 Three kinds of path:
 - inference (every path not listed below: `/generate`, `/v1/*`, SGLang's info endpoints, the docs):
   the API key (`--api-key`, else PDSERVE_API_KEY) or the admin key;
-- operational (`ADMIN_PATHS`: `/workers`, `/flush_cache`, `/abort_request`, and the timeline page
-  `/dashboard` with its `/dashboard/data`): the admin key (`--admin-api-key`, else
-  PDSERVE_ADMIN_API_KEY); with no admin key, the API key. A browser cannot send a bearer token when it
-  opens a page, so the dashboard's paths also take the key as HTTP Basic's password (any user name):
-  their 401 asks for it (`WWW-Authenticate: Basic`), and the page's own requests then carry it;
+- operational (`ADMIN_PATHS`: `/workers`, `/flush_cache`, `/abort_request`, the weight endpoints of
+  gateway/weights_api.py, and the timeline page `/dashboard` with its `/dashboard/data`): the admin key
+  (`--admin-api-key`, else PDSERVE_ADMIN_API_KEY); with no admin key, the API key. A browser cannot send
+  a bearer token when it opens a page, so the dashboard's paths also take the key as HTTP Basic's
+  password (any user name): their 401 asks for it (`WWW-Authenticate: Basic`), and the page's own
+  requests then carry it;
 - `/health` and `/metrics`: open, unless `--protect-health` / `--protect-metrics` put them under the
   API key (Kubernetes probes and Prometheus scrapers usually carry none).
 No key configured: that kind of path is open. A refusal is a 401 with OpenAI's body (`invalid_api_key`);
@@ -27,7 +28,23 @@ from typing import Any
 from pdserve.gateway.errors import error_body
 
 DASHBOARD_PATHS = frozenset({"/dashboard", "/dashboard/data"})
-ADMIN_PATHS = frozenset({"/workers", "/flush_cache", "/abort_request"}) | DASHBOARD_PATHS
+ADMIN_PATHS = (
+    frozenset(
+        {
+            "/workers",
+            "/flush_cache",
+            "/abort_request",
+            "/update_weights_from_disk",
+            "/init_weights_update_group",
+            "/update_weights_from_distributed",
+            "/destroy_weights_update_group",
+            "/get_weight_version",
+            "/pause_generation",
+            "/continue_generation",
+        }
+    )
+    | DASHBOARD_PATHS
+)
 OPEN_PATHS = frozenset({"/health", "/metrics"})
 
 

@@ -49,6 +49,8 @@ from pdserve.protocol.gateway import (
     RequestFailed,
     TokenBatch,
     TokenOutput,
+    WeightsCommand,
+    WeightsReply,
     decode,
     encode,
 )
@@ -115,6 +117,7 @@ class ControlPlane:
         self._tasks: list[asyncio.Task] = []
         self.bound_port: int | None = None
         self._flushes: dict[str, asyncio.Future[FlushCacheDone]] = {}  # flush_id -> its answer
+        self._weights: dict[str, asyncio.Future[WeightsReply]] = {}  # op_id -> its answer
 
     # ---- lifecycle ---------------------------------------------------------------------------
 
@@ -308,6 +311,10 @@ class ControlPlane:
             room.inbox.put_nowait(LegFailed(msg.role, msg.code, msg.message, reported=True))
         elif isinstance(msg, KVEvents):
             worker.prefix.apply(msg)
+        elif isinstance(msg, WeightsReply):
+            wfut = self._weights.get(msg.op_id)
+            if wfut is not None and not wfut.done():
+                wfut.set_result(msg)
         elif isinstance(msg, FlushCacheDone):
             fut = self._flushes.get(msg.flush_id)
             if fut is not None and not fut.done():
@@ -417,6 +424,34 @@ class ControlPlane:
                 fut.cancel()
             self._flushes = {k: f for k, f in self._flushes.items() if not f.done()}
         return refused
+
+    async def ask_weights(
+        self, commands: dict[str, tuple[WorkerInfo, WeightsCommand]], timeout_s: float
+    ) -> dict[str, WeightsReply]:
+        """Send each worker its command (keyed by worker id; every op_id distinct) and wait for all the
+        answers; a worker silent for `timeout_s` gets a failed reply naming that."""
+        loop = asyncio.get_running_loop()
+        futs: dict[str, asyncio.Future[WeightsReply]] = {}
+        for wid, (w, cmd) in commands.items():
+            futs[wid] = self._weights[cmd.op_id] = loop.create_future()
+            self.send(w, cmd)
+        out: dict[str, WeightsReply] = {}
+        try:
+            done = await asyncio.wait(futs.values(), timeout=timeout_s) if futs else None
+            del done
+            for wid, fut in futs.items():
+                op_id = commands[wid][1].op_id
+                if fut.done() and not fut.cancelled():
+                    out[wid] = fut.result()
+                else:
+                    out[wid] = WeightsReply(
+                        op_id=op_id, ok=False, message=f"no answer within {timeout_s:g} s"
+                    )
+        finally:
+            for wid, fut in futs.items():
+                fut.cancel()
+                self._weights.pop(commands[wid][1].op_id, None)
+        return out
 
     # ---- liveness ----------------------------------------------------------------------------
 

@@ -105,6 +105,9 @@ class GenState:
     # Prompt logprobs from the request's logprob_start_len on (None for the first prompt token).
     input_logprobs: list[float | None] | None = None
     input_top_logprobs: list[list[tuple[int, float]] | None] | None = None
+    # Which weights produced which output tokens: [{"version", "start", "end"}], [start, end) covering
+    # output_ids once, in order, from the version each worker tagged its outputs with.
+    weight_versions: list[dict] = field(default_factory=list)
 
 
 @dataclass
@@ -473,7 +476,9 @@ class Generations:
             "id": inp.rid,
             "finish_reason": st.finish_reason,
             "prompt_tokens": st.prompt_tokens,
-            "weight_version": "default",
+            "weight_version": st.weight_versions[-1]["version"]
+            if st.weight_versions
+            else self.registry.weight_version,
             "num_retractions": s.get("num_retractions", 0),
             "storage_prefetch_wait": 0.0,
             "storage_staging_wait": 0.0,
@@ -483,7 +488,7 @@ class Generations:
             "reasoning_tokens": 0,
             "completion_tokens": ct,
             "cached_tokens": cached,
-            "weight_versions": [{"version": "default", "start": 0, "end": ct}],
+            "weight_versions": [dict(s) for s in st.weight_versions],
             "cached_tokens_details": {"device": cached, "host": 0},
             "dp_rank": None,
             "e2e_latency": tl.e2e_latency,
@@ -519,6 +524,14 @@ class Generations:
             if inp.sampling.top_logprobs_num > 0:
                 meta["output_top_logprobs"] = [[[lp, t, None] for t, lp in top] for top in st.top_logprobs]
         return meta, tl
+
+
+def _count_version(segments: list[dict], version: str, end: int) -> None:
+    """One more output token (the `end`-th) made by `version`: extend the last segment or start one."""
+    if segments and segments[-1]["version"] == version:
+        segments[-1]["end"] = end
+    else:
+        segments.append({"version": version, "start": end - 1, "end": end})
 
 
 class _Collector:
@@ -564,6 +577,7 @@ class _Collector:
         for i, tid in enumerate(out.token_ids):
             st.output_ids.append(tid)
             st.new_ids += 1
+            _count_version(st.weight_versions, out.weight_version, len(st.output_ids))
             if out.logprobs is not None and i < len(out.logprobs):
                 st.logprobs.append(out.logprobs[i])
             if out.top_logprobs is not None and i < len(out.top_logprobs):

@@ -149,7 +149,7 @@ def _partial_meta(st: GenState, finish_reason: dict | None = None) -> dict:
         "id": st.rid,
         "finish_reason": finish_reason,
         "prompt_tokens": st.prompt_tokens,
-        "weight_version": "default",
+        "weight_version": st.weight_versions[-1]["version"] if st.weight_versions else "default",
         "completion_tokens": len(st.output_ids),
         "cached_tokens": st.cached_tokens,
     }

@@ -276,8 +276,18 @@ def _usage(reply: _Reply, states: list[GenState], reasoning: list[int] | None = 
 
 
 def _metadata(states: list[GenState]) -> dict:
-    end = sum(len(s.output_ids) for s in states)
-    return {"weight_version": "default", "weight_versions": [{"version": "default", "start": 0, "end": end}]}
+    """The choices' token ranges one after the other, as SGLang counts them; each version run one segment."""
+    segs: list[dict] = []
+    base = 0
+    for s in states:
+        for seg in s.weight_versions:
+            start, end = base + seg["start"], base + seg["end"]
+            if segs and segs[-1]["version"] == seg["version"] and segs[-1]["end"] == start:
+                segs[-1]["end"] = end
+            else:
+                segs.append({"version": seg["version"], "start": start, "end": end})
+        base += len(s.output_ids)
+    return {"weight_version": segs[-1]["version"] if segs else "default", "weight_versions": segs}
 
 
 def _chat_logprobs(tok: Tokenizer, ids: list[int], lps: list[float], tops: list) -> dict:

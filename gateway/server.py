@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from fastapi import FastAPI, Query, Request
 from fastapi.responses import JSONResponse, Response
 
-from pdserve.gateway import dashboard, native_api, openai_api, sglang_api
+from pdserve.gateway import dashboard, native_api, openai_api, sglang_api, weights_api
 from pdserve.gateway.auth import ApiKeyMiddleware, ApiKeys
 from pdserve.gateway.config import GatewayConfig
 from pdserve.gateway.connections import IdleTimeoutProtocol, raise_open_files_limit
@@ -31,6 +31,7 @@ from pdserve.gateway.serving import Admission
 from pdserve.gateway.structured import Constraints
 from pdserve.gateway.tokenizer import Tokenizer
 from pdserve.gateway.tracing import Tracing
+from pdserve.gateway.weights import WeightUpdates
 from pdserve.gateway.workers import RoutingPolicy, WorkerRegistry
 from pdserve.model_source import model_name
 from pdserve.port_file import write_port_file
@@ -54,6 +55,7 @@ class GatewayState:
     constraints: Constraints  # structured output: validates json_schema / regex / ebnf
     recent: RecentRequests  # finished requests, for /dashboard
     tracing: Tracing | None  # OpenTelemetry export (--enable-trace)
+    weights: WeightUpdates  # live weight updates over every worker
 
 
 def create_app(cfg: GatewayConfig, tokenizer: Tokenizer | None = None) -> FastAPI:
@@ -90,6 +92,7 @@ def create_app(cfg: GatewayConfig, tokenizer: Tokenizer | None = None) -> FastAP
         constraints=Constraints(cfg.grammar_backend, tok),
         recent=recent,
         tracing=tracing,
+        weights=WeightUpdates(control, registry),
     )
 
     @asynccontextmanager
@@ -114,6 +117,7 @@ def create_app(cfg: GatewayConfig, tokenizer: Tokenizer | None = None) -> FastAP
     app.include_router(openai_api.router)
     app.include_router(sglang_api.router)
     app.include_router(dashboard.router)
+    app.include_router(weights_api.router)
 
     @app.get("/health")
     async def health() -> Response:
@@ -147,6 +151,7 @@ def create_app(cfg: GatewayConfig, tokenizer: Tokenizer | None = None) -> FastAP
                     "restarts": w.restarts,
                     "registered_at": w.registered_at,
                     "draining": w.draining,
+                    "weight_version": w.weight_version,
                     "bootstrap_addr": w.reg.bootstrap_addr,
                     "clock_offset_s": w.clock.offset,
                     "queued": w.queued,

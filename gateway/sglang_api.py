@@ -80,7 +80,7 @@ async def model_info(request: Request) -> dict:
         "served_model_name": gw.model_name,
         "is_generation": True,
         "preferred_sampling_params": None,
-        "weight_version": "default",
+        "weight_version": gw.weights.version,
         "has_image_understanding": False,
         "has_audio_understanding": False,
         "model_type": arch,

@@ -16,7 +16,9 @@ does not cache is shorter than `min_prefill_tokens`, or every prefill worker has
 A worker's state: `healthy` (in rotation), `draining`, or `down` (lost: heartbeat timeout). A lost
 worker leaves the registry (never pinged, never routed to) but is remembered as down for
 `DOWN_KEEP_S`, so operators see it; registering again under the same id, after it was lost or while
-still listed (a restart the heartbeat had not noticed yet), counts as a restart.
+still listed (a restart the heartbeat had not noticed yet), counts as a restart. `stale_weights`: it
+serves other weights than the cluster's (a failed update, a restart on the old checkpoint): out of
+rotation until an update reaches it.
 """
 
 from __future__ import annotations
@@ -30,7 +32,7 @@ from pdserve.gateway.clock import OffsetEstimator
 from pdserve.gateway.prefix_index import PrefixIndex
 from pdserve.protocol.gateway import Register, Role
 
-WorkerState = Literal["healthy", "draining", "down"]
+WorkerState = Literal["healthy", "draining", "down", "stale_weights"]
 Policy = Literal["cache_aware", "round_robin", "least_load"]
 POLICIES: tuple[Policy, ...] = ("cache_aware", "round_robin", "least_load")
 # How long a lost worker stays listed as down unless it registers again.
@@ -61,6 +63,10 @@ class WorkerInfo:
     restarts: int = 0
     down_since: float | None = None  # time.monotonic() when it was lost
     prefix: PrefixIndex = field(default_factory=PrefixIndex)  # what its prefix cache holds
+    # The weights it serves (`Register`, then each committed update) and whether they are the cluster's:
+    # a worker on other weights (a failed update, a restart on the old checkpoint) is out of rotation.
+    weight_version: str = "default"
+    stale_weights: bool = False
 
     @property
     def bootstrap_addr(self) -> str:
@@ -70,6 +76,8 @@ class WorkerInfo:
     def state(self) -> WorkerState:
         if self.down_since is not None:
             return "down"
+        if self.stale_weights:
+            return "stale_weights"
         return "draining" if self.draining else "healthy"
 
 
@@ -117,6 +125,8 @@ class WorkerRegistry:
         self._workers: dict[str, WorkerInfo] = {}
         self._down: dict[str, WorkerInfo] = {}  # lost workers, kept for DOWN_KEEP_S
         self._rr: dict[str, int] = {"prefill": 0, "decode": 0}
+        # The cluster's weight version (gateway/weights.py moves it at each committed update).
+        self.weight_version = "default"
 
     # ---- membership --------------------------------------------------------------------------
 
@@ -135,6 +145,8 @@ class WorkerRegistry:
         """Register `reg`; the same id again (live or down) is a restart."""
         before = self._workers.get(reg.worker_id) or self._down.pop(reg.worker_id, None)
         w = WorkerInfo(reg.worker_id, reg.role, identity, reg, last_seen=now_mono)
+        w.weight_version = reg.weight_version
+        w.stale_weights = reg.weight_version != self.weight_version
         if before is not None:
             w.restarts = before.restarts + 1
         self._workers[reg.worker_id] = w
@@ -173,7 +185,7 @@ class WorkerRegistry:
 
     def in_rotation(self, role: Role) -> list[WorkerInfo]:
         return sorted(
-            (w for w in self._workers.values() if w.role == role and not w.draining),
+            (w for w in self._workers.values() if w.role == role and not w.draining and not w.stale_weights),
             key=lambda w: w.worker_id,
         )
 

@@ -18,6 +18,7 @@ BENCHMARKS = {
     "auth": "pdserve.bench.bench_auth",
     "abuse": "pdserve.bench.bench_abuse",
     "gpu": "pdserve.bench.gpu_check",
+    "weights": "pdserve.bench.bench_weights",
 }
 
 # role -> module with `add_cli_args(parser)` and `main(args)`

@@ -32,7 +32,11 @@ def make_clock(cfg: WorkerConfig) -> Callable[[], float]:
 
 
 def register_factory(
-    cfg: WorkerConfig, runner: ModelRunner, clock: Callable[[], float], bootstrap_addr: str | None = None
+    cfg: WorkerConfig,
+    runner: ModelRunner,
+    clock: Callable[[], float],
+    bootstrap_addr: str | None = None,
+    weight_version: Callable[[], str] = lambda: "default",
 ) -> Callable[[], m.Register]:
     spec = runner.spec
 
@@ -48,6 +52,7 @@ def register_factory(
             context_length=runner.context_length,
             vocab_size=spec.vocab_size,
             t_send=clock(),
+            weight_version=weight_version(),
         )
 
     return make

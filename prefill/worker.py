@@ -31,6 +31,7 @@ from pdserve.runtime.radix_cache import RadixCache
 from pdserve.runtime.request import Request, RequestState
 from pdserve.runtime.request_state import TERMINAL
 from pdserve.runtime.runner import ModelRunner, append_samples
+from pdserve.runtime.weight_update import WeightUpdater
 from pdserve.worker_common import make_clock, register_factory, serve_until_drained
 from pdserve.worker_link import WorkerLink
 
@@ -76,12 +77,17 @@ class PrefillWorker:
         # Rooms failed for their deadline whose transfer is being stopped: already reported.
         self.expired: set[str] = set()
         self.link: WorkerLink | None = None
+        self.weights = WeightUpdater(
+            self.runner.model, self.runner.spec, cache, cfg.host, self._weights_changed
+        )
 
     def serve(self) -> None:
         self.sender.start()
         self.link = WorkerLink(
             self.cfg.gateway_addr,
-            register_factory(self.cfg, self.runner, self.clock, self.sender.addr),
+            register_factory(
+                self.cfg, self.runner, self.clock, self.sender.addr, lambda: self.weights.version
+            ),
             self.clock,
             keys=self.cfg.keys,
         )
@@ -93,11 +99,18 @@ class PrefillWorker:
                 self.cfg, self.link, self.signals, self.step, lambda: len(self.rooms), self.sender.io_failure
             )
         finally:
+            self.weights.close()
             self.sender.close()
             self.link.close()
 
     def step(self) -> None:
         self._receive()
+        assert self.link is not None
+        for reply in self.weights.poll():
+            self.link.send(reply)
+        if self.weights.paused:  # /pause_generation: no forward until resumed
+            self.cache_events.publish(self.link)
+            return
         self._expire()
         reqs, chunks = self.sched.schedule()
         done = self._run(reqs, chunks) if reqs else []
@@ -113,6 +126,8 @@ class PrefillWorker:
             self._on_transfer_end(res.room, res.state, res.error)
         # Block briefly only when no prompt waits: longer when nothing at all is in flight.
         wait = 0.0 if len(self.sched) else (0.005 if self.rooms else 0.05)
+        if self.weights.paused:
+            wait = 0.05
         for msg in self.link.recv(wait):
             self._on_message(msg)
 
@@ -124,6 +139,10 @@ class PrefillWorker:
             r = self.rooms.get(msg.room)
             if r is not None:
                 self._stop(r)
+        elif isinstance(msg, m.WeightsCommand):
+            reply = self.weights.on_command(msg)
+            if reply is not None:
+                self.link.send(reply)
         elif isinstance(msg, m.FlushCache):
             self.link.send(self.cache_events.flush(msg.flush_id, len(self.rooms) + len(self.stalled)))
 
@@ -197,6 +216,7 @@ class PrefillWorker:
                 logprob=r.output_logprobs[0] if r.output_logprobs else None,
                 top_logprobs=r.output_top_logprobs[0] if r.output_top_logprobs else None,
                 cached_tokens=r.cached_tokens,
+                weight_version=self.weights.version,
             ).model_dump()
             # The names of the prompt's whole pages: a decode node that holds a prefix of them
             # receives only the pages after it (incremental transfer).
@@ -250,6 +270,11 @@ class PrefillWorker:
         assert self.link is not None
         self._forget(room)
         self.link.send(m.RequestFailed(room=room, role="prefill", code=code, message=message))
+
+    def _weights_changed(self) -> None:
+        """A weight update committed: the KV of every request here may mix versions; never cache it."""
+        for r in self.rooms.values():
+            r.kv_cacheable = False
 
     def _forget(self, room: str) -> None:
         self.rooms.pop(room, None)

@@ -150,7 +150,7 @@ class ExtendScheduler:
                 self.cache.release(m)
             # Whole prompt pages whose KV was computed (all of them once prefilled) stay cached; the
             # cache takes over their references, and the rest (partial page, output tokens) is freed.
-            n = min(req.num_computed, len(req.prompt_ids)) // self.pages.page_size
+            n = min(req.num_computed, len(req.prompt_ids)) // self.pages.page_size if req.kv_cacheable else 0
             self.cache.insert(req.prompt_ids[: n * self.pages.page_size], req.pages[:n])
             req.pages = req.pages[n:]
         self.pages.release(req)

@@ -41,6 +41,7 @@ class _Node:
     children: dict[Key, _Node] = field(default_factory=dict)  # first page's token ids -> child
     lock_ref: int = 0  # matches whose path runs through this node
     last_access: int = 0  # a tick of the cache's clock: LRU order for eviction
+    stale: bool = False  # left the tree at `invalidate` while locked: its pages go when the last lock does
 
 
 @dataclass(frozen=True, eq=False)
@@ -121,10 +122,13 @@ class RadixCache:
         if not self._held[m.node]:
             del self._held[m.node]
         node: _Node | None = m.node
-        while node is not None and node is not self.root:
+        while node is not None and node.parent is not None:  # up to its root (an old one if stale)
             node.lock_ref -= 1
             if node.lock_ref == 0:
-                self._locked_pages -= len(node.pages)
+                if node.stale:  # invalidated: the tree's references go now
+                    self.allocator.free(node.pages)
+                else:
+                    self._locked_pages -= len(node.pages)
             node = node.parent
 
     def insert(self, token_ids: list[int], pages: list[int]) -> int:
@@ -197,6 +201,21 @@ class RadixCache:
                 self._removed += n.hashes
         self.root = _Node((), [], None)
         self.num_pages = 0
+
+    def invalidate(self) -> None:
+        """Forget every cached page at once, locked or not (the weights changed: their KV is another
+        model's). Unlocked pages are freed now; locked ones leave the tree too (no later match finds
+        them) and are freed when the last match holding them is released."""
+        for n in self._nodes():
+            if self.record_events:
+                self._removed += n.hashes
+            if n.lock_ref:
+                n.stale = True
+            else:
+                self.allocator.free(n.pages)
+        self.root.stale = True  # matches of no tokens end at it
+        self.root = _Node((), [], None)
+        self.num_pages = self._locked_pages = 0
 
     def _common_pages(self, child: _Node, key: Key, i: int) -> int:
         """How many of `child`'s pages hold the same tokens as `key` from index `i` on."""
@@ -278,5 +297,5 @@ class RadixCache:
         if alloc.num_free + len(seen) + in_use != alloc.num_pages:
             raise AssertionError("free + tree + in-use pages != total pages")
         nodes = set(self._nodes())
-        if any(n is not self.root and n not in nodes for n in self._held):
+        if any(n is not self.root and not n.stale and n not in nodes for n in self._held):
             raise AssertionError("a held match ends at a node that left the tree")

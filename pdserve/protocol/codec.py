@@ -17,7 +17,7 @@ from pydantic import BaseModel, ConfigDict, TypeAdapter, ValidationError
 # 4: SamplingParams carries min_new_tokens, logit_bias and no_stop_trim, and the output constraints
 #    json_schema, regex and ebnf.
 # 5: RegisterAck.retry (a worker id still held by a live connection).
-PROTOCOL_VERSION = 7
+PROTOCOL_VERSION = 8
 
 M = TypeVar("M", bound=BaseModel)
 

@@ -40,6 +40,8 @@ class Register(_Msg):
     vocab_size: int
     # Worker clock when sending; the first sample of the clock-offset estimate.
     t_send: float
+    # The label of the weights it serves (`WeightsCommand` commits change it; "default" at start).
+    weight_version: str = "default"
 
 
 class RegisterAck(_Msg):
@@ -108,6 +110,61 @@ class FlushCacheDone(_Msg):
     flush_id: str
     ok: bool
     message: str = ""
+
+
+# ---- live weight updates (runtime/weight_update.py on the worker, gateway/weights.py) ---------
+
+WeightsOp = Literal[
+    "prepare_disk",
+    "prepare_distributed",
+    "commit",
+    "cancel",
+    "init_group",
+    "destroy_group",
+    "pause",
+    "resume",
+]
+
+
+class WeightsGroup(_Msg):
+    """Where a worker joins a trainer's torch.distributed group (the trainer is rank 0 and hosts its store)."""
+
+    master_address: str
+    master_port: int = Field(ge=1, le=65535)
+    rank: int = Field(ge=1)
+    world_size: int = Field(ge=2)
+    group_name: str
+    backend: Literal["gloo", "nccl"]
+
+
+class WeightsCommand(_Msg):
+    """Gateway -> worker, applied between forward steps. Two phases: `prepare_*` loads and checks the new
+    weights aside (off the loop), `commit` swaps them in and takes `weight_version`, `cancel` drops them.
+    `pause`/`resume` stop and restart forward steps; `init_group`/`destroy_group` the trainer's group."""
+
+    kind: Literal["weights"] = "weights"
+    op_id: str
+    op: WeightsOp
+    model_path: str = ""
+    load_format: str | None = None
+    # prepare_distributed: what the trainer broadcasts, in order.
+    names: list[str] = Field(default_factory=list)
+    dtypes: list[str] = Field(default_factory=list)
+    shapes: list[list[int]] = Field(default_factory=list)
+    group_name: str = ""
+    weight_version: str = ""
+    group: WeightsGroup | None = None
+
+
+class WeightsReply(_Msg):
+    """Worker -> gateway: the answer to a `WeightsCommand`; `message` says why when not `ok`."""
+
+    kind: Literal["weights_done"] = "weights_done"
+    op_id: str
+    ok: bool
+    message: str = ""
+    seconds: float = 0.0  # the worker's time on the operation
+    weight_version: str = "default"  # what the worker serves after it
 
 
 # ---- per request -----------------------------------------------------------------------------
@@ -184,6 +241,8 @@ class TokenOutput(_Msg):
     prefill_events: PrefillEvents | None = None
     # Sent with the final output.
     stats: RequestStats | None = None
+    # The weights that produced `token_ids` (the first token: the prefill node's at sampling time).
+    weight_version: str = "default"
 
 
 class TokenBatch(_Msg):
@@ -209,6 +268,8 @@ Message = Annotated[
         KVEvents,
         FlushCache,
         FlushCacheDone,
+        WeightsCommand,
+        WeightsReply,
     ],
     Field(discriminator="kind"),
 ]

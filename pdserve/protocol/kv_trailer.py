@@ -30,6 +30,8 @@ class FirstToken(Msg):
     # [(token_id, logprob), ...] when top_logprobs_num > 0.
     top_logprobs: list[tuple[int, float]] | None = None
     cached_tokens: int = 0
+    # The prefill node's weights when it sampled the first token.
+    weight_version: str = "default"
 
 
 def encode_trailer(room: str, num_tokens: int, metadata: dict[str, Any]) -> bytes:

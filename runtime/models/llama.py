@@ -198,6 +198,23 @@ class CausalLM(nn.Module):
         x = self.model.norm(x[batch.logits_indices])  # [N, hidden]
         return lm_head_logits(x, self.lm_head_weight)
 
+    def weight_target(self, name: str) -> tuple[str, slice | None] | None:
+        """Where checkpoint tensor `name` (an HF name) goes: the parameter and, for a fused one, its rows;
+        None for a tensor the model does not store (rotary tables, a tied head)."""
+        if "rotary_emb" in name or (name == "lm_head.weight" and self.lm_head is None):
+            return None
+        s = self.spec
+        sizes = {
+            ".qkv_proj.": [s.num_heads * s.head_dim] + [s.num_kv_heads * s.head_dim] * 2,
+            ".gate_up_proj.": [s.intermediate_size] * 2,
+        }
+        for frag, (fused, idx) in _STACKED.items():
+            if frag in name:
+                part = sizes[fused]
+                start = sum(part[:idx])
+                return name.replace(frag, fused), slice(start, start + part[idx])
+        return name, None
+
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Copy checkpoint tensors (HF names) into the fused parameters; every parameter must be set."""
         params = dict(self.named_parameters())

@@ -100,6 +100,18 @@ GATEWAY_SAMPLES: list[BaseModel] = [
     gw.KVEvents(worker_id="p0", page_size=4, snapshot=True, stored=[1, 2**63 - 1], removed=[7]),
     gw.FlushCache(flush_id="f1"),
     gw.FlushCacheDone(flush_id="f1", ok=False, message="p0 has 2 requests in flight"),
+    gw.WeightsCommand(op_id="w1", op="prepare_disk", model_path="/models/step-20", weight_version="step-20"),
+    gw.WeightsCommand(
+        op_id="w2",
+        op="init_group",
+        group=gw.WeightsGroup(
+            master_address="10.0.0.9", master_port=29600, rank=1, world_size=3, group_name="g", backend="gloo"
+        ),
+    ),
+    gw.WeightsCommand(
+        op_id="w3", op="prepare_distributed", names=["model.norm.weight"], dtypes=["float32"], shapes=[[576]]
+    ),
+    gw.WeightsReply(op_id="w1", ok=False, message="shape differs", seconds=0.5, weight_version="default"),
     gw.GenerateRequest(  # structured output: the constraint travels to both workers
         room="r2",
         input_ids=[1],

@@ -239,3 +239,27 @@ def test_events_name_pages_as_the_gateway_hashes_them():
     assert sorted(cache.take_events()[1]) == sorted(block_hashes(b, PAGE))
     assert cache.block_snapshot() == [] and cache.take_events() == ([], [])
     cache.check_invariants()
+
+
+def test_invalidate_forgets_everything_and_frees_locked_pages_at_release():
+    """A weight update: no later match finds old pages; pages a request still holds stay until it lets go."""
+    alloc, cache = make()
+    cache_prompt(alloc, cache, list(range(16)))  # 4 pages
+    cache_prompt(alloc, cache, [99] * 8)  # 2 pages, never locked
+    held = cache.match(list(range(13)))  # 3 pages locked by a running request
+    assert held.num_tokens == 12
+    empty = cache.match([5])  # a match of no tokens, ending at the root
+    cache.invalidate()
+    cache.check_invariants()
+    assert cache.num_pages == 0 and cache.evictable_pages == 0
+    assert cache.match(list(range(16))).num_tokens == 0  # nothing of the old weights is served
+    # The unlocked pages went back at once; the 3 locked ones are the request's and the old tree's.
+    assert all(alloc.refcount(p) == 2 for p in held.pages)
+    cache.release(held)
+    cache.release(empty)
+    alloc.free(held.pages)  # the request frees its own references
+    cache.check_invariants()
+    assert alloc.num_free == alloc.num_pages
+    # New pages under the same tokens are cached again from scratch.
+    cache_prompt(alloc, cache, list(range(16)))
+    assert cache.match(list(range(17))).num_tokens == 16

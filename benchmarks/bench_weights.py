@@ -1,0 +1,221 @@
+"""Live weight updates on a `pdserve up` cluster (1 prefill + 1 decode, the bundled model): how long an
+update takes from disk and from a trainer's torch.distributed group (gloo), and the pause streaming
+requests see.
+
+Each round streams `--streams` greedy requests; once every stream has its first tokens, the update is
+sent (or, for the baseline, nothing). The longest inter-token gap of the streams in an update round
+is set beside that of a baseline round without one, measured in the same run. `commit s` is the gateway's
+wait for every worker's commit (each applies it after the step it is in); `in worker s` the swap itself. From disk alternates
+between the bundled weights and a copy with the final norm rescaled (made in a temporary folder);
+from distributed, this process is the trainer (rank 0) and broadcasts every tensor of the model.
+
+    python -m pdserve.bench.bench_weights [--rounds 3] [--streams 4] [--max-new-tokens 96]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import signal
+import socket
+import statistics
+import sys
+import tempfile
+import threading
+import time
+
+import httpx
+import torch
+from safetensors.torch import load_file, save_file
+
+from pdserve.model_source import resolve_model_source
+from pdserve.port_file import wait_port_file
+from pdserve.runtime.loader import model_folder
+from pdserve.runtime.weights_group import WeightsGroup
+from pdserve.supervisor import signal_group, spawn
+
+PROMPTS = [
+    "The history of the printing press",
+    "Write a short story about a lighthouse keeper",
+    "List the planets of the solar system and",
+    "Explain how a bicycle stays upright",
+]
+
+
+def make_second_checkpoint(base: str, dest: str) -> None:
+    state = load_file(os.path.join(base, "model.safetensors"))
+    w = state["model.norm.weight"]
+    state["model.norm.weight"] = (w * (1.0 + 0.6 * torch.sin(torch.arange(w.numel())))).contiguous()
+    shutil.copytree(base, dest, ignore=shutil.ignore_patterns("*.safetensors", "*.lock"))
+    save_file(state, os.path.join(dest, "model.safetensors"))
+
+
+class Stream(threading.Thread):
+    def __init__(self, url: str, text: str, max_new: int) -> None:
+        super().__init__(daemon=True)
+        self.url, self.text, self.max_new = url, text, max_new
+        self.arrivals: list[float] = []
+
+    def run(self) -> None:
+        body = {
+            "text": self.text,
+            "stream": True,
+            "sampling_params": {"max_new_tokens": self.max_new, "temperature": 0, "ignore_eos": True},
+        }
+        with httpx.stream("POST", self.url + "/generate", json=body, timeout=600) as r:
+            for line in r.iter_lines():
+                if line.startswith("data: ") and line != "data: [DONE]":
+                    self.arrivals.append(time.monotonic())
+
+    def longest_gap(self) -> float:
+        return max((b - a for a, b in zip(self.arrivals, self.arrivals[1:])), default=0.0)
+
+
+def stream_round(url: str, n: int, max_new: int, update) -> tuple[dict | None, float]:
+    """`n` streams; `update()` once each has 4 chunks. Returns (its answer, longest gap of any stream)."""
+    streams = [Stream(url, PROMPTS[i % len(PROMPTS)], max_new) for i in range(n)]
+    for s in streams:
+        s.start()
+    while any(len(s.arrivals) < 4 and s.is_alive() for s in streams):
+        time.sleep(0.01)
+    res = update() if update is not None else None
+    for s in streams:
+        s.join()
+    return res, max(s.longest_gap() for s in streams)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--streams", type=int, default=4)
+    ap.add_argument("--max-new-tokens", type=int, default=96)
+    args = ap.parse_args(argv)
+    base = model_folder(resolve_model_source(None))
+    tmp = tempfile.mkdtemp(prefix="pdserve-bench-weights-")
+    second = os.path.join(tmp, "rescaled")
+    make_second_checkpoint(base, second)
+    port_file = os.path.join(tmp, "ports")
+    argv_up = [sys.executable, "-m", "pdserve.cli", "up", "--port", "0", "--port-file", port_file]
+    argv_up += ["--max-total-tokens", "8192", "--log-dir", tmp]
+    proc = spawn(argv_up, os.path.join(tmp, "up.log"))
+    try:
+        url = f"http://127.0.0.1:{wait_port_file(port_file, proc, 300)['port']}"
+        deadline = time.monotonic() + 300
+        while httpx.get(url + "/health", timeout=5).status_code != 200:
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"cluster not healthy; logs in {tmp}")
+            time.sleep(0.5)
+        stream_round(url, 1, 8, None)  # warm-up
+        rows: dict[str, list[tuple[float, float, float, float]]] = {"none": [], "disk": [], "distributed": []}
+
+        def post(path: str, body: dict) -> dict:
+            r = httpx.post(url + path, json=body, timeout=600)
+            if r.status_code != 200:
+                raise RuntimeError(f"{path}: {r.status_code} {r.text}")
+            return dict(r.json())
+
+        n_workers = len(httpx.get(url + "/workers", timeout=5).json()["workers"])
+        mport = free_port()
+        joined: dict = {}
+        t = threading.Thread(
+            target=lambda: joined.update(
+                g=WeightsGroup(
+                    master_address="127.0.0.1",
+                    master_port=mport,
+                    rank=0,
+                    world_size=1 + n_workers,
+                    group_name="bench",
+                    backend="gloo",
+                )
+            )
+        )
+        t.start()
+        post(
+            "/init_weights_update_group",
+            {
+                "master_address": "127.0.0.1",
+                "master_port": mport,
+                "rank_offset": 1,
+                "world_size": 1 + n_workers,
+                "group_name": "bench",
+                "backend": "gloo",
+            },
+        )
+        t.join()
+        group: WeightsGroup = joined["g"]
+        tensors = {
+            k: v.float().contiguous() for k, v in load_file(os.path.join(base, "model.safetensors")).items()
+        }
+        k = 0
+        for r in range(args.rounds):
+            _, gap = stream_round(url, args.streams, args.max_new_tokens, None)
+            rows["none"].append((0.0, 0.0, gap, 0.0))
+            k += 1
+            path = second if k % 2 else base
+            res, gap = stream_round(
+                url,
+                args.streams,
+                args.max_new_tokens,
+                lambda path=path, k=k: post(
+                    "/update_weights_from_disk", {"model_path": path, "weight_version": f"disk-{k}"}
+                ),
+            )
+            assert res is not None
+            rows["disk"].append(
+                (res["seconds"], res["commit_seconds"], gap, max(res["worker_commit_seconds"].values()))
+            )
+
+            def distributed(r: int = r) -> dict:
+                sender = threading.Thread(target=lambda: [group.broadcast(v) for v in tensors.values()])
+                sender.start()
+                out = post(
+                    "/update_weights_from_distributed",
+                    {
+                        "names": list(tensors),
+                        "dtypes": ["float32"] * len(tensors),
+                        "shapes": [list(v.shape) for v in tensors.values()],
+                        "group_name": "bench",
+                        "weight_version": f"dist-{r}",
+                    },
+                )
+                sender.join()
+                return out
+
+            res, gap = stream_round(url, args.streams, args.max_new_tokens, distributed)
+            assert res is not None
+            rows["distributed"].append(
+                (res["seconds"], res["commit_seconds"], gap, max(res["worker_commit_seconds"].values()))
+            )
+        post("/destroy_weights_update_group", {"group_name": "bench"})
+        nbytes = sum(v.numel() * 4 for v in tensors.values())
+        print(
+            f"bundled model, {len(tensors)} tensors, {nbytes / 2**20:.0f} MiB float32; {args.streams} streams "
+            f"x {args.max_new_tokens} tokens; median of {args.rounds} rounds"
+        )
+        print(
+            f"{'update':<12} {'total s':>8} {'commit s':>9} {'in worker s':>12} {'longest inter-token gap s':>26}"
+        )
+        for name, xs in rows.items():
+            tot, com, gap, wk = (statistics.median(x[i] for x in xs) for i in range(4))
+            label = "(none)" if name == "none" else name
+            print(f"{label:<12} {tot:>8.2f} {com:>9.3f} {wk:>12.3f} {gap:>26.3f}")
+        print(json.dumps({k: [list(x) for x in v] for k, v in rows.items()}))
+    finally:
+        signal_group(proc, signal.SIGTERM)
+        try:
+            proc.wait(30)
+        except Exception:
+            signal_group(proc, signal.SIGKILL)
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()
