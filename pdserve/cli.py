@@ -16,6 +16,7 @@ BENCHMARKS = {
     "grammar": "pdserve.bench.bench_grammar",
     "control": "pdserve.bench.bench_control",
     "auth": "pdserve.bench.bench_auth",
+    "quant": "pdserve.bench.bench_quant",
 }
 
 # role -> module with `add_cli_args(parser)` and `main(args)`

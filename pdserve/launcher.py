@@ -138,6 +138,7 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
 _FORWARDED = [
     "model_path",
     "dtype",
+    "quantization",
     "device",
     "page_size",
     "max_total_tokens",

@@ -37,7 +37,9 @@ class ModelRunner:
         self.device = torch.device(cfg.resolved_device())
         if cfg.num_threads:
             torch.set_num_threads(cfg.num_threads)
-        self.loaded = loaded or load_model(cfg.model_path, cfg.dtype, str(self.device))
+        self.loaded = loaded or load_model(
+            cfg.model_path, cfg.dtype, str(self.device), cfg.quantization
+        )
         self.model = self.loaded.model
         self.spec = spec = self.loaded.spec
         self.context_length = cfg.context_length or spec.context_length
@@ -80,6 +82,7 @@ class ModelRunner:
             "dtype": str(g.dtype).removeprefix("torch."),
             "page_size": g.page_size,
             "weights_hash": self.loaded.weights_hash,
+            "quantization": self.loaded.quantization,
         }
 
     def check_fits(self, prompt_len: int, max_new_tokens: int) -> None:
