@@ -141,3 +141,15 @@ def test_engine_agrees_with_fp32(mode: str, chat_prompts, fp32_outputs, make_eng
     assert agreement >= AGREEMENT_FLOOR[mode], (mode, agreement)
     # The capital question is answered right in every mode.
     assert "Paris" in tokenizer.decode(outs[0])
+
+
+def test_startup_line_names_the_choice() -> None:
+    from pdserve.runtime.host import cpu_flags, cpu_has_bf16, startup_line
+
+    line = startup_line(torch.device("cpu"), torch.bfloat16, "w4a16")
+    assert "dtype bfloat16" in line and "quantization w4a16" in line
+    assert f"bf16 {'yes' if cpu_has_bf16() else 'no'}" in line
+    assert cpu_has_bf16() == bool({"avx512_bf16", "amx_bf16"} & cpu_flags())
+    hint = "runs --dtype bfloat16 faster"
+    assert (hint in startup_line(torch.device("cpu"), torch.float32, "none")) == cpu_has_bf16()
+    assert hint not in line
