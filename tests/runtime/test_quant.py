@@ -9,6 +9,7 @@ import torch
 from pdserve.config import RuntimeConfig, add_runtime_args
 from pdserve.runtime.loader import load_model
 from pdserve.runtime.quant import (
+    DENSE_MIN_ROWS,
     W8A8_MIN_ROWS,
     Int4WeightOnlyLinear,
     QuantizationError,
@@ -35,8 +36,8 @@ def test_quantized_linear_matches_fp32(mode: str, dtype: torch.dtype) -> None:
     w = torch.randn(96, 128, generator=g)
     b = torch.randn(96, generator=g)
     lin = quantized_linear(w, b, mode, dtype)
-    # Row counts on both sides of w8a8's switch to the weight-only kernel, and a 3-d input.
-    for rows in (1, W8A8_MIN_ROWS - 1, W8A8_MIN_ROWS, 33):
+    # Row counts on both sides of each switch (weight-only kernel, _int_mm, dense copy), and a 3-d input.
+    for rows in (1, W8A8_MIN_ROWS - 1, W8A8_MIN_ROWS, DENSE_MIN_ROWS - 1, DENSE_MIN_ROWS, 33):
         x = torch.randn(rows, 128, generator=g)
         ref = x @ w.t() + b
         y = lin(x.to(dtype))
@@ -44,6 +45,12 @@ def test_quantized_linear_matches_fp32(mode: str, dtype: torch.dtype) -> None:
         assert _rel_err(y, ref) < TOLERANCE[mode], (mode, dtype, rows)
     x3 = torch.randn(2, 5, 128, generator=g)
     assert lin(x3.to(dtype)).shape == (2, 5, 96)
+    # The dense copy holds the same quantized weights as the kernels: a row gets (nearly) the same
+    # result in a small batch as in a big one.
+    x = torch.randn(DENSE_MIN_ROWS, 128, generator=g).to(dtype)
+    few, many = lin(x[:1]), lin(x)[:1]
+    exact = mode == "w8a16_int8" and dtype == torch.float32  # the others round activations differently
+    assert _rel_err(few, many.float()) < (1e-4 if exact else 0.03)
 
 
 def test_int4_keeps_a_q4_1_weight_exactly() -> None:
