@@ -1,8 +1,10 @@
 """Quantization: accuracy and speed of each `--quantization` mode against the fp32 model, side by side.
 
 For every configuration (dtype:quantization) it prints
-- perplexity of the fixed passage in benchmarks/quant_text.py (one forward over the whole passage),
-- greedy agreement with fp32 over the fixed chat prompts (`--new-tokens` each, EOS ignored):
+- perplexity of the fixed passage in benchmarks/quant_text.py (one forward over the whole passage: the
+  quantized modes' dense path, see runtime/quant.py),
+- greedy agreement with fp32 over the fixed chat prompts (`--new-tokens` each, EOS ignored, one prompt at a
+  time so that every decode step runs the few-row quantized kernels):
   `tokens` is the fraction of positions with the identical token, `prefix` the mean fraction of each
   fp32 output reproduced before the first differing token,
 - decode-step time at each batch size (`--prompt-len` random-token prompts), and the prefill time of
@@ -80,8 +82,10 @@ def perplexity(engine: Engine, ids: list[int]) -> float:
 
 
 def greedy(engine: Engine, prompts: list[list[int]], new_tokens: int) -> list[list[int]]:
+    """One prompt at a time: decode steps of one row, the path the few-row kernels serve (batched steps
+    from runtime/quant.py's DENSE_MIN_ROWS rows run the dense copy, as the perplexity forward does)."""
     params = SamplingParams(max_new_tokens=new_tokens, temperature=0.0, ignore_eos=True)
-    return [o.output_ids for o in engine.generate(prompts, params)]
+    return [engine.generate([p], params)[0].output_ids for p in prompts]
 
 
 def agreement(ref: list[list[int]], got: list[list[int]]) -> tuple[float, float]:

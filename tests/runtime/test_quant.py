@@ -94,7 +94,8 @@ def test_bad_values_refused() -> None:
         parser.parse_args(["--quantization", "q4_0"])
 
 
-# Greedy agreement with fp32 on the bundled model (bf16 activations), 8 chat prompts x 24 tokens:
+# Greedy agreement with fp32 on the bundled model (bf16 activations), 8 chat prompts x 24 tokens, batched:
+# decode steps of 8 rows run the few-row kernels (w8a8 through _int_mm), the prompts the dense path;
 # the fraction of identical tokens before each output's first difference, averaged. Measured here:
 # none (bf16) 0.75, w8a16_int8 0.78, w8a8_int8 0.53, w4a16 0.90 (the bundled Q4_1 weights are kept
 # exactly; only bf16 rounding differs). The floors leave about two prompts' worth of margin (one
