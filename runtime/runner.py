@@ -38,9 +38,7 @@ class ModelRunner:
         self.device = torch.device(cfg.resolved_device())
         if cfg.num_threads:
             torch.set_num_threads(cfg.num_threads)
-        self.loaded = loaded or load_model(
-            cfg.model_path, cfg.dtype, str(self.device), cfg.quantization
-        )
+        self.loaded = loaded or load_model(cfg.model_path, cfg.dtype, str(self.device), cfg.quantization)
         self.model = self.loaded.model
         log.info("runtime: %s", startup_line(self.device, self.loaded.dtype, self.loaded.quantization))
         self.spec = spec = self.loaded.spec
