@@ -8,6 +8,7 @@ alternating per round, because a shared machine drifts by tens of percent within
 
     pdserve bench serving --targets pdserve=http://127.0.0.1:30000,peer=http://127.0.0.1:8000 ...
     pdserve bench serving --launch-pdserve --launch-transformers-serve --dataset chat ...
+    pdserve bench serving --launch-pdserve --launch-llama-server /path/to/llama-server --dataset chat ...
 
 Prefix caching: `--dataset multiturn` runs conversations whose turns share their history (turn k's
 prompt is turn k-1's prompt, its answer and a new question; the first question carries a long document),
@@ -646,7 +647,22 @@ def _launch_all(args: argparse.Namespace, log_dir: str) -> list[Launched]:
                 "--device", "cpu", "--dtype", "float32", "--host", "127.0.0.1", "--port", str(port),
                 *shlex.split(args.transformers_args)]  # fmt: skip
         out.append(launch("transformers", argv, port, log_dir))
+    if args.launch_llama_server:
+        out.append(launch("llama-server", llama_server_argv(args), args.launch_port + 12, log_dir))
     return out
+
+
+def llama_server_argv(args: argparse.Namespace) -> list[str]:
+    """llama.cpp's `llama-server` on the bundled GGUF (or --llama-server-model), on --launch-port + 12."""
+    if not os.access(args.launch_llama_server, os.X_OK):
+        raise SystemExit(f"--launch-llama-server: {args.launch_llama_server!r} is not an executable file")
+    model = args.llama_server_model
+    if model is None:
+        from pdserve.model_source import resolve_model_source
+
+        model = resolve_model_source(None).gguf_path
+    return [args.launch_llama_server, "-m", str(model), "--host", "127.0.0.1",
+            "--port", str(args.launch_port + 12), *shlex.split(args.llama_server_args)]  # fmt: skip
 
 
 # ---- driver ------------------------------------------------------------------------------------
@@ -766,7 +782,18 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     # on CPU); these match pdserve's default CPU pool (32768 tokens) and chunked prefill (2048).
     p.add_argument("--transformers-args", default="--cb-num-blocks 128 --cb-max-batch-tokens 2048",
                    help="extra flags for the launched transformers serve (default: %(default)s)")  # fmt: skip
-    p.add_argument("--launch-port", type=int, default=33100, help="pdserve's port; transformers gets +10")
+    p.add_argument("--launch-llama-server", default=None, metavar="PATH",
+                   help="start llama.cpp's llama-server binary at PATH on the bundled GGUF as target llama-server")  # fmt: skip
+    p.add_argument(
+        "--llama-server-model",
+        default=None,
+        help="the GGUF file llama-server serves (default: the bundled one)",
+    )
+    # 16 slots of 1024 tokens each (llama-server splits -c among its -np slots).
+    p.add_argument("--llama-server-args", default="-np 16 -c 16384",
+                   help="extra flags for the launched llama-server (default: %(default)s)")  # fmt: skip
+    p.add_argument("--launch-port", type=int, default=33100,
+                   help="pdserve's port; transformers gets +10, llama-server +12")  # fmt: skip
     p.add_argument("--launch-timeout", type=float, default=600.0)
     p.add_argument("--launch-log-dir", default=None)
     args = p.parse_args(argv)

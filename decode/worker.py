@@ -64,7 +64,12 @@ class DecodeWorker:
         self.expired: set[str] = set()
         self.link: WorkerLink | None = None
         self.weights = WeightUpdater(
-            self.runner.model, self.runner.spec, cache, cfg.host, self._weights_changed
+            self.runner.model,
+            self.runner.spec,
+            cache,
+            cfg.host,
+            self._weights_changed,
+            cfg.runtime.quantization,
         )
 
     def serve(self) -> None:

@@ -19,6 +19,7 @@ BENCHMARKS = {
     "abuse": "pdserve.bench.bench_abuse",
     "gpu": "pdserve.bench.gpu_check",
     "weights": "pdserve.bench.bench_weights",
+    "quant": "pdserve.bench.bench_quant",
 }
 
 # role -> module with `add_cli_args(parser)` and `main(args)`

@@ -8,6 +8,9 @@ from dataclasses import dataclass, fields
 from pdserve import env
 from pdserve.cluster_auth import ClusterKeys, add_secret_arg, load_keys
 
+# Mirrors runtime/quant.py's QUANT_MODES (config must not import torch).
+QUANT_MODES = ("none", "w8a16_int8", "w8a8_int8", "w4a16")
+
 # The KV transfer's timeouts, one default each: the worker flags, `pdserve up` and
 # kv_transfer.TransferConfig all take them from here.
 TRANSFER_TIMEOUT_S = 30.0  # one KV send/recv operation (a chunk or the trailer) once data flows
@@ -20,6 +23,9 @@ class RuntimeConfig:
 
     model_path: str | None = None  # None: the bundled SmolLM2-135M-Instruct
     dtype: str = "auto"  # auto: float32 on CPU, bfloat16 on CUDA
+    # Weights quantized at load time (runtime/quant.py): none | w8a16_int8 | w8a8_int8 | w4a16.
+    # --dtype float32 means the exactness reference: it implies none.
+    quantization: str = "none"
     device: str = "auto"  # auto: cuda if available, else cpu
     page_size: int = 16
     # KV pool capacity in tokens; None: `mem_fraction_static` of free GPU memory, or 32768 on CPU.
@@ -55,6 +61,13 @@ class RuntimeConfig:
             raise ValueError("--speculative-num-draft-tokens must be >= 0")
         if self.grammar_backend not in ("xgrammar", "none"):
             raise ValueError("--grammar-backend must be xgrammar or none")
+        if self.quantization not in QUANT_MODES:
+            raise ValueError(f"--quantization must be one of {', '.join(QUANT_MODES)}")
+        if self.dtype == "float32" and self.quantization != "none":
+            raise ValueError(
+                "--dtype float32 serves the unquantized weights (the exactness reference); "
+                f"drop it or use --quantization none, not {self.quantization}"
+            )
 
     def resolved_device(self) -> str:
         if self.device != "auto":
@@ -73,6 +86,13 @@ def add_runtime_args(parser: argparse.ArgumentParser) -> None:
         help="HF folder, .gguf file, or empty for the bundled SmolLM2-135M-Instruct (env PDSERVE_MODEL_PATH)",
     )
     parser.add_argument("--dtype", default=d.dtype, choices=["auto", "float32", "bfloat16", "float16"])
+    parser.add_argument(
+        "--quantization",
+        default=d.quantization,
+        choices=list(QUANT_MODES),
+        help="quantize the weights at load time (CPU): int8 weight-only, int8 weights and activations, "
+        "or int4 weight-only in groups of 32 (a Q4_1 GGUF's own blocks)",
+    )
     parser.add_argument("--device", default=d.device)
     parser.add_argument("--page-size", type=int, default=d.page_size)
     parser.add_argument("--max-total-tokens", type=int, default=None)

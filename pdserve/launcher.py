@@ -154,6 +154,7 @@ _GATEWAY_LIMITS: list[tuple[str, type]] = [
 _FORWARDED = [
     "model_path",
     "dtype",
+    "quantization",
     "device",
     "page_size",
     "max_total_tokens",

@@ -78,7 +78,12 @@ class PrefillWorker:
         self.expired: set[str] = set()
         self.link: WorkerLink | None = None
         self.weights = WeightUpdater(
-            self.runner.model, self.runner.spec, cache, cfg.host, self._weights_changed
+            self.runner.model,
+            self.runner.spec,
+            cache,
+            cfg.host,
+            self._weights_changed,
+            cfg.runtime.quantization,
         )
 
     def serve(self) -> None:

@@ -27,6 +27,7 @@ from pdserve.model_source import ModelSource, ModelSourceError, resolve_model_so
 from pdserve.progress import progress
 from pdserve.runtime.model_config import ModelSpec, rope_inv_freq
 from pdserve.runtime.models.llama import CausalLM, Rotary
+from pdserve.runtime.quant import check_quantization, quantize_model
 
 if TYPE_CHECKING:
     from transformers import PretrainedConfig
@@ -52,6 +53,7 @@ class LoadedModel:
     weights_hash: str
     dtype: torch.dtype
     device: torch.device
+    quantization: str = "none"  # runtime/quant.py's mode of the Linear weights
 
 
 def cache_root() -> str:
@@ -150,9 +152,12 @@ def load_hf_config(folder: str) -> PretrainedConfig:
     return config
 
 
-def load_model(model_path: str | None, dtype: str = "auto", device: str = "cpu") -> LoadedModel:
+def load_model(
+    model_path: str | None, dtype: str = "auto", device: str = "cpu", quantization: str = "none"
+) -> LoadedModel:
     dev = torch.device(device)
     torch_dtype = resolve_dtype(dtype, dev)
+    check_quantization(quantization, dev, torch_dtype)  # before the slow part: a bad flag fails fast
     folder = model_folder(resolve_model_source(model_path))
     config = load_hf_config(folder)
     spec = ModelSpec.from_hf_config(config)
@@ -165,5 +170,8 @@ def load_model(model_path: str | None, dtype: str = "auto", device: str = "cpu")
     model = model.to(device=dev, dtype=torch_dtype)
     # Attached after the dtype cast: the cos/sin table stays fp32 and is cast per use.
     model.rotary = Rotary(inv_freq, scaling, spec.context_length).to(dev)
+    n = quantize_model(model, quantization, torch_dtype)
+    if n:
+        log.info("quantized %d projections and the LM head: %s", n, quantization)
     model.eval()
-    return LoadedModel(model, spec, folder, files_hash, torch_dtype, dev)
+    return LoadedModel(model, spec, folder, files_hash, torch_dtype, dev, quantization)

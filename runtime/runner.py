@@ -16,6 +16,7 @@ from pdserve.runtime.attention import make_attention_backend
 from pdserve.runtime.batch import ForwardBatch, ForwardMode
 from pdserve.runtime.grammar import GrammarBackend, GrammarMatcher, InvalidGrammar, apply_grammar_masks
 from pdserve.runtime.grammar import make_grammar_backend as _make_grammar_backend
+from pdserve.runtime.host import startup_line
 from pdserve.runtime.kv_pool import KVGeometry, KVPool, PageAllocator, RequestPages
 from pdserve.runtime.loader import LoadedModel, load_model
 from pdserve.runtime.request import Request
@@ -37,8 +38,9 @@ class ModelRunner:
         self.device = torch.device(cfg.resolved_device())
         if cfg.num_threads:
             torch.set_num_threads(cfg.num_threads)
-        self.loaded = loaded or load_model(cfg.model_path, cfg.dtype, str(self.device))
+        self.loaded = loaded or load_model(cfg.model_path, cfg.dtype, str(self.device), cfg.quantization)
         self.model = self.loaded.model
+        log.info("runtime: %s", startup_line(self.device, self.loaded.dtype, self.loaded.quantization))
         self.spec = spec = self.loaded.spec
         self.context_length = cfg.context_length or spec.context_length
         self.geometry = KVGeometry(
@@ -80,6 +82,7 @@ class ModelRunner:
             "dtype": str(g.dtype).removeprefix("torch."),
             "page_size": g.page_size,
             "weights_hash": self.loaded.weights_hash,
+            "quantization": self.loaded.quantization,
         }
 
     def check_fits(self, prompt_len: int, max_new_tokens: int) -> None:

@@ -168,8 +168,11 @@ class WeightUpdater:
         cache: RadixCache | None,
         local_host: str,
         on_commit: Callable[[], None],
+        quantization: str = "none",
     ) -> None:
         self.model, self.spec, self.cache = model, spec, cache
+        # Quantized linears hold int8/int4 copies, not the checkpoint's tensors: updates are refused.
+        self.quantization = quantization
         self.local_host = local_host
         self.on_commit = on_commit
         self.version = "default"
@@ -189,6 +192,12 @@ class WeightUpdater:
         """Apply `cmd`; the reply, or None when a background job answers later (`poll`)."""
         op = cmd.op
         t0 = time.monotonic()
+        if op in ("prepare_disk", "prepare_distributed") and self.quantization != "none":
+            why = (
+                f"live weight updates need unquantized weights; this worker runs --quantization "
+                f"{self.quantization} (restart it on the new checkpoint instead)"
+            )
+            return self._reply(cmd, False, why, t0)
         if op in ("prepare_disk", "prepare_distributed", "init_group"):
             if self._jobs:
                 return self._reply(cmd, False, "another weights operation is running on this worker", t0)

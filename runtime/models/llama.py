@@ -183,6 +183,8 @@ class CausalLM(nn.Module):
             self.lm_head = None
         else:
             self.lm_head = nn.Linear(spec.hidden_size, spec.vocab_size, bias=False)
+        # Set by runtime/quant.py under --quantization: the head's quantized matmul.
+        self.lm_head_quant: nn.Module | None = None
 
     @property
     def lm_head_weight(self) -> torch.Tensor:
@@ -196,6 +198,9 @@ class CausalLM(nn.Module):
         for layer in self.model.layers:
             x = layer(x, batch.positions, self.rotary, backend, pool)
         x = self.model.norm(x[batch.logits_indices])  # [N, hidden]
+        if self.lm_head_quant is not None:
+            logits: torch.Tensor = self.lm_head_quant(x)
+            return logits.float()
         return lm_head_logits(x, self.lm_head_weight)
 
     def weight_target(self, name: str) -> tuple[str, slice | None] | None:

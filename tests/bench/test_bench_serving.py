@@ -8,7 +8,29 @@ import math
 import pytest
 from harness import start_up
 
-from pdserve.bench.bench_serving import RequestResult, chat_prompts, main, summarize
+from pdserve.bench.bench_serving import (
+    RequestResult,
+    chat_prompts,
+    llama_server_argv,
+    main,
+    parse_args,
+    summarize,
+)
+
+
+def test_llama_server_launch_line(tmp_path):
+    """--launch-llama-server serves the bundled GGUF on --launch-port + 12; a bad path is named."""
+    exe = tmp_path / "llama-server"
+    exe.write_text("#!/bin/sh\n")
+    exe.chmod(0o755)
+    args = parse_args(["--launch-llama-server", str(exe), "--launch-port", "40000"])
+    argv = llama_server_argv(args)
+    assert argv[0] == str(exe) and argv[argv.index("--port") + 1] == "40012"
+    assert argv[argv.index("-m") + 1].endswith(".gguf")
+    assert argv[-4:] == ["-np", "16", "-c", "16384"]
+    args = parse_args(["--launch-llama-server", str(tmp_path / "missing")])
+    with pytest.raises(SystemExit, match="not an executable file"):
+        llama_server_argv(args)
 
 
 def test_chat_prompts_are_seeded_and_varied():

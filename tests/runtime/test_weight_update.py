@@ -66,3 +66,12 @@ def test_commit_changes_exactly_the_tensors_sent(loaded, checkpoint):
     assert up.on_command(m.WeightsCommand(op_id="back", op="commit", weight_version="v1")).ok  # type: ignore[union-attr]
     assert all(torch.equal(model.state_dict()[k], before[k]) for k in before)
     up.close()
+
+
+def test_a_quantized_worker_refuses_updates_before_loading_anything(loaded):
+    up = WeightUpdater(loaded.model, loaded.spec, None, "127.0.0.1", lambda: None, quantization="w4a16")
+    for op in ("prepare_disk", "prepare_distributed"):
+        reply = up.on_command(m.WeightsCommand(op_id=op, op=op, model_path=loaded.folder))
+        assert reply is not None and not reply.ok and "--quantization w4a16" in reply.message
+    assert up.version == "default" and up._staged is None and not up._jobs
+    up.close()
