@@ -56,7 +56,7 @@ class WeightUpdates:
     def _workers(self) -> list[WorkerInfo]:
         ws = sorted(self.registry.all(), key=lambda w: w.worker_id)
         if not ws:
-            raise ApiError(503, "no worker is registered", headers={"Retry-After": "1"})
+            raise ApiError(503, "no worker in rotation (none is registered)", headers={"Retry-After": "1"})
         return ws
 
     async def _ask(
