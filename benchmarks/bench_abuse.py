@@ -336,7 +336,8 @@ def format_table(baseline: float, rows: list[Row]) -> str:
     return "\n".join(lines)
 
 
-def _gateway_pid(launcher_pid: int) -> int | None:
+def gateway_pid(launcher_pid: int) -> int | None:
+    """The gateway process under a `pdserve up` launcher."""
     import psutil
 
     for child in psutil.Process(launcher_pid).children(recursive=True):
@@ -372,7 +373,7 @@ def main(argv: list[str] | None = None) -> None:
         server = launch("pdserve", argv_up, port, log_dir)
         try:
             wait_healthy(server, 600)
-            baseline, rows = run_all(server.url, _gateway_pid(server.proc.pid))
+            baseline, rows = run_all(server.url, gateway_pid(server.proc.pid))
         finally:
             server.stop()
     print(f"cluster limits: {' '.join(LIMITS)}")

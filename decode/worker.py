@@ -63,14 +63,7 @@ class DecodeWorker:
         # Rooms failed for their deadline whose transfer is being aborted: already reported.
         self.expired: set[str] = set()
         self.link: WorkerLink | None = None
-        self.weights = WeightUpdater(
-            self.runner.model,
-            self.runner.spec,
-            cache,
-            cfg.host,
-            self._weights_changed,
-            cfg.runtime.quantization,
-        )
+        self.weights = WeightUpdater.for_runner(self.runner, cache, cfg.host, self._weights_changed)
 
     def serve(self) -> None:
         self.receiver.start()

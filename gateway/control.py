@@ -116,8 +116,8 @@ class ControlPlane:
         self._outbox: asyncio.Queue[tuple[bytes, bytes]] = asyncio.Queue()
         self._tasks: list[asyncio.Task] = []
         self.bound_port: int | None = None
-        self._flushes: dict[str, asyncio.Future[FlushCacheDone]] = {}  # flush_id -> its answer
-        self._weights: dict[str, asyncio.Future[WeightsReply]] = {}  # op_id -> its answer
+        # Answers awaited by `ask` (FlushCacheDone by flush_id, WeightsReply by op_id).
+        self._answers: dict[str, asyncio.Future[FlushCacheDone | WeightsReply]] = {}
 
     # ---- lifecycle ---------------------------------------------------------------------------
 
@@ -311,12 +311,8 @@ class ControlPlane:
             room.inbox.put_nowait(LegFailed(msg.role, msg.code, msg.message, reported=True))
         elif isinstance(msg, KVEvents):
             worker.prefix.apply(msg)
-        elif isinstance(msg, WeightsReply):
-            wfut = self._weights.get(msg.op_id)
-            if wfut is not None and not wfut.done():
-                wfut.set_result(msg)
-        elif isinstance(msg, FlushCacheDone):
-            fut = self._flushes.get(msg.flush_id)
+        elif isinstance(msg, (WeightsReply, FlushCacheDone)):
+            fut = self._answers.get(msg.op_id if isinstance(msg, WeightsReply) else msg.flush_id)
             if fut is not None and not fut.done():
                 fut.set_result(msg)
         elif isinstance(msg, Deregister):
@@ -401,56 +397,50 @@ class ControlPlane:
             w.clock.rtt or 0.0,
         )
 
+    async def ask(
+        self, sends: dict[str, tuple[WorkerInfo, FlushCache | WeightsCommand]], timeout_s: float
+    ) -> dict[str, FlushCacheDone | WeightsReply | None]:
+        """Send each worker (keyed by worker id) its command and wait, at most `timeout_s` in all, for
+        every answer (matched by the command's flush_id / op_id); None for a worker that stayed silent."""
+        loop = asyncio.get_running_loop()
+        futs = {}
+        for wid, (w, cmd) in sends.items():
+            key = cmd.op_id if isinstance(cmd, WeightsCommand) else cmd.flush_id
+            futs[wid] = self._answers[key] = loop.create_future()
+            self.send(w, cmd)
+        try:
+            if futs:
+                await asyncio.wait(futs.values(), timeout=timeout_s)
+            return {wid: f.result() if f.done() and not f.cancelled() else None for wid, f in futs.items()}
+        finally:
+            for f in futs.values():
+                f.cancel()
+            self._answers = {k: f for k, f in self._answers.items() if not f.done()}
+
     async def flush_caches(self, timeout_s: float = 10.0) -> dict[str, str]:
         """Ask every registered worker (both roles keep a prefix cache) to empty it; returns the
         refusals (worker id -> why). Each worker then publishes the removal in its KVEvents."""
-        asked: dict[str, asyncio.Future[FlushCacheDone]] = {}
-        for w in self.registry.all():
-            fid = uuid.uuid4().hex
-            asked[w.worker_id] = self._flushes[fid] = asyncio.get_running_loop().create_future()
-            self.send(w, FlushCache(flush_id=fid))
-        refused: dict[str, str] = {}
-        try:
-            for wid, fut in asked.items():
-                try:
-                    done = await asyncio.wait_for(fut, timeout_s)
-                except asyncio.TimeoutError:
-                    refused[wid] = f"no answer within {timeout_s:.0f} s"
-                    continue
-                if not done.ok:
-                    refused[wid] = done.message
-        finally:
-            for fut in asked.values():
-                fut.cancel()
-            self._flushes = {k: f for k, f in self._flushes.items() if not f.done()}
-        return refused
+        sends = {w.worker_id: (w, FlushCache(flush_id=uuid.uuid4().hex)) for w in self.registry.all()}
+        answers = await self.ask(dict(sends), timeout_s)
+        return {
+            wid: f"no answer within {timeout_s:.0f} s" if a is None else a.message
+            for wid, a in answers.items()
+            if a is None or not a.ok
+        }
 
     async def ask_weights(
         self, commands: dict[str, tuple[WorkerInfo, WeightsCommand]], timeout_s: float
     ) -> dict[str, WeightsReply]:
-        """Send each worker its command (keyed by worker id; every op_id distinct) and wait for all the
-        answers; a worker silent for `timeout_s` gets a failed reply naming that."""
-        loop = asyncio.get_running_loop()
-        futs: dict[str, asyncio.Future[WeightsReply]] = {}
-        for wid, (w, cmd) in commands.items():
-            futs[wid] = self._weights[cmd.op_id] = loop.create_future()
-            self.send(w, cmd)
+        """`ask` with weights commands (every op_id distinct); a silent worker gets a failed reply."""
+        answers = await self.ask(dict(commands), timeout_s)
         out: dict[str, WeightsReply] = {}
-        try:
-            done = await asyncio.wait(futs.values(), timeout=timeout_s) if futs else None
-            del done
-            for wid, fut in futs.items():
-                op_id = commands[wid][1].op_id
-                if fut.done() and not fut.cancelled():
-                    out[wid] = fut.result()
-                else:
-                    out[wid] = WeightsReply(
-                        op_id=op_id, ok=False, message=f"no answer within {timeout_s:g} s"
-                    )
-        finally:
-            for wid, fut in futs.items():
-                fut.cancel()
-                self._weights.pop(commands[wid][1].op_id, None)
+        for wid, a in answers.items():
+            if isinstance(a, WeightsReply):
+                out[wid] = a
+            else:
+                out[wid] = WeightsReply(
+                    op_id=commands[wid][1].op_id, ok=False, message=f"no answer within {timeout_s:g} s"
+                )
         return out
 
     # ---- liveness ----------------------------------------------------------------------------

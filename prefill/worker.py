@@ -77,14 +77,7 @@ class PrefillWorker:
         # Rooms failed for their deadline whose transfer is being stopped: already reported.
         self.expired: set[str] = set()
         self.link: WorkerLink | None = None
-        self.weights = WeightUpdater(
-            self.runner.model,
-            self.runner.spec,
-            cache,
-            cfg.host,
-            self._weights_changed,
-            cfg.runtime.quantization,
-        )
+        self.weights = WeightUpdater.for_runner(self.runner, cache, cfg.host, self._weights_changed)
 
     def serve(self) -> None:
         self.sender.start()

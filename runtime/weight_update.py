@@ -21,6 +21,7 @@ import time
 from collections.abc import Callable, Iterable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, fields
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -31,6 +32,9 @@ from pdserve.runtime.model_config import ModelSpec
 from pdserve.runtime.models.llama import CausalLM
 from pdserve.runtime.radix_cache import RadixCache
 from pdserve.runtime.weights_group import WeightsGroup
+
+if TYPE_CHECKING:
+    from pdserve.runtime.runner import ModelRunner
 
 log = logging.getLogger(__name__)
 
@@ -181,6 +185,13 @@ class WeightUpdater:
         self._staged: Staged | None = None
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="weights")
         self._jobs: list[tuple[m.WeightsCommand, Future[Copies | None], float]] = []  # (command, job, start)
+
+    @classmethod
+    def for_runner(
+        cls, runner: ModelRunner, cache: RadixCache | None, local_host: str, on_commit: Callable[[], None]
+    ) -> WeightUpdater:
+        """A worker's updater: the runner's model, spec and quantization."""
+        return cls(runner.model, runner.spec, cache, local_host, on_commit, runner.cfg.quantization)
 
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)

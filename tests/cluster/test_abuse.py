@@ -5,7 +5,6 @@ worker leaves rotation, and the gateway and the workers go back to idle."""
 
 from __future__ import annotations
 
-import psutil
 import pytest
 from harness import start_up
 
@@ -24,16 +23,11 @@ def limited_cluster(tmp_path_factory):
         c.stop()
 
 
-def _gateway_pid(launcher_pid: int) -> int:
-    for child in psutil.Process(launcher_pid).children(recursive=True):
-        if "gateway" in child.cmdline():
-            return int(child.pid)
-    raise AssertionError("no gateway process under pdserve up")
-
-
 def test_abuse_table(limited_cluster):
     c = limited_cluster
-    baseline, rows = bench_abuse.run_all(c.url, _gateway_pid(c.procs[0].pid))
+    pid = bench_abuse.gateway_pid(c.procs[0].pid)
+    assert pid is not None, "no gateway process under pdserve up"
+    baseline, rows = bench_abuse.run_all(c.url, pid)
     print()
     print(bench_abuse.format_table(baseline, rows))
     for r in rows:

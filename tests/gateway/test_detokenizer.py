@@ -174,11 +174,21 @@ def test_keep_stop_ends_after_the_match():
 
 
 def test_long_stop_strings_cost_linear_time():
-    """16 stop strings of 1,024 characters that almost match everywhere: a quadratic matcher does
-    ~10^9 steps on this text, the automaton a few million (counted, not timed)."""
-    stops = ["a" * 1023 + chr(ord("b") + i) for i in range(16)]
+    """16 stop strings of 1,024 characters that almost match everywhere: the characters of the stop
+    strings the matcher reads stay within a small multiple of (text + stop strings) x their number
+    (counted, not timed; searching every suffix on every feed would read ~10^9 here)."""
+
+    class Counted(str):
+        reads = 0
+
+        def __getitem__(self, i):  # type: ignore[override]
+            Counted.reads += 1
+            return str.__getitem__(self, i)
+
+    stops = [Counted("a" * 1023 + chr(ord("b") + i)) for i in range(16)]
     m = StopStringMatcher(stops)
     text = "a" * 20_000
     released = "".join(m.feed(text[i : i + 4]) for i in range(0, len(text), 4))
     assert released == "a" * (20_000 - 1023)  # the last 1,023 could still start a stop string
+    assert Counted.reads < 4 * (len(text) + 1024) * len(stops), Counted.reads
     assert m.finish() == "a" * 1023
