@@ -194,12 +194,14 @@ def slowloris(url: str) -> tuple[str, bool]:
 
 
 def one_client_floods(url: str) -> tuple[str, bool]:
+    """40 requests at once from the client whose normal request is in flight: that request holds one of
+    its slots, so at least PER_CLIENT - 1 of the 40 are let in and the rest get 429."""
     body = {"text": "hi", "sampling_params": {"max_new_tokens": 4}}
     with ThreadPoolExecutor(40) as pool:
         codes = list(pool.map(lambda _: _post(url, body).status_code, range(40)))
     counts = {c: codes.count(c) for c in sorted(set(codes))}
     answer = ", ".join(f"{n} x {c}" for c, n in counts.items())
-    return answer, set(counts) <= {200, 429} and counts.get(429, 0) > 0 and counts.get(200, 0) >= PER_CLIENT
+    return answer, set(counts) <= {200, 429} and counts.get(429, 0) > 0 and counts.get(200, 0) >= PER_CLIENT - 1
 
 
 def abandoned_streams(url: str) -> tuple[str, bool]:
