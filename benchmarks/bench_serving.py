@@ -789,8 +789,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         default=None,
         help="the GGUF file llama-server serves (default: the bundled one)",
     )
-    # 16 slots of 1024 tokens each (llama-server splits -c among its -np slots).
-    p.add_argument("--llama-server-args", default="-np 16 -c 16384",
+    # 16 slots of 1024 tokens each (llama-server splits -c among its -np slots), every core for both
+    # generation and batches; --no-repack keeps ggml off its AMX repacking path, which crashes on
+    # some of the CPUs this was measured on.
+    cores = os.cpu_count() or 1
+    p.add_argument("--llama-server-args", default=f"-t {cores} -tb {cores} -np 16 -c 16384 --no-repack",
                    help="extra flags for the launched llama-server (default: %(default)s)")  # fmt: skip
     p.add_argument("--launch-port", type=int, default=33100,
                    help="pdserve's port; transformers gets +10, llama-server +12")  # fmt: skip

@@ -10,6 +10,9 @@ from pdserve.cluster_auth import ClusterKeys, add_secret_arg, load_keys
 
 # Mirrors runtime/quant.py's QUANT_MODES (config must not import torch).
 QUANT_MODES = ("none", "w8a16_int8", "w8a8_int8", "w4a16")
+# `auto` resolves at load time (runtime/loader.py): a GGUF file on CPU keeps its own quantization
+# (Q4_0/Q4_1 -> w4a16, Q8_0 and other types -> w8a16_int8); anything else, and --dtype float32, none.
+QUANT_CHOICES = ("auto", *QUANT_MODES)
 
 # The KV transfer's timeouts, one default each: the worker flags, `pdserve up` and
 # kv_transfer.TransferConfig all take them from here.
@@ -22,10 +25,11 @@ class RuntimeConfig:
     """What a model runtime (offline engine, prefill or decode worker) needs."""
 
     model_path: str | None = None  # None: the bundled SmolLM2-135M-Instruct
-    dtype: str = "auto"  # auto: float32 on CPU, bfloat16 on CUDA
-    # Weights quantized at load time (runtime/quant.py): none | w8a16_int8 | w8a8_int8 | w4a16.
+    # auto: bfloat16 on CUDA and on CPUs with BF16 instructions (AVX512-BF16 or AMX), else float32.
+    dtype: str = "auto"
+    # Weights quantized at load time (runtime/quant.py): auto | none | w8a16_int8 | w8a8_int8 | w4a16.
     # --dtype float32 means the exactness reference: it implies none.
-    quantization: str = "none"
+    quantization: str = "auto"
     device: str = "auto"  # auto: cuda if available, else cpu
     page_size: int = 16
     # KV pool capacity in tokens; None: `mem_fraction_static` of free GPU memory, or 32768 on CPU.
@@ -61,9 +65,9 @@ class RuntimeConfig:
             raise ValueError("--speculative-num-draft-tokens must be >= 0")
         if self.grammar_backend not in ("xgrammar", "none"):
             raise ValueError("--grammar-backend must be xgrammar or none")
-        if self.quantization not in QUANT_MODES:
-            raise ValueError(f"--quantization must be one of {', '.join(QUANT_MODES)}")
-        if self.dtype == "float32" and self.quantization != "none":
+        if self.quantization not in QUANT_CHOICES:
+            raise ValueError(f"--quantization must be one of {', '.join(QUANT_CHOICES)}")
+        if self.dtype == "float32" and self.quantization not in ("auto", "none"):
             raise ValueError(
                 "--dtype float32 serves the unquantized weights (the exactness reference); "
                 f"drop it or use --quantization none, not {self.quantization}"
@@ -85,13 +89,20 @@ def add_runtime_args(parser: argparse.ArgumentParser) -> None:
         default=env.model_path(),
         help="HF folder, .gguf file, or empty for the bundled SmolLM2-135M-Instruct (env PDSERVE_MODEL_PATH)",
     )
-    parser.add_argument("--dtype", default=d.dtype, choices=["auto", "float32", "bfloat16", "float16"])
+    parser.add_argument(
+        "--dtype",
+        default=d.dtype,
+        choices=["auto", "float32", "bfloat16", "float16"],
+        help="auto: bfloat16 on CUDA and on CPUs with BF16 instructions, else float32; float32 is the "
+        "exactness reference (unquantized weights)",
+    )
     parser.add_argument(
         "--quantization",
         default=d.quantization,
-        choices=list(QUANT_MODES),
+        choices=list(QUANT_CHOICES),
         help="quantize the weights at load time (CPU): int8 weight-only, int8 weights and activations, "
-        "or int4 weight-only in groups of 32 (a Q4_1 GGUF's own blocks)",
+        "or int4 weight-only in groups of 32 (a Q4_1 GGUF's own blocks); auto: a GGUF model keeps its "
+        "own quantization on CPU, anything else and --dtype float32 none",
     )
     parser.add_argument("--device", default=d.device)
     parser.add_argument("--page-size", type=int, default=d.page_size)

@@ -27,6 +27,7 @@ from pdserve.model_source import ModelSource, ModelSourceError, resolve_model_so
 from pdserve.progress import progress
 from pdserve.runtime.model_config import ModelSpec, rope_inv_freq
 from pdserve.runtime.models.llama import CausalLM, Rotary
+from pdserve.runtime.host import cpu_has_bf16
 from pdserve.runtime.quant import check_quantization, quantize_model
 
 if TYPE_CHECKING:
@@ -38,8 +39,10 @@ _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torc
 
 
 def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
+    """`auto`: bfloat16 on CUDA and on a CPU with BF16 instructions (its bf16 matmuls beat fp32 ones,
+    measured in docs/benchmarks.md), else float32."""
     if dtype == "auto":
-        return torch.bfloat16 if device.type == "cuda" else torch.float32
+        return torch.bfloat16 if device.type == "cuda" or cpu_has_bf16() else torch.float32
     if dtype not in _DTYPES:
         raise ValueError(f"unknown dtype {dtype!r}; choose auto, {', '.join(_DTYPES)}")
     return _DTYPES[dtype]
@@ -152,13 +155,65 @@ def load_hf_config(folder: str) -> PretrainedConfig:
     return config
 
 
+def gguf_weight_types(source: ModelSource, folder: str) -> dict[str, int]:
+    """How many of a GGUF file's 2-D block weights have each GGML type, e.g. {"Q4_1": 210}; read once
+    (parsing the file's header takes seconds) and kept beside the dequantized folder."""
+    assert source.gguf_path is not None
+    cached = os.path.join(folder, "gguf_weight_types.json")
+    try:
+        with open(cached) as f:
+            return dict(json.load(f))
+    except (OSError, ValueError):
+        pass
+    from gguf import GGUFReader
+
+    counts: dict[str, int] = {}
+    for t in GGUFReader(source.gguf_path).tensors:
+        if t.name.startswith("blk.") and t.name.endswith(".weight") and len(t.shape) == 2:
+            counts[t.tensor_type.name] = counts.get(t.tensor_type.name, 0) + 1
+    tmp = f"{cached}.{os.getpid()}"
+    with open(tmp, "w") as f:
+        json.dump(counts, f)
+    os.replace(tmp, cached)
+    return counts
+
+
+def resolve_quantization(
+    quantization: str, dtype: str, device: torch.device, source: ModelSource, folder: str
+) -> tuple[str, str]:
+    """(mode, why) for `--quantization auto`: on CPU a GGUF model is served in its own quantization,
+    as llama.cpp serves it (its weights are already quantized); an HF checkpoint, CUDA and an
+    explicit --dtype float32 (the exactness reference) get none. Any other value is the user's."""
+    if quantization != "auto":
+        return quantization, "asked"
+    if dtype == "float32":
+        return "none", "--dtype float32"
+    if dtype == "float16":
+        return "none", "the quantized kernels take bfloat16 or float32 activations"
+    if device.type != "cpu" or source.gguf_file is None:
+        return "none", "not a GGUF model on CPU"
+    types = gguf_weight_types(source, folder)
+    if not types:
+        return "none", "the GGUF file has no quantized block weights"
+    main = max(types, key=lambda k: types[k])
+    if main in ("F32", "F16", "BF16"):
+        return "none", f"the GGUF's weights are {main}"
+    return ("w4a16" if main in ("Q4_0", "Q4_1") else "w8a16_int8"), f"the GGUF's {main} weights"
+
+
 def load_model(
-    model_path: str | None, dtype: str = "auto", device: str = "cpu", quantization: str = "none"
+    model_path: str | None, dtype: str = "auto", device: str = "cpu", quantization: str = "auto"
 ) -> LoadedModel:
     dev = torch.device(device)
     torch_dtype = resolve_dtype(dtype, dev)
-    check_quantization(quantization, dev, torch_dtype)  # before the slow part: a bad flag fails fast
-    folder = model_folder(resolve_model_source(model_path))
+    if quantization != "auto":
+        check_quantization(quantization, dev, torch_dtype)  # before the slow part: a bad flag fails fast
+    source = resolve_model_source(model_path)
+    folder = model_folder(source)
+    quantization, why = resolve_quantization(quantization, dtype, dev, source, folder)
+    if why != "asked":
+        log.info("quantization auto: %s (%s)", quantization, why)
+        check_quantization(quantization, dev, torch_dtype)
     config = load_hf_config(folder)
     spec = ModelSpec.from_hf_config(config)
     files_hash = weights_hash(folder)  # fails early, with the folder named, if weights are missing

@@ -21,7 +21,8 @@ from pdserve.supervisor import signal_group
 from pdserve.supervisor import spawn as spawn_process
 
 # Small pools and one thread per worker: several workers share the 2 cores of a CI machine.
-WORKER_FLAGS = ["--max-total-tokens", "8192", "--num-threads", "1"]
+# float32: the exactness reference (the tests compare with transformers and with the offline engine).
+WORKER_FLAGS = ["--max-total-tokens", "8192", "--num-threads", "1", "--dtype", "float32"]
 
 
 @dataclass
@@ -117,6 +118,8 @@ def start_up(tmp_path, num_prefill: int = 1, num_decode: int = 1, extra: list[st
         "1",
         "--max-total-tokens",
         "8192",
+        "--dtype",
+        "float32",
         "--log-dir",
         str(tmp_path),
         *(extra or []),

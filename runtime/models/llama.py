@@ -49,11 +49,17 @@ class RMSNorm(nn.Module):
             assert isinstance(out, torch.Tensor)  # no residual given: one tensor back
             return out.view(x.shape)
         # Normalize in fp32 like transformers, then scale in the input dtype.
+        if x.dtype == torch.float32:
+            return self.weight * F.rms_norm(x, (x.shape[-1],), eps=self.eps)
         return self.weight * F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps).to(x.dtype)
 
 
 class Rotary(nn.Module):
-    """HF's non-interleaved (rotate_half) RoPE with a precomputed cos/sin table."""
+    """HF's non-interleaved (rotate_half) RoPE with a precomputed cos/sin table.
+
+    `prepare(positions, dtype)` looks up the rows of one forward once; every layer then rotates with
+    them (the lookup and cast are otherwise repeated in each layer, a sizeable share of a CPU decode
+    step's small ops)."""
 
     cos: torch.Tensor  # [max_pos, rot_dim] float32 buffers, registered in __init__
     sin: torch.Tensor
@@ -65,6 +71,15 @@ class Rotary(nn.Module):
         emb = torch.cat((freqs, freqs), dim=-1)  # [max_pos, rot_dim]
         self.register_buffer("cos", emb.cos() * scaling, persistent=False)
         self.register_buffer("sin", emb.sin() * scaling, persistent=False)
+        self._rows: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+
+    def prepare(self, positions: torch.Tensor, dtype: torch.dtype) -> None:
+        """The cos/sin rows [T, 1, D] of this forward's positions, in the activations' dtype."""
+        if fused_kernels(positions.device):
+            return  # the fused kernel reads the table itself
+        cos = self.cos[positions].unsqueeze(1).to(dtype)
+        sin = self.sin[positions].unsqueeze(1).to(dtype)
+        self._rows = (positions, cos, sin)
 
     def forward(
         self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
@@ -75,12 +90,16 @@ class Rotary(nn.Module):
 
             apply_rotary_(q, k, self.cos, self.sin, positions)
             return q, k
-        return self._rotate(positions, q), self._rotate(positions, k)
+        return self.rotate(positions, q), self.rotate(positions, k)
 
-    def _rotate(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-        # x [T, H, D]; cos/sin [T, 1, D]
-        cos = self.cos[positions].unsqueeze(1).to(x.dtype)
-        sin = self.sin[positions].unsqueeze(1).to(x.dtype)
+    def rotate(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        """x [T, H, D] rotated at `positions` (torch ops; the rows `prepare` looked up when they are
+        these positions')."""
+        if self._rows is not None and self._rows[0] is positions and self._rows[1].dtype == x.dtype:
+            cos, sin = self._rows[1], self._rows[2]
+        else:
+            cos = self.cos[positions].unsqueeze(1).to(x.dtype)
+            sin = self.sin[positions].unsqueeze(1).to(x.dtype)
         x1, x2 = x.chunk(2, dim=-1)
         return x * cos + torch.cat((-x2, x1), dim=-1) * sin
 
@@ -114,7 +133,13 @@ class Attention(nn.Module):
         v = v.view(T, self.nkv, self.hd)
         if self.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = rotary(positions, q, k)
+            q, k = rotary(positions, q, k)
+        elif fused_kernels(x.device):
+            q, k = rotary(positions, q, k)
+        else:
+            # q and k lie side by side in qkv: one rotation covers both heads' sets
+            qk = rotary.rotate(positions, qkv[:, : (self.nq + self.nkv) * self.hd].view(T, -1, self.hd))
+            q, k = qk[:, : self.nq], qk[:, self.nq :]
         out = backend.forward(q, k, v.contiguous(), self.layer_id, pool, self.scale)  # [T, nq, hd]
         y: torch.Tensor = self.o_proj(out.reshape(T, self.nq * self.hd))  # [T, hidden]
         return y
@@ -195,6 +220,7 @@ class CausalLM(nn.Module):
         """Returns logits [len(batch.logits_indices), vocab] in float32."""
         backend.prepare(batch, pool)
         x = self.model.embed_tokens(batch.input_ids)  # [T, hidden]
+        self.rotary.prepare(batch.positions, x.dtype)
         for layer in self.model.layers:
             x = layer(x, batch.positions, self.rotary, backend, pool)
         x = self.model.norm(x[batch.logits_indices])  # [N, hidden]

@@ -27,7 +27,7 @@ def engine_reference():
     from pdserve.runtime.engine import Engine
     from pdserve.sampling_params import SamplingParams
 
-    engine = Engine(RuntimeConfig(max_total_tokens=8192, disable_radix_cache=True))
+    engine = Engine(RuntimeConfig(dtype="float32", max_total_tokens=8192, disable_radix_cache=True))
     hf = AutoModelForCausalLM.from_pretrained(engine.runner.loaded.folder, dtype=torch.float32)
 
     def run(prompts: list[list[int]], max_new_tokens: int) -> tuple[list[list[int]], list[list[int]]]:

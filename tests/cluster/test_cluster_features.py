@@ -58,7 +58,7 @@ def engine():
     from pdserve.config import RuntimeConfig
     from pdserve.runtime.engine import Engine
 
-    return Engine(RuntimeConfig(max_total_tokens=8192, num_threads=1))
+    return Engine(RuntimeConfig(dtype="float32", max_total_tokens=8192, num_threads=1))
 
 
 def sse_chunks(url: str, req: dict, timeout: float = 300) -> list[dict]:

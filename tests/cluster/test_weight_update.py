@@ -70,7 +70,7 @@ class Reference:
     """Greedy outputs of the offline engine (no prefix cache) on the bundled weights or on checkpoint B."""
 
     def __init__(self) -> None:
-        self.eng = Engine(RuntimeConfig(max_total_tokens=8192, disable_radix_cache=True))
+        self.eng = Engine(RuntimeConfig(dtype="float32", max_total_tokens=8192, disable_radix_cache=True))
         self.norm = self.eng.runner.model.model.norm.weight
         self.orig = self.norm.detach().clone()
 

@@ -128,7 +128,7 @@ def test_a_worker_whose_kv_io_thread_died_is_unhealthy_leaves_rotation_and_exits
         text = _get(server, "/metrics").text
         assert _metric(text, "healthy", "h-kv") == 0 and _metric(text, "ready", "h-kv") == 0
         # The worker loop notices, drains (out of rotation) and ends with EngineDead: exit code 1.
-        cfg = WorkerConfig(role="decode", runtime=RuntimeConfig(), worker_id="h-kv")
+        cfg = WorkerConfig(role="decode", runtime=RuntimeConfig(dtype="float32"), worker_id="h-kv")
         done: list[BaseException] = []
         loop = threading.Thread(
             target=lambda: _catch(

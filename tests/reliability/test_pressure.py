@@ -71,7 +71,7 @@ def _offline(prompts: list[list[int]], max_new_tokens: int) -> list[list[int]]:
     from pdserve.runtime.engine import Engine
     from pdserve.sampling_params import SamplingParams
 
-    engine = Engine(RuntimeConfig(max_total_tokens=4096, num_threads=1))
+    engine = Engine(RuntimeConfig(dtype="float32", max_total_tokens=4096, num_threads=1))
     params = SamplingParams(temperature=0, max_new_tokens=max_new_tokens, ignore_eos=True)
     return [o.output_ids for o in engine.generate(prompts, params)]
 

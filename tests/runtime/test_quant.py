@@ -161,3 +161,28 @@ def test_startup_line_names_the_choice() -> None:
     hint = "runs --dtype bfloat16 faster"
     assert (hint in startup_line(torch.device("cpu"), torch.float32, "none")) == cpu_has_bf16()
     assert hint not in line
+
+
+def test_auto_serves_a_gguf_in_its_own_quantization(tiny_folders) -> None:
+    """The defaults: the bundled Q4_1 GGUF on CPU is served as w4a16 in the host's fastest dtype;
+    --dtype float32 (the exactness reference) and an HF checkpoint get unquantized weights."""
+    from pdserve.model_source import resolve_model_source
+    from pdserve.runtime.host import cpu_has_bf16
+    from pdserve.runtime.loader import gguf_weight_types, model_folder, resolve_dtype, resolve_quantization
+
+    cpu = torch.device("cpu")
+    assert resolve_dtype("auto", cpu) == (torch.bfloat16 if cpu_has_bf16() else torch.float32)
+    assert RuntimeConfig().quantization == "auto" and RuntimeConfig(dtype="float32").quantization == "auto"
+    bundled = resolve_model_source(None)
+    folder = model_folder(bundled)
+    assert gguf_weight_types(bundled, folder) == {"Q4_1": 210}  # every projection of the 30 layers
+    assert resolve_quantization("auto", "auto", cpu, bundled, folder) == ("w4a16", "the GGUF's Q4_1 weights")
+    assert resolve_quantization("auto", "float32", cpu, bundled, folder)[0] == "none"
+    assert resolve_quantization("auto", "float16", cpu, bundled, folder)[0] == "none"
+    assert resolve_quantization("auto", "auto", torch.device("meta"), bundled, folder)[0] == "none"
+    assert resolve_quantization("w8a8_int8", "auto", cpu, bundled, folder) == ("w8a8_int8", "asked")
+    hf = resolve_model_source(tiny_folders["llama-untied"])
+    assert resolve_quantization("auto", "auto", cpu, hf, hf.folder)[0] == "none"
+    loaded = load_model(None)  # every default
+    assert loaded.quantization == "w4a16" and loaded.dtype == resolve_dtype("auto", cpu)
+    assert load_model(None, "float32").quantization == "none"
