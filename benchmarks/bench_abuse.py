@@ -201,7 +201,9 @@ def one_client_floods(url: str) -> tuple[str, bool]:
         codes = list(pool.map(lambda _: _post(url, body).status_code, range(40)))
     counts = {c: codes.count(c) for c in sorted(set(codes))}
     answer = ", ".join(f"{n} x {c}" for c, n in counts.items())
-    return answer, set(counts) <= {200, 429} and counts.get(429, 0) > 0 and counts.get(200, 0) >= PER_CLIENT - 1
+    return answer, set(counts) <= {200, 429} and counts.get(429, 0) > 0 and counts.get(
+        200, 0
+    ) >= PER_CLIENT - 1
 
 
 def abandoned_streams(url: str) -> tuple[str, bool]:

@@ -107,7 +107,9 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
         default=0,
         help="past this many requests in flight on every prefill worker, decode computes the prompt (0: off)",
     )
-    limits = parser.add_argument_group("the gateway's limits (see `pdserve gateway --help`; default: its own)")
+    limits = parser.add_argument_group(
+        "the gateway's limits (see `pdserve gateway --help`; default: its own)"
+    )
     for flag, kind in _GATEWAY_LIMITS:
         limits.add_argument(flag, type=kind, default=None)
     add_trace_args(parser)
