@@ -77,7 +77,9 @@ class SharedSegment:
             raise ShmError(f"cannot create a shared KV segment in {directory}: {exc}") from exc
         try:
             os.fchmod(fd, 0o600)  # whatever the umask
-            os.ftruncate(fd, HEADER_BYTES + nbytes)
+            # Reserve the memory now: a tmpfs file merely truncated to size would raise SIGBUS at the
+            # first write past what the filesystem has left; this fails cleanly (ENOSPC) instead.
+            os.posix_fallocate(fd, 0, HEADER_BYTES + nbytes)
             mm = mmap.mmap(fd, HEADER_BYTES + nbytes, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
         except OSError as exc:
             os.close(fd)

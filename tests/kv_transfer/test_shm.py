@@ -12,7 +12,14 @@ import pytest
 import torch
 
 from pdserve.kv_transfer import KVReceiver, KVSender, TransferConfig, TransferState
-from pdserve.kv_transfer.shm import HEADER_BYTES, SharedSegment, copy_pages, remove_stale, shared_pool
+from pdserve.kv_transfer.shm import (
+    HEADER_BYTES,
+    SharedSegment,
+    ShmError,
+    copy_pages,
+    remove_stale,
+    shared_pool,
+)
 
 PAGE = 16
 GEOM = ["--layers", "2", "--heads", "2", "--head-dim", "8", "--page-size", str(PAGE)]
@@ -221,3 +228,7 @@ def test_segment_is_private_sized_and_removed(tmp_path):
     stale.write_bytes(b"x")
     remove_stale(str(tmp_path))
     assert not stale.exists()
+    # More than the filesystem holds: refused at creation (never a SIGBUS at the first write), no file left.
+    with pytest.raises(ShmError, match="cannot size"):
+        SharedSegment.create(1 << 50, str(tmp_path))
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith("pdserve-kv-")]
