@@ -425,9 +425,11 @@ class _ReceiverIO(EndpointIO):
         if offer is None or self.cfg.transport == "dist" or self.o._kv.is_cuda:
             return None
         try:
-            return MappedPool.open(
+            mapped = MappedPool.open(
                 offer.path, bytes.fromhex(offer.token), offer.num_pages, self.o._geometry, self.cfg.shm_dir
             )
+            log.info("kv_transfer: prefill %s: KV through shared memory (%s)", peer.addr, offer.path)
+            return mapped
         except ShmError as exc:
             reason = str(exc)
             if self.cfg.transport == "shm":
