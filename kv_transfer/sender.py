@@ -72,6 +72,7 @@ class KVSender(Endpoint):
             inside = segment.pool((self._geometry.num_pages, *self._geometry.page_shape), self._kv.dtype)
             if inside.data_ptr() != self._kv.data_ptr():
                 raise ValueError("the KV pool does not live in the shared-memory segment given")
+        self._own_segment = segment  # closed (removed) with the sender, offered or not
         self._segment = segment if config.transport != "dist" else None
         self._host, self._port = host, bootstrap_port
         self._errors: collections.deque[str] = collections.deque(maxlen=64)
@@ -143,8 +144,9 @@ class KVSender(Endpoint):
 
     def close(self) -> None:
         super().close()
-        if self._segment is not None:
-            self._segment.close()  # fences any copy still running, removes the file
+        if self._own_segment is not None:
+            self._own_segment.close()  # fences any copy still running, removes the file
+            self._own_segment = None
 
 
 @dataclass(frozen=True)

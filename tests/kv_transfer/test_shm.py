@@ -46,9 +46,11 @@ def _wait(engine, rooms: set[str], timeout: float = 10.0) -> dict:
 def nodes():
     """(sender, receiver, segment): the sender's pool in shared memory, as the prefill worker's."""
     made = []
+    segments: list[str] = []
 
     def make(config: TransferConfig = FAST, sender_config: TransferConfig | None = None):
         segment, kv = shared_pool(_pool(32, 1))
+        segments.append(segment.path)
         sender = KVSender(kv, FP, "127.0.0.1", 0, sender_config or config, segment=segment)
         sender.start()
         made.append(sender)
@@ -60,6 +62,8 @@ def nodes():
     yield make
     for engine in made:
         engine.close()
+    for path in segments:
+        assert not os.path.exists(path)  # the sender removes its segment, offered or not
 
 
 @pytest.mark.timeout(120)
