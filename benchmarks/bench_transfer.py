@@ -1,13 +1,16 @@
-"""KV transfer throughput: pdserve.kv_transfer over loopback gloo vs a plain TCP socket, same processes.
+"""KV transfer throughput: pdserve.kv_transfer through shared memory and over loopback gloo, side by side,
+and a plain TCP socket between the same processes.
 
 Geometry of the bundled model's KV (30 layers, 3 kv heads, head_dim 64, fp32, page size 16). For each
 prompt length: the KV path's time runs from `sender.send()` (the decode's page list already delivered)
 to `receiver.poll()` reporting SUCCESS, gather and scatter included; the raw path sends the same number
 of bytes from one contiguous buffer with sendall/recv_into. Each size runs twice: with scattered page
 ids (staged copies) and with consecutive ones (pool to pool). Both processes live on one host, so their
-time.monotonic() clocks agree.
+time.monotonic() clocks agree. Each transport (--transports) runs in its own pair of processes: `dist`
+over the gloo pair group, `shm` with the prefill's pool in shared memory, copied by the decode
+(kv_transfer/shm.py); the ratio column is shm over dist throughput.
 
-    python -m pdserve.bench.bench_transfer [--tokens 1024 4096 16384] [--reps 3]
+    python -m pdserve.bench.bench_transfer [--tokens 1024 4096 16384] [--reps 3] [--transports dist shm]
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ import time
 import torch
 
 from pdserve.kv_transfer import KVReceiver, KVSender, TransferConfig, TransferState
+from pdserve.kv_transfer.shm import shared_pool
 
 LAYERS, KV_HEADS, HEAD_DIM, PAGE_SIZE = 30, 3, 64, 16
 FINGERPRINT = {
@@ -41,7 +45,10 @@ def _pool(num_pages: int) -> torch.Tensor:
 def _prefill(conn, num_pages: int, config: TransferConfig) -> None:
     torch.set_num_threads(1)
     kv = _pool(num_pages)
-    sender = KVSender(kv, FINGERPRINT, "127.0.0.1", 0, config)
+    segment = None
+    if config.transport != "dist":
+        segment, kv = shared_pool(kv)
+    sender = KVSender(kv, FINGERPRINT, "127.0.0.1", 0, config, segment=segment)
     sender.start()
     listener = socket.create_server(("127.0.0.1", 0))
     conn.send((sender.addr, listener.getsockname()[1]))
@@ -94,7 +101,7 @@ def _decode(conn, num_pages: int, config: TransferConfig, prefill_addr: str, raw
                 results = receiver.poll()
             t_done = time.monotonic()
             assert results[0].state == TransferState.SUCCESS, results[0]
-            conn.send((t_done, results[0].num_bytes))
+            conn.send((t_done, results[0].num_bytes, results[0].shm))
         elif cmd[0] == "raw":
             nbytes, got = cmd[1], 0
             while got < nbytes:
@@ -108,18 +115,15 @@ def _decode(conn, num_pages: int, config: TransferConfig, prefill_addr: str, raw
     receiver.close()
 
 
-def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
-    parser.add_argument("--tokens", type=int, nargs="+", default=[1024, 4096, 16384])
-    parser.add_argument("--reps", type=int, default=5)
-    parser.add_argument("--chunk-mib", type=int, default=TransferConfig().chunk_bytes >> 20)
-    args = parser.parse_args(argv)
-
+def _run(transport: str, args: argparse.Namespace) -> dict[tuple[int, str], tuple[float, float, float]]:
+    """One pair of processes on `transport`: (tokens, order) -> (kv seconds, raw seconds, raw/kv ratio)."""
     max_pages = -(-max(args.tokens) // PAGE_SIZE)
     config = TransferConfig(
-        backend="gloo", waiting_timeout_s=120, transfer_timeout_s=120, chunk_bytes=args.chunk_mib << 20
+        backend="gloo",
+        transport=transport,
+        waiting_timeout_s=120,
+        transfer_timeout_s=120,
+        chunk_bytes=args.chunk_mib << 20,
     )
     ctx = mp.get_context("spawn")
     p_conn, p_child = ctx.Pipe()
@@ -132,17 +136,8 @@ def main(argv: list[str] | None = None) -> None:
     )
     decode.start()
     assert d_conn.recv() == "ready"
-
     page_bytes = LAYERS * 2 * PAGE_SIZE * KV_HEADS * HEAD_DIM * 4
-    print(f"KV geometry: {LAYERS} layers x {KV_HEADS} kv heads x head_dim {HEAD_DIM}, fp32, page {PAGE_SIZE} tokens "
-          f"= {page_bytes / 2**10:.0f} KiB/page; chunk {args.chunk_mib} MiB; loopback gloo vs raw TCP socket")  # fmt: skip
-    print("medians over rounds; ratio = kv/raw throughput per round; send->success = sender.send() called to")
-    print("receiver.poll() reporting SUCCESS (page list already at the prefill node)")
-    print("pages: random = scattered page ids on both sides (staged through gather/scatter copies);")
-    print("       runs = consecutive page ids, as a fresh allocator hands them out (pool to pool, no copies)")
-    print(
-        f"{'tokens':>7} {'pages':>7} {'MiB':>8} {'kv GB/s':>8} {'raw GB/s':>9} {'ratio':>6} {'send->success ms':>17}"
-    )
+    out = {}
     seq = 0
     for tokens, order in [(t, o) for t in args.tokens for o in ("random", "runs")]:
         n_pages = -(-tokens // PAGE_SIZE)
@@ -160,23 +155,61 @@ def main(argv: list[str] | None = None) -> None:
             assert d_conn.recv() == "waiting"
             p_conn.send(("send", room, src, tokens))
             t_send = p_conn.recv()
-            t_done, got_bytes = d_conn.recv()
+            t_done, got_bytes, via_shm = d_conn.recv()
             assert got_bytes == nbytes, (got_bytes, nbytes)
+            assert via_shm == (transport != "dist"), f"{transport}: the transfer went the other way"
             d_conn.send(("raw", nbytes))
             p_conn.send(("raw", nbytes))
             t1, t0 = d_conn.recv(), p_conn.recv()
             if rep > 0:
                 kv_times.append(t_done - t_send)
                 raw_times.append(t1 - t0)
-        kv_s, raw_s = statistics.median(kv_times), statistics.median(raw_times)
         # Ratio per round (KV and raw run back to back, under the same machine load), then the median.
         ratio = statistics.median(r / k for k, r in zip(kv_times, raw_times))
-        print(f"{tokens:>7} {order:>7} {nbytes / 2**20:>8.1f} {nbytes / kv_s / 1e9:>8.2f} {nbytes / raw_s / 1e9:>9.2f} "
-              f"{ratio:>6.2f} {kv_s * 1e3:>17.1f}")  # fmt: skip
+        out[(tokens, order)] = (statistics.median(kv_times), statistics.median(raw_times), ratio)
     for conn in (p_conn, d_conn):
         conn.send(("exit",))
     prefill.join(timeout=30)
     decode.join(timeout=30)
+    return out
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--tokens", type=int, nargs="+", default=[1024, 4096, 16384])
+    parser.add_argument("--reps", type=int, default=5)
+    parser.add_argument("--chunk-mib", type=int, default=TransferConfig().chunk_bytes >> 20)
+    parser.add_argument("--transports", nargs="+", choices=["dist", "shm"], default=["dist", "shm"])
+    args = parser.parse_args(argv)
+
+    page_bytes = LAYERS * 2 * PAGE_SIZE * KV_HEADS * HEAD_DIM * 4
+    print(f"KV geometry: {LAYERS} layers x {KV_HEADS} kv heads x head_dim {HEAD_DIM}, fp32, page {PAGE_SIZE} tokens "
+          f"= {page_bytes / 2**10:.0f} KiB/page; chunk {args.chunk_mib} MiB; torch threads 1 per process")  # fmt: skip
+    print("medians over rounds; GB/s from send->success = sender.send() called to receiver.poll() reporting")
+    print(
+        "SUCCESS (page list already at the prefill node); dist = loopback gloo pair group, shm = shared memory"
+    )
+    print(
+        "(the decode copies out of the prefill's pool); raw = a plain TCP socket between the dist processes;"
+    )
+    print("shm/dist = throughput ratio. pages: random = scattered page ids on both sides; runs = consecutive")
+    print("page ids, as a fresh allocator hands them out")
+    results = {t: _run(t, args) for t in args.transports}
+    cols = "".join(f" {t + ' GB/s':>10} {t + ' ms':>9}" for t in args.transports)
+    ratio_col = f" {'shm/dist':>8}" if {"dist", "shm"} <= set(results) else ""
+    print(f"{'tokens':>7} {'pages':>7} {'MiB':>8}{cols}{ratio_col} {'raw GB/s':>9}")
+    for tokens, order in [(t, o) for t in args.tokens for o in ("random", "runs")]:
+        nbytes = -(-tokens // PAGE_SIZE) * page_bytes
+        line = f"{tokens:>7} {order:>7} {nbytes / 2**20:>8.1f}"
+        for t in args.transports:
+            kv_s = results[t][(tokens, order)][0]
+            line += f" {nbytes / kv_s / 1e9:>10.2f} {kv_s * 1e3:>9.1f}"
+        if ratio_col:
+            line += f" {results['dist'][(tokens, order)][0] / results['shm'][(tokens, order)][0]:>8.2f}"
+        raw_s = next(iter(results.values()))[(tokens, order)][1]
+        print(line + f" {nbytes / raw_s / 1e9:>9.2f}")
 
 
 if __name__ == "__main__":

@@ -134,7 +134,7 @@ class DecodeWorker:
                 log.warning("room %s: cached prefix refused, asking again in full: %s", res.room, res.error)
                 continue
             out = self._on_transfer_end(
-                res.room, res.state, res.metadata, res.error, res.num_bytes, res.direct
+                res.room, res.state, res.metadata, res.error, res.num_bytes, res.direct, res.shm
             )
             if out is not None:
                 outputs.append(out)
@@ -247,6 +247,7 @@ class DecodeWorker:
         error: str | None,
         num_bytes: int,
         direct: bool = False,
+        shm: bool = False,
     ) -> m.TokenOutput | None:
         if room in self.expired:  # failed for its deadline: drop it whatever the transfer did
             self.expired.discard(room)
@@ -272,7 +273,7 @@ class DecodeWorker:
             r.kv_cacheable = False  # its prompt's KV is another version's
         self.events[room]["kv_ready"] = self.clock()
         self.transfer_bytes[room] = num_bytes
-        self.transfer_path[room] = f"{self.kv_backend}/{'direct' if direct else 'staged'}"
+        self.transfer_path[room] = "shm" if shm else f"{self.kv_backend}/{'direct' if direct else 'staged'}"
         return self._output(r, r.output_ids[:1], first=True, version=first.weight_version)
 
     def _output(

@@ -1,9 +1,11 @@
-"""KV cache hand-off from prefill to decode nodes over per-pair torch.distributed groups.
+"""KV cache hand-off from prefill to decode nodes over per-pair torch.distributed groups, or through
+shared memory between two nodes of one host.
 
 Prefill: KVSender(kv, fingerprint, host, bootstrap_port, config).start(); send(); poll(); abort().
 Decode:  KVReceiver(kv, fingerprint, config).start(); connect(); request(); poll(); abort().
 Byte layout: layout.py. Wire messages: pdserve/protocol (kv_control.py, kv_trailer.py). Mailbox items:
 mailbox.py. The I/O loop both ends share: io_loop.py. State machine and rooms: state.py.
+Same host: the prefill's pool in shared memory, copied by the decode (shm.py; TransferConfig.transport).
 """
 
 from pdserve.kv_transfer.config import TransferConfig, default_backend

@@ -14,6 +14,7 @@ if TYPE_CHECKING:
     from pdserve.config import WorkerConfig
 
 BACKENDS = ("gloo", "nccl")
+TRANSPORTS = ("auto", "shm", "dist")
 
 
 @dataclass(frozen=True)
@@ -21,6 +22,11 @@ class TransferConfig:
     """Timeouts and limits of the KV transfer engine (both sides read the same fields).
 
     backend: "gloo" (CPU pools, or CUDA pools staged through pinned host memory) or "nccl" (CUDA pools).
+    transport: "dist" moves pages over the pair group only; "auto" and "shm" hand pages between two CPU
+        pools of one host through shared memory (shm.py) wherever the decode node can map the prefill
+        node's segment, and use the pair group otherwise ("shm" logs every such fall-back as a warning,
+        "auto" once, at info).
+    shm_dir: where the prefill node's segment is created and where the decode node accepts one from.
     bootstrap_timeout_s: handshake reply and building a pair's process group.
     waiting_timeout_s: a sender waiting for the decode's page list after send(); a receiver waiting for
         the data after its page list reached the prefill node (includes the prefill's queueing + forward).
@@ -43,6 +49,8 @@ class TransferConfig:
     """
 
     backend: str = "gloo"
+    transport: str = "auto"
+    shm_dir: str = "/dev/shm"
     bootstrap_timeout_s: float = 30.0
     waiting_timeout_s: float = WAITING_TIMEOUT_S
     transfer_timeout_s: float = TRANSFER_TIMEOUT_S
@@ -61,6 +69,8 @@ class TransferConfig:
     def __post_init__(self) -> None:
         if self.backend not in BACKENDS:
             raise ValueError(f"kv transfer backend must be one of {BACKENDS}, got {self.backend!r}")
+        if self.transport not in TRANSPORTS:
+            raise ValueError(f"kv transport must be one of {TRANSPORTS}, got {self.transport!r}")
         if self.max_pairs < 1:
             raise ValueError(f"max_pairs must be >= 1, got {self.max_pairs}")
         if self.chunk_bytes < 1:
@@ -81,6 +91,7 @@ def worker_transfer_config(cfg: WorkerConfig, kv: torch.Tensor) -> TransferConfi
     backend = cfg.kv_transfer_backend
     return TransferConfig(
         backend=default_backend(kv) if backend == "auto" else backend,
+        transport=cfg.kv_transport,
         waiting_timeout_s=cfg.waiting_timeout_s,
         transfer_timeout_s=cfg.transfer_timeout_s,
         stall_data_s=cfg.stall_kv_data_s,

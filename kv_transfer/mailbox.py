@@ -77,9 +77,10 @@ class Outbound:
 
 @dataclass(frozen=True)
 class Started:
-    """Sender pair: the data of `room` starts moving."""
+    """Sender pair: the data of `room` starts moving (`shm`: the decode copies it from shared memory)."""
 
     room: str
+    shm: bool = False
 
 
 @dataclass(frozen=True)
@@ -91,6 +92,7 @@ class Done:
     num_bytes: int = 0
     metadata: dict[str, Any] | None = None
     direct: bool = False  # receiver: pool to pool (page runs), not staged chunks
+    shm: bool = False  # receiver: copied out of the sender's shared-memory segment
 
 
 @dataclass(frozen=True)

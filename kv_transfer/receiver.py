@@ -6,11 +6,17 @@ pair (ReceiverPair) that builds the pair group and receives in the order the pre
 
 Pages given to request() belong to the transfer until poll() reports the room: on SUCCESS they hold the
 prompt's KV (committed after the trailer's room id matched); on FAILED free them.
+
+Same host (shm.py): when a prefill node's HelloAck offers its shared-memory segment and this node can
+map it (same user, same host, the token read back), page lists say so, and the announced pages are
+copied out of the mapping on the pair thread, then Copied tells the prefill node. A segment that cannot
+be mapped means the pair group, as between hosts (logged once per reason).
 """
 
 from __future__ import annotations
 
 import base64
+import binascii
 import concurrent.futures
 import logging
 import threading
@@ -28,7 +34,8 @@ from pdserve.kv_transfer.endpoint import Endpoint
 from pdserve.kv_transfer.handshake import FingerprintMismatch
 from pdserve.kv_transfer.io_loop import EndpointIO, split_addr
 from pdserve.kv_transfer.layout import runs_fit
-from pdserve.kv_transfer.receiver_pair import ReceiverPair, RecvJob
+from pdserve.kv_transfer.receiver_pair import ReceiverPair, RecvJob, ShmJob
+from pdserve.kv_transfer.shm import MappedPool, ShmError
 from pdserve.kv_transfer.state import RecvRoom, TransferResult, TransferState
 from pdserve.protocol import kv_control as kc
 from pdserve.protocol.codec import ProtocolError, VersionMismatch
@@ -102,6 +109,7 @@ class _Peer:
     pending: list[str] = field(default_factory=list)  # rooms waiting for the handshake
     futures: list[concurrent.futures.Future[None]] = field(default_factory=list)
     last_used: float = field(default_factory=time.monotonic)
+    shm: MappedPool | None = None  # the prefill node's pool, mapped: rooms are copied out of it
 
 
 class _ReceiverIO(EndpointIO):
@@ -117,6 +125,7 @@ class _ReceiverIO(EndpointIO):
         # Closed pairs whose threads may still be finishing; joined at shutdown so that no pair thread
         # is torn down inside a process group's destructor at interpreter exit.
         self.closing: list[ReceiverPair] = []
+        self.shm_refusals: set[str] = set()  # fall-back reasons logged already (auto: once each)
 
     def owns(self, sock: zmq.Socket[bytes]) -> bool:
         return sock in self.by_sock
@@ -223,6 +232,7 @@ class _ReceiverIO(EndpointIO):
         num_bytes: int = 0,
         prefix_mismatch: bool = False,
         direct: bool = False,
+        shm: bool = False,
     ) -> None:
         room.transition(state)
         self.rooms.pop(room.room, None)
@@ -234,6 +244,7 @@ class _ReceiverIO(EndpointIO):
                 num_bytes=num_bytes,
                 prefix_mismatch=prefix_mismatch,
                 direct=direct,
+                shm=shm,
             )
         )
 
@@ -253,6 +264,7 @@ class _ReceiverIO(EndpointIO):
                 num_tokens=room.num_tokens,
                 skip_pages=room.skip_pages,
                 prefix_hash=room.prefix_hash,
+                shm=peer.shm is not None,
             ),
         )
         self.move(room, TransferState.WAITING_FOR_INPUT, self.cfg.waiting_timeout_s)
@@ -331,6 +343,7 @@ class _ReceiverIO(EndpointIO):
                 metadata=item.metadata,
                 num_bytes=item.num_bytes,
                 direct=item.direct,
+                shm=item.shm,
             )
         else:
             self.finish(room, TransferState.FAILED, error=error)
@@ -395,6 +408,7 @@ class _ReceiverIO(EndpointIO):
                 mailbox=self.o._mailbox,
             )
         peer.pair.build(msg.gen, self.o.receiver_id)
+        peer.shm = self.map_segment(peer, msg.shm)
         peer.ready = True
         for future in peer.futures:
             if not future.done():
@@ -406,7 +420,33 @@ class _ReceiverIO(EndpointIO):
                 self.send_page_list(peer, room)
         peer.pending.clear()
 
+    def map_segment(self, peer: _Peer, offer: kc.ShmOffer | None) -> MappedPool | None:
+        """The prefill node's pool mapped from shared memory, or None: its rooms use the pair group."""
+        if offer is None or self.cfg.transport == "dist" or self.o._kv.is_cuda:
+            return None
+        try:
+            mapped = MappedPool.open(
+                offer.path, bytes.fromhex(offer.token), offer.num_pages, self.o._geometry, self.cfg.shm_dir
+            )
+            log.info("kv_transfer: prefill %s: KV through shared memory (%s)", peer.addr, offer.path)
+            return mapped
+        except ShmError as exc:
+            reason = str(exc)
+            if self.cfg.transport == "shm":
+                log.warning(
+                    "kv_transfer: prefill %s: no shared memory, using the pair group: %s", peer.addr, reason
+                )
+            elif reason not in self.shm_refusals and len(self.shm_refusals) < 64:
+                self.shm_refusals.add(reason)
+                log.info(
+                    "kv_transfer: prefill %s: no shared memory, using the pair group: %s", peer.addr, reason
+                )
+            return None
+
     def on_announce(self, peer: _Peer, msg: kc.Announce) -> None:
+        if msg.shm_pages is not None:
+            self.on_announce_shm(peer, msg)
+            return
         # The room the data lands in; None: the pair drains the data and drops it.
         live = self.rooms.get(msg.room)
         if live is not None and (live.addr != peer.addr or live.state != TransferState.WAITING_FOR_INPUT):
@@ -429,6 +469,42 @@ class _ReceiverIO(EndpointIO):
         )
         if peer.pair is not None:
             peer.pair.submit(job)
+
+    def on_announce_shm(self, peer: _Peer, msg: kc.Announce) -> None:
+        """Copy the room's pages out of the prefill node's segment (on the pair thread, in announced
+        order); a room gone here, or a segment never mapped, is answered at once with a failed Copied."""
+        live = self.rooms.get(msg.room)
+        if live is not None and (live.addr != peer.addr or live.state != TransferState.WAITING_FOR_INPUT):
+            live = None
+        error = ""
+        if peer.shm is None:
+            error = "shared-memory pages announced to a decode node that did not map the segment"
+        elif live is None:
+            error = f"room {msg.room} is gone on the decode node"
+        elif msg.num_pages > len(live.pages):
+            error = f"{msg.num_pages} pages announced for a page list of {len(live.pages)}"
+        try:
+            trailer = base64.b64decode(msg.trailer or "", validate=True)
+        except (binascii.Error, ValueError):
+            error = error or "unreadable shared-memory trailer"
+        if error:
+            if live is not None:
+                self.fail(live, error)
+            self.send(peer, kc.Copied(room=msg.room, seq=msg.seq, error=error))
+            return
+        assert live is not None and peer.shm is not None and peer.pair is not None
+        self.move(live, TransferState.TRANSFERRING)
+        peer.pair.submit(
+            ShmJob(
+                room=msg.room,
+                seq=msg.seq,
+                src=peer.shm,
+                src_pages=msg.shm_pages or [],
+                dst_pages=live.pages[: msg.num_pages],
+                fence=msg.shm_fence,
+                trailer=trailer,
+            )
+        )
 
     def on_timers(self, now: float) -> None:
         for peer in [p for p in self.peers.values() if not p.ready and now >= p.hello_deadline]:

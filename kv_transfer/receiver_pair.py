@@ -19,6 +19,7 @@ from pdserve.kv_transfer.layout import PoolGeometry
 from pdserve.kv_transfer.mailbox import Done, GroupDead, Mailbox, ToSender
 from pdserve.kv_transfer.pair_group import RECEIVER_RANK, PairThread
 from pdserve.kv_transfer.pair_store import PairStores
+from pdserve.kv_transfer.shm import MappedPool, copy_pages
 from pdserve.protocol import kv_control as kc
 from pdserve.protocol.codec import ProtocolError
 from pdserve.protocol.kv_trailer import decode_trailer
@@ -37,12 +38,25 @@ class RecvJob:
 
 
 @dataclass
+class ShmJob:
+    """Copy a room's pages out of the prefill node's shared-memory segment (shm.py)."""
+
+    room: str
+    seq: int
+    src: MappedPool
+    src_pages: list[int]  # the prefill node's: bounds-checked against its pool before any copy
+    dst_pages: list[int]
+    fence: int  # the segment's fence when the room was announced
+    trailer: bytes
+
+
+@dataclass
 class _Build:
     gen: int
     pair_id: str
 
 
-class ReceiverPair(PairThread[RecvJob | _Build]):
+class ReceiverPair(PairThread[RecvJob | ShmJob | _Build]):
     """One prefill peer as seen from the decode node: a job queue served by one thread."""
 
     def __init__(
@@ -69,12 +83,14 @@ class ReceiverPair(PairThread[RecvJob | _Build]):
         msg = kc.StoreSet(gen=gen, key=key, value=base64.b64encode(value).decode())
         self._mailbox.post(ToSender(self.addr, msg))
 
-    def submit(self, job: RecvJob) -> None:
+    def submit(self, job: RecvJob | ShmJob) -> None:
         self._jobs.put(job)
 
-    def _handle(self, job: RecvJob | _Build) -> None:
+    def _handle(self, job: RecvJob | ShmJob | _Build) -> None:
         if isinstance(job, _Build):
             self._build(job)
+        elif isinstance(job, ShmJob):
+            self._copy(job)
         else:
             self._receive(job)
 
@@ -91,6 +107,29 @@ class ReceiverPair(PairThread[RecvJob | _Build]):
             self._mailbox.post(
                 GroupDead(self.addr, job.gen, f"building pair group gen {job.gen} failed: {exc}")
             )
+
+    def _copy(self, job: ShmJob) -> None:
+        """Copy, then check the fence: pages the prefill node gave up on (and may have reused) during
+        the copy are never committed. The prefill node learns the outcome from Copied either way."""
+        error: str | None = None
+        metadata = None
+        nbytes = 0
+        try:
+            if job.src.fence != job.fence:
+                raise RuntimeError("the prefill node gave up on the room before the copy")
+            nbytes = copy_pages(job.src.pool, job.src_pages, self._kv, job.dst_pages)
+            if job.src.fence != job.fence:
+                raise RuntimeError("the prefill node gave up on the room during the copy")
+            room, _num_tokens, metadata = decode_trailer(job.trailer)
+            if room != job.room:
+                raise RuntimeError(f"room id mismatch: expected {job.room}, data is for {room}")
+        except (RuntimeError, ValueError, ProtocolError) as exc:
+            error = f"shared-memory copy failed: {exc}"
+        self._mailbox.post(ToSender(self.addr, kc.Copied(room=job.room, seq=job.seq, error=error or "")))
+        if error is not None:
+            self._mailbox.post(Done(job.room, error))
+        else:
+            self._mailbox.post(Done(job.room, None, nbytes, metadata, shm=True))
 
     def _receive(self, job: RecvJob) -> None:
         group = self._group

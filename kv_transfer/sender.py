@@ -15,6 +15,11 @@ lists (rooms not sent yet) are capped in number and pages, the oldest refused; a
 never built (a handshake the peer never completed) is closed after twice `bootstrap_timeout_s`, and idle
 pairs are evicted beyond `max_pairs`, unbuilt ones first. The pair groups meet through keys carried
 on this same channel (pair_store.py): no store port is opened.
+
+Same host (shm.py): given the shared-memory segment its pool lives in, the sender offers it in every
+HelloAck; a decode node that mapped it says so in its page lists, and those rooms are announced with
+their page ids for the decode to copy itself. Such a room stays TRANSFERRING until the decode's Copied,
+for at most `transfer_timeout_s`; giving up on it (timeout, abort, shutdown) fences the segment first.
 """
 
 from __future__ import annotations
@@ -38,6 +43,7 @@ from pdserve.kv_transfer.handshake import compare_identities
 from pdserve.kv_transfer.io_loop import EndpointIO
 from pdserve.kv_transfer.layout import pages_for
 from pdserve.kv_transfer.sender_pair import SenderPair, SendJob
+from pdserve.kv_transfer.shm import SharedSegment
 from pdserve.kv_transfer.state import SendRoom, TransferResult, TransferState
 from pdserve.protocol import kv_control as kc
 from pdserve.protocol.codec import ProtocolError, VersionMismatch
@@ -57,8 +63,17 @@ class KVSender(Endpoint):
         host: str,
         bootstrap_port: int,
         config: TransferConfig,
+        segment: SharedSegment | None = None,
     ) -> None:
+        """`segment`: the shared-memory segment `kv` lives in (shm.shared_pool), offered to decode
+        nodes on this host unless config.transport is "dist"."""
         super().__init__(kv, fingerprint, config)
+        if segment is not None:
+            inside = segment.pool((self._geometry.num_pages, *self._geometry.page_shape), self._kv.dtype)
+            if inside.data_ptr() != self._kv.data_ptr():
+                raise ValueError("the KV pool does not live in the shared-memory segment given")
+        self._own_segment = segment  # closed (removed) with the sender, offered or not
+        self._segment = segment if config.transport != "dist" else None
         self._host, self._port = host, bootstrap_port
         self._errors: collections.deque[str] = collections.deque(maxlen=64)
         self.addr = ""
@@ -126,6 +141,12 @@ class KVSender(Endpoint):
             self._run_io(_SenderIO(self, router))
         finally:
             router.close(linger=0)
+
+    def close(self) -> None:
+        super().close()
+        if self._own_segment is not None:
+            self._own_segment.close()  # fences any copy still running, removes the file
+            self._own_segment = None
 
 
 @dataclass(frozen=True)
@@ -247,7 +268,12 @@ class _SenderIO(EndpointIO):
             return
         assert pair is not None
         room.job = SendJob(
-            room.room, room.src_pages[skip:n_pages], dst_pages[: n_pages - skip], num_tokens, room.metadata
+            room.room,
+            room.src_pages[skip:n_pages],
+            dst_pages[: n_pages - skip],
+            num_tokens,
+            room.metadata,
+            shm=page_list.shm and self.o._segment is not None,
         )
         self.move(room, TransferState.BOOTSTRAPPING)  # the pair thread reports Started -> TRANSFERRING
         pair.submit(room.job)
@@ -275,10 +301,12 @@ class _SenderIO(EndpointIO):
                 self.abort(name, reason)
             case mb.Outbound(identity=identity, msg=msg):
                 self.to_peer(identity, msg)
-            case mb.Started(room=name):
+            case mb.Started(room=name, shm=shm):
                 room = self.rooms.get(name)
                 if room is not None and room.state == TransferState.BOOTSTRAPPING:
-                    self.move(room, TransferState.TRANSFERRING)
+                    # Shared memory: the decode's Copied ends the room, within transfer_timeout_s.
+                    room.shm = shm
+                    self.move(room, TransferState.TRANSFERRING, self.cfg.transfer_timeout_s if shm else None)
             case mb.Done():
                 self.on_done(item)
             case _:
@@ -307,6 +335,24 @@ class _SenderIO(EndpointIO):
         if early is not None:
             self.dispatch(room, early.peer, early.msg)
 
+    def give_up_shm(self, room: SendRoom, error: str) -> None:
+        """End a room the decode may be copying from shared memory: fence first, so that a copy still
+        under way is refused, then free (the pair's job is over)."""
+        assert self.o._segment is not None
+        self.o._segment.bump_fence()
+        pair = self.pairs.get(room.peer or b"")
+        if pair is not None:
+            pair.inflight -= 1
+        self.fail(room, error)
+
+    def on_copied(self, identity: bytes, msg: kc.Copied) -> None:
+        room = self.rooms.get(msg.room)
+        if room is None or not room.shm or room.peer != identity:
+            return  # given up already (fenced), or not this peer's
+        assert room.job is not None
+        nbytes = len(room.job.src_pages) * self.o._geometry.page_bytes
+        self.on_done(mb.Done(room.room, msg.error or None, nbytes if not msg.error else 0))
+
     def on_done(self, item: mb.Done) -> None:
         room = self.rooms.get(item.room)
         if room is None:
@@ -330,6 +376,9 @@ class _SenderIO(EndpointIO):
         if room.state == TransferState.WAITING_FOR_INPUT:
             self.fail(room, reason)
             return
+        if room.shm:
+            self.give_up_shm(room, reason)
+            return
         # Queued or running on the pair thread: its Done reports the room.
         room.aborted = True
         room.abort_reason = reason
@@ -351,6 +400,8 @@ class _SenderIO(EndpointIO):
                 self.on_hello(identity, msg)
             case kc.PageList():
                 self.on_page_list(identity, msg)
+            case kc.Copied():
+                self.on_copied(identity, msg)
             case kc.StoreSet(gen=gen, key=key, value=value):
                 pair = self.pairs.get(identity)
                 if pair is not None:
@@ -427,11 +478,15 @@ class _SenderIO(EndpointIO):
                 config=self.cfg,
                 mailbox=self.o._mailbox,
                 gens=self.next_gen,
+                segment=self.o._segment,
             )
             self.pairs[identity] = pair
         gen = pair.new_gen()
         pair.build(gen)
-        self.to_peer(identity, kc.HelloAck(ok=True, gen=gen))
+        seg, offer = self.o._segment, None
+        if seg is not None:
+            offer = kc.ShmOffer(path=seg.path, token=seg.token.hex(), num_pages=self.o._geometry.num_pages)
+        self.to_peer(identity, kc.HelloAck(ok=True, gen=gen, shm=offer))
 
     def make_room_for_pair(self) -> bool:
         """Close an idle pair if at the limit: one whose group was never built first, then the least
@@ -451,6 +506,12 @@ class _SenderIO(EndpointIO):
 
     def on_timers(self, now: float) -> None:
         for room in [r for r in self.rooms.values() if r.expired(now)]:
+            if room.shm:
+                why = (
+                    f"timed out after {self.cfg.transfer_timeout_s}s waiting for the decode to copy the pages"
+                )
+                self.give_up_shm(room, why)
+                continue
             self.fail(
                 room, f"timed out after {self.cfg.waiting_timeout_s}s waiting for the decode's page list"
             )

@@ -22,6 +22,7 @@ from pdserve.kv_transfer.layout import PoolGeometry, chunk_pages, direct_runs
 from pdserve.kv_transfer.mailbox import Done, Mailbox, Outbound, Started
 from pdserve.kv_transfer.pair_group import SENDER_RANK, PairThread
 from pdserve.kv_transfer.pair_store import PairStores
+from pdserve.kv_transfer.shm import SharedSegment
 from pdserve.protocol import kv_control as kc
 from pdserve.protocol.kv_trailer import encode_trailer
 
@@ -33,6 +34,7 @@ class SendJob:
     dst_pages: list[int]  # where they land on the decode node, same length
     num_tokens: int
     metadata: dict[str, Any]
+    shm: bool = False  # the decode copies the pages out of this node's shared-memory segment
     # Set by the I/O thread on abort; checked before the transfer starts.
     cancelled: threading.Event = field(default_factory=threading.Event)
 
@@ -55,6 +57,7 @@ class SenderPair(PairThread[SendJob | _Build]):
         config: TransferConfig,
         mailbox: Mailbox,
         gens: Callable[[], int],
+        segment: SharedSegment | None = None,
     ) -> None:
         self.identity = identity
         self.pair_id = identity.decode()
@@ -66,6 +69,7 @@ class SenderPair(PairThread[SendJob | _Build]):
         self.discard_gen: int = -1
         self._kv, self._geometry, self._config, self._mailbox = kv, geometry, config, mailbox
         self._host = host
+        self._segment = segment
         # The rendezvous keys of this pair's groups travel on the bootstrap channel (pair_store.py).
         self.stores = PairStores(self._publish, timedelta(seconds=config.bootstrap_timeout_s))
         # Generations come from one counter per sender, so a pair re-created for the same decode node
@@ -109,9 +113,36 @@ class SenderPair(PairThread[SendJob | _Build]):
         else:
             self._transfer(job)
 
+    def _announce_shm(self, job: SendJob) -> None:
+        """Same host: announce the pages for the decode to copy; its Copied (to the I/O thread) ends
+        the room. The fence is read before Started: any bump for this room comes after it."""
+        assert self._segment is not None
+        fence = self._segment.fence
+        self._mailbox.post(Started(job.room, shm=True))
+        if self._config.stall_data_s > 0:
+            time.sleep(self._config.stall_data_s)  # test hook: the sender's copy timeout must fire
+        trailer = encode_trailer(job.room, job.num_tokens, job.metadata)
+        self._out(
+            kc.Announce(
+                room=job.room,
+                seq=next(self._seq),
+                gen=-1,
+                num_pages=len(job.src_pages),
+                chunk_pages=0,
+                trailer_len=len(trailer),
+                num_tokens=job.num_tokens,
+                shm_pages=job.src_pages,
+                shm_fence=fence,
+                trailer=base64.b64encode(trailer).decode(),
+            )
+        )
+
     def _transfer(self, job: SendJob) -> None:
         if job.cancelled.is_set():
             self._mailbox.post(Done(job.room, "aborted before the transfer started"))
+            return
+        if job.shm:
+            self._announce_shm(job)
             return
         if self._group is not None and self._group.gen == self.discard_gen:
             self._group.close()

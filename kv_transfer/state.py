@@ -60,6 +60,8 @@ class TransferResult:
     prefix_mismatch: bool = False
     # Receiver, SUCCESS: the pages came pool to pool (page runs) rather than through staging chunks.
     direct: bool = False
+    # Receiver, SUCCESS: the pages were copied out of the prefill node's shared memory (same host).
+    shm: bool = False
 
 
 R = TypeVar("R", bound="TransferRoom")
@@ -106,6 +108,7 @@ class TransferRoom:
         num_bytes: int = 0,
         prefix_mismatch: bool = False,
         direct: bool = False,
+        shm: bool = False,
     ) -> TransferResult:
         assert self.terminal, self.state
         return TransferResult(
@@ -117,6 +120,7 @@ class TransferRoom:
             seconds=time.monotonic() - self.started,
             prefix_mismatch=prefix_mismatch,
             direct=direct,
+            shm=shm,
         )
 
 
@@ -131,6 +135,9 @@ class SendRoom(TransferRoom):
     peer: bytes | None = None  # the decode node's zmq identity
     job: SendJob | None = None  # queued on the peer's pair thread
     abort_reason: str = ""
+    # Announced for the decode to copy out of shared memory: the pages stay put until its Copied,
+    # and whoever gives up on the room first fences the segment (shm.py).
+    shm: bool = False
 
 
 @dataclass(kw_only=True)

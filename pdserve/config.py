@@ -150,6 +150,9 @@ class WorkerConfig:
     # Prefill only: the KV bootstrap port decode nodes connect to (0: any free port).
     bootstrap_port: int = 0
     kv_transfer_backend: str = "auto"  # auto: nccl for CUDA pools, gloo otherwise
+    # auto: shared memory between CPU pools of one host, the pair group otherwise; shm: the same, every
+    # fall-back logged as a warning; dist: the pair group only (kv_transfer/shm.py).
+    kv_transport: str = "auto"
     # One KV send/recv operation (a chunk or the trailer) once data flows.
     transfer_timeout_s: float = TRANSFER_TIMEOUT_S
     # Waiting for the other side: the decode for the KV (the prefill's queue and forward included),
@@ -196,6 +199,13 @@ def add_worker_args(parser: argparse.ArgumentParser, role: str) -> None:
         )
     parser.add_argument(
         "--kv-transfer-backend", default=d.kv_transfer_backend, choices=["auto", "gloo", "nccl"]
+    )
+    parser.add_argument(
+        "--kv-transport",
+        default=d.kv_transport,
+        choices=["auto", "shm", "dist"],
+        help="auto: KV pages go through shared memory when prefill and decode share a host (CPU pools), "
+        "else over --kv-transfer-backend; shm: the same, warning at each fall-back; dist: never shared memory",
     )
     parser.add_argument(
         "--transfer-timeout",

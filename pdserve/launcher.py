@@ -139,6 +139,13 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
         type=float,
         default=WAITING_TIMEOUT_S,
     )
+    parser.add_argument(
+        "--kv-transport",
+        default="auto",
+        choices=["auto", "shm", "dist"],
+        help="how KV pages go from prefill to decode workers: auto = shared memory between these "
+        "same-host workers (CPU pools), else the torch.distributed pair group; dist: the pair group only",
+    )
 
 
 # The gateway's limit flags `pdserve up` takes and forwards when given.
@@ -238,6 +245,8 @@ def worker_commands(args: argparse.Namespace, control_port: int | None = None) -
             str(args.transfer_timeout),
             "--waiting-timeout",
             str(args.waiting_timeout),
+            "--kv-transport",
+            args.kv_transport,
         ]
         + _secret_flag(args)
     )

@@ -20,6 +20,7 @@ from pdserve.config import WorkerConfig
 from pdserve.drain import DrainSignal
 from pdserve.kv_transfer import KVSender, TransferState
 from pdserve.kv_transfer.config import worker_transfer_config
+from pdserve.kv_transfer.shm import ShmError, shared_pool
 from pdserve.protocol import gateway as m
 from pdserve.protocol.block_hash import block_hashes
 from pdserve.protocol.kv_trailer import FirstToken
@@ -64,12 +65,21 @@ class PrefillWorker:
             reserve_tokens=lambda r: len(r.prompt_ids),
             cache=cache,
         )
+        transfer_cfg = worker_transfer_config(cfg, self.runner.pool.kv)
+        segment = None
+        if transfer_cfg.transport != "dist" and not self.runner.pool.kv.is_cuda:
+            # Same-host decode nodes copy KV straight out of this pool (kv_transfer/shm.py).
+            try:
+                segment, self.runner.pool.kv = shared_pool(self.runner.pool.kv, transfer_cfg.shm_dir)
+            except ShmError as exc:
+                log.warning("KV pool not in shared memory, every transfer uses the pair group: %s", exc)
         self.sender = KVSender(
             self.runner.pool.kv,
             self.runner.fingerprint(),
             cfg.host,
             cfg.bootstrap_port,
-            worker_transfer_config(cfg, self.runner.pool.kv),
+            transfer_cfg,
+            segment=segment,
         )
         self.rooms: dict[str, Request] = {}  # queued, prefilling or transferring
         self.events: dict[str, PrefillEvents] = {}

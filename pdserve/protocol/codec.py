@@ -17,7 +17,9 @@ from pydantic import BaseModel, ConfigDict, TypeAdapter, ValidationError
 # 4: SamplingParams carries min_new_tokens, logit_bias and no_stop_trim, and the output constraints
 #    json_schema, regex and ebnf.
 # 5: RegisterAck.retry (a worker id still held by a live connection).
-PROTOCOL_VERSION = 8
+# 9: same-host KV hand-off through shared memory (HelloAck.shm, PageList.shm, Announce.shm_pages,
+#    shm_fence and trailer; Copied).
+PROTOCOL_VERSION = 9
 
 M = TypeVar("M", bound=BaseModel)
 

@@ -2,11 +2,14 @@
 
 A receiver (decode) connects one DEALER to a sender's (prefill) bootstrap ROUTER. r = receiver, s = sender:
   Hello     r->s  the receiver's id and pair identity; s compares identities and the protocol version
-  HelloAck  s->r  ok, or the reason of the refusal; on success the group generation to build
+  HelloAck  s->r  ok, or the reason of the refusal; on success the group generation to build, and the
+                  sender's shared-memory segment if it has one (`shm`, kv_transfer/shm.py)
   PageList  r->s  the decode's pre-allocated page list for a room; with `skip_pages`, the decode already
                   holds the room's first pages (its prefix cache) and lists pages for the rest only
   PrefixMismatch  s->r  the skipped prefix's hash is not this prompt's: send a full page list instead
-  Announce  s->r  data for `room` follows on the pair group: staged chunks, or pool-to-pool runs if given
+  Announce  s->r  data for `room` follows on the pair group: staged chunks, or pool-to-pool runs if given;
+                  or (`shm_pages`) the receiver copies these pages out of the sender's segment itself
+  Copied    r->s  a shared-memory room is copied (or why not): the sender may free its pages
   Build     s->r  rebuild the pair group under generation `gen`
   StoreSet  both  a key of the pair group's rendezvous store (kv_transfer/pair_store.py)
   PairDead  r->s  the receiver discarded generation `gen`
@@ -30,6 +33,14 @@ class Hello(Msg):
     identity: dict[str, str | int]
 
 
+class ShmOffer(Msg):
+    """The sender's KV pool in shared memory: the receiver maps `path` if it holds `token` (hex)."""
+
+    path: str = Field(max_length=512)
+    token: str = Field(pattern=r"^[0-9a-f]{64}$")
+    num_pages: int = Field(ge=1)
+
+
 class HelloAck(Msg):
     kind: Literal["hello_ack"] = "hello_ack"
     ok: bool
@@ -37,6 +48,7 @@ class HelloAck(Msg):
     # The refusal is for a model, layout or protocol mismatch (not a full node): retrying will not help.
     mismatch: bool = False
     gen: int = 0
+    shm: ShmOffer | None = None
 
 
 class PageList(Msg):
@@ -50,6 +62,8 @@ class PageList(Msg):
     # checks against its own prompt before it sends only the pages after them.
     skip_pages: int = Field(0, ge=0)
     prefix_hash: int | None = None
+    # The receiver mapped the sender's segment: announce this room's pages for it to copy.
+    shm: bool = False
 
     @model_validator(mode="after")
     def _skip_has_a_hash(self) -> PageList:
@@ -76,12 +90,31 @@ class Announce(Msg):
     runs: list[int] | None = None  # pool-to-pool pieces (kv_transfer.layout.direct_runs)
     trailer_len: int
     num_tokens: int
+    # Shared memory: no data follows on the pair group; the receiver copies these pages of the sender's
+    # segment, checks the segment's fence against `shm_fence` before and after, and reads the trailer
+    # (base64) from here.
+    shm_pages: list[int] | None = None
+    shm_fence: int = 0
+    trailer: str | None = Field(None, max_length=1 << 20)
 
     @model_validator(mode="after")
     def _runs_cover_the_pages(self) -> Announce:
         if self.runs is not None and (any(n < 1 for n in self.runs) or sum(self.runs) != self.num_pages):
             raise ValueError(f"announced runs {self.runs[:8]}... do not cover {self.num_pages} pages")
+        if self.shm_pages is not None and (
+            len(self.shm_pages) != self.num_pages or self.trailer is None or self.runs is not None
+        ):
+            raise ValueError("a shared-memory announcement lists num_pages pages and carries the trailer")
         return self
+
+
+class Copied(Msg):
+    """Receiver -> sender: the shared-memory room is copied (`error` empty) or failed; free its pages."""
+
+    kind: Literal["copied"] = "copied"
+    room: str
+    seq: int
+    error: str = ""
 
 
 class Build(Msg):
@@ -119,7 +152,7 @@ class Bye(Msg):
 
 
 Message = Annotated[
-    Union[Hello, HelloAck, PageList, PrefixMismatch, Announce, Build, StoreSet, PairDead, Abort, Bye],
+    Union[Hello, HelloAck, PageList, PrefixMismatch, Announce, Copied, Build, StoreSet, PairDead, Abort, Bye],
     Field(discriminator="kind"),
 ]
 

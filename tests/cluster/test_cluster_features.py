@@ -324,7 +324,8 @@ def test_transfer_timeout_ends_a_transfer_stalled_mid_way(roles):
     the decode's receive times out by the transfer timeout (3 s), well before the KV wait timeout."""
     c = roles
     stall_s = 20.0
-    _restart_prefill(c, ["--test-stall-kv-data", str(stall_s)])
+    # The pair group's own per-operation timeout is under test: no shared memory for this prefill node.
+    _restart_prefill(c, ["--test-stall-kv-data", str(stall_s), "--kv-transport", "dist"])
     o = generate(c.url, body(8), 90)
     assert not o.ok
     assert "receiving KV failed" in o.error, o.error

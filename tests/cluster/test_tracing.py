@@ -72,7 +72,7 @@ def _check_trace(spans: list[dict], mi: dict, chunk_size: int | None = None) -> 
     assert send["end"] == pytest.approx(recv["end"], abs=EPS) == pytest.approx(decode["start"], abs=EPS)
     assert adm["end"] == pytest.approx(recv["start"], abs=EPS)
     for s in (send, recv):
-        assert s["attributes"]["pdserve.kv.path"] in ("gloo/direct", "gloo/staged")
+        assert s["attributes"]["pdserve.kv.path"] in ("shm", "gloo/direct", "gloo/staged")
         assert s["attributes"]["pdserve.kv.bytes"] > 0
     # Real work took real time: an offset ignored clamps these spans to nothing.
     assert sum(f["end"] - f["start"] for f in forwards) > 0.5 * (

@@ -15,6 +15,7 @@ import time
 import torch
 
 from pdserve.kv_transfer import FingerprintMismatch, KVReceiver, KVSender, TransferConfig, TransferState
+from pdserve.kv_transfer.shm import shared_pool
 
 
 def _reply(obj: dict) -> None:
@@ -31,6 +32,7 @@ def _result_dict(result) -> dict:
         "seconds": result.seconds,
         "prefix_mismatch": result.prefix_mismatch,
         "direct": result.direct,
+        "shm": result.shm,
     }
 
 
@@ -52,6 +54,8 @@ def main() -> None:
     parser.add_argument("--waiting-timeout", type=float, default=20.0)
     parser.add_argument("--transfer-timeout", type=float, default=5.0)
     parser.add_argument("--max-pairs", type=int, default=4)
+    # dist here (not the workers' auto): the tests that do not name a transport exercise the pair group.
+    parser.add_argument("--transport", default="dist", choices=["auto", "shm", "dist"])
     args = parser.parse_args()
 
     torch.set_num_threads(1)
@@ -75,9 +79,13 @@ def main() -> None:
         max_pairs=args.max_pairs,
         chunk_bytes=args.chunk_bytes,
         direct_min_bytes=args.direct_min_bytes,
+        transport=args.transport,
     )
     if args.role == "prefill":
-        engine = KVSender(kv, fingerprint, args.host, args.port, config)
+        segment = None
+        if args.transport != "dist":
+            segment, kv = shared_pool(kv)  # the prefill's pool lives in shared memory, as in the worker
+        engine = KVSender(kv, fingerprint, args.host, args.port, config, segment=segment)
     else:
         engine = KVReceiver(kv, fingerprint, config)
     engine.start()

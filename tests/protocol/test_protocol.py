@@ -126,9 +126,26 @@ KV_SAMPLES: list[BaseModel] = [
     kc.Hello(receiver_id="abc", identity={**FP, "kv_transfer.backend": "gloo"}),
     kc.HelloAck(ok=True, gen=3),
     kc.HelloAck(ok=False, mismatch=True, error="page_size differs"),
+    kc.HelloAck(
+        ok=True, gen=0, shm=kc.ShmOffer(path="/dev/shm/pdserve-kv-1-00", token="ab" * 32, num_pages=64)
+    ),
     kc.PageList(room="r1", pages=[4, 5, 9], num_tokens=40),
     kc.PageList(room="r2", pages=[9], num_tokens=40, skip_pages=2, prefix_hash=12345),
     kc.PrefixMismatch(room="r2", reason="other tokens"),
+    kc.PageList(room="r3", pages=[1, 2], num_tokens=20, shm=True),
+    kc.Announce(
+        room="r3",
+        seq=8,
+        gen=-1,
+        num_pages=2,
+        chunk_pages=0,
+        trailer_len=40,
+        num_tokens=20,
+        shm_pages=[7, 9],
+        shm_fence=2,
+        trailer="e30=",
+    ),
+    kc.Copied(room="r3", seq=8),
     kc.Announce(
         room="r1", seq=7, gen=3, num_pages=3, chunk_pages=2, runs=[2, 1], trailer_len=88, num_tokens=40
     ),
@@ -216,11 +233,15 @@ def test_malformed_records_announce_and_trailer_are_refused():
     bad_runs = kc.encode(announce).replace(b"[2,1]", b"[2,2]")
     with pytest.raises(MalformedFrame, match="do not cover 3 pages"):
         kc.decode(bad_runs)
-    no_hash = kc.encode(KV_SAMPLES[4]).replace(b'"prefix_hash":12345', b'"prefix_hash":null')
+    skipping = next(m for m in KV_SAMPLES if isinstance(m, kc.PageList) and m.skip_pages)
+    no_hash = kc.encode(skipping).replace(b'"prefix_hash":12345', b'"prefix_hash":null')
     with pytest.raises(MalformedFrame, match="must give the prefix hash"):
         kc.decode(no_hash)
     with pytest.raises(MalformedFrame, match="greater than or equal to 0"):
-        kc.decode(kc.encode(KV_SAMPLES[4]).replace(b'"skip_pages":2', b'"skip_pages":-1'))
+        kc.decode(kc.encode(skipping).replace(b'"skip_pages":2', b'"skip_pages":-1'))
+    shm = next(m for m in KV_SAMPLES if isinstance(m, kc.Announce) and m.shm_pages)
+    with pytest.raises(MalformedFrame, match="lists num_pages pages"):
+        kc.decode(kc.encode(shm).replace(b"[7,9]", b"[7]"))
     with pytest.raises(ProtocolError, match="malformed KV trailer"):
         decode_trailer(b'{"room": "r1"}')
     with pytest.raises(ValueError):

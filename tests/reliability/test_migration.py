@@ -300,7 +300,7 @@ class TestTransferRetry:
         c = start_roles(
             tmp_path_factory.mktemp("transfer-retry"),
             [
-                ("prefill", {}, [*flags, "--test-stall-kv-data", "30"]),
+                ("prefill", {}, [*flags, "--test-stall-kv-data", "30", "--kv-transport", "dist"]),
                 ("prefill", {}, flags),
                 ("decode", {}, flags),
                 ("decode", {}, flags),
