@@ -28,7 +28,7 @@ import urllib.request
 
 from pdserve import env as pdserve_env
 from pdserve.cluster_auth import add_secret_arg
-from pdserve.launcher import start_gateway
+from pdserve.launcher import cpu_worker_threads, start_gateway
 from pdserve.supervisor import Child, Supervisor
 
 
@@ -155,10 +155,10 @@ def plan(args: argparse.Namespace, control_port: int | None = None) -> list[Chil
         return children
     gateway = args.gateway or f"127.0.0.1:{args.control_port if control_port is None else control_port}"
     n_workers = len(args.prefill_slots) + len(args.decode_slots)
-    threads = args.threads_per_worker or max(1, (os.cpu_count() or 2) // n_workers)
-    # Workers sharing cores: idle OpenMP threads sleep instead of spinning (as `pdserve up` does).
-    shared = args.device == "cpu" and n_workers * threads > (os.cpu_count() or 1)
-    omp = {"OMP_WAIT_POLICY": "PASSIVE"} if shared and not pdserve_env.omp_wait_policy_set() else {}
+    # Every core for each worker; idle OpenMP threads sleep when they share cores (as `pdserve up`).
+    threads, omp = cpu_worker_threads(args.threads_per_worker, n_workers)
+    if args.device != "cpu":
+        omp = {}
     common = [
         "--device",
         args.device,

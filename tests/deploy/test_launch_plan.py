@@ -113,10 +113,10 @@ def test_bad_topologies_are_refused(launch, argv):
     assert e.value.code == 2
 
 
-def test_cpu_threads_split_evenly_and_shared_cores_wait_passively(launch, monkeypatch):
-    """Default: the cores are split evenly among CPU workers. Asking for more threads than that makes
-    workers share cores, and then their idle OpenMP threads must sleep (OMP_WAIT_POLICY=PASSIVE), in
-    both launchers. A user's own policy wins."""
+def test_cpu_workers_get_every_core_and_shared_cores_wait_passively(launch, monkeypatch):
+    """Default: every CPU worker may use every core, so workers share cores, and then their idle OpenMP
+    threads must sleep (OMP_WAIT_POLICY=PASSIVE), in both launchers. An even split asked for with
+    --threads-per-worker shares nothing and leaves the policy alone. A user's own policy wins."""
     import os
 
     from pdserve.launcher import add_cli_args, worker_commands, worker_env
@@ -126,21 +126,21 @@ def test_cpu_threads_split_evenly_and_shared_cores_wait_passively(launch, monkey
     cpu = ["--device", "cpu", "--num-prefill", "1", "--num-decode", "1"]
     for c in launch.plan(launch.parse_args(cpu))[1:]:
         cfg, _ = _parse_worker(c.argv)
-        assert cfg.runtime.num_threads == 2 and "OMP_WAIT_POLICY" not in c.env
-    for c in launch.plan(launch.parse_args([*cpu, "--threads-per-worker", "4"]))[1:]:
-        cfg, _ = _parse_worker(c.argv)
         assert cfg.runtime.num_threads == 4 and c.env["OMP_WAIT_POLICY"] == "PASSIVE"
+    for c in launch.plan(launch.parse_args([*cpu, "--threads-per-worker", "2"]))[1:]:
+        cfg, _ = _parse_worker(c.argv)
+        assert cfg.runtime.num_threads == 2 and "OMP_WAIT_POLICY" not in c.env
 
     parser = argparse.ArgumentParser()
     add_cli_args(parser)
-    even, shared = parser.parse_args([]), parser.parse_args(["--threads-per-worker", "4"])
-    workers = [argv for name, argv in worker_commands(even) if name != "gateway"]
-    assert all(argv[argv.index("--num-threads") + 1] == "2" for argv in workers)
+    shared, even = parser.parse_args([]), parser.parse_args(["--threads-per-worker", "2"])
+    workers = [argv for name, argv in worker_commands(shared) if name != "gateway"]
+    assert all(argv[argv.index("--num-threads") + 1] == "4" for argv in workers)
     assert worker_env(even) == {}
     assert worker_env(shared) == {"OMP_WAIT_POLICY": "PASSIVE"}
     monkeypatch.setenv("OMP_WAIT_POLICY", "ACTIVE")
     assert worker_env(shared) == {}
-    children = launch.plan(launch.parse_args([*cpu, "--threads-per-worker", "4"]))
+    children = launch.plan(launch.parse_args(cpu))
     assert all("OMP_WAIT_POLICY" not in c.env for c in children)
 
 
