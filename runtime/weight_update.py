@@ -190,8 +190,8 @@ class WeightUpdater:
     def for_runner(
         cls, runner: ModelRunner, cache: RadixCache | None, local_host: str, on_commit: Callable[[], None]
     ) -> WeightUpdater:
-        """A worker's updater: the runner's model, spec and quantization."""
-        return cls(runner.model, runner.spec, cache, local_host, on_commit, runner.cfg.quantization)
+        """A worker's updater: the runner's model, spec and quantization (as loaded: `auto` resolved)."""
+        return cls(runner.model, runner.spec, cache, local_host, on_commit, runner.loaded.quantization)
 
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 
 import pytest
 from harness import start_up
@@ -27,7 +28,10 @@ def test_llama_server_launch_line(tmp_path):
     argv = llama_server_argv(args)
     assert argv[0] == str(exe) and argv[argv.index("--port") + 1] == "40012"
     assert argv[argv.index("-m") + 1].endswith(".gguf")
-    assert argv[-4:] == ["-np", "16", "-c", "16384"]
+    cores = str(os.cpu_count() or 1)
+    assert argv[argv.index("-t") + 1] == cores and argv[argv.index("-tb") + 1] == cores
+    assert argv[argv.index("-np") + 1] == "16" and argv[argv.index("-c") + 1] == "16384"
+    assert "--no-repack" in argv
     args = parse_args(["--launch-llama-server", str(tmp_path / "missing")])
     with pytest.raises(SystemExit, match="not an executable file"):
         llama_server_argv(args)

@@ -75,3 +75,22 @@ def test_a_quantized_worker_refuses_updates_before_loading_anything(loaded):
         assert reply is not None and not reply.ok and "--quantization w4a16" in reply.message
     assert up.version == "default" and up._staged is None and not up._jobs
     up.close()
+
+
+def test_a_worker_updater_reads_the_resolved_quantization(loaded):
+    """The config says `auto`; the updater goes by what was loaded: the fp32 reference accepts updates,
+    the default (the GGUF's own int4) refuses them."""
+    from pdserve.config import RuntimeConfig
+    from pdserve.runtime.runner import ModelRunner
+
+    fp32 = ModelRunner(RuntimeConfig(device="cpu", max_total_tokens=256), loaded)
+    assert fp32.cfg.quantization == "auto"
+    reference = WeightUpdater.for_runner(fp32, None, "127.0.0.1", lambda: None)
+    assert reference.quantization == "none"
+    reference.close()
+    default = ModelRunner(RuntimeConfig(device="cpu", max_total_tokens=256))
+    up = WeightUpdater.for_runner(default, None, "127.0.0.1", lambda: None)
+    assert default.loaded.quantization == up.quantization == "w4a16"
+    reply = up.on_command(m.WeightsCommand(op_id="d", op="prepare_disk", model_path=loaded.folder))
+    assert reply is not None and not reply.ok and "--quantization w4a16" in reply.message
+    up.close()
