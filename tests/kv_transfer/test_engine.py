@@ -7,24 +7,13 @@ import time
 
 import pytest
 import torch
+from kv_engines import FP
+from kv_engines import random_pool as _pool
+from kv_engines import wait_results as _wait
 
 from pdserve.kv_transfer import KVReceiver, KVSender, TransferConfig, TransferState
 
-FP = {"architecture": "TestLM", "page_size": 4, "weights_hash": "h"}
 FAST = TransferConfig(bootstrap_timeout_s=5, waiting_timeout_s=0.5, transfer_timeout_s=5, chunk_bytes=1024)
-
-
-def _pool(pages: int, seed: int) -> torch.Tensor:
-    return torch.randn(pages, 2, 2, 4, 2, 8, generator=torch.Generator().manual_seed(seed))  # [N,L,2,P,H,D]
-
-
-def _wait(engine, rooms: set[str], timeout: float = 10.0) -> dict:
-    got, deadline = {}, time.monotonic() + timeout
-    while set(got) != rooms and time.monotonic() < deadline:
-        got.update({r.room: r for r in engine.poll()})
-        time.sleep(0.005)
-    assert set(got) == rooms, f"missing results for {rooms - set(got)}"
-    return got
 
 
 @pytest.fixture
