@@ -8,13 +8,12 @@ from typing import TYPE_CHECKING
 import torch
 
 from pdserve.cluster_auth import ClusterKeys
-from pdserve.config import TRANSFER_TIMEOUT_S, WAITING_TIMEOUT_S
+from pdserve.config import KV_TRANSPORTS, TRANSFER_TIMEOUT_S, WAITING_TIMEOUT_S
 
 if TYPE_CHECKING:
     from pdserve.config import WorkerConfig
 
 BACKENDS = ("gloo", "nccl")
-TRANSPORTS = ("auto", "shm", "dist")
 
 
 @dataclass(frozen=True)
@@ -69,8 +68,8 @@ class TransferConfig:
     def __post_init__(self) -> None:
         if self.backend not in BACKENDS:
             raise ValueError(f"kv transfer backend must be one of {BACKENDS}, got {self.backend!r}")
-        if self.transport not in TRANSPORTS:
-            raise ValueError(f"kv transport must be one of {TRANSPORTS}, got {self.transport!r}")
+        if self.transport not in KV_TRANSPORTS:
+            raise ValueError(f"kv transport must be one of {KV_TRANSPORTS}, got {self.transport!r}")
         if self.max_pairs < 1:
             raise ValueError(f"max_pairs must be >= 1, got {self.max_pairs}")
         if self.chunk_bytes < 1:

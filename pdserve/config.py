@@ -13,6 +13,10 @@ QUANT_MODES = ("none", "w8a16_int8", "w8a8_int8", "w4a16")
 # `auto` resolves at load time (runtime/loader.py): a GGUF file on CPU keeps its own quantization
 # (Q4_0/Q4_1 -> w4a16, Q8_0 and other types -> w8a16_int8); anything else, and --dtype float32, none.
 QUANT_CHOICES = ("auto", *QUANT_MODES)
+# How KV pages travel from prefill to decode (kv_transfer/shm.py): auto = shared memory between CPU pools
+# of one host, else the torch.distributed pair group; shm = the same, each fall-back a warning; dist =
+# the pair group only.
+KV_TRANSPORTS = ("auto", "shm", "dist")
 
 # The KV transfer's timeouts, one default each: the worker flags, `pdserve up` and
 # kv_transfer.TransferConfig all take them from here.
@@ -203,7 +207,7 @@ def add_worker_args(parser: argparse.ArgumentParser, role: str) -> None:
     parser.add_argument(
         "--kv-transport",
         default=d.kv_transport,
-        choices=["auto", "shm", "dist"],
+        choices=list(KV_TRANSPORTS),
         help="auto: KV pages go through shared memory when prefill and decode share a host (CPU pools), "
         "else over --kv-transfer-backend; shm: the same, warning at each fall-back; dist: never shared memory",
     )

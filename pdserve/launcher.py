@@ -21,7 +21,7 @@ import urllib.request
 
 from pdserve import env
 from pdserve.cluster_auth import add_secret_arg
-from pdserve.config import TRANSFER_TIMEOUT_S, WAITING_TIMEOUT_S, add_runtime_args
+from pdserve.config import KV_TRANSPORTS, TRANSFER_TIMEOUT_S, WAITING_TIMEOUT_S, add_runtime_args
 from pdserve.gateway.config import add_trace_args
 from pdserve.port_file import wait_port_file
 from pdserve.supervisor import Child, RestartPolicy, Supervisor
@@ -142,7 +142,7 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--kv-transport",
         default="auto",
-        choices=["auto", "shm", "dist"],
+        choices=list(KV_TRANSPORTS),
         help="how KV pages go from prefill to decode workers: auto = shared memory between these "
         "same-host workers (CPU pools), else the torch.distributed pair group; dist: the pair group only",
     )

@@ -133,8 +133,7 @@ class Attention(nn.Module):
         v = v.view(T, self.nkv, self.hd)
         if self.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
-            q, k = rotary(positions, q, k)
-        elif fused_kernels(x.device):
+        if self.qk_norm or fused_kernels(x.device):
             q, k = rotary(positions, q, k)
         else:
             # q and k lie side by side in qkv: one rotation covers both heads' sets
