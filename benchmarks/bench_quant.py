@@ -83,7 +83,7 @@ def perplexity(engine: Engine, ids: list[int]) -> float:
 
 def greedy(engine: Engine, prompts: list[list[int]], new_tokens: int) -> list[list[int]]:
     """One prompt at a time: decode steps of one row, the path the few-row kernels serve (batched steps
-    from runtime/quant.py's DENSE_MIN_ROWS rows run the dense copy, as the perplexity forward does)."""
+    from runtime/quant.py's dense_min_rows() rows run the dense copy, as the perplexity forward does)."""
     params = SamplingParams(max_new_tokens=new_tokens, temperature=0.0, ignore_eos=True)
     return [engine.generate([p], params)[0].output_ids for p in prompts]
 

@@ -64,6 +64,9 @@ class TorchAttention:
         mask = (j[None, None] <= qpos[:, :, None]) & (j[None, None] < seq[:, :, None])
         self._mask = mask[:, None]
         self._group_masks = {}
+        # One new token per request and every request as long as the longest: each query sees every
+        # key, so SDPA runs unmasked (always so for a single decoding request).
+        self._unmasked = self._qmax == 1 and min(batch.seq_lens_cpu) == lmax
         if not self._uniform:
             valid = qi[None] < batch.extend_lens.long()[:, None]  # [B, qmax]
             starts = batch.qo_indptr[:-1].long()[:, None]
@@ -104,7 +107,8 @@ class TorchAttention:
         # q head h reads KV head h // G (transformers' repeat_kv order): row g * qmax + i of KV head j
         # is query i of q head j * G + g.
         qg = qp.view(B, qmax, Hkv, G, D).permute(0, 2, 3, 1, 4).reshape(B, Hkv, G * qmax, D)
-        out = F.scaled_dot_product_attention(qg, keys, vals, attn_mask=self._group_mask(G), scale=scale)
+        mask = None if self._unmasked else self._group_mask(G)
+        out = F.scaled_dot_product_attention(qg, keys, vals, attn_mask=mask, scale=scale)
         out = out.view(B, Hkv, G, qmax, D).permute(0, 3, 1, 2, 4).reshape(B, qmax, Hq, D)
         if self._uniform:
             return out.reshape(T, Hq, D)

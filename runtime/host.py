@@ -27,6 +27,12 @@ def cpu_has_bf16() -> bool:
     return bool({"avx512_bf16", "amx_bf16"} & cpu_flags())
 
 
+def cpu_has_amx() -> bool:
+    """AMX tile instructions (Sapphire Rapids and later Xeons): torch's bf16 GEMM runs on them and
+    beats the weight-only int8/int4 kernels from a handful of rows on."""
+    return "amx_bf16" in cpu_flags()
+
+
 def cpu_has_int8_dot() -> bool:
     """int8 dot-product instructions (AVX512-VNNI, AVX-VNNI or AMX-INT8) for `torch._int_mm`."""
     return bool({"avx512_vnni", "avx_vnni", "amx_int8"} & cpu_flags())

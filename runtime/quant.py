@@ -7,14 +7,15 @@ Modes (SGLang's names):
 - `w8a8_int8`: the same int8 weights; activations quantized per token at run time (dynamic,
   symmetric) and multiplied int8 x int8 -> int32 by `torch._int_mm` (VNNI/AMX on x86), rescaled by
   both scales. Below `W8A8_MIN_ROWS` rows the step is memory-bound and the activation quantization
-  costs more than it saves, so such small batches take the weight-only int8 kernel instead.
+  costs more than it saves, so such small batches take the weight-only int8 kernel instead. On an AMX
+  host the dense bf16 copy (below) takes over from 9 rows, leaving `_int_mm` only batches of 8.
 - `w4a16`: int4 weights, asymmetric, groups of 32 along the input (one scale and one zero point per
   group), activations in the model dtype (`aten._weight_int4pack_mm_for_cpu`, tinygemm's layout).
   Groups of 32 with min/max quantization are exactly GGUF's Q4_1 blocks: a Q4_1 file's weights,
   dequantized on load, quantize back to the very same values (up to float rounding of the scales).
   The LM head takes int8 (as a GGUF file's Q8_0 output table), not int4.
 
-Batched steps and prefill (`DENSE_MIN_ROWS` rows or more) run a dense copy of the dequantized weights
+Batched steps and prefill (`dense_min_rows()` rows or more) run a dense copy of the dequantized weights
 in the model dtype, so a quantized model keeps both (memory is not what these modes save here; the
 few-row decode step's weight reads are). The embedding table stays in the model dtype (a row lookup, not a matmul); a tied LM head gets its
 own int8 copy. Norms, rotary and attention are untouched. CPU only: torch's packed kernels here are
@@ -28,6 +29,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from pdserve.config import QUANT_MODES
+from pdserve.runtime.host import cpu_has_amx
 from pdserve.runtime.models.llama import CausalLM
 
 __all__ = ["QUANT_MODES", "QuantizationError", "check_quantization", "quantize_model"]
@@ -35,11 +37,23 @@ INT4_GROUP_SIZE = 32
 # Below this many rows w8a8 runs the weight-only int8 kernel (see the module docstring).
 W8A8_MIN_ROWS = 8
 # From this many rows every mode multiplies by a dense copy of the dequantized weights in the model
-# dtype: torch's weight-only kernels are built for the memory-bound few-row case, and on a CPU with
-# AMX/AVX512-BF16 its bf16 GEMM beats them (and `_int_mm`) from batch 16 on. Measured, bundled model,
-# 2 threads, Xeon Sapphire Rapids class: decode step at batch 16 bf16 58 ms, w8a8 58, w4a16 78,
-# w8a16 86; prefill of 16 x 128 tokens bf16 0.56 s, w8a8 2.2 s, w4a16 4.0 s, w8a16 4.4 s.
+# dtype: torch's weight-only kernels are built for the memory-bound few-row case, and their time grows
+# with the rows while a bf16 GEMM's hardly does. Measured as whole decode steps of the bundled model
+# (w4a16, bf16, 2 threads, Xeon Sapphire Rapids class with AMX; both thresholds interleaved in one
+# process, best of 3): at 6 rows 36.5 ms int4 against 40.7 dense, at 8 rows 36.5 against 39.3, at 9
+# rows 53.3 against 42.8 (the int4 kernel works in blocks of 8 rows), at 12 rows 50.3 against 42.0, at
+# 14 rows 61.9 against 49.2. Single projections on a hot cache put the crossover at 5 rows, but a
+# whole step streams 4x more bytes of bf16 weights than of int4 ones. `_int_mm` with its activation
+# quantization (w8a8) loses to the AMX bf16 GEMM too (gate_up 231 against 178 us at 8 rows). Without
+# AMX the bf16 GEMM is several times slower and 16 is kept (a batch-16 step measured on the same Xeon:
+# bf16 58 ms, w8a8 58, w4a16 78, w8a16 86); no AMX-less CPU has measured its own crossover yet.
+DENSE_MIN_ROWS_AMX = 9
 DENSE_MIN_ROWS = 16
+
+
+def dense_min_rows() -> int:
+    """The row count from which this host's quantized linears use their dense copy (see above)."""
+    return DENSE_MIN_ROWS_AMX if cpu_has_amx() else DENSE_MIN_ROWS
 
 
 class QuantizationError(ValueError):
@@ -97,10 +111,11 @@ class Int8WeightOnlyLinear(nn.Module):
         self.register_buffer("bias", None if bias is None else bias.detach().to(dtype))
         self.register_buffer("dense", (q.float() * scale[:, None]).to(dtype))
         self.in_features, self.out_features = weight.shape[1], weight.shape[0]
+        self.dense_min_rows = dense_min_rows()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x2 = x.reshape(-1, x.shape[-1])
-        if x2.shape[0] >= DENSE_MIN_ROWS:
+        if x2.shape[0] >= self.dense_min_rows:
             return F.linear(x, self.dense, self.bias)
         y: torch.Tensor = torch.ops.aten._weight_int8pack_mm(x2, self.qweight, self.scale)
         if self.bias is not None:
@@ -121,7 +136,7 @@ class Int8DynamicLinear(Int8WeightOnlyLinear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x2 = x.reshape(-1, x.shape[-1])
-        if not W8A8_MIN_ROWS <= x2.shape[0] < DENSE_MIN_ROWS:
+        if not W8A8_MIN_ROWS <= x2.shape[0] < self.dense_min_rows:
             return super().forward(x)
         xf = x2.float()
         xs = (xf.abs().amax(dim=1, keepdim=True) / 127.0).clamp(min=1e-10)  # [M, 1]
@@ -158,10 +173,11 @@ class Int4WeightOnlyLinear(nn.Module):
         self.register_buffer("dense", dense.reshape(n, k).to(dtype))
         self.group = group
         self.in_features, self.out_features = k, n
+        self.dense_min_rows = dense_min_rows()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x2 = x.reshape(-1, x.shape[-1])
-        if x2.shape[0] >= DENSE_MIN_ROWS:
+        if x2.shape[0] >= self.dense_min_rows:
             return F.linear(x, self.dense, self.bias)
         y: torch.Tensor = torch.ops.aten._weight_int4pack_mm_for_cpu(
             x2.to(torch.bfloat16), self.packed, self.group, self.scales_zeros

@@ -10,6 +10,7 @@ from pdserve.config import RuntimeConfig, add_runtime_args
 from pdserve.runtime.loader import load_model
 from pdserve.runtime.quant import (
     DENSE_MIN_ROWS,
+    DENSE_MIN_ROWS_AMX,
     W8A8_MIN_ROWS,
     Int4WeightOnlyLinear,
     QuantizationError,
@@ -31,13 +32,15 @@ def _rel_err(y: torch.Tensor, ref: torch.Tensor) -> float:
 
 @pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_quantized_linear_matches_fp32(mode: str, dtype: torch.dtype) -> None:
+@pytest.mark.parametrize("dense_from", [DENSE_MIN_ROWS_AMX, DENSE_MIN_ROWS])  # the AMX host's and the others'
+def test_quantized_linear_matches_fp32(mode: str, dtype: torch.dtype, dense_from: int) -> None:
     g = torch.Generator().manual_seed(0)
     w = torch.randn(96, 128, generator=g)
     b = torch.randn(96, generator=g)
     lin = quantized_linear(w, b, mode, dtype)
+    lin.dense_min_rows = dense_from
     # Row counts on both sides of each switch (weight-only kernel, _int_mm, dense copy), and a 3-d input.
-    for rows in (1, W8A8_MIN_ROWS - 1, W8A8_MIN_ROWS, DENSE_MIN_ROWS - 1, DENSE_MIN_ROWS, 33):
+    for rows in (1, W8A8_MIN_ROWS - 1, W8A8_MIN_ROWS, dense_from - 1, dense_from, 33):
         x = torch.randn(rows, 128, generator=g)
         ref = x @ w.t() + b
         y = lin(x.to(dtype))
@@ -47,7 +50,7 @@ def test_quantized_linear_matches_fp32(mode: str, dtype: torch.dtype) -> None:
     assert lin(x3.to(dtype)).shape == (2, 5, 96)
     # The dense copy holds the same quantized weights as the kernels: a row gets (nearly) the same
     # result in a small batch as in a big one.
-    x = torch.randn(DENSE_MIN_ROWS, 128, generator=g).to(dtype)
+    x = torch.randn(dense_from, 128, generator=g).to(dtype)
     few, many = lin(x[:1]), lin(x)[:1]
     exact = mode == "w8a16_int8" and dtype == torch.float32  # the others round activations differently
     assert _rel_err(few, many.float()) < (1e-4 if exact else 0.03)
