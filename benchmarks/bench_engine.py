@@ -22,7 +22,7 @@ from dataclasses import dataclass
 
 import torch
 
-from pdserve.config import RuntimeConfig
+from pdserve.config import QUANT_CHOICES, RuntimeConfig
 from pdserve.progress import Counter, stderr
 from pdserve.runtime.engine import Engine
 from pdserve.runtime.loader import LoadedModel, load_model
@@ -44,6 +44,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--repeats", type=int, default=1, help="alternating runs per batch size; best is kept")
     p.add_argument("--skip-hf", action="store_true", help="only time pdserve's engine")
     p.add_argument("--dtype", default="float32", choices=["auto", "float32", "bfloat16", "float16"])
+    p.add_argument(
+        "--quantization",
+        default="auto",
+        choices=QUANT_CHOICES,
+        help="as the workers' flag (auto: a GGUF's own on CPU in bf16; float32 implies none)",
+    )
     p.add_argument("--device", default="cpu")
     p.add_argument("--num-threads", type=int, default=None, help="torch threads; default: torch's")
     p.add_argument("--seed", type=int, default=0)
@@ -84,23 +90,35 @@ def run_hf(hf, prompts: list[list[int]], new_tokens: int, pad_id: int, device: s
     return Run(seconds)
 
 
+def weight_projections(model: torch.nn.Module) -> list[torch.nn.Module]:
+    """The decoder's projection modules, plain or quantized Linear (each has `in_features`)."""
+    found = [m for m in model.model.modules() if hasattr(m, "in_features")]
+    if not found:
+        raise RuntimeError("no projection modules found: the floor would time the LM head alone")
+    return found
+
+
 def _matmul_stack_seconds(
     model: torch.nn.Module, tokens: int, head_rows: int, dtype, device, reps: int
 ) -> float:
-    """Best-of-reps time of the model's weight matmuls for `tokens` rows (the LM head on `head_rows`)."""
-    weights = [m.weight for m in model.modules() if isinstance(m, torch.nn.Linear)]
+    """Best-of-reps time of the model's weight matmuls for `tokens` rows (the LM head on `head_rows`):
+    each projection module run bare, so a quantized model's are timed with the kernel its forward picks
+    for that many rows (every decoder module with `in_features`, plain or quantized Linear)."""
     head = model.lm_head_weight
-    weights = [w for w in weights if w.data_ptr() != head.data_ptr()]
-    hidden = head.shape[1]
-    xs = {w.shape[1]: torch.randn(tokens, w.shape[1], dtype=dtype, device=device) for w in weights}
-    xh = torch.randn(head_rows, hidden, dtype=dtype, device=device)
+    projections = weight_projections(model)
+    xs = {m.in_features: torch.randn(tokens, m.in_features, dtype=dtype, device=device) for m in projections}
+    xh = torch.randn(head_rows, head.shape[1], dtype=dtype, device=device)
+    quant_head = model.lm_head_quant
     best = float("inf")
     with torch.inference_mode():
         for _ in range(reps + 1):  # the first run warms up
             t0 = time.perf_counter()
-            for w in weights:
-                torch.nn.functional.linear(xs[w.shape[1]], w)
-            torch.nn.functional.linear(xh, head)
+            for m in projections:
+                m(xs[m.in_features])
+            if quant_head is not None:
+                quant_head(xh)
+            else:
+                torch.nn.functional.linear(xh, head)
             if device != "cpu":
                 torch.cuda.synchronize()
             best = min(best, time.perf_counter() - t0)
@@ -134,7 +152,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     if args.num_threads:
         torch.set_num_threads(args.num_threads)
-    loaded = load_model(args.model_path, args.dtype, args.device)
+    loaded = load_model(args.model_path, args.dtype, args.device, args.quantization)
     engine = make_engine(args, loaded)
     hf = None
     if not args.skip_hf:
@@ -151,7 +169,8 @@ def main(argv: list[str] | None = None) -> int:
         run_hf(hf, warm, 4, pad_id, args.device)
 
     print(
-        f"model {loaded.spec.architecture} ({loaded.folder}), dtype {loaded.dtype}, device {args.device}, "
+        f"model {loaded.spec.architecture} ({loaded.folder}), dtype {loaded.dtype}, "
+        f"quantization {loaded.quantization}, device {args.device}, "
         f"torch threads {torch.get_num_threads()}, prompt {args.prompt_len}, new tokens {args.new_tokens}",
         flush=True,
     )
