@@ -28,7 +28,7 @@ import urllib.request
 
 from pdserve import env as pdserve_env
 from pdserve.cluster_auth import add_secret_arg
-from pdserve.launcher import cpu_worker_threads, start_gateway
+from pdserve.launcher import cpu_worker_threads, role_omp_env, start_gateway
 from pdserve.supervisor import Child, Supervisor
 
 
@@ -155,7 +155,8 @@ def plan(args: argparse.Namespace, control_port: int | None = None) -> list[Chil
         return children
     gateway = args.gateway or f"127.0.0.1:{args.control_port if control_port is None else control_port}"
     n_workers = len(args.prefill_slots) + len(args.decode_slots)
-    # Every core for each worker; idle OpenMP threads sleep when they share cores (as `pdserve up`).
+    # Every core for each worker; when they share cores, idle prefill OpenMP threads sleep at once (as
+    # `pdserve up`; see role_omp_env).
     threads, omp = cpu_worker_threads(args.threads_per_worker, n_workers)
     if args.device != "cpu":
         omp = {}
@@ -184,7 +185,7 @@ def plan(args: argparse.Namespace, control_port: int | None = None) -> list[Chil
                 argv += ["--health-port", str(args.health_port_base + k)]
             k += 1
             # CPU workers see no GPU at all, so nothing is allocated there by accident.
-            env = {"CUDA_VISIBLE_DEVICES": gpu if gpu is not None else "", **omp}
+            env = {"CUDA_VISIBLE_DEVICES": gpu if gpu is not None else "", **role_omp_env(role, omp)}
             children.append(Child(name, argv + args.worker_flags, env))
     return children
 

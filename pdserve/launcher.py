@@ -293,15 +293,25 @@ def cpu_worker_threads(requested: int | None, n_workers: int) -> tuple[int, dict
 
     Default: every core for every worker. Co-located roles are rarely busy at once (a prefill burst, then
     decode steps), and a role that holds only its even share of the cores leaves the rest idle whenever
-    the other role waits. When the workers' threads outnumber the cores, their OpenMP threads sleep when
-    idle instead of spinning (OMP_WAIT_POLICY=PASSIVE, unless the user chose), so a busy worker gets the
-    cores an idle one leaves. Measured on 2 cores (docs/benchmarks.md, bundled model, bf16 + w4a16):
+    the other role waits. When the workers' threads outnumber the cores, the environment returned makes
+    OpenMP threads sleep when idle instead of spinning (OMP_WAIT_POLICY=PASSIVE, unless the user chose), so
+    a busy worker gets the cores an idle one leaves; `role_omp_env` gives it to prefill workers only.
+    Measured on 2 cores (docs/benchmarks.md, bundled model, bf16 + w4a16):
     2 threads per worker against the even split of 1, 30.1 against 27.0 output tok/s at concurrency 1
     and 177 against 156 at concurrency 16; with spinning threads the same setting was 25% slower."""
     cores = os.cpu_count() or 1
     threads = requested or cores
     shared = n_workers * threads > cores
     return threads, ({"OMP_WAIT_POLICY": "PASSIVE"} if shared and not env.omp_wait_policy_set() else {})
+
+
+def role_omp_env(role: str, omp: dict[str, str]) -> dict[str, str]:
+    """The OpenMP environment of one worker, from `cpu_worker_threads`'s: prefill workers sleep at once
+    when idle; decode workers keep libgomp's default (spin a while, then sleep). A decode step is ~200
+    short parallel regions back to back, and a thread woken for each costs ~25%: offline, batch 1 step
+    17.6-19.0 ms by default against 23.6-24.1 passive, batch 16 50-53 against 64-67 ms (bf16 + w4a16,
+    2 threads, Xeon Sapphire Rapids class). An idle decode worker's threads still go to sleep."""
+    return omp if role == "prefill" else {}
 
 
 def _threads(args: argparse.Namespace) -> int:
@@ -338,7 +348,7 @@ def main(args: argparse.Namespace) -> int:
     sup = Supervisor(args.log_dir, args.stop_timeout, prefix="pdserve up", policy=policy)
     sup.handle_signals()
     secret = secret_env(args)
-    child_env = {**worker_env(args), **secret}
+    omp = worker_env(args)
     with tempfile.TemporaryDirectory(prefix="pdserve-up-") as tmp:
         port_file = args.port_file or os.path.join(tmp, "gateway.ports")
         try:
@@ -350,7 +360,7 @@ def main(args: argparse.Namespace) -> int:
                 sup.say(f"the gateway did not start: {e}", error=True)
                 return 1
             for name, argv in worker_commands(args, control)[1:]:
-                sup.start(Child(name, argv, child_env))
+                sup.start(Child(name, argv, {**role_omp_env(name.split("-")[0], omp), **secret}))
             url = f"http://{args.host}:{port}"
             why = sup.wait_until(lambda: _healthy(url), args.startup_timeout)
             if sup.stopping:  # Ctrl-C or SIGTERM before the cluster was up: a requested stop

@@ -114,19 +114,22 @@ def test_bad_topologies_are_refused(launch, argv):
 
 
 def test_cpu_workers_get_every_core_and_shared_cores_wait_passively(launch, monkeypatch):
-    """Default: every CPU worker may use every core, so workers share cores, and then their idle OpenMP
-    threads must sleep (OMP_WAIT_POLICY=PASSIVE), in both launchers. An even split asked for with
+    """Default: every CPU worker may use every core, so workers share cores, and then idle prefill
+    OpenMP threads must sleep (OMP_WAIT_POLICY=PASSIVE) while decode ones keep libgomp's spin-then-sleep
+    default, in both launchers. An even split asked for with
     --threads-per-worker shares nothing and leaves the policy alone. A user's own policy wins."""
     import os
 
-    from pdserve.launcher import add_cli_args, worker_commands, worker_env
+    from pdserve.launcher import add_cli_args, role_omp_env, worker_commands, worker_env
 
     monkeypatch.delenv("OMP_WAIT_POLICY", raising=False)
     monkeypatch.setattr(os, "cpu_count", lambda: 4)
     cpu = ["--device", "cpu", "--num-prefill", "1", "--num-decode", "1"]
     for c in launch.plan(launch.parse_args(cpu))[1:]:
         cfg, _ = _parse_worker(c.argv)
-        assert cfg.runtime.num_threads == 4 and c.env["OMP_WAIT_POLICY"] == "PASSIVE"
+        assert cfg.runtime.num_threads == 4
+        # prefill threads sleep at once; decode keeps libgomp's default (spin, then sleep)
+        assert c.env.get("OMP_WAIT_POLICY") == ("PASSIVE" if c.name.startswith("prefill") else None), c.name
     for c in launch.plan(launch.parse_args([*cpu, "--threads-per-worker", "2"]))[1:]:
         cfg, _ = _parse_worker(c.argv)
         assert cfg.runtime.num_threads == 2 and "OMP_WAIT_POLICY" not in c.env
@@ -138,6 +141,8 @@ def test_cpu_workers_get_every_core_and_shared_cores_wait_passively(launch, monk
     assert all(argv[argv.index("--num-threads") + 1] == "4" for argv in workers)
     assert worker_env(even) == {}
     assert worker_env(shared) == {"OMP_WAIT_POLICY": "PASSIVE"}
+    assert role_omp_env("prefill", worker_env(shared)) == {"OMP_WAIT_POLICY": "PASSIVE"}
+    assert role_omp_env("decode", worker_env(shared)) == {}
     monkeypatch.setenv("OMP_WAIT_POLICY", "ACTIVE")
     assert worker_env(shared) == {}
     children = launch.plan(launch.parse_args(cpu))
