@@ -24,7 +24,7 @@ from pdserve.cluster_auth import add_secret_arg
 from pdserve.config import KV_TRANSPORTS, TRANSFER_TIMEOUT_S, WAITING_TIMEOUT_S, add_runtime_args
 from pdserve.gateway.config import add_trace_args
 from pdserve.port_file import wait_port_file
-from pdserve.supervisor import Child, RestartPolicy, Supervisor
+from pdserve.supervisor import Child, RestartPolicy, Supervisor, role_of
 
 
 def _with_flag(argv: list[str], flag: str, value: str) -> list[str]:
@@ -307,8 +307,9 @@ def cpu_worker_threads(requested: int | None, n_workers: int) -> tuple[int, dict
 
 def role_omp_env(role: str, omp: dict[str, str]) -> dict[str, str]:
     """The OpenMP environment of one worker, from `cpu_worker_threads`'s: prefill workers sleep at once
-    when idle; decode workers keep libgomp's default (spin a while, then sleep). A decode step is ~200
-    short parallel regions back to back, and a thread woken for each costs ~25%: offline, batch 1 step
+    when idle; decode workers keep libgomp's default (spin a while, then sleep). A batch-1 decode step
+    makes ~210 matmul, gather and attention calls back to back (profiler count), and a sleeping thread
+    woken for their parallel regions costs ~25%: offline, batch 1 step
     17.6-19.0 ms by default against 23.6-24.1 passive, batch 16 50-53 against 64-67 ms (bf16 + w4a16,
     2 threads, Xeon Sapphire Rapids class). An idle decode worker's threads still go to sleep."""
     return omp if role == "prefill" else {}
@@ -360,7 +361,7 @@ def main(args: argparse.Namespace) -> int:
                 sup.say(f"the gateway did not start: {e}", error=True)
                 return 1
             for name, argv in worker_commands(args, control)[1:]:
-                sup.start(Child(name, argv, {**role_omp_env(name.split("-")[0], omp), **secret}))
+                sup.start(Child(name, argv, {**role_omp_env(role_of(name), omp), **secret}))
             url = f"http://{args.host}:{port}"
             why = sup.wait_until(lambda: _healthy(url), args.startup_timeout)
             if sup.stopping:  # Ctrl-C or SIGTERM before the cluster was up: a requested stop

@@ -38,7 +38,12 @@ class Child:
 
     @property
     def role(self) -> str:
-        return self.name.split("-", 1)[0]
+        return role_of(self.name)
+
+
+def role_of(name: str) -> str:
+    """ "prefill" of "prefill-0": the role in a child's name."""
+    return name.split("-", 1)[0]
 
 
 @dataclass(frozen=True)

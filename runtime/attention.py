@@ -56,17 +56,17 @@ class TorchAttention:
         # [B * lmax] pool row of every key position (padding maps into page 0 and is masked out)
         slots = batch.page_table[:, j // ps].long() * ps + (j % ps)
         self._key_rows = pool.slot_rows(slots).view(-1)
-        seq = batch.seq_lens.long()[:, None]  # [B, 1]
-        prefix = seq - batch.extend_lens.long()[:, None]
         qi = torch.arange(self._qmax, device=dev)
-        qpos = prefix + qi[None]  # [B, qmax]
-        # [B, 1, qmax, lmax]: key j visible to query i iff j <= pos(i); padded queries see key 0
-        mask = (j[None, None] <= qpos[:, :, None]) & (j[None, None] < seq[:, :, None])
-        self._mask = mask[:, None]
         self._group_masks = {}
         # One new token per request and every request as long as the longest: each query sees every
-        # key, so SDPA runs unmasked (always so for a single decoding request).
+        # key, so SDPA runs unmasked (always so for a single decoding request) and no mask is built.
         self._unmasked = self._qmax == 1 and min(batch.seq_lens_cpu) == lmax
+        if not self._unmasked:
+            seq = batch.seq_lens.long()[:, None]  # [B, 1]
+            qpos = seq - batch.extend_lens.long()[:, None] + qi[None]  # [B, qmax]
+            # [B, 1, qmax, lmax]: key j visible to query i iff j <= pos(i); padded queries see key 0
+            mask = (j[None, None] <= qpos[:, :, None]) & (j[None, None] < seq[:, :, None])
+            self._mask = mask[:, None]
         if not self._uniform:
             valid = qi[None] < batch.extend_lens.long()[:, None]  # [B, qmax]
             starts = batch.qo_indptr[:-1].long()[:, None]

@@ -41,7 +41,7 @@ W8A8_MIN_ROWS = 8
 # with the rows while a bf16 GEMM's hardly does. Measured as whole decode steps of the bundled model
 # (w4a16, bf16, 2 threads, Xeon Sapphire Rapids class with AMX; both thresholds interleaved in one
 # process, best of 3): at 6 rows 36.5 ms int4 against 40.7 dense, at 8 rows 36.5 against 39.3, at 9
-# rows 53.3 against 42.8 (the int4 kernel works in blocks of 8 rows), at 12 rows 50.3 against 42.0, at
+# rows 53.3 against 42.8 (the int4 kernel's time jumps between 8 and 9 rows), at 12 rows 50.3 against 42.0, at
 # 14 rows 61.9 against 49.2. Single projections on a hot cache put the crossover at 5 rows, but a
 # whole step streams 4x more bytes of bf16 weights than of int4 ones. `_int_mm` with its activation
 # quantization (w8a8) loses to the AMX bf16 GEMM too (gate_up 231 against 178 us at 8 rows). Without
