@@ -51,6 +51,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         help="as the workers' flag (auto: a GGUF's own on CPU in bf16; float32 implies none)",
     )
     p.add_argument("--device", default="cpu")
+    p.add_argument(
+        "--enable-torch-compile",
+        action="store_true",
+        help="pdserve's decode steps through torch.compile (compiled in the warm-up, before any timing)",
+    )
     p.add_argument("--num-threads", type=int, default=None, help="torch threads; default: torch's")
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args(argv)
@@ -144,6 +149,7 @@ def make_engine(args: argparse.Namespace, loaded: LoadedModel) -> Engine:
         max_total_tokens=biggest * per_request + page,
         max_running_requests=max(biggest, 1),
         attention_backend="auto",
+        enable_torch_compile=args.enable_torch_compile,
     )
     return Engine(cfg, loaded)
 
@@ -171,6 +177,7 @@ def main(argv: list[str] | None = None) -> int:
     print(
         f"model {loaded.spec.architecture} ({loaded.folder}), dtype {loaded.dtype}, "
         f"quantization {loaded.quantization}, device {args.device}, "
+        f"torch.compile {'on' if args.enable_torch_compile else 'off'}, "
         f"torch threads {torch.get_num_threads()}, prompt {args.prompt_len}, new tokens {args.new_tokens}",
         flush=True,
     )

@@ -66,6 +66,8 @@ class DecodeWorker:
         self.weights = WeightUpdater.for_runner(self.runner, cache, cfg.host, self._weights_changed)
 
     def serve(self) -> None:
+        if self.runner.compiled is not None:  # compile before taking requests, not at the first one
+            self.runner.compiled.warm_up()
         self.receiver.start()
         self.link = WorkerLink(
             self.cfg.gateway_addr,

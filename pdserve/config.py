@@ -53,6 +53,8 @@ class RuntimeConfig:
     disable_radix_cache: bool = False
     # Structured output (runtime/grammar/): xgrammar | none (constrained requests refused).
     grammar_backend: str = "xgrammar"
+    # Decode steps through torch.compile (runtime/compiled_decode.py; CPU).
+    enable_torch_compile: bool = False
 
     def __post_init__(self) -> None:
         if self.page_size < 1:
@@ -132,6 +134,12 @@ def add_runtime_args(parser: argparse.ArgumentParser) -> None:
         default=d.grammar_backend,
         choices=["xgrammar", "none"],
         help="structured output (json_schema, regex, ebnf, response_format); none: refuse them",
+    )
+    parser.add_argument(
+        "--enable-torch-compile",
+        action="store_true",
+        help="run decode steps through torch.compile (CPU): fused small ops, ~1.3-1.5x faster steps at "
+        "small batches; compiles at start (about a minute, less from inductor's disk cache)",
     )
 
 

@@ -177,6 +177,7 @@ _FORWARDED = [
     "speculative_draft_model_path",
     "disable_radix_cache",
     "grammar_backend",
+    "enable_torch_compile",
 ]
 
 

@@ -14,6 +14,7 @@ import torch
 from pdserve.config import RuntimeConfig
 from pdserve.runtime.attention import make_attention_backend
 from pdserve.runtime.batch import ForwardBatch, ForwardMode
+from pdserve.runtime.compiled_decode import CompiledDecode
 from pdserve.runtime.grammar import GrammarBackend, GrammarMatcher, InvalidGrammar, apply_grammar_masks
 from pdserve.runtime.grammar import make_grammar_backend as _make_grammar_backend
 from pdserve.runtime.host import startup_line
@@ -53,6 +54,13 @@ class ModelRunner:
         self.pages = RequestPages(self.allocator, cfg.page_size)
         self.backend = make_attention_backend(cfg.attention_backend, self.device)
         self.sampler = Sampler()
+        # --enable-torch-compile: decode batches through one compiled step (compiled at the first one,
+        # or by a worker's `compiled.warm_up()` before it serves); extend and verify forwards stay eager.
+        self.compiled = (
+            CompiledDecode(self.model, self.pool, cfg.max_running_requests)
+            if cfg.enable_torch_compile
+            else None
+        )
         self._grammars: GrammarBackend | None = None  # built at the first constrained request
         log.info(
             "KV pool: %d pages x %d tokens (%.2f GiB)",
@@ -126,7 +134,10 @@ class ModelRunner:
             self.device,
             all_logits,
         )
-        logits: torch.Tensor = self.model(batch, self.pool, self.backend)
+        if self.compiled is not None and mode is ForwardMode.DECODE:
+            logits = self.compiled(batch)
+        else:
+            logits = self.model(batch, self.pool, self.backend)
         for r, toks in zip(reqs, new_tokens):
             r.num_computed += len(toks)
         return logits

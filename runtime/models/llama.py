@@ -226,11 +226,24 @@ class CausalLM(nn.Module):
     def forward(self, batch: ForwardBatch, pool: KVPool, backend: AttentionBackend) -> torch.Tensor:
         """Returns logits [len(batch.logits_indices), vocab] in float32."""
         backend.prepare(batch, pool)
-        x = self.model.embed_tokens(batch.input_ids)  # [T, hidden]
-        self.rotary.prepare(batch.positions, x.dtype)
+        return self.run(batch.input_ids, batch.positions, batch.logits_indices, pool, backend)
+
+    def run(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        logits_indices: torch.Tensor | None,
+        pool: KVPool,
+        backend: AttentionBackend,
+    ) -> torch.Tensor:
+        """The layers and the head over a prepared backend: logits [N, vocab] in float32 at the rows
+        `logits_indices` of the new tokens (None: every row). Also the body of the compiled decode step
+        (runtime/compiled_decode.py), which traces it with its own backend."""
+        x = self.model.embed_tokens(input_ids)  # [T, hidden]
+        self.rotary.prepare(positions, x.dtype)
         for layer in self.model.layers:
-            x = layer(x, batch.positions, self.rotary, backend, pool)
-        x = self.model.norm(x[batch.logits_indices])  # [N, hidden]
+            x = layer(x, positions, self.rotary, backend, pool)
+        x = self.model.norm(x if logits_indices is None else x[logits_indices])  # [N, hidden]
         if self.lm_head_quant is not None:
             logits: torch.Tensor = self.lm_head_quant(x)
             return logits.float()
