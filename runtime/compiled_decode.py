@@ -144,7 +144,7 @@ class CompiledDecode:
         out: tuple[torch.Tensor, torch.Tensor, torch.Tensor]
         # No duck sizing: a batch or history that happens to equal one of the pool's dimensions (its
         # page size, layer or head count) must not tie a graph to that size.
-        with fx_config.patch(use_duck_shape=False):
+        with fx_config.patch(use_duck_shape=False):  # type: ignore[attr-defined]  # set by torch at import
             if not self.warm:
                 out = self._fn(*args)
                 return out
