@@ -162,6 +162,8 @@ class DraftModelDrafter:
             max_total_tokens=target.max_total_tokens,
             context_length=None,
             speculative_algorithm=None,
+            # The draft model runs eagerly: compiled, it would compile at its first step, mid-serving.
+            enable_torch_compile=False,
         )
         self.runner = ModelRunner(draft_cfg, loaded)
         self._shadow: dict[str, Request] = {}
