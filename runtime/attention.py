@@ -41,7 +41,6 @@ class TorchAttention:
 
     def prepare(self, batch: ForwardBatch, pool: KVPool) -> None:
         self._batch = batch
-        ps = pool.page_size
         dev = batch.input_ids.device
         B = batch.batch_size
         self._qmax = max(batch.extend_lens_cpu)
@@ -54,8 +53,7 @@ class TorchAttention:
             return
         j = torch.arange(lmax, device=dev)
         # [B * lmax] pool row of every key position (padding maps into page 0 and is masked out)
-        slots = batch.page_table[:, j // ps].long() * ps + (j % ps)
-        self._key_rows = pool.slot_rows(slots).view(-1)
+        self._key_rows = pool.key_rows(batch.page_table, lmax)
         qi = torch.arange(self._qmax, device=dev)
         self._group_masks = {}
         # One new token per request and every request as long as the longest: each query sees every

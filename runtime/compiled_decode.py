@@ -15,7 +15,8 @@ the attention backend differs (`_PooledAttention`).
 Decode batches only (one new token per request); extend and verify forwards stay eager. Graphs are
 compiled with dynamic shapes; the quantized linears' row thresholds split them by batch size, so
 `warm_up` runs every batch size up to the largest once at start. Past warm-up a call that would compile
-again runs eagerly instead (`eager_on_recompile`), so a serving worker never stalls for a compilation.
+again is refused (the `fail_on_recompile` stance) and runs the same function eagerly, logged once and
+counted, so a serving worker never stalls for a compilation.
 Inductor caches its code on disk (`TORCHINDUCTOR_CACHE_DIR`): a restart compiles again but most of the
 work is a cache hit.
 
@@ -114,16 +115,14 @@ class CompiledDecode:
         if not self.warm:
             self.warm_up()
         pool = self.pool
-        ps = pool.page_size
         # Every input is made inside inference mode, as in warm-up: the graphs' guards check it.
         with torch.inference_mode():
             hist = max(batch.seq_lens_cpu) - 1  # cached positions of the longest request
-            j = torch.arange(hist)
-            slots = batch.page_table[:, j // ps].long() * ps + j % ps  # [B, hist]
-            key_rows = pool.slot_rows(slots).view(-1)
+            key_rows = pool.key_rows(batch.page_table, hist)  # [B * hist]
             mask = None
             if batch.batch_size > 1:  # one graph for every B > 1: always masked, uneven or not
                 cached = batch.seq_lens.long()[:, None] - 1  # [B, 1]
+                j = torch.arange(hist)
                 visible = torch.cat([j[None] < cached, torch.ones_like(cached, dtype=torch.bool)], dim=1)
                 mask = visible[:, None, None]  # [B, 1, 1, hist + 1]; the new key, last, always visible
             logits, new_k, new_v = self._call(

@@ -62,6 +62,14 @@ class KVPool:
         g = self.geometry
         return (slots // g.page_size) * (g.num_layers * 2 * g.page_size) + slots % g.page_size
 
+    def key_rows(self, page_table: torch.Tensor, length: int) -> torch.Tensor:
+        """[B * length] row in `rows()` (layer 0's K) of positions 0..length-1 of each request whose
+        pages are the rows of `page_table` [B, max_pages]; positions past a request's pages fall in
+        its padding page ids."""
+        ps = self.geometry.page_size
+        j = torch.arange(length, device=page_table.device)
+        return self.slot_rows(page_table[:, j // ps].long() * ps + j % ps).view(-1)
+
     def row_offset(self, layer: int, kind: int) -> int:
         """Add to `slot_rows` for layer `layer`'s K (kind 0) or V (kind 1)."""
         return (2 * layer + kind) * self.geometry.page_size
