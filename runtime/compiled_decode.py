@@ -2,9 +2,9 @@
 
 An eager decode step of a small model is mostly op launches: about 35 small ops a layer (norms,
 rotary, residuals, SwiGLU, views, casts) and their Python, around the weight matmuls. Inductor fuses
-them into a few C++ loops, but only over a graph it can see whole, and the eager attention backend
-writes the KV pool in every layer: a graph that mutates a pool of hundreds of MiB either copies it or
-breaks at each layer.
+them into a few C++ loops, called from a C++ wrapper rather than Python (`cpp_wrapper`), but only
+over a graph it can see whole, and the eager attention backend writes the KV pool in every layer: a
+graph that mutates a pool of hundreds of MiB either copies it or breaks at each layer.
 
 So the compiled step is a pure function of the pool. Each layer's attention reads the request's cached
 keys and values from the pool (one `index_select` per kind) and appends the new token's own as the
@@ -100,7 +100,9 @@ class CompiledDecode:
                 "backend runs"
             )
         self.model, self.pool, self.max_batch = model, pool, max_batch
-        self._fn = torch.compile(_decode_step, dynamic=True)
+        # cpp_wrapper: the graph's calls to its kernels and to aten ops are made from generated C++, not
+        # Python; at batch 1 that is ~15% of a step (docs/benchmarks.md).
+        self._fn = torch.compile(_decode_step, dynamic=True, options={"cpp_wrapper": True})
         self.warm = False
         self.eager_steps = 0  # steps past warm-up that no compiled graph fitted
         g = pool.geometry
