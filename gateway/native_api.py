@@ -24,7 +24,8 @@ from pdserve.gateway.tokenizer import Tokenizer
 router = APIRouter()
 
 
-@router.api_route("/generate", methods=["POST", "PUT"])
+@router.post("/generate")
+@router.put("/generate", operation_id="generate_put")  # one OpenAPI operation id per method
 async def generate(request: Request) -> Response:
     gw = request.app.state.gw
 

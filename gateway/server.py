@@ -128,7 +128,8 @@ def create_app(cfg: GatewayConfig, tokenizer: Tokenizer | None = None) -> FastAP
             error_body(503, f"no {' and no '.join(missing)} worker in rotation"), status_code=503
         )
 
-    @app.api_route("/flush_cache", methods=["GET", "POST"])
+    @app.post("/flush_cache")
+    @app.get("/flush_cache", operation_id="flush_cache_get")  # one OpenAPI operation id per method
     async def flush_cache() -> Response:
         """SGLang's endpoint: empty every worker's prefix cache; refused (400, naming the workers)
         where requests are in flight."""

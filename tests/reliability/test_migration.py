@@ -143,7 +143,8 @@ def _on(url: str, role: str) -> list[str]:
 
 class TestDecodeKilledMidStream:
     @pytest.fixture(scope="class")
-    def cluster(self, tmp_path_factory):
+    @classmethod
+    def cluster(cls, tmp_path_factory):
         c = start_up(tmp_path_factory.mktemp("migration-up"), num_decode=2)
         try:
             c.wait_healthy(workers=3)
@@ -219,7 +220,8 @@ class TestDecodeKilledMidStream:
 
 class TestCannotMigrate:
     @pytest.fixture(scope="class")
-    def cluster(self, tmp_path_factory):
+    @classmethod
+    def cluster(cls, tmp_path_factory):
         c = start_roles(
             tmp_path_factory.mktemp("migration-roles"),
             [("prefill", {}, WORKER_FLAGS)] + [("decode", {}, WORKER_FLAGS)] * 3,
@@ -293,7 +295,8 @@ TRANSFER_TIMEOUT_S = 3.0
 
 class TestTransferRetry:
     @pytest.fixture(scope="class")
-    def cluster(self, tmp_path_factory):
+    @classmethod
+    def cluster(cls, tmp_path_factory):
         # prefill-0 announces every transfer and then holds its data back: the decode's receive
         # times out (--transfer-timeout) and the decode leg fails with code "transfer".
         flags = [*worker_flags(TRANSFER_TIMEOUT_S), "--kv-wait-timeout", "20"]
