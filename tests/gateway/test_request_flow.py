@@ -130,7 +130,7 @@ def test_stop_string_cuts_text_and_aborts_decode(cluster, tokenizer):
     assert out["text"] == "The capital of France is "
     assert out["meta_info"]["finish_reason"] == {"type": "stop", "matched": "Paris"}
     assert tokenizer.decode(out["output_ids"]).endswith("Paris")
-    # The 503 can reach the client before the decode worker's thread has read the request (or its abort).
+    # The reply can reach the client before the decode worker's thread has read the abort.
     deadline = time.monotonic() + 2
     while not (cluster.decode.requests() and cluster.decode.aborted) and time.monotonic() < deadline:
         time.sleep(0.01)
