@@ -52,6 +52,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     )
     p.add_argument("--device", default="cpu")
     p.add_argument(
+        "--attention-backend",
+        default="auto",
+        choices=["auto", "torch", "cpu", "triton"],
+        help="as the workers' flag (auto: the C++ paged decode kernel on CPU where it builds)",
+    )
+    p.add_argument(
         "--enable-torch-compile",
         action="store_true",
         help="pdserve's decode steps through torch.compile (compiled in the warm-up, before any timing)",
@@ -148,7 +154,7 @@ def make_engine(args: argparse.Namespace, loaded: LoadedModel) -> Engine:
         device=args.device,
         max_total_tokens=biggest * per_request + page,
         max_running_requests=max(biggest, 1),
-        attention_backend="auto",
+        attention_backend=args.attention_backend,
         enable_torch_compile=args.enable_torch_compile,
     )
     return Engine(cfg, loaded)
@@ -177,6 +183,7 @@ def main(argv: list[str] | None = None) -> int:
     print(
         f"model {loaded.spec.architecture} ({loaded.folder}), dtype {loaded.dtype}, "
         f"quantization {loaded.quantization}, device {args.device}, "
+        f"attention {type(engine.runner.backend).__name__}, "
         f"torch.compile {'on' if args.enable_torch_compile else 'off'}, "
         f"torch threads {torch.get_num_threads()}, prompt {args.prompt_len}, new tokens {args.new_tokens}",
         flush=True,

@@ -42,7 +42,7 @@ class RuntimeConfig:
     max_running_requests: int = 64
     # Prompt tokens per extend forward; longer prompts are prefilled in chunks.
     chunked_prefill_size: int = 2048
-    attention_backend: str = "auto"  # auto | torch | triton
+    attention_backend: str = "auto"  # auto | torch | cpu | triton
     num_threads: int | None = None  # torch intra-op threads; None: leave torch's default
     context_length: int | None = None  # override the model's
     # Speculative decoding (decode side): None | "NGRAM" | "STANDALONE"
@@ -117,7 +117,11 @@ def add_runtime_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-running-requests", type=int, default=d.max_running_requests)
     parser.add_argument("--chunked-prefill-size", type=int, default=d.chunked_prefill_size)
     parser.add_argument(
-        "--attention-backend", default=d.attention_backend, choices=["auto", "torch", "triton"]
+        "--attention-backend",
+        default=d.attention_backend,
+        choices=["auto", "torch", "cpu", "triton"],
+        help="auto: triton on CUDA; on CPU, cpu (decode attention in C++, reading the KV pool in place; "
+        "built at first use) where it builds, else torch (the reference)",
     )
     parser.add_argument("--num-threads", type=int, default=None, help="torch threads for this process")
     parser.add_argument("--context-length", type=int, default=None)

@@ -122,13 +122,24 @@ class TorchAttention:
 
 
 def make_attention_backend(name: str, device: torch.device) -> AttentionBackend:
-    """`auto`: Triton on CUDA, torch elsewhere."""
+    """`auto`: Triton on CUDA; on CPU the C++ paged decode kernel where it builds, else torch."""
     if name == "auto":
-        name = "triton" if device.type == "cuda" else "torch"
+        if device.type == "cuda":
+            name = "triton"
+        else:
+            from pdserve.kernels import cpu_decode_attention
+
+            name = "cpu" if cpu_decode_attention.load() else "torch"
     if name == "torch":
         return TorchAttention()
+    if name == "cpu":
+        if device.type != "cpu":
+            raise ValueError("--attention-backend cpu runs on CPU only")
+        from pdserve.runtime.attention_cpu import CpuAttention
+
+        return CpuAttention()
     if name == "triton":
         from pdserve.runtime.attention_triton import TritonAttention
 
         return TritonAttention()
-    raise ValueError(f"unknown attention backend {name!r}; choose auto, torch or triton")
+    raise ValueError(f"unknown attention backend {name!r}; choose auto, torch, cpu or triton")

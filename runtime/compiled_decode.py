@@ -7,9 +7,10 @@ over a graph it can see whole, and the eager attention backend writes the KV poo
 graph that mutates a pool of hundreds of MiB either copies it or breaks at each layer.
 
 So the compiled step is a pure function of the pool. Each layer's attention reads the request's cached
-keys and values from the pool (one `index_select` per kind) and appends the new token's own as the
-last key; the new K and V of every layer come back as outputs, and after the graph one `index_copy_`
-per kind writes all layers' into the pool. The model's own modules run unchanged inside the graph; only
+keys and values from the pool and appends the new token's own as the last key: with the C++ paged
+decode kernel (`--attention-backend cpu`, the CPU default) where they lie, else gathered (one
+`index_select` per kind) for SDPA. The new K and V of every layer come back as outputs, and after the
+graph one `index_copy_` per kind writes all layers' into the pool. The model's own modules run unchanged inside the graph; only
 the attention backend differs (`_PooledAttention`).
 
 Decode batches only (one new token per request); extend and verify forwards stay eager. Graphs are
@@ -35,6 +36,7 @@ import torch.fx.experimental._config as fx_config
 import torch.nn.functional as F
 from torch._dynamo.exc import RecompileError
 
+from pdserve.kernels import cpu_decode_attention
 from pdserve.runtime.batch import ForwardBatch
 from pdserve.runtime.kv_pool import KVPool
 
@@ -47,11 +49,18 @@ _WARM_HISTORY = 23
 class _PooledAttention:
     """The attention backend of one traced decode forward: reads the pool, never writes it.
 
-    `key_rows` [B * H] holds the pool row (layer 0's K) of each request's cached position j < H,
-    padded requests pointing anywhere and masked out by `mask` [B, 1, 1, H + 1] (None: all visible)."""
+    `key_rows` [B * H] holds the pool row (layer 0's K) of each request's cached position j < H.
+    With `lens` [B] (the paged kernel), request b sees its first lens[b]; else padded positions point
+    anywhere and are masked out by `mask` [B, 1, 1, H + 1] (None: all visible)."""
 
-    def __init__(self, rows: torch.Tensor, key_rows: torch.Tensor, mask: torch.Tensor | None):
-        self.rows, self.key_rows, self.mask = rows, key_rows, mask
+    def __init__(
+        self,
+        rows: torch.Tensor,
+        key_rows: torch.Tensor,
+        mask: torch.Tensor | None,
+        lens: torch.Tensor | None,
+    ):
+        self.rows, self.key_rows, self.mask, self.lens = rows, key_rows, mask, lens
         self.new_k: list[torch.Tensor] = []
         self.new_v: list[torch.Tensor] = []
 
@@ -63,6 +72,14 @@ class _PooledAttention:
     ) -> torch.Tensor:
         B, Hq, D = q.shape
         Hkv = k.shape[1]
+        self.new_k.append(k)
+        self.new_v.append(v)
+        if self.lens is not None:
+            k_off, v_off = pool.row_offset(layer, 0), pool.row_offset(layer, 1)
+            kr = self.key_rows.view(B, -1)
+            return cpu_decode_attention.paged_decode_attention(
+                q, self.rows, kr, self.lens, k_off, v_off, scale, k, v
+            )
         hist_k = self.rows.index_select(0, self.key_rows + pool.row_offset(layer, 0)).view(B, -1, Hkv, D)
         hist_v = self.rows.index_select(0, self.key_rows + pool.row_offset(layer, 1)).view(B, -1, Hkv, D)
         keys = torch.cat([hist_k, k[:, None]], dim=1).transpose(1, 2)  # [B, Hkv, H + 1, D]
@@ -70,8 +87,6 @@ class _PooledAttention:
         # The G query heads of a KV head as G queries of it (see TorchAttention): [B, Hkv, G, D].
         qg = q.reshape(B, Hkv, Hq // Hkv, D)
         out = F.scaled_dot_product_attention(qg, keys, vals, attn_mask=self.mask, scale=scale)
-        self.new_k.append(k)
-        self.new_v.append(v)
         return out.reshape(B, Hq, D)
 
 
@@ -82,10 +97,11 @@ def _decode_step(
     rows: torch.Tensor,
     key_rows: torch.Tensor,
     mask: torch.Tensor | None,
+    lens: torch.Tensor | None,
     pool: KVPool,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Logits [B, vocab] and every layer's new K and V [num_layers, B, Hkv, D]: the traced function."""
-    attn = _PooledAttention(rows, key_rows, mask)
+    attn = _PooledAttention(rows, key_rows, mask, lens)
     logits = model.run(input_ids, positions, None, pool, attn)
     return logits, torch.stack(attn.new_k), torch.stack(attn.new_v)
 
@@ -93,13 +109,15 @@ def _decode_step(
 class CompiledDecode:
     """Runs decode batches of one model and pool through one compiled function."""
 
-    def __init__(self, model: torch.nn.Module, pool: KVPool, max_batch: int):
+    def __init__(self, model: torch.nn.Module, pool: KVPool, max_batch: int, paged_kernel: bool):
         if pool.kv.device.type != "cpu":
             raise ValueError(
                 "--enable-torch-compile compiles the CPU decode step; on CUDA the Triton attention "
                 "backend runs"
             )
         self.model, self.pool, self.max_batch = model, pool, max_batch
+        # The C++ paged decode attention (lens per request) or a gather and SDPA (a mask).
+        self.paged_kernel = paged_kernel
         # cpp_wrapper: the graph's calls to its kernels and to aten ops are made from generated C++, not
         # Python; at batch 1 that is ~15% of a step (docs/benchmarks.md).
         self._fn = torch.compile(_decode_step, dynamic=True, options={"cpp_wrapper": True})
@@ -121,14 +139,16 @@ class CompiledDecode:
         with torch.inference_mode():
             hist = max(batch.seq_lens_cpu) - 1  # cached positions of the longest request
             key_rows = pool.key_rows(batch.page_table, hist)  # [B * hist]
-            mask = None
-            if batch.batch_size > 1:  # one graph for every B > 1: always masked, uneven or not
+            mask = lens = None
+            if self.paged_kernel:
+                lens = batch.seq_lens.long() - 1  # cached positions each request sees
+            elif batch.batch_size > 1:  # one graph for every B > 1: always masked, uneven or not
                 cached = batch.seq_lens.long()[:, None] - 1  # [B, 1]
                 j = torch.arange(hist)
                 visible = torch.cat([j[None] < cached, torch.ones_like(cached, dtype=torch.bool)], dim=1)
                 mask = visible[:, None, None]  # [B, 1, 1, hist + 1]; the new key, last, always visible
             logits, new_k, new_v = self._call(
-                batch.input_ids.clone(), batch.positions.clone(), key_rows, mask
+                batch.input_ids.clone(), batch.positions.clone(), key_rows, mask, lens
             )
             out = pool.slot_rows(batch.out_cache_loc)[None]  # [1, B]
             rows = pool.rows()
@@ -137,11 +157,16 @@ class CompiledDecode:
         return logits
 
     def _call(
-        self, ids: torch.Tensor, pos: torch.Tensor, key_rows: torch.Tensor, mask: torch.Tensor | None
+        self,
+        ids: torch.Tensor,
+        pos: torch.Tensor,
+        key_rows: torch.Tensor,
+        mask: torch.Tensor | None,
+        lens: torch.Tensor | None,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """One step through the compiled graphs; past warm-up, a step no graph fits runs eagerly (the
         same function, uncompiled) rather than stall the worker for a compilation, and is counted."""
-        args = (self.model, ids, pos, self.pool.rows(), key_rows, mask, self.pool)
+        args = (self.model, ids, pos, self.pool.rows(), key_rows, mask, lens, self.pool)
         out: tuple[torch.Tensor, torch.Tensor, torch.Tensor]
         # No duck sizing: a batch or history that happens to equal one of the pool's dimensions (its
         # page size, layer or head count) must not tie a graph to that size.
@@ -174,8 +199,12 @@ class CompiledDecode:
                 ids = torch.zeros(b, dtype=torch.long)
                 pos = torch.full((b,), _WARM_HISTORY, dtype=torch.long)
                 key_rows = torch.zeros(b * _WARM_HISTORY, dtype=torch.long)
-                mask = None if b == 1 else torch.ones((b, 1, 1, _WARM_HISTORY + 1), dtype=torch.bool)
-                self._call(ids, pos, key_rows, mask)
+                mask = lens = None
+                if self.paged_kernel:
+                    lens = torch.full((b,), _WARM_HISTORY, dtype=torch.long)
+                elif b > 1:
+                    mask = torch.ones((b, 1, 1, _WARM_HISTORY + 1), dtype=torch.bool)
+                self._call(ids, pos, key_rows, mask, lens)
         self.warm = True
         log.info(
             "compiled decode step: batch sizes 1-%d warm in %.1f s",

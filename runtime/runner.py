@@ -13,6 +13,7 @@ import torch
 
 from pdserve.config import RuntimeConfig
 from pdserve.runtime.attention import make_attention_backend
+from pdserve.runtime.attention_cpu import CpuAttention
 from pdserve.runtime.batch import ForwardBatch, ForwardMode
 from pdserve.runtime.compiled_decode import CompiledDecode
 from pdserve.runtime.grammar import GrammarBackend, GrammarMatcher, InvalidGrammar, apply_grammar_masks
@@ -53,11 +54,17 @@ class ModelRunner:
         self.allocator = PageAllocator(num_pages)
         self.pages = RequestPages(self.allocator, cfg.page_size)
         self.backend = make_attention_backend(cfg.attention_backend, self.device)
+        log.info("attention backend: %s", type(self.backend).__name__)
         self.sampler = Sampler()
         # --enable-torch-compile: decode batches through one compiled step (compiled at the first one,
         # or by a worker's `compiled.warm_up()` before it serves); extend and verify forwards stay eager.
         self.compiled = (
-            CompiledDecode(self.model, self.pool, cfg.max_running_requests)
+            CompiledDecode(
+                self.model,
+                self.pool,
+                cfg.max_running_requests,
+                paged_kernel=isinstance(self.backend, CpuAttention),
+            )
             if cfg.enable_torch_compile
             else None
         )

@@ -3,7 +3,9 @@
 Two runners on the same weights, fed the same tokens: every decode step's logits must agree, for a
 batch of uneven requests and for a single one, and the steps after the first read the KV the compiled
 steps wrote into the pool. Compiling takes a while, so one tiny model covers the features the step
-must carry (q/k norm, a head_dim other than hidden / heads, tied embeddings, grouped KV heads)."""
+must carry (q/k norm, a head_dim other than hidden / heads, tied embeddings, grouped KV heads).
+The compiled step runs each CPU attention path: a gather and SDPA (`torch`) and the C++ paged
+kernel (`cpu`); the eager reference is always the torch backend."""
 
 from __future__ import annotations
 
@@ -20,19 +22,16 @@ from pdserve.sampling_params import SamplingParams
 MAX_BATCH = 3
 
 
-@pytest.fixture(scope="module")
-def runners(tiny_folders):
+@pytest.fixture(scope="module", params=["torch", "cpu"])
+def runners(request, tiny_folders):
     loaded = load_model(tiny_folders["qwen3-qknorm"], dtype="float32")
-    base = dict(
-        device="cpu",
-        max_total_tokens=1024,
-        page_size=4,
-        attention_backend="torch",
-        max_running_requests=MAX_BATCH,
+    base = dict(device="cpu", max_total_tokens=1024, page_size=4, max_running_requests=MAX_BATCH)
+    eager = ModelRunner(RuntimeConfig(**base, attention_backend="torch"), loaded)
+    compiled = ModelRunner(
+        RuntimeConfig(**base, attention_backend=request.param, enable_torch_compile=True), loaded
     )
-    eager = ModelRunner(RuntimeConfig(**base), loaded)
-    compiled = ModelRunner(RuntimeConfig(**base, enable_torch_compile=True), loaded)
     assert eager.compiled is None and compiled.compiled is not None
+    assert compiled.compiled.paged_kernel == (request.param == "cpu")
     compiled.compiled.warm_up()
     return eager, compiled
 

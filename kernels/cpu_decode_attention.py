@@ -1,0 +1,140 @@
+"""Paged decode attention on CPU, in C++ (cpu_decode_attention.cpp): the decode step's attention that
+reads the KV pool in place.
+
+The torch path gathers every request's cached K and V rows into a padded copy (`index_select`) and
+runs SDPA on it: at batch 64 and ~200 tokens of context that copy is ~280 MB written and read again
+per step, on top of the reads SDPA needs. This kernel reads each row once from the pool, where it
+lies, and shares it among the query heads of its KV head (docs/benchmarks.md has the numbers).
+
+`paged_decode_attention(q, rows, key_rows, lens, k_offset, v_offset, scale, k_new, v_new)`:
+  q [B, Hq, D]; rows [N, Hkv, D], the pool (`KVPool.rows()`); key_rows [B, H] int64, the pool row of
+  each request's position j (layer 0's K, as `KVPool.key_rows`); lens [B] int64, how many of them
+  request b sees; k_offset / v_offset, the layer's rows (`KVPool.row_offset`); k_new / v_new
+  [B, Hkv, D] or None, one more key and value per request, after the cached ones (the compiled step's
+  new token, not yet in the pool). Returns [B, Hq, D] in q's dtype. fp32, bf16 and fp16.
+
+It is an operator (`torch.ops.pdserve_cpu.paged_decode_attention`) with a fake implementation, so
+`torch.compile` traces through it. The library is compiled on first use (~10 s) with the host's compiler
+and instruction set (`-march=native`), into `TORCH_EXTENSIONS_DIR` (default ~/.cache/torch_extensions)
+under a name that hashes the source, the torch version and the CPU's flags, and reused by later
+processes. Where it cannot be built, `load()` says why once and returns False: `--attention-backend
+auto` then keeps the torch path.
+`paged_decode_attention_ref` is the torch reference with the same signature.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import functools
+import hashlib
+import logging
+import os
+from pathlib import Path
+
+import torch
+
+log = logging.getLogger(__name__)
+
+_SOURCE = Path(__file__).with_name("cpu_decode_attention.cpp")
+
+
+def _cpu_flags() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("flags"):
+                return line
+    except OSError:
+        pass
+    return ""
+
+
+def build_dir() -> Path:
+    """Where this source is built for this torch and CPU: its name hashes all three."""
+    key = hashlib.sha256(_SOURCE.read_bytes() + torch.__version__.encode() + _cpu_flags().encode())
+    base = os.environ.get("TORCH_EXTENSIONS_DIR") or Path.home() / ".cache" / "torch_extensions"
+    return Path(base) / f"pdserve_cpu_decode_attention_{key.hexdigest()[:12]}"
+
+
+@functools.cache
+def load() -> bool:
+    """Build (or reuse) and load the operator; False, logged once, where it cannot be built."""
+    try:
+        from torch.utils import cpp_extension
+
+        build = build_dir()
+        build.mkdir(parents=True, exist_ok=True)
+        # Workers that start together build once: an flock, which the kernel drops with its holder,
+        # so a worker killed mid-build cannot leave the others waiting on torch's own lock file
+        # (removed here, under the flock, if such a worker left one).
+        with open(build / "pdserve.lock", "w") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            (build / "lock").unlink(missing_ok=True)
+            cpp_extension.load(
+                name=build.name,
+                sources=[str(_SOURCE)],
+                # -fopenmp: at::parallel_for is OpenMP code inlined from the headers; the library then
+                # uses the libgomp torch has loaded (same soname), not a second thread pool.
+                extra_cflags=["-O3", "-march=native", "-mprefer-vector-width=512", "-ffast-math", "-fopenmp"],
+                extra_ldflags=["-fopenmp"],
+                build_directory=str(build),
+                is_python_module=False,
+                verbose=False,
+            )
+    except Exception as e:  # no compiler, no ninja, a build error: the torch path still works
+        log.warning("CPU paged decode attention not built, decode attention gathers instead: %s", e)
+        return False
+    torch.library.register_fake("pdserve_cpu::paged_decode_attention")(_fake)
+    return True
+
+
+def _fake(q, rows, key_rows, lens, k_offset, v_offset, scale, k_new=None, v_new=None):  # type: ignore[no-untyped-def]
+    return q.new_empty(q.shape)
+
+
+def paged_decode_attention(
+    q: torch.Tensor,
+    rows: torch.Tensor,
+    key_rows: torch.Tensor,
+    lens: torch.Tensor,
+    k_offset: int,
+    v_offset: int,
+    scale: float,
+    k_new: torch.Tensor | None = None,
+    v_new: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """The C++ operator; `load()` must have returned True."""
+    out: torch.Tensor = torch.ops.pdserve_cpu.paged_decode_attention(
+        q, rows, key_rows, lens, k_offset, v_offset, scale, k_new, v_new
+    )
+    return out
+
+
+def paged_decode_attention_ref(
+    q: torch.Tensor,
+    rows: torch.Tensor,
+    key_rows: torch.Tensor,
+    lens: torch.Tensor,
+    k_offset: int,
+    v_offset: int,
+    scale: float,
+    k_new: torch.Tensor | None = None,
+    v_new: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Torch reference: gather, mask past `lens`, softmax in float32."""
+    B, Hq, D = q.shape
+    Hkv = rows.shape[1]
+    G = Hq // Hkv
+    H = key_rows.shape[1]
+    keys = rows[key_rows + k_offset].float()  # [B, H, Hkv, D]
+    vals = rows[key_rows + v_offset].float()
+    visible = torch.arange(H)[None] < lens[:, None]  # [B, H]
+    if k_new is not None and v_new is not None:
+        keys = torch.cat([keys, k_new.float()[:, None]], 1)
+        vals = torch.cat([vals, v_new.float()[:, None]], 1)
+        visible = torch.cat([visible, torch.ones(B, 1, dtype=torch.bool)], 1)
+    qg = q.float().view(B, Hkv, G, D)
+    s = torch.einsum("bhgd,bthd->bhgt", qg, keys) * scale
+    s = s.masked_fill(~visible[:, None, None], float("-inf"))
+    p = torch.softmax(s, -1).nan_to_num(0.0)  # a request that sees nothing gets zeros
+    out = torch.einsum("bhgt,bthd->bhgd", p, vals)
+    return out.reshape(B, Hq, D).to(q.dtype)

@@ -1,0 +1,49 @@
+"""Attention backend for CPU decode: `make_attention_backend("cpu")`, what `auto` picks on CPU.
+
+Decode batches (one new token per request) run the C++ paged decode attention
+(kernels/cpu_decode_attention.py), which reads every request's cached K and V where they lie in the
+pool. Everything else (prefills, extends over a cached prefix, speculative verifies) is the torch
+backend's, unchanged. `--attention-backend torch` keeps the torch path for decode too: the reference.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from pdserve.kernels import cpu_decode_attention
+from pdserve.runtime.attention import TorchAttention
+from pdserve.runtime.batch import ForwardBatch
+from pdserve.runtime.kv_pool import KVPool
+
+
+class CpuAttention(TorchAttention):
+    def __init__(self) -> None:
+        super().__init__()
+        if not cpu_decode_attention.load():
+            raise RuntimeError("the CPU paged decode attention kernel could not be built (see the log)")
+        self._decode = False
+
+    def prepare(self, batch: ForwardBatch, pool: KVPool) -> None:
+        self._decode = max(batch.extend_lens_cpu) == 1 and batch.input_ids.device.type == "cpu"
+        if not self._decode:
+            super().prepare(batch, pool)
+            return
+        self._batch = batch
+        self._out_rows = pool.slot_rows(batch.out_cache_loc)
+        # [B, max_len] pool row of each position; each request reads its own seq_len of them, the new
+        # token's included (forward writes it first).
+        self._key_rows = pool.key_rows(batch.page_table, max(batch.seq_lens_cpu)).view(batch.batch_size, -1)
+        self._lens = batch.seq_lens.long()
+
+    def forward(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int, pool: KVPool, scale: float
+    ) -> torch.Tensor:
+        if not self._decode:
+            return super().forward(q, k, v, layer, pool, scale)
+        rows = pool.rows()
+        k_off, v_off = pool.row_offset(layer, 0), pool.row_offset(layer, 1)
+        rows.index_copy_(0, self._out_rows + k_off, k)
+        rows.index_copy_(0, self._out_rows + v_off, v)
+        return cpu_decode_attention.paged_decode_attention(
+            q, rows, self._key_rows, self._lens, k_off, v_off, scale
+        )

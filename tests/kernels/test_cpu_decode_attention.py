@@ -1,0 +1,177 @@
+"""The C++ paged decode attention (kernels/cpu_decode_attention.py) against its torch reference, and the
+`cpu` attention backend against the torch backend on the same batches and pool contents."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from pdserve.kernels import cpu_decode_attention as cda
+from pdserve.runtime.attention import TorchAttention, make_attention_backend
+from pdserve.runtime.attention_cpu import CpuAttention
+from pdserve.runtime.batch import ForwardBatch, ForwardMode
+from pdserve.runtime.kv_pool import KVGeometry, KVPool
+
+F32, BF16, F16 = torch.float32, torch.bfloat16, torch.float16
+TOL = {F32: 1e-5, BF16: 2e-2, F16: 2e-3}
+
+
+@pytest.fixture(scope="module", autouse=True)
+def built():
+    # The kernel builds wherever the test suite runs (a C++ compiler is part of the set-up, as for
+    # --enable-torch-compile): a failed build fails here rather than skipping.
+    assert cda.load(), "the CPU paged decode attention did not build"
+
+
+def _case(B, H, hkv, group, dim, dtype, lens, new, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    rows = torch.randn(4 * B * H + 7, hkv, dim, generator=g).to(dtype)
+    # every request's positions at scattered rows, leaving room for the V offset
+    key_rows = torch.randperm(2 * B * H, generator=g)[: B * H].view(B, H).long()
+    q = torch.randn(B, hkv * group, dim, generator=g).to(dtype)
+    k_new = v_new = None
+    if new:
+        k_new = torch.randn(B, hkv, dim, generator=g).to(dtype)
+        v_new = torch.randn(B, hkv, dim, generator=g).to(dtype)
+    args = (q, rows, key_rows, torch.tensor(lens), 3, 2 * B * H + 5, dim**-0.5, k_new, v_new)
+    return args
+
+
+@pytest.mark.parametrize(
+    "B,H,hkv,group,dim,lens,new",
+    [
+        pytest.param(1, 1, 1, 1, 64, [1], False, id="one-key"),
+        pytest.param(3, 37, 3, 3, 64, [37, 5, 20], False, id="gqa-uneven"),
+        pytest.param(4, 200, 1, 8, 128, [200, 199, 1, 77], True, id="mqa-new-key"),
+        pytest.param(2, 9, 2, 1, 32, [0, 9], True, id="only-new-key"),
+        pytest.param(2, 16, 4, 2, 80, [16, 3], True, id="dim80"),
+    ],
+)
+@pytest.mark.parametrize("dtype", [F32, BF16, F16], ids=["fp32", "bf16", "fp16"])
+def test_kernel_matches_reference(B, H, hkv, group, dim, lens, new, dtype):
+    args = _case(B, H, hkv, group, dim, dtype, lens, new)
+    got = cda.paged_decode_attention(*args)
+    ref = cda.paged_decode_attention_ref(*args)
+    assert got.dtype == dtype and got.shape == args[0].shape
+    torch.testing.assert_close(got.float(), ref.float(), rtol=TOL[dtype], atol=TOL[dtype])
+
+
+def test_a_request_that_sees_nothing_gets_zeros():
+    args = _case(2, 4, 1, 2, 64, F32, [0, 4], new=False)
+    out = cda.paged_decode_attention(*args)
+    assert torch.equal(out[0], torch.zeros_like(out[0]))
+    assert out[1].abs().sum() > 0
+
+
+@pytest.mark.parametrize(
+    "change,message",
+    [
+        (lambda a: a.__setitem__(3, torch.tensor([5, 99])), "outside"),  # lens past H
+        (lambda a: a.__setitem__(3, torch.tensor([-1, 2])), "outside"),
+        (lambda a: a[2].__setitem__((0, 0), 10**9), "outside the pool"),
+        (lambda a: a[2].__setitem__((1, 0), -50), "outside the pool"),
+        (lambda a: a.__setitem__(0, a[0].double()), "dtype"),
+        (lambda a: a.__setitem__(3, torch.tensor([1, 2], dtype=torch.int32)), "int64"),
+        (lambda a: a.__setitem__(7, None), "both"),
+        (lambda a: a.__setitem__(0, a[0][:, :3]), "head"),
+    ],
+    ids=[
+        "lens-past-H",
+        "lens-negative",
+        "row-past-pool",
+        "row-negative",
+        "dtype",
+        "lens-int32",
+        "k-without-v",
+        "heads",
+    ],
+)
+def test_bad_arguments_are_errors_not_reads_out_of_bounds(change, message):
+    args = list(_case(2, 5, 2, 2, 64, F32, [5, 2], new=True))
+    change(args)
+    with pytest.raises(RuntimeError, match=message):
+        cda.paged_decode_attention(*args)
+
+
+def test_auto_picks_the_cpu_backend_on_cpu():
+    assert isinstance(make_attention_backend("auto", torch.device("cpu")), CpuAttention)
+    assert type(make_attention_backend("torch", torch.device("cpu"))) is TorchAttention
+
+
+def _run_backends(mode, prefix_lens, extend_lens, kv_heads, group, dim, page, dtype, seed=0):
+    """The cpu and torch backends on one random batch and pool: (outputs, pools) per backend."""
+    g = torch.Generator().manual_seed(seed)
+    geo = KVGeometry(num_layers=2, kv_heads=kv_heads, head_dim=dim, page_size=page, dtype=dtype)
+    seq_lens = [p + e for p, e in zip(prefix_lens, extend_lens)]
+    pages_per = [-(-s // page) for s in seq_lens]
+    num_pages = sum(pages_per) + 3
+    perm = torch.randperm(num_pages, generator=g).tolist()
+    tables = [[perm.pop() for _ in range(n)] for n in pages_per]
+    batch = ForwardBatch.build(mode, [list(range(e)) for e in extend_lens], prefix_lens, tables, page)
+    pools = {name: KVPool(geo, num_pages) for name in ("cpu", "torch")}
+    init = torch.randn(pools["cpu"].kv.shape, generator=g).to(dtype)
+    outs: dict[str, list[torch.Tensor]] = {"cpu": [], "torch": []}
+    backends = {"cpu": CpuAttention(), "torch": TorchAttention()}
+    for name, pool in pools.items():
+        pool.kv.copy_(init)
+        backends[name].prepare(batch, pool)
+    for layer in range(2):
+        T = batch.num_tokens
+        q = torch.randn(T, kv_heads * group, dim, generator=g).to(dtype)
+        k = torch.randn(T, kv_heads, dim, generator=g).to(dtype)
+        v = torch.randn(T, kv_heads, dim, generator=g).to(dtype)
+        for name, pool in pools.items():
+            outs[name].append(backends[name].forward(q, k, v, layer, pool, dim**-0.5))
+    return outs, pools
+
+
+@pytest.mark.parametrize(
+    "mode,prefix,ext,hkv,group,dim,page,dtype",
+    [
+        pytest.param(ForwardMode.DECODE, [0, 16, 40, 7], [1, 1, 1, 1], 2, 3, 64, 16, F32, id="decode"),
+        pytest.param(ForwardMode.DECODE, [130, 1], [1, 1], 1, 8, 64, 1, BF16, id="decode-page1-bf16"),
+        pytest.param(ForwardMode.DECODE, [33], [1], 3, 3, 64, 4, BF16, id="decode-single"),
+        pytest.param(ForwardMode.EXTEND, [0, 21, 5], [9, 1, 30], 1, 8, 64, 16, F32, id="extend-falls-back"),
+        pytest.param(ForwardMode.VERIFY, [5, 31, 0], [4, 4, 4], 2, 3, 64, 16, F32, id="verify-falls-back"),
+    ],
+)
+def test_cpu_backend_matches_torch_backend(mode, prefix, ext, hkv, group, dim, page, dtype):
+    outs, pools = _run_backends(mode, prefix, ext, hkv, group, dim, page, dtype)
+    tol = TOL[dtype]
+    for got, ref in zip(outs["cpu"], outs["torch"]):
+        torch.testing.assert_close(got.float(), ref.float(), rtol=tol, atol=tol)
+    # both wrote the new tokens' K and V at the same places
+    assert torch.equal(pools["cpu"].kv, pools["torch"].kv)
+
+
+def _load_in_subprocess(env_extra: dict[str, str]) -> subprocess.CompletedProcess[str]:
+    code = (
+        "import torch\n"
+        "from pdserve.kernels import cpu_decode_attention as c\n"
+        "from pdserve.runtime.attention import make_attention_backend\n"
+        "print(c.load(), type(make_attention_backend('auto', torch.device('cpu'))).__name__)\n"
+    )
+    env = {**os.environ, **env_extra}
+    return subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+
+
+def test_a_lock_left_by_a_killed_build_does_not_hang_the_next_worker():
+    """torch's own build lock is a file that outlives a worker killed mid-build; the next worker
+    takes the flock (which died with the killed one), clears the stale file and loads."""
+    build = cda.build_dir()
+    (build / "lock").touch()
+    out = _load_in_subprocess({})
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == ["True", "CpuAttention"]
+    assert not (build / "lock").exists()
+
+
+def test_without_a_compiler_auto_keeps_the_torch_path(tmp_path):
+    out = _load_in_subprocess({"TORCH_EXTENSIONS_DIR": str(tmp_path), "CXX": "/bin/false"})
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == ["False", "TorchAttention"]
+    assert "CPU paged decode attention not built" in out.stderr
