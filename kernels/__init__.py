@@ -8,7 +8,11 @@ reference with the same signature (`<name>_ref`):
 - rmsnorm: RMSNorm with an optional fused residual add.
 - rotary: rotary embedding applied in place to q and k.
 
-Who calls them: the Triton attention backend (runtime/attention_triton.py) runs the attention
+One C++ kernel for CPUs (not Triton): cpu_decode_attention, paged decode attention reading the KV pool
+in place, built at first use and registered as a torch operator (`torch.ops.pdserve_cpu`), with its
+torch reference; the `cpu` attention backend (runtime/attention_cpu.py) runs it.
+
+Who calls the Triton kernels: the Triton attention backend (runtime/attention_triton.py) runs the attention
 kernels and the KV store; the model (runtime/models/llama.py) runs rmsnorm and rotary on CUDA.
 
 Modules import triton at import time; this package does not, so `import pdserve.kernels` works

@@ -1,12 +1,15 @@
 // Paged decode attention on CPU: one new query token per request against its cached keys and values,
 // read in place from the KV pool's rows (no gather into a padded copy). See cpu_decode_attention.py.
 //
-// For each request b (one task each, spread over the intra-op threads), every query head at once:
+// For each request b (one task each, spread over the intra-op threads):
 //   pass 1: s[j][t] = scale * q[j] . K[t][j / G]  over the request's lens[b] pool rows (and the new
 //           key, when given), then a softmax per query head;
 //   pass 2: out[j] = sum_t p[j][t] * V[t][j / G].
-// A pool row holds every KV head of one position, contiguous: each K and V row is read once, whole,
-// converted to float and used by all heads. Accumulation is in float.
+// A pool row holds every KV head of one position, contiguous. The AVX-512 path (head sizes 32, 64, 128)
+// walks the request's rows once per KV head and block of its query heads, with the queries (pass 1) or
+// the accumulators (pass 2) in registers; the rows stay in L2 between walks, since a request's K or V of
+// one layer is its length x 384 bytes for the bundled model. The plain path converts each row whole and
+// serves every head from it. Accumulation is in float.
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
@@ -17,7 +20,6 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
-#include <cstring>
 #include <optional>
 #include <vector>
 
