@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import os
 import random
+import re
 
 import pytest
 import torch
@@ -112,3 +114,26 @@ def test_pool_layout_and_views():
     assert rows[pool.slot_rows(slot) + pool.row_offset(2, 0)].eq(0.0).all()
     with pytest.raises(ValueError):
         KVPool(geo, num_pages=0)
+
+
+def _anon_huge_kb() -> int:
+    with open("/proc/self/smaps_rollup") as f:
+        found = re.search(r"AnonHugePages:\s+(\d+) kB", f.read())
+    assert found, "no AnonHugePages line in /proc/self/smaps_rollup"
+    return int(found.group(1))
+
+
+def test_a_cpu_pool_gets_huge_pages_where_linux_grants_them():
+    """Decode attention reads pages scattered over the pool: huge pages spare it TLB misses."""
+    thp = "/sys/kernel/mm/transparent_hugepage/enabled"
+    if (
+        not os.path.exists(thp)
+        or "[never]" in open(thp).read()
+        or not os.path.exists("/proc/self/smaps_rollup")
+    ):
+        pytest.skip("transparent huge pages are off on this host")
+    before = _anon_huge_kb()
+    pool = KVPool(KVGeometry(4, 2, 64, 16, torch.bfloat16), 1024)  # 64 MiB
+    assert pool.huge_pages
+    assert _anon_huge_kb() > before, "no huge page backs the pool"
+    assert not pool.kv.any(), "the pool starts zeroed"
