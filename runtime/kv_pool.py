@@ -47,7 +47,8 @@ def advise_huge_pages(t: torch.Tensor) -> bool:
     libc = ctypes.CDLL(ctypes.util.find_library("c"), use_errno=True)
     start = t.data_ptr() & ~4095  # madvise wants a page-aligned start
     length = t.data_ptr() + t.numel() * t.element_size() - start
-    return libc.madvise(ctypes.c_void_p(start), ctypes.c_size_t(length), _MADV_HUGEPAGE) == 0
+    rc: int = libc.madvise(ctypes.c_void_p(start), ctypes.c_size_t(length), _MADV_HUGEPAGE)
+    return rc == 0
 
 
 class KVPool:
