@@ -24,7 +24,7 @@ class CpuAttention(TorchAttention):
         self._decode = False
 
     def prepare(self, batch: ForwardBatch, pool: KVPool) -> None:
-        self._decode = max(batch.extend_lens_cpu) == 1 and batch.input_ids.device.type == "cpu"
+        self._decode = max(batch.extend_lens_cpu) == 1  # a CPU backend: make_attention_backend checks
         if not self._decode:
             super().prepare(batch, pool)
             return

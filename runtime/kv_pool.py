@@ -9,8 +9,8 @@ For torch indexing, `rows()` views the pool as rows of [kv_heads, head_dim]; tok
 `page * page_size + offset` of layer l's K is row `slot_rows(slot) + row_offset(l, 0)`.
 
 On CPU the pool asks Linux for transparent huge pages (`madvise(MADV_HUGEPAGE)`, before its first
-touch): decode attention reads requests' pages scattered over hundreds of MB, and with 4 KB pages the
-TLB misses cost ~18% of its time at batch 64 (docs/benchmarks.md). Where the kernel or its settings
+touch): decode attention reads requests' pages scattered over hundreds of MB, and huge pages cut its
+time at batch 64 by ~18% (docs/benchmarks.md; fewer TLB misses is the likely cause, not measured). Where the kernel or its settings
 refuse, the pool keeps ordinary pages.
 """
 
