@@ -116,24 +116,35 @@ def test_pool_layout_and_views():
         KVPool(geo, num_pages=0)
 
 
-def _anon_huge_kb() -> int:
-    with open("/proc/self/smaps_rollup") as f:
-        found = re.search(r"AnonHugePages:\s+(\d+) kB", f.read())
-    assert found, "no AnonHugePages line in /proc/self/smaps_rollup"
-    return int(found.group(1))
+def _vma_of(address: int) -> dict[str, str]:
+    """The /proc/self/smaps entry of the mapping that holds `address`, as field -> value."""
+    with open("/proc/self/smaps") as f:
+        text = f.read()
+    for block in re.split(r"\n(?=[0-9a-f]+-[0-9a-f]+ )", text):
+        lo, hi = (int(x, 16) for x in block.split(None, 1)[0].split("-"))
+        if lo <= address < hi:
+            return dict(re.findall(r"^(\w+):\s*(.*)$", block, re.M))
+    raise AssertionError(f"no mapping holds {address:#x}")
 
 
-def test_a_cpu_pool_gets_huge_pages_where_linux_grants_them():
-    """Decode attention reads pages scattered over the pool: huge pages spare it TLB misses."""
+def test_a_cpu_pool_asks_linux_for_huge_pages():
+    """Decode attention reads pages scattered over the pool: huge pages spare it TLB misses.
+
+    The pool's mapping must carry the madvise flag (`hg`) and be THP-eligible. Whether the kernel then
+    grants huge pages at the first touch depends on its free memory (fragmentation), so that part is
+    measured by the benchmark, not asserted here."""
     thp = "/sys/kernel/mm/transparent_hugepage/enabled"
     if (
         not os.path.exists(thp)
         or "[never]" in open(thp).read()
-        or not os.path.exists("/proc/self/smaps_rollup")
+        or not os.path.exists("/proc/self/smaps")
     ):
         pytest.skip("transparent huge pages are off on this host")
-    before = _anon_huge_kb()
     pool = KVPool(KVGeometry(4, 2, 64, 16, torch.bfloat16), 1024)  # 64 MiB
     assert pool.huge_pages
-    assert _anon_huge_kb() > before, "no huge page backs the pool"
+    first, last = pool.kv.data_ptr(), pool.kv.data_ptr() + pool.kv.nbytes - 1
+    for address in (first, last):
+        vma = _vma_of(address)
+        assert "hg" in vma["VmFlags"].split(), f"no MADV_HUGEPAGE on the pool: {vma['VmFlags']}"
+        assert vma.get("THPeligible", "1").strip() == "1"
     assert not pool.kv.any(), "the pool starts zeroed"
