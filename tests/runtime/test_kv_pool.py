@@ -134,11 +134,7 @@ def test_a_cpu_pool_asks_linux_for_huge_pages():
     grants huge pages at the first touch depends on its free memory (fragmentation), so that part is
     measured by the benchmark, not asserted here."""
     thp = "/sys/kernel/mm/transparent_hugepage/enabled"
-    if (
-        not os.path.exists(thp)
-        or "[never]" in open(thp).read()
-        or not os.path.exists("/proc/self/smaps")
-    ):
+    if not os.path.exists(thp) or "[never]" in open(thp).read() or not os.path.exists("/proc/self/smaps"):
         pytest.skip("transparent huge pages are off on this host")
     pool = KVPool(KVGeometry(4, 2, 64, 16, torch.bfloat16), 1024)  # 64 MiB
     assert pool.huge_pages
