@@ -49,6 +49,8 @@ def _case(B, H, hkv, group, dim, dtype, lens, new, seed=0):
         pytest.param(4, 200, 1, 8, 128, [200, 199, 1, 77], True, id="mqa-new-key"),
         pytest.param(2, 9, 2, 1, 32, [0, 9], True, id="only-new-key"),
         pytest.param(2, 16, 4, 2, 80, [16, 3], True, id="dim80"),
+        # several requests a thread: each prefetches the next one's rows while it computes
+        pytest.param(9, 50, 3, 3, 64, [50, 0, 3, 49, 1, 50, 0, 17, 33], True, id="staged-next-rows"),
     ],
 )
 @pytest.mark.parametrize("dtype", [F32, BF16, F16], ids=["fp32", "bf16", "fp16"])
