@@ -14,81 +14,19 @@ lies, and shares it among the query heads of its KV head (docs/benchmarks.md has
   new token, not yet in the pool). Returns [B, Hq, D] in q's dtype. fp32, bf16 and fp16.
 
 It is an operator (`torch.ops.pdserve_cpu.paged_decode_attention`) with a fake implementation, so
-`torch.compile` traces through it. The library is compiled on first use (~10 s) with the host's compiler
-and instruction set (`-march=native`), into `TORCH_EXTENSIONS_DIR` (default ~/.cache/torch_extensions)
-under a name that hashes the source, the torch version and the CPU's flags, and reused by later
-processes. Where it cannot be built, `load()` says why once and returns False: `--attention-backend
+`torch.compile` traces through it. It lives in the `pdserve_cpu` library (kernels/cpu_library.py), built
+on first use; where it cannot be built, `load()` says why once and returns False: `--attention-backend
 auto` then keeps the torch path.
 `paged_decode_attention_ref` is the torch reference with the same signature.
 """
 
 from __future__ import annotations
 
-import fcntl
-import functools
-import hashlib
-import logging
-import os
-from pathlib import Path
-
 import torch
 
-log = logging.getLogger(__name__)
+from pdserve.kernels.cpu_library import build_dir, load
 
-_SOURCE = Path(__file__).with_name("cpu_decode_attention.cpp")
-
-
-def _cpu_flags() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("flags"):
-                return line
-    except OSError:
-        pass
-    return ""
-
-
-def build_dir() -> Path:
-    """Where this source is built for this torch and CPU: its name hashes all three."""
-    key = hashlib.sha256(_SOURCE.read_bytes() + torch.__version__.encode() + _cpu_flags().encode())
-    base = os.environ.get("TORCH_EXTENSIONS_DIR") or Path.home() / ".cache" / "torch_extensions"
-    return Path(base) / f"pdserve_cpu_decode_attention_{key.hexdigest()[:12]}"
-
-
-@functools.cache
-def load() -> bool:
-    """Build (or reuse) and load the operator; False, logged once, where it cannot be built."""
-    try:
-        from torch.utils import cpp_extension
-
-        build = build_dir()
-        build.mkdir(parents=True, exist_ok=True)
-        # Workers that start together build once: an flock, which the kernel drops with its holder,
-        # so a worker killed mid-build cannot leave the others waiting on torch's own lock file
-        # (removed here, under the flock, if such a worker left one).
-        with open(build / "pdserve.lock", "w") as lock:
-            fcntl.flock(lock, fcntl.LOCK_EX)
-            (build / "lock").unlink(missing_ok=True)
-            cpp_extension.load(
-                name=build.name,
-                sources=[str(_SOURCE)],
-                # -fopenmp: at::parallel_for is OpenMP code inlined from the headers; the library then
-                # uses the libgomp torch has loaded (same soname), not a second thread pool.
-                extra_cflags=["-O3", "-march=native", "-mprefer-vector-width=512", "-ffast-math", "-fopenmp"],
-                extra_ldflags=["-fopenmp"],
-                build_directory=str(build),
-                is_python_module=False,
-                verbose=False,
-            )
-    except Exception as e:  # no compiler, no ninja, a build error: the torch path still works
-        log.warning("CPU paged decode attention not built, decode attention gathers instead: %s", e)
-        return False
-    torch.library.register_fake("pdserve_cpu::paged_decode_attention")(_fake)
-    return True
-
-
-def _fake(q, rows, key_rows, lens, k_offset, v_offset, scale, k_new=None, v_new=None):  # type: ignore[no-untyped-def]
-    return q.new_empty(q.shape)
+__all__ = ["build_dir", "load", "paged_decode_attention", "paged_decode_attention_ref"]
 
 
 def paged_decode_attention(

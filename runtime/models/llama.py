@@ -30,8 +30,23 @@ _STACKED = {
 
 def fused_kernels(device: torch.device) -> bool:
     """Whether the Triton RMSNorm and rotary kernels replace the torch ops: on CUDA (one pass over the
-    data each, where torch launches several kernels); on CPU torch's ops are the fast path."""
+    data each, where torch launches several kernels); on CPU see `cpu_fused`."""
     return device.type == "cuda"
+
+
+def cpu_fused(x: torch.Tensor) -> bool:
+    """Whether the C++ RMSNorm, SiLU-and-mul and rotary (kernels/cpu_fused_ops.py) replace the torch ops:
+    on CPU for bf16 / fp16 activations, in eager forwards. fp32 (the exactness reference) keeps torch's
+    ops, and so does the compiled decode step, whose graph inductor fuses itself."""
+    if (
+        x.device.type != "cpu"
+        or x.dtype not in (torch.bfloat16, torch.float16)
+        or torch.compiler.is_compiling()
+    ):
+        return False
+    from pdserve.kernels import cpu_fused_ops
+
+    return cpu_fused_ops.load()
 
 
 class RMSNorm(nn.Module):
@@ -48,6 +63,10 @@ class RMSNorm(nn.Module):
             out = rms_norm(x.reshape(-1, x.shape[-1]), self.weight, self.eps)
             assert isinstance(out, torch.Tensor)  # no residual given: one tensor back
             return out.view(x.shape)
+        if cpu_fused(x):
+            from pdserve.kernels.cpu_fused_ops import rms_norm
+
+            return rms_norm(x, self.weight, self.eps)  # the same roundings as the lines below
         # Normalize in fp32 like transformers, then scale in the input dtype.
         if x.dtype == torch.float32:
             return self.weight * F.rms_norm(x, (x.shape[-1],), eps=self.eps)
@@ -82,7 +101,7 @@ class Rotary(nn.Module):
 
     def prepare(self, positions: torch.Tensor, dtype: torch.dtype) -> None:
         """The cos/sin rows [T, 1, D] of this forward's positions, in the activations' dtype."""
-        if fused_kernels(positions.device):
+        if fused_kernels(positions.device) or cpu_fused(self.cos.new_empty(0, dtype=dtype)):
             return  # the fused kernel reads the table itself
         cos = self.cos[positions].unsqueeze(1).to(dtype)
         sin = self.sin_signed[positions].unsqueeze(1).to(dtype)
@@ -97,7 +116,17 @@ class Rotary(nn.Module):
 
             apply_rotary_(q, k, self.cos, self.sin, positions)
             return q, k
+        if cpu_fused(q):
+            self.rotate_(positions, q)
+            self.rotate_(positions, k)
+            return q, k
         return self.rotate(positions, q), self.rotate(positions, k)
+
+    def rotate_(self, positions: torch.Tensor, x: torch.Tensor) -> None:
+        """x [T, H, D] rotated in place by the C++ kernel (where `cpu_fused(x)`)."""
+        from pdserve.kernels.cpu_fused_ops import rotary_
+
+        rotary_(x, positions, self.cos, self.sin_signed)
 
     def rotate(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         """x [T, H, D] rotated at `positions` (torch ops; the rows `prepare` looked up when they are
@@ -143,6 +172,9 @@ class Attention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         if self.qk_norm or fused_kernels(x.device):
             q, k = rotary(positions, q, k)
+        elif cpu_fused(x):
+            # q and k lie side by side in qkv, a fresh tensor: one rotation in place covers both
+            rotary.rotate_(positions, qkv[:, : (self.nq + self.nkv) * self.hd].view(T, -1, self.hd))
         else:
             # q and k lie side by side in qkv: one rotation covers both heads' sets
             qk = rotary.rotate(positions, qkv[:, : (self.nq + self.nkv) * self.hd].view(T, -1, self.hd))
@@ -159,8 +191,14 @@ class MLP(nn.Module):
         self.down_proj = nn.Linear(spec.intermediate_size, spec.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
-        y: torch.Tensor = self.down_proj(F.silu(gate) * up)
+        gate_up = self.gate_up_proj(x)
+        if cpu_fused(gate_up):
+            from pdserve.kernels.cpu_fused_ops import silu_and_mul
+
+            y: torch.Tensor = self.down_proj(silu_and_mul(gate_up))
+            return y
+        gate, up = gate_up.chunk(2, dim=-1)
+        y = self.down_proj(F.silu(gate) * up)
         return y
 
 

@@ -1,0 +1,217 @@
+// Fused elementwise ops for the CPU forward in bf16 / fp16: each reads its input once and writes its
+// output once, where torch's eager ops make several passes and round to the storage dtype after each.
+// Every op converts to float and computes in float, rounding its intermediate values to the dtype
+// where the eager ops store them, so that it gives the eager path's values (bf16 output is sensitive to
+// where it rounds: one rounding fewer flipped an answer of the bundled model). See cpu_fused_ops.py.
+//
+//   rms_norm(x [T, N], w [N], eps) -> w * normalize(x), normalized in float (transformers' order: the
+//       normalized row is rounded to the dtype before the weight multiplies it, as in the eager path);
+//   silu_and_mul(x [T, 2I]) -> silu(x[:, :I]) * x[:, I:]  [T, I] (silu rounded, then the product);
+//   rotary_(x [T, H, D] (rows of any stride), positions [T], cos [P, D], sin_signed [P, D] float32):
+//       in place, x = x * cos[p] + roll(x, D / 2) * sin_signed[p] (HF's rotate_half form; the tables,
+//       both products and the sum rounded, as eager computes it from the tables cast to x's dtype).
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <c10/util/BFloat16.h>
+#include <c10/util/Half.h>
+#include <torch/library.h>
+
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+namespace {
+
+template <typename T>
+inline void load_row(const T* src, float* dst, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) dst[i] = static_cast<float>(src[i]);
+}
+
+// bfloat16 is the top half of a float: a shift each way (round to nearest even on the way back),
+// loops the compiler vectorizes.
+template <>
+inline void load_row<c10::BFloat16>(const c10::BFloat16* src, float* dst, int64_t n) {
+  const uint16_t* s = reinterpret_cast<const uint16_t*>(src);
+  uint32_t* d = reinterpret_cast<uint32_t*>(dst);
+  for (int64_t i = 0; i < n; ++i) d[i] = static_cast<uint32_t>(s[i]) << 16;
+}
+
+template <typename T>
+inline void store_row(const float* src, T* dst, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) dst[i] = static_cast<T>(src[i]);
+}
+
+template <>
+inline void store_row<c10::BFloat16>(const float* src, c10::BFloat16* dst, int64_t n) {
+  const uint32_t* s = reinterpret_cast<const uint32_t*>(src);
+  uint16_t* d = reinterpret_cast<uint16_t*>(dst);
+  for (int64_t i = 0; i < n; ++i) {
+    const uint32_t u = s[i];
+    const bool nan = (u & 0x7fffffffu) > 0x7f800000u;
+    const uint32_t rounded = (u + 0x7fffu + ((u >> 16) & 1u)) >> 16;
+    d[i] = static_cast<uint16_t>(nan ? ((u >> 16) | 0x40u) : rounded);
+  }
+}
+
+// x rounded to T's precision and back: the rounding an eager op's output in T makes.
+template <typename T>
+inline float round_to(float x) {
+  return static_cast<float>(static_cast<T>(x));
+}
+
+template <>
+inline float round_to<float>(float x) {
+  return x;
+}
+
+template <>
+inline float round_to<c10::BFloat16>(float x) {  // to nearest even; NaN and inf stay what they are
+  uint32_t u;
+  std::memcpy(&u, &x, 4);
+  if ((u & 0x7fffffffu) < 0x7f800000u) u = (u + 0x7fffu + ((u >> 16) & 1u)) & 0xffff0000u;
+  std::memcpy(&x, &u, 4);
+  return x;
+}
+
+// Rows split over the intra-op threads; each thread has a float buffer of `width` per row in flight.
+template <typename F>
+void for_rows(int64_t rows, int64_t width, const F& f) {
+  const int64_t grain = std::max<int64_t>(1, 16384 / std::max<int64_t>(width, 1));
+  at::parallel_for(0, rows, grain, [&](int64_t begin, int64_t end) {
+    std::vector<float> buf(2 * width);
+    for (int64_t r = begin; r < end; ++r) f(r, buf.data());
+  });
+}
+
+template <typename T>
+void rms_norm_impl(const T* x, const T* w, T* out, int64_t rows, int64_t n, int64_t x_stride, float eps) {
+  std::vector<float> wf(n);
+  load_row(w, wf.data(), n);
+  for_rows(rows, n, [&](int64_t r, float* buf) {
+    float* v = buf;
+    load_row(x + r * x_stride, v, n);
+    float ss = 0.f;
+    for (int64_t i = 0; i < n; ++i) ss += v[i] * v[i];
+    const float inv = 1.f / std::sqrt(ss / static_cast<float>(n) + eps);
+    for (int64_t i = 0; i < n; ++i) v[i] *= inv;
+    // the normalized row in the dtype, then times the weight: the eager path's two roundings
+    T* o = out + r * n;
+    store_row(v, o, n);
+    load_row(o, v, n);
+    for (int64_t i = 0; i < n; ++i) v[i] *= wf[i];
+    store_row(v, o, n);
+  });
+}
+
+template <typename T>
+void silu_and_mul_impl(const T* x, T* out, int64_t rows, int64_t inter, int64_t x_stride) {
+  for_rows(rows, inter, [&](int64_t r, float* buf) {
+    float* g = buf;
+    float* u = buf + inter;
+    load_row(x + r * x_stride, g, inter);
+    load_row(x + r * x_stride + inter, u, inter);
+    for (int64_t i = 0; i < inter; ++i) g[i] = g[i] / (1.f + std::exp(-g[i]));
+    T* o = out + r * inter;
+    store_row(g, o, inter);  // silu in the dtype, then the product: the eager path's two roundings
+    load_row(o, g, inter);
+    for (int64_t i = 0; i < inter; ++i) g[i] *= u[i];
+    store_row(g, o, inter);
+  });
+}
+
+template <typename T>
+void rotary_impl(T* x, const int64_t* pos, const float* cos, const float* sin, int64_t T_, int64_t H,
+                 int64_t D, int64_t s0, int64_t s1, int64_t max_pos) {
+  const int64_t half = D / 2;
+  for_rows(T_, H * D, [&](int64_t t, float* buf) {
+    const int64_t p = pos[t];
+    const float* c = cos + p * D;
+    const float* s = sin + p * D;
+    float* v = buf;
+    float* o = buf + D;
+    for (int64_t h = 0; h < H; ++h) {
+      T* row = x + t * s0 + h * s1;
+      load_row(row, v, D);
+      for (int64_t i = 0; i < half; ++i)
+        o[i] = round_to<T>(v[i] * round_to<T>(c[i])) + round_to<T>(v[i + half] * round_to<T>(s[i]));
+      for (int64_t i = half; i < D; ++i)
+        o[i] = round_to<T>(v[i] * round_to<T>(c[i])) + round_to<T>(v[i - half] * round_to<T>(s[i]));
+      store_row(o, row, D);
+    }
+  });
+  (void)max_pos;
+}
+
+void check_reduced(const at::Tensor& x, const char* op) {
+  TORCH_CHECK(x.device().is_cpu(), op, " runs on CPU");
+  TORCH_CHECK(x.scalar_type() == at::kBFloat16 || x.scalar_type() == at::kHalf || x.scalar_type() == at::kFloat,
+              op, ": unsupported dtype ", x.scalar_type());
+}
+
+#define PDSERVE_DISPATCH(dtype, ...)                                    \
+  switch (dtype) {                                                      \
+    case at::kFloat: { using T = float; __VA_ARGS__; break; }           \
+    case at::kBFloat16: { using T = c10::BFloat16; __VA_ARGS__; break; } \
+    case at::kHalf: { using T = c10::Half; __VA_ARGS__; break; }        \
+    default: TORCH_CHECK(false, "unsupported dtype ", dtype);           \
+  }
+
+at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
+  check_reduced(x, "rms_norm");
+  TORCH_CHECK(x.dim() >= 1 && weight.dim() == 1 && weight.size(0) == x.size(-1), "rms_norm: x [..., N], weight [N]");
+  TORCH_CHECK(weight.scalar_type() == x.scalar_type(), "rms_norm: weight and x must share a dtype");
+  const int64_t n = x.size(-1);
+  at::Tensor x2 = x.reshape({-1, n});
+  if (x2.stride(1) != 1) x2 = x2.contiguous();
+  auto w = weight.contiguous();
+  auto out = at::empty({x2.size(0), n}, x.options());
+  PDSERVE_DISPATCH(x.scalar_type(), rms_norm_impl<T>(x2.data_ptr<T>(), w.data_ptr<T>(), out.data_ptr<T>(),
+                                                     x2.size(0), n, x2.stride(0), static_cast<float>(eps)));
+  return out.view(x.sizes());
+}
+
+at::Tensor silu_and_mul(const at::Tensor& x) {
+  check_reduced(x, "silu_and_mul");
+  TORCH_CHECK(x.dim() == 2 && x.size(1) % 2 == 0, "silu_and_mul: x must be [T, 2 * I]");
+  at::Tensor xc = x.stride(1) == 1 ? x : x.contiguous();
+  const int64_t inter = x.size(1) / 2;
+  auto out = at::empty({x.size(0), inter}, x.options());
+  PDSERVE_DISPATCH(x.scalar_type(), silu_and_mul_impl<T>(xc.data_ptr<T>(), out.data_ptr<T>(), xc.size(0), inter,
+                                                         xc.stride(0)));
+  return out;
+}
+
+void rotary_(const at::Tensor& x, const at::Tensor& positions, const at::Tensor& cos, const at::Tensor& sin_signed) {
+  check_reduced(x, "rotary_");
+  TORCH_CHECK(x.dim() == 3 && x.stride(2) == 1 && x.size(2) % 2 == 0, "rotary_: x must be [T, H, D] with unit stride in D");
+  TORCH_CHECK(positions.dim() == 1 && positions.size(0) == x.size(0) && positions.scalar_type() == at::kLong,
+              "rotary_: positions must be int64 [T]");
+  TORCH_CHECK(cos.dim() == 2 && cos.sizes() == sin_signed.sizes() && cos.size(1) == x.size(2) &&
+                  cos.scalar_type() == at::kFloat && sin_signed.scalar_type() == at::kFloat,
+              "rotary_: cos and sin_signed must be float32 [P, D]");
+  auto c = cos.contiguous();
+  auto s = sin_signed.contiguous();
+  auto pos = positions.contiguous();
+  const int64_t* pp = pos.data_ptr<int64_t>();
+  for (int64_t t = 0; t < pos.size(0); ++t)
+    TORCH_CHECK(pp[t] >= 0 && pp[t] < c.size(0), "rotary_: position ", pp[t], " is outside the table");
+  PDSERVE_DISPATCH(x.scalar_type(), rotary_impl<T>(x.data_ptr<T>(), pp, c.data_ptr<float>(), s.data_ptr<float>(),
+                                                   x.size(0), x.size(1), x.size(2), x.stride(0), x.stride(1),
+                                                   c.size(0)));
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(pdserve_cpu, m) {
+  m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor");
+  m.def("silu_and_mul(Tensor x) -> Tensor");
+  m.def("rotary_(Tensor(a!) x, Tensor positions, Tensor cos, Tensor sin_signed) -> ()");
+}
+
+TORCH_LIBRARY_IMPL(pdserve_cpu, CPU, m) {
+  m.impl("rms_norm", &rms_norm);
+  m.impl("silu_and_mul", &silu_and_mul);
+  m.impl("rotary_", &rotary_);
+}

@@ -1,0 +1,94 @@
+"""The `pdserve_cpu` operator library: C++ CPU kernels built on first use.
+
+Sources: cpu_decode_attention.cpp (paged decode attention) and cpu_fused_ops.cpp (RMSNorm, SiLU-and-mul
+and rotary in one pass each). `load()` compiles them (~20 s) with the host's compiler and instruction
+set (`-march=native`) into `TORCH_EXTENSIONS_DIR` (default ~/.cache/torch_extensions), under a name that
+hashes the sources, the torch version and the CPU's flags, and later processes reuse the build. Where
+it cannot be built (no compiler, a build error), `load()` says why once and returns False, and every
+caller keeps its torch path. Each operator has a fake implementation, so `torch.compile` traces
+through them.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import functools
+import hashlib
+import logging
+import os
+from pathlib import Path
+
+import torch
+
+log = logging.getLogger(__name__)
+
+_SOURCES = [Path(__file__).with_name(n) for n in ("cpu_decode_attention.cpp", "cpu_fused_ops.cpp")]
+
+
+def _cpu_flags() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("flags"):
+                return line
+    except OSError:
+        pass
+    return ""
+
+
+def build_dir() -> Path:
+    """Where these sources are built for this torch and CPU: its name hashes all three."""
+    key = hashlib.sha256(b"".join(p.read_bytes() for p in _SOURCES))
+    key.update(torch.__version__.encode() + _cpu_flags().encode())
+    base = os.environ.get("TORCH_EXTENSIONS_DIR") or Path.home() / ".cache" / "torch_extensions"
+    return Path(base) / f"pdserve_cpu_{key.hexdigest()[:12]}"
+
+
+@functools.cache
+def load() -> bool:
+    """Build (or reuse) and load the library; False, logged once, where it cannot be built."""
+    try:
+        from torch.utils import cpp_extension
+
+        build = build_dir()
+        build.mkdir(parents=True, exist_ok=True)
+        # Workers that start together build once: an flock, which the kernel drops with its holder,
+        # so a worker killed mid-build cannot leave the others waiting on torch's own lock file
+        # (removed here, under the flock, if such a worker left one).
+        with open(build / "pdserve.lock", "w") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            (build / "lock").unlink(missing_ok=True)
+            cpp_extension.load(
+                name=build.name,
+                sources=[str(p) for p in _SOURCES],
+                # -fopenmp: at::parallel_for is OpenMP code inlined from the headers; the library then
+                # uses the libgomp torch has loaded (same soname), not a second thread pool.
+                extra_cflags=["-O3", "-march=native", "-mprefer-vector-width=512", "-ffast-math", "-fopenmp"],
+                extra_ldflags=["-fopenmp"],
+                build_directory=str(build),
+                is_python_module=False,
+                verbose=False,
+            )
+    except Exception as e:  # no compiler, no ninja, a build error: the torch paths still work
+        log.warning("the pdserve_cpu kernels were not built, the torch paths run instead: %s", e)
+        return False
+    torch.library.register_fake("pdserve_cpu::paged_decode_attention")(_attention_fake)
+    torch.library.register_fake("pdserve_cpu::rms_norm")(_rms_norm_fake)
+    torch.library.register_fake("pdserve_cpu::silu_and_mul")(_silu_and_mul_fake)
+    torch.library.register_fake("pdserve_cpu::rotary_")(_rotary_fake)
+    return True
+
+
+def _attention_fake(q, rows, key_rows, lens, k_offset, v_offset, scale, k_new=None, v_new=None):  # type: ignore[no-untyped-def]
+    return q.new_empty(q.shape)
+
+
+def _rms_norm_fake(x, weight, eps):  # type: ignore[no-untyped-def]
+    return x.new_empty(x.shape)
+
+
+def _silu_and_mul_fake(x):  # type: ignore[no-untyped-def]
+    return x.new_empty(x.shape[0], x.shape[1] // 2)
+
+
+def _rotary_fake(x, positions, cos, sin_signed):  # type: ignore[no-untyped-def]
+    return None
