@@ -64,9 +64,9 @@ class RMSNorm(nn.Module):
             assert isinstance(out, torch.Tensor)  # no residual given: one tensor back
             return out.view(x.shape)
         if cpu_fused(x):
-            from pdserve.kernels.cpu_fused_ops import rms_norm
+            from pdserve.kernels import cpu_fused_ops
 
-            return rms_norm(x, self.weight, self.eps)  # the same roundings as the lines below
+            return cpu_fused_ops.rms_norm(x, self.weight, self.eps)  # the same roundings as below
         # Normalize in fp32 like transformers, then scale in the input dtype.
         if x.dtype == torch.float32:
             return self.weight * F.rms_norm(x, (x.shape[-1],), eps=self.eps)
