@@ -1,7 +1,7 @@
 """The `pdserve_cpu` operator library: C++ CPU kernels built on first use.
 
-Sources: cpu_decode_attention.cpp (paged decode attention) and cpu_fused_ops.cpp (RMSNorm, SiLU-and-mul
-and rotary in one pass each). `load()` compiles them (~20 s) with the host's compiler and instruction
+Sources: cpu_decode_attention.cpp (paged decode attention), cpu_fused_ops.cpp (RMSNorm, SiLU-and-mul
+and rotary in one pass each) and cpu_sampling.cpp (greedy sampling). `load()` compiles them (~20 s) with the host's compiler and instruction
 set (`-march=native`) into `TORCH_EXTENSIONS_DIR` (default ~/.cache/torch_extensions), under a name that
 hashes the sources, the torch version and the CPU's flags, and later processes reuse the build. Where
 it cannot be built (no compiler, a build error), `load()` says why once and returns False, and every
@@ -22,7 +22,9 @@ import torch
 
 log = logging.getLogger(__name__)
 
-_SOURCES = [Path(__file__).with_name(n) for n in ("cpu_decode_attention.cpp", "cpu_fused_ops.cpp")]
+_SOURCES = [
+    Path(__file__).with_name(n) for n in ("cpu_decode_attention.cpp", "cpu_fused_ops.cpp", "cpu_sampling.cpp")
+]
 
 
 def _cpu_flags() -> str:
@@ -75,6 +77,7 @@ def load() -> bool:
     torch.library.register_fake("pdserve_cpu::rms_norm")(_rms_norm_fake)
     torch.library.register_fake("pdserve_cpu::silu_and_mul")(_silu_and_mul_fake)
     torch.library.register_fake("pdserve_cpu::rotary_")(_rotary_fake)
+    torch.library.register_fake("pdserve_cpu::greedy")(_greedy_fake)
     return True
 
 
@@ -92,3 +95,7 @@ def _silu_and_mul_fake(x):  # type: ignore[no-untyped-def]
 
 def _rotary_fake(x, positions, cos, sin_signed):  # type: ignore[no-untyped-def]
     return None
+
+
+def _greedy_fake(logits):  # type: ignore[no-untyped-def]
+    return logits.new_empty(logits.shape[0], dtype=torch.long)

@@ -55,6 +55,12 @@ class ModelRunner:
         self.pages = RequestPages(self.allocator, cfg.page_size)
         self.backend = make_attention_backend(cfg.attention_backend, self.device)
         log.info("attention backend: %s", type(self.backend).__name__)
+        if self.device.type == "cpu":
+            # The C++ kernels (fused ops, greedy sampling; the attention's with `auto`): built or loaded
+            # now, so that no request waits for a build. Where they cannot be, the torch paths run.
+            from pdserve.kernels import cpu_library
+
+            cpu_library.load()
         self.sampler = Sampler()
         # --enable-torch-compile: decode batches through one compiled step (compiled at the first one,
         # or by a worker's `compiled.warm_up()` before it serves); extend and verify forwards stay eager.

@@ -373,6 +373,17 @@ def _hash_uniform(
 
 
 def _greedy(logits: torch.Tensor) -> torch.Tensor:
-    """[B] index of each row's largest logit, the first of equal ones (as `argmax`). `max` over the
-    row: on CPU 2-3x faster than `argmax` for a 49k vocabulary at batch 64 (torch 2.13)."""
+    """[B] index of each row's largest logit, the first of equal ones (as `argmax`). On CPU the C++
+    kernel (kernels/cpu_sampling.py), where it is built; else `max` over the row, on CPU 2-3x faster
+    than `argmax` for a 49k vocabulary at batch 64 (torch 2.13)."""
+    if (
+        logits.device.type == "cpu"
+        and logits.dtype == torch.float32
+        and logits.dim() == 2
+        and logits.shape[1]
+    ):
+        from pdserve.kernels import cpu_sampling
+
+        if cpu_sampling.load():
+            return cpu_sampling.greedy(logits)
     return logits.max(dim=-1).indices
