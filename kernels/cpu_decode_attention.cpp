@@ -34,20 +34,11 @@
 #include <immintrin.h>
 #endif
 
+#include "cpu_rows.h"
+
 namespace {
 
-template <typename T>
-inline void to_float(const T* src, float* dst, int64_t n) {
-  for (int64_t i = 0; i < n; ++i) dst[i] = static_cast<float>(src[i]);
-}
-
-// bfloat16 is the top half of a float: a shift, which the compiler vectorizes.
-template <>
-inline void to_float<c10::BFloat16>(const c10::BFloat16* src, float* dst, int64_t n) {
-  const uint16_t* s = reinterpret_cast<const uint16_t*>(src);
-  uint32_t* d = reinterpret_cast<uint32_t*>(dst);
-  for (int64_t i = 0; i < n; ++i) d[i] = static_cast<uint32_t>(s[i]) << 16;
-}
+using pdserve_rows::load_row;
 
 // Rows lie where their pages are, in no order the hardware prefetcher can follow from one page to the
 // next: ask for a row a few positions ahead while this one is computed.
@@ -142,7 +133,7 @@ void attend_request(const Request<T>& r, const float* qf, float* s, float* kv, f
   // pass 1: scores of every query head (head j reads KV head j / G) against each key row
   for (int64_t t = 0; t < total; ++t) {
     r.prefetch_key(t + kPrefetchAhead);
-    to_float(r.key(t), kv, r.row);
+    load_row(r.key(t), kv, r.row);
     for (int64_t h = 0, j = 0; h < Hkv; ++h)
       for (int64_t g = 0; g < G; ++g, ++j) s[j * total + t] = dot(qf + j * D, kv + h * D, D);
   }
@@ -151,7 +142,7 @@ void attend_request(const Request<T>& r, const float* qf, float* s, float* kv, f
   std::fill(acc, acc + Hq * D, 0.f);
   for (int64_t t = 0; t < total; ++t) {
     r.prefetch_value(t + kPrefetchAhead);
-    to_float(r.value(t), kv, r.row);
+    load_row(r.value(t), kv, r.row);
     for (int64_t h = 0, j = 0; h < Hkv; ++h) {
       const float* vr = kv + h * D;
       for (int64_t g = 0; g < G; ++g, ++j) {
@@ -253,7 +244,7 @@ void attend(const T* q, const T* rows, const int64_t* key_rows, const int64_t* l
         continue;
       }
       s.resize(Hq * r.total);
-      to_float(q + b * Hq * D, qf.data(), Hq * D);
+      load_row(q + b * Hq * D, qf.data(), Hq * D);
       for (int64_t i = 0; i < Hq * D; ++i) qf[i] *= scale;
 #if defined(__AVX512F__)
       if (D == 64 || D == 128 || D == 32) {

@@ -25,6 +25,7 @@ log = logging.getLogger(__name__)
 _SOURCES = [
     Path(__file__).with_name(n) for n in ("cpu_decode_attention.cpp", "cpu_fused_ops.cpp", "cpu_sampling.cpp")
 ]
+_HEADERS = [Path(__file__).with_name("cpu_rows.h")]
 
 
 def _cpu_flags() -> str:
@@ -39,7 +40,7 @@ def _cpu_flags() -> str:
 
 def build_dir() -> Path:
     """Where these sources are built for this torch and CPU: its name hashes all three."""
-    key = hashlib.sha256(b"".join(p.read_bytes() for p in _SOURCES))
+    key = hashlib.sha256(b"".join(p.read_bytes() for p in _SOURCES + _HEADERS))
     key.update(torch.__version__.encode() + _cpu_flags().encode())
     base = os.environ.get("TORCH_EXTENSIONS_DIR") or Path.home() / ".cache" / "torch_extensions"
     return Path(base) / f"pdserve_cpu_{key.hexdigest()[:12]}"

@@ -90,7 +90,7 @@ def test_context_builds_a_complete_package(tmp_path):
                 f"{module} is missing from the image"
             )
     # C++ sources are built at first use on the host: they ship as files.
-    for source in (REPO / "kernels").glob("*.cpp"):
+    for source in [*(REPO / "kernels").glob("*.cpp"), *(REPO / "kernels").glob("*.h")]:
         assert f"pdserve/kernels/{source.name}" in names, f"{source} is missing from the image"
     entry = next(n for n in names if n.endswith("entry_points.txt"))
     assert "pdserve = pdserve.cli:main" in zipfile.ZipFile(wheel).read(entry).decode()
