@@ -342,7 +342,7 @@ def test_refused_updates_change_nothing(cluster, ckpts, engine, tmp_path):
     for _ in range(5):
         first: dict = {}
         t = threading.Thread(
-            target=lambda: first.update(
+            target=lambda into=first: into.update(
                 r=admin(cluster, "/update_weights_from_disk", {"model_path": b, "weight_version": "E"})
             )
         )
