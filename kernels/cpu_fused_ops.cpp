@@ -19,7 +19,6 @@
 
 #include <cmath>
 #include <cstdint>
-#include <cstring>
 #include <vector>
 
 #include "cpu_rows.h"
@@ -27,27 +26,8 @@
 namespace {
 
 using pdserve_rows::load_row;
+using pdserve_rows::round_to;
 using pdserve_rows::store_row;
-
-// x rounded to T's precision and back: the rounding an eager op's output in T makes.
-template <typename T>
-inline float round_to(float x) {
-  return static_cast<float>(static_cast<T>(x));
-}
-
-template <>
-inline float round_to<float>(float x) {
-  return x;
-}
-
-template <>
-inline float round_to<c10::BFloat16>(float x) {  // to nearest even; NaN and inf stay what they are
-  uint32_t u;
-  std::memcpy(&u, &x, 4);
-  if ((u & 0x7fffffffu) < 0x7f800000u) u = (u + 0x7fffu + ((u >> 16) & 1u)) & 0xffff0000u;
-  std::memcpy(&x, &u, 4);
-  return x;
-}
 
 // Rows split over the intra-op threads; each thread has a float buffer of `width` per row in flight.
 template <typename F>
@@ -97,7 +77,7 @@ void silu_and_mul_impl(const T* x, T* out, int64_t rows, int64_t inter, int64_t 
 
 template <typename T>
 void rotary_impl(T* x, const int64_t* pos, const float* cos, const float* sin, int64_t T_, int64_t H,
-                 int64_t D, int64_t s0, int64_t s1, int64_t max_pos) {
+                 int64_t D, int64_t s0, int64_t s1) {
   const int64_t half = D / 2;
   for_rows(T_, H * D, [&](int64_t t, float* buf) {
     const int64_t p = pos[t];
@@ -115,10 +95,9 @@ void rotary_impl(T* x, const int64_t* pos, const float* cos, const float* sin, i
       store_row(o, row, D);
     }
   });
-  (void)max_pos;
 }
 
-void check_reduced(const at::Tensor& x, const char* op) {
+void check_input(const at::Tensor& x, const char* op) {
   TORCH_CHECK(x.device().is_cpu(), op, " runs on CPU");
   TORCH_CHECK(x.scalar_type() == at::kBFloat16 || x.scalar_type() == at::kHalf || x.scalar_type() == at::kFloat,
               op, ": unsupported dtype ", x.scalar_type());
@@ -133,7 +112,7 @@ void check_reduced(const at::Tensor& x, const char* op) {
   }
 
 at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
-  check_reduced(x, "rms_norm");
+  check_input(x, "rms_norm");
   TORCH_CHECK(x.dim() >= 1 && weight.dim() == 1 && weight.size(0) == x.size(-1), "rms_norm: x [..., N], weight [N]");
   TORCH_CHECK(weight.scalar_type() == x.scalar_type(), "rms_norm: weight and x must share a dtype");
   const int64_t n = x.size(-1);
@@ -147,7 +126,7 @@ at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
 }
 
 at::Tensor silu_and_mul(const at::Tensor& x) {
-  check_reduced(x, "silu_and_mul");
+  check_input(x, "silu_and_mul");
   TORCH_CHECK(x.dim() == 2 && x.size(1) % 2 == 0, "silu_and_mul: x must be [T, 2 * I]");
   at::Tensor xc = x.stride(1) == 1 ? x : x.contiguous();
   const int64_t inter = x.size(1) / 2;
@@ -158,7 +137,7 @@ at::Tensor silu_and_mul(const at::Tensor& x) {
 }
 
 void rotary_(const at::Tensor& x, const at::Tensor& positions, const at::Tensor& cos, const at::Tensor& sin_signed) {
-  check_reduced(x, "rotary_");
+  check_input(x, "rotary_");
   TORCH_CHECK(x.dim() == 3 && x.stride(2) == 1 && x.size(2) % 2 == 0, "rotary_: x must be [T, H, D] with unit stride in D");
   TORCH_CHECK(positions.dim() == 1 && positions.size(0) == x.size(0) && positions.scalar_type() == at::kLong,
               "rotary_: positions must be int64 [T]");
@@ -172,8 +151,7 @@ void rotary_(const at::Tensor& x, const at::Tensor& positions, const at::Tensor&
   for (int64_t t = 0; t < pos.size(0); ++t)
     TORCH_CHECK(pp[t] >= 0 && pp[t] < c.size(0), "rotary_: position ", pp[t], " is outside the table");
   PDSERVE_DISPATCH(x.scalar_type(), rotary_impl<T>(x.data_ptr<T>(), pp, c.data_ptr<float>(), s.data_ptr<float>(),
-                                                   x.size(0), x.size(1), x.size(2), x.stride(0), x.stride(1),
-                                                   c.size(0)));
+                                                   x.size(0), x.size(1), x.size(2), x.stride(0), x.stride(1)));
 }
 
 }  // namespace

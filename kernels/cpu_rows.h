@@ -6,8 +6,37 @@
 #include <c10/util/Half.h>
 
 #include <cstdint>
+#include <cstring>
 
 namespace pdserve_rows {
+
+// NaN by its bits: the library is built with -ffast-math, under which std::isnan may fold to false.
+inline bool is_nan_bits(uint32_t u) { return (u & 0x7fffffffu) > 0x7f800000u; }
+
+// A float's bits rounded to bfloat16 (to nearest even), as the top 16 bits; NaN stays a (quiet) NaN.
+inline uint32_t bf16_bits(uint32_t u) {
+  return is_nan_bits(u) ? ((u >> 16) | 0x40u) : (u + 0x7fffu + ((u >> 16) & 1u)) >> 16;
+}
+
+// x rounded to T's precision and back: the rounding an eager op's output in T makes.
+template <typename T>
+inline float round_to(float x) {
+  return static_cast<float>(static_cast<T>(x));
+}
+
+template <>
+inline float round_to<float>(float x) {
+  return x;
+}
+
+template <>
+inline float round_to<c10::BFloat16>(float x) {
+  uint32_t u;
+  std::memcpy(&u, &x, 4);
+  u = bf16_bits(u) << 16;
+  std::memcpy(&x, &u, 4);
+  return x;
+}
 
 template <typename T>
 inline void load_row(const T* src, float* dst, int64_t n) {
@@ -30,12 +59,7 @@ template <>
 inline void store_row<c10::BFloat16>(const float* src, c10::BFloat16* dst, int64_t n) {
   const uint32_t* s = reinterpret_cast<const uint32_t*>(src);
   uint16_t* d = reinterpret_cast<uint16_t*>(dst);
-  for (int64_t i = 0; i < n; ++i) {
-    const uint32_t u = s[i];
-    const bool nan = (u & 0x7fffffffu) > 0x7f800000u;
-    const uint32_t rounded = (u + 0x7fffu + ((u >> 16) & 1u)) >> 16;
-    d[i] = static_cast<uint16_t>(nan ? ((u >> 16) | 0x40u) : rounded);
-  }
+  for (int64_t i = 0; i < n; ++i) d[i] = static_cast<uint16_t>(bf16_bits(s[i]));
 }
 
 }  // namespace pdserve_rows

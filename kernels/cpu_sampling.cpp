@@ -16,13 +16,14 @@
 #include <immintrin.h>
 #endif
 
+#include "cpu_rows.h"
+
 namespace {
 
-// By its bits: the library is built with -ffast-math, under which std::isnan may be folded to false.
 inline bool is_nan(float v) {
   uint32_t u;
   std::memcpy(&u, &v, 4);
-  return (u & 0x7fffffffu) > 0x7f800000u;
+  return pdserve_rows::is_nan_bits(u);
 }
 
 int64_t first_nan(const float* x, int64_t n) {

@@ -24,6 +24,7 @@ from dataclasses import dataclass
 
 import torch
 
+from pdserve.kernels import cpu_sampling
 from pdserve.sampling_params import SamplingParams
 
 _MASK32 = 0xFFFFFFFF
@@ -382,8 +383,6 @@ def _greedy(logits: torch.Tensor) -> torch.Tensor:
         and logits.dim() == 2
         and logits.shape[1]
     ):
-        from pdserve.kernels import cpu_sampling
-
         if cpu_sampling.load():
             return cpu_sampling.greedy(logits)
     return logits.max(dim=-1).indices

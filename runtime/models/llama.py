@@ -13,6 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from pdserve.kernels import cpu_fused_ops
 from pdserve.runtime.attention import AttentionBackend
 from pdserve.runtime.batch import ForwardBatch
 from pdserve.runtime.kv_pool import KVPool
@@ -35,17 +36,16 @@ def fused_kernels(device: torch.device) -> bool:
 
 
 def cpu_fused(x: torch.Tensor) -> bool:
-    """Whether the C++ RMSNorm, SiLU-and-mul and rotary (kernels/cpu_fused_ops.py) replace the torch ops:
-    on CPU for bf16 / fp16 activations, in eager forwards. fp32 (the exactness reference) keeps torch's
-    ops, and so does the compiled decode step, whose graph inductor fuses itself."""
-    if (
-        x.device.type != "cpu"
-        or x.dtype not in (torch.bfloat16, torch.float16)
-        or torch.compiler.is_compiling()
-    ):
-        return False
-    from pdserve.kernels import cpu_fused_ops
+    """Whether the C++ RMSNorm, SiLU-and-mul and rotary (kernels/cpu_fused_ops.py) replace the torch ops
+    for activations like x: on CPU for bf16 / fp16, in eager forwards. fp32 (the exactness reference)
+    keeps torch's ops, and so does the compiled decode step, whose graph inductor fuses itself."""
+    return cpu_fused_for(x.device, x.dtype)
 
+
+def cpu_fused_for(device: torch.device, dtype: torch.dtype) -> bool:
+    """`cpu_fused` for activations of this device and dtype."""
+    if device.type != "cpu" or dtype not in (torch.bfloat16, torch.float16) or torch.compiler.is_compiling():
+        return False
     return cpu_fused_ops.load()
 
 
@@ -64,8 +64,6 @@ class RMSNorm(nn.Module):
             assert isinstance(out, torch.Tensor)  # no residual given: one tensor back
             return out.view(x.shape)
         if cpu_fused(x):
-            from pdserve.kernels import cpu_fused_ops
-
             return cpu_fused_ops.rms_norm(x, self.weight, self.eps)  # the same roundings as below
         # Normalize in fp32 like transformers, then scale in the input dtype.
         if x.dtype == torch.float32:
@@ -101,7 +99,7 @@ class Rotary(nn.Module):
 
     def prepare(self, positions: torch.Tensor, dtype: torch.dtype) -> None:
         """The cos/sin rows [T, 1, D] of this forward's positions, in the activations' dtype."""
-        if fused_kernels(positions.device) or cpu_fused(self.cos.new_empty(0, dtype=dtype)):
+        if fused_kernels(positions.device) or cpu_fused_for(positions.device, dtype):
             return  # the fused kernel reads the table itself
         cos = self.cos[positions].unsqueeze(1).to(dtype)
         sin = self.sin_signed[positions].unsqueeze(1).to(dtype)
@@ -124,9 +122,7 @@ class Rotary(nn.Module):
 
     def rotate_(self, positions: torch.Tensor, x: torch.Tensor) -> None:
         """x [T, H, D] rotated in place by the C++ kernel (where `cpu_fused(x)`)."""
-        from pdserve.kernels.cpu_fused_ops import rotary_
-
-        rotary_(x, positions, self.cos, self.sin_signed)
+        cpu_fused_ops.rotary_(x, positions, self.cos, self.sin_signed)
 
     def rotate(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         """x [T, H, D] rotated at `positions` (torch ops; the rows `prepare` looked up when they are
@@ -193,9 +189,7 @@ class MLP(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate_up = self.gate_up_proj(x)
         if cpu_fused(gate_up):
-            from pdserve.kernels.cpu_fused_ops import silu_and_mul
-
-            y: torch.Tensor = self.down_proj(silu_and_mul(gate_up))
+            y: torch.Tensor = self.down_proj(cpu_fused_ops.silu_and_mul(gate_up))
             return y
         gate, up = gate_up.chunk(2, dim=-1)
         y = self.down_proj(F.silu(gate) * up)
