@@ -23,7 +23,8 @@ import torch
 log = logging.getLogger(__name__)
 
 _SOURCES = [
-    Path(__file__).with_name(n) for n in ("cpu_decode_attention.cpp", "cpu_fused_ops.cpp", "cpu_sampling.cpp")
+    Path(__file__).with_name(n)
+    for n in ("cpu_decode_attention.cpp", "cpu_fused_ops.cpp", "cpu_sampling.cpp", "cpu_quant_linear.cpp")
 ]
 _HEADERS = [Path(__file__).with_name("cpu_rows.h")]
 
@@ -79,6 +80,8 @@ def load() -> bool:
     torch.library.register_fake("pdserve_cpu::silu_and_mul")(_silu_and_mul_fake)
     torch.library.register_fake("pdserve_cpu::rotary_")(_rotary_fake)
     torch.library.register_fake("pdserve_cpu::greedy")(_greedy_fake)
+    torch.library.register_fake("pdserve_cpu::int4_linear")(_int4_linear_fake)
+    torch.library.register_fake("pdserve_cpu::int8_linear")(_int8_linear_fake)
     return True
 
 
@@ -100,3 +103,11 @@ def _rotary_fake(x, positions, cos, sin_signed):  # type: ignore[no-untyped-def]
 
 def _greedy_fake(logits):  # type: ignore[no-untyped-def]
     return logits.new_empty(logits.shape[0], dtype=torch.long)
+
+
+def _int4_linear_fake(x, packed, n, bias=None):  # type: ignore[no-untyped-def]
+    return x.new_empty(*x.shape[:-1], n)
+
+
+def _int8_linear_fake(x, packed, scale, bias=None):  # type: ignore[no-untyped-def]
+    return x.new_empty(*x.shape[:-1], scale.shape[0])

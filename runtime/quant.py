@@ -29,6 +29,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from pdserve.config import QUANT_MODES
+from pdserve.kernels import cpu_quant_linear
 from pdserve.runtime.host import cpu_has_amx
 from pdserve.runtime.models.llama import CausalLM
 
@@ -96,24 +97,39 @@ def int4_grouped(w: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tenso
 
 
 class Int8WeightOnlyLinear(nn.Module):
-    """y = x @ (q * scale)^T + bias, weights read as int8 (w8a16_int8)."""
+    """y = x @ (q * scale)^T + bias, weights read as int8 (w8a16_int8): few rows through pdserve's
+    `int8_linear` where this host's build has it (kernels/cpu_quant_linear.cpp), else
+    `aten._weight_int8pack_mm`; both multiply in float and scale by the scale in the activation dtype."""
 
     qweight: torch.Tensor
     scale: torch.Tensor
     bias: torch.Tensor | None
     dense: torch.Tensor
+    packed: torch.Tensor | None
+    scale_f32: torch.Tensor
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, dtype: torch.dtype):
         super().__init__()
         q, scale = int8_per_channel(weight)
+        n = weight.shape[0]
         self.register_buffer("qweight", q)  # [N, K] int8
         self.register_buffer("scale", scale.to(dtype))  # [N], the activation dtype (the kernel's rule)
+        self.register_buffer("scale_f32", self.scale.float())
         self.register_buffer("bias", None if bias is None else bias.detach().to(dtype))
         self.register_buffer("dense", (q.float() * scale[:, None]).to(dtype))
-        self.in_features, self.out_features = weight.shape[1], weight.shape[0]
+        fast = cpu_quant_linear.support()[1] and n % cpu_quant_linear.ROWS == 0
+        self.register_buffer("packed", cpu_quant_linear.pack_int8(q) if fast else None)
+        self.in_features, self.out_features = weight.shape[1], n
         self.dense_min_rows = dense_min_rows()
+        # the row test as an element count, and the op looked up once: a decode step calls this ~120
+        # times, and each Python-level step costs a few microseconds
+        self.dense_min_elements = self.dense_min_rows * self.in_features
+        self.fast_op = torch.ops.pdserve_cpu.int8_linear.default if fast else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.fast_op is not None and x.numel() < self.dense_min_elements:
+            fast: torch.Tensor = self.fast_op(x, self.packed, self.scale_f32, self.bias)
+            return fast
         x2 = x.reshape(-1, x.shape[-1])
         if x2.shape[0] >= self.dense_min_rows:
             return F.linear(x, self.dense, self.bias)
@@ -127,12 +143,10 @@ class Int8DynamicLinear(Int8WeightOnlyLinear):
     """w8a8_int8: per-token dynamic int8 activations times int8 weights, int32 accumulation."""
 
     qweight_t: torch.Tensor
-    scale_f32: torch.Tensor
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, dtype: torch.dtype):
         super().__init__(weight, bias, dtype)
         self.register_buffer("qweight_t", self.qweight.t())  # [K, N] view, as _int_mm takes it
-        self.register_buffer("scale_f32", self.scale.float())
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x2 = x.reshape(-1, x.shape[-1])
@@ -149,10 +163,13 @@ class Int8DynamicLinear(Int8WeightOnlyLinear):
 
 
 class Int4WeightOnlyLinear(nn.Module):
-    """w4a16: tinygemm's packed int4, w = (q - 8) * scale + zero per group of 32 along K."""
+    """w4a16: w = q * scale + minimum per group of 32 along K. Few rows run pdserve's `int4_linear`
+    (kernels/cpu_quant_linear.cpp: fp16 scales and minimums, as GGUF stores them) where this host's
+    build has it, else tinygemm's packed int4 (`aten._weight_int4pack_mm_for_cpu`, bf16 scales and
+    zero points, w = (q - 8) * scale + zero)."""
 
     packed: torch.Tensor
-    scales_zeros: torch.Tensor
+    scales_zeros: torch.Tensor | None
     bias: torch.Tensor | None
     dense: torch.Tensor
 
@@ -162,23 +179,38 @@ class Int4WeightOnlyLinear(nn.Module):
         if k % group:
             raise QuantizationError(f"w4a16 needs input sizes divisible by {group}; a layer has {k}")
         q, scale, lo = int4_grouped(weight, group)
-        # The kernel's zero point is the value of the code 8: minimum + 8 * scale.
-        sz = torch.stack([scale, lo + 8 * scale], dim=-1)  # [N, K/g, 2]
-        self.register_buffer("packed", torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, 1))
-        # bf16 whatever the model dtype: the kernel's fp32 path is a slow reference loop (measured
-        # 15-50x slower), so fp32 activations are cast to bf16 for the matmul and back.
-        self.register_buffer("scales_zeros", sz.transpose(0, 1).contiguous().to(torch.bfloat16))
+        fast = (
+            cpu_quant_linear.support()[0]
+            and group == cpu_quant_linear.INT4_GROUP
+            and cpu_quant_linear.int4_packable(n, k, scale, lo)
+        )
+        if fast:
+            self.register_buffer("packed", cpu_quant_linear.pack_int4(q, scale, lo))
+            self.register_buffer("scales_zeros", None)
+        else:
+            # The kernel's zero point is the value of the code 8: minimum + 8 * scale.
+            sz = torch.stack([scale, lo + 8 * scale], dim=-1)  # [N, K/g, 2]
+            self.register_buffer("packed", torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, 1))
+            # bf16 whatever the model dtype: the kernel's fp32 path is a slow reference loop (measured
+            # 15-50x slower), so fp32 activations are cast to bf16 for the matmul and back.
+            self.register_buffer("scales_zeros", sz.transpose(0, 1).contiguous().to(torch.bfloat16))
         self.register_buffer("bias", None if bias is None else bias.detach().to(dtype))
+        self.fast_op = torch.ops.pdserve_cpu.int4_linear.default if fast else None
         dense = q.reshape(n, k // group, group).float() * scale[..., None] + lo[..., None]
         self.register_buffer("dense", dense.reshape(n, k).to(dtype))
         self.group = group
         self.in_features, self.out_features = k, n
         self.dense_min_rows = dense_min_rows()
+        # the row test as a count (see Int8WeightOnlyLinear)
+        self.dense_min_elements = self.dense_min_rows * k
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x2 = x.reshape(-1, x.shape[-1])
-        if x2.shape[0] >= self.dense_min_rows:
+        if x.numel() >= self.dense_min_elements:
             return F.linear(x, self.dense, self.bias)
+        if self.fast_op is not None:
+            fast: torch.Tensor = self.fast_op(x, self.packed, self.out_features, self.bias)
+            return fast
+        x2 = x.reshape(-1, x.shape[-1])
         y: torch.Tensor = torch.ops.aten._weight_int4pack_mm_for_cpu(
             x2.to(torch.bfloat16), self.packed, self.group, self.scales_zeros
         ).to(x.dtype)
