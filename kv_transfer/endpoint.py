@@ -20,6 +20,7 @@ from pdserve.kv_transfer.handshake import pair_identity
 from pdserve.kv_transfer.layout import geometry_of, pool_tensor
 from pdserve.kv_transfer.mailbox import Close, Mailbox
 from pdserve.kv_transfer.state import TransferResult, TransferState
+from pdserve.side_threads import serial_openmp
 
 
 class Endpoint:
@@ -55,6 +56,7 @@ class Endpoint:
     def _run_io(self, io: Any) -> None:
         """The I/O thread's body: `io.run()` until Close; an escape is recorded, never silent."""
         try:
+            serial_openmp()  # no second OpenMP team beside the forward's (pdserve/side_threads.py)
             io.run()
         except BaseException as e:  # noqa: BLE001 - recorded for io_failure, then the thread ends
             self._io_error = f"{type(e).__name__}: {e}"

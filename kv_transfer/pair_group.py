@@ -31,6 +31,7 @@ from pdserve.kv_transfer.layout import (
     trailer_tag,
 )
 from pdserve.kv_transfer.pair_store import PairStore
+from pdserve.side_threads import serial_openmp
 
 SENDER_RANK = 0
 RECEIVER_RANK = 1
@@ -277,6 +278,7 @@ class PairThread(Generic[J]):
         self._thread.start()
 
     def _run(self) -> None:
+        serial_openmp()  # its page copies must not start a second OpenMP team (pdserve/side_threads.py)
         while (job := self._jobs.get()) is not None:
             self._handle(job)
         if self._group is not None:

@@ -32,6 +32,7 @@ from pdserve.runtime.model_config import ModelSpec
 from pdserve.runtime.models.llama import CausalLM
 from pdserve.runtime.radix_cache import RadixCache
 from pdserve.runtime.weights_group import WeightsGroup
+from pdserve.side_threads import serial_openmp
 
 if TYPE_CHECKING:
     from pdserve.runtime.runner import ModelRunner
@@ -183,7 +184,8 @@ class WeightUpdater:
         self.paused = False
         self.groups: dict[str, WeightsGroup] = {}
         self._staged: Staged | None = None
-        self._pool = ThreadPoolExecutor(1, thread_name_prefix="weights")
+        # its tensor copies must not start a second OpenMP team (pdserve/side_threads.py)
+        self._pool = ThreadPoolExecutor(1, thread_name_prefix="weights", initializer=serial_openmp)
         self._jobs: list[tuple[m.WeightsCommand, Future[Copies | None], float]] = []  # (command, job, start)
 
     @classmethod
