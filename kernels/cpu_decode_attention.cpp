@@ -28,6 +28,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <cstring>
 #include <optional>
 #include <vector>
 
@@ -325,12 +326,53 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& rows, c
   return out;
 }
 
+// The eager decode step's form: store each request's new K and V in the pool (at its `new_rows` row,
+// layer 0's K numbering, plus the layer's offsets), then attend over its lens[b] rows, the new one
+// included. One call where the step made three (two index_copy_ and the attention) per layer.
+at::Tensor paged_decode_attention_store(const at::Tensor& q, at::Tensor& rows, const at::Tensor& key_rows,
+                                        const at::Tensor& lens, int64_t k_offset, int64_t v_offset,
+                                        double scale, const at::Tensor& new_rows, const at::Tensor& k,
+                                        const at::Tensor& v) {
+  TORCH_CHECK(rows.dim() == 3 && rows.is_contiguous() && rows.device().is_cpu(), "rows must be a contiguous CPU pool");
+  const int64_t B = q.size(0), N = rows.size(0), row = rows.size(1) * rows.size(2);
+  TORCH_CHECK(new_rows.dim() == 1 && new_rows.size(0) == B && new_rows.scalar_type() == at::kLong,
+              "new_rows must be int64 [B]");
+  TORCH_CHECK(k.dim() == 3 && k.size(0) == B && k.size(1) * k.size(2) == row && v.sizes() == k.sizes(),
+              "k and v must be [B, Hkv, D] like the pool's rows");
+  TORCH_CHECK(k.scalar_type() == rows.scalar_type() && v.scalar_type() == rows.scalar_type(),
+              "k and v must share the pool's dtype");
+  auto nr = new_rows.contiguous();
+  const int64_t* nrp = nr.data_ptr<int64_t>();
+  const int64_t lo = std::min<int64_t>(k_offset, v_offset), hi = std::max<int64_t>(k_offset, v_offset);
+  for (int64_t b = 0; b < B; ++b)
+    TORCH_CHECK(nrp[b] + lo >= 0 && nrp[b] + hi < N, "new row ", nrp[b], " is outside the pool");
+  // A request's K and V heads are one contiguous run in q/k/v views of a fused qkv (row stride aside).
+  auto kc = k.stride(2) == 1 && k.stride(1) == k.size(2) ? k : k.contiguous();
+  auto vc = v.stride(2) == 1 && v.stride(1) == v.size(2) ? v : v.contiguous();
+  const int64_t bytes = row * rows.element_size();
+  char* base = static_cast<char*>(rows.data_ptr());
+  const char* kp = static_cast<const char*>(kc.data_ptr());
+  const char* vp = static_cast<const char*>(vc.data_ptr());
+  const int64_t ks = kc.stride(0) * kc.element_size(), vs = vc.stride(0) * vc.element_size();
+  for (int64_t b = 0; b < B; ++b) {
+    std::memcpy(base + (nrp[b] + k_offset) * bytes, kp + b * ks, bytes);
+    std::memcpy(base + (nrp[b] + v_offset) * bytes, vp + b * vs, bytes);
+  }
+  return paged_decode_attention(q, rows, key_rows, lens, k_offset, v_offset, scale, std::nullopt, std::nullopt);
+}
+
 }  // namespace
 
 TORCH_LIBRARY(pdserve_cpu, m) {
   m.def(
       "paged_decode_attention(Tensor q, Tensor rows, Tensor key_rows, Tensor lens, int k_offset, "
       "int v_offset, float scale, Tensor? k_new=None, Tensor? v_new=None) -> Tensor");
+  m.def(
+      "paged_decode_attention_store(Tensor q, Tensor(a!) rows, Tensor key_rows, Tensor lens, int k_offset, "
+      "int v_offset, float scale, Tensor new_rows, Tensor k, Tensor v) -> Tensor");
 }
 
-TORCH_LIBRARY_IMPL(pdserve_cpu, CPU, m) { m.impl("paged_decode_attention", &paged_decode_attention); }
+TORCH_LIBRARY_IMPL(pdserve_cpu, CPU, m) {
+  m.impl("paged_decode_attention", &paged_decode_attention);
+  m.impl("paged_decode_attention_store", &paged_decode_attention_store);
+}

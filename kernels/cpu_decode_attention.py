@@ -18,6 +18,11 @@ It is an operator (`torch.ops.pdserve_cpu.paged_decode_attention`) with a fake i
 on first use; where it cannot be built, `load()` says why once and returns False: `--attention-backend
 auto` then keeps the torch path.
 `paged_decode_attention_ref` is the torch reference with the same signature.
+
+`paged_decode_attention_store(q, rows, key_rows, lens, k_offset, v_offset, scale, new_rows, k, v)`: the
+eager decode step's form. It first stores k and v [B, Hkv, D] in the pool at rows `new_rows[b]` (layer
+0's K numbering, as `KVPool.slot_rows`) plus the offsets, then attends over lens[b] rows that include
+them: one call per layer where the step made three (`_store_ref` + the reference is its torch form).
 """
 
 from __future__ import annotations
@@ -26,7 +31,14 @@ import torch
 
 from pdserve.kernels.cpu_library import build_dir, load
 
-__all__ = ["build_dir", "load", "paged_decode_attention", "paged_decode_attention_ref"]
+__all__ = [
+    "build_dir",
+    "load",
+    "paged_decode_attention",
+    "paged_decode_attention_ref",
+    "paged_decode_attention_store",
+    "paged_decode_attention_store_ref",
+]
 
 
 def paged_decode_attention(
@@ -76,3 +88,40 @@ def paged_decode_attention_ref(
     p = torch.softmax(s, -1).nan_to_num(0.0)  # a request that sees nothing gets zeros
     out = torch.einsum("bhgt,bthd->bhgd", p, vals)
     return out.reshape(B, Hq, D).to(q.dtype)
+
+
+def paged_decode_attention_store(
+    q: torch.Tensor,
+    rows: torch.Tensor,
+    key_rows: torch.Tensor,
+    lens: torch.Tensor,
+    k_offset: int,
+    v_offset: int,
+    scale: float,
+    new_rows: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+) -> torch.Tensor:
+    """The C++ operator (stores k and v in `rows`, then attends); `load()` must have returned True."""
+    out: torch.Tensor = torch.ops.pdserve_cpu.paged_decode_attention_store(
+        q, rows, key_rows, lens, k_offset, v_offset, scale, new_rows, k, v
+    )
+    return out
+
+
+def paged_decode_attention_store_ref(
+    q: torch.Tensor,
+    rows: torch.Tensor,
+    key_rows: torch.Tensor,
+    lens: torch.Tensor,
+    k_offset: int,
+    v_offset: int,
+    scale: float,
+    new_rows: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+) -> torch.Tensor:
+    """Torch reference of `paged_decode_attention_store`."""
+    rows.index_copy_(0, new_rows + k_offset, k)
+    rows.index_copy_(0, new_rows + v_offset, v)
+    return paged_decode_attention_ref(q, rows, key_rows, lens, k_offset, v_offset, scale)

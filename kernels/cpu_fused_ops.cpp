@@ -6,6 +6,8 @@
 //
 //   rms_norm(x [T, N], w [N], eps) -> w * normalize(x), normalized in float (transformers' order: the
 //       normalized row is rounded to the dtype before the weight multiplies it, as in the eager path);
+//   add_rms_norm(x [T, N], residual [T, N], w [N], eps) -> (rms_norm(s), s) with s = x + residual
+//       rounded to the dtype, as the eager add stores it (vLLM's fused_add_rms_norm, out of place);
 //   silu_and_mul(x [T, 2I]) -> silu(x[:, :I]) * x[:, I:]  [T, I] (silu rounded, then the product);
 //   rotary_(x [T, H, D] (rows of any stride), positions [T], cos [P, D], sin_signed [P, D] float32):
 //       in place, x = x * cos[p] + roll(x, D / 2) * sin_signed[p] (HF's rotate_half form; the tables,
@@ -19,6 +21,7 @@
 
 #include <cmath>
 #include <cstdint>
+#include <tuple>
 #include <vector>
 
 #include "cpu_rows.h"
@@ -51,6 +54,33 @@ void rms_norm_impl(const T* x, const T* w, T* out, int64_t rows, int64_t n, int6
     const float inv = 1.f / std::sqrt(ss / static_cast<float>(n) + eps);
     for (int64_t i = 0; i < n; ++i) v[i] *= inv;
     // the normalized row in the dtype, then times the weight: the eager path's two roundings
+    T* o = out + r * n;
+    store_row(v, o, n);
+    load_row(o, v, n);
+    for (int64_t i = 0; i < n; ++i) v[i] *= wf[i];
+    store_row(v, o, n);
+  });
+}
+
+// sum = x + residual rounded to T (the eager add), then rms_norm of sum as above: one pass for both.
+template <typename T>
+void add_rms_norm_impl(const T* x, const T* res, const T* w, T* out, T* sum, int64_t rows, int64_t n,
+                       int64_t x_stride, int64_t res_stride, float eps) {
+  std::vector<float> wf(n);
+  load_row(w, wf.data(), n);
+  for_rows(rows, n, [&](int64_t r, float* buf) {
+    float* v = buf;
+    float* u = buf + n;
+    load_row(x + r * x_stride, v, n);
+    load_row(res + r * res_stride, u, n);
+    for (int64_t i = 0; i < n; ++i) v[i] += u[i];
+    T* sr = sum + r * n;
+    store_row(v, sr, n);
+    load_row(sr, v, n);  // the sum as stored: what the norm of the eager path reads
+    float ss = 0.f;
+    for (int64_t i = 0; i < n; ++i) ss += v[i] * v[i];
+    const float inv = 1.f / std::sqrt(ss / static_cast<float>(n) + eps);
+    for (int64_t i = 0; i < n; ++i) v[i] *= inv;
     T* o = out + r * n;
     store_row(v, o, n);
     load_row(o, v, n);
@@ -125,6 +155,26 @@ at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
   return out.view(x.sizes());
 }
 
+std::tuple<at::Tensor, at::Tensor> add_rms_norm(const at::Tensor& x, const at::Tensor& residual,
+                                                const at::Tensor& weight, double eps) {
+  check_input(x, "add_rms_norm");
+  TORCH_CHECK(x.dim() == 2 && residual.sizes() == x.sizes() && weight.dim() == 1 && weight.size(0) == x.size(1),
+              "add_rms_norm: x and residual [T, N], weight [N]");
+  TORCH_CHECK(residual.scalar_type() == x.scalar_type() && weight.scalar_type() == x.scalar_type(),
+              "add_rms_norm: x, residual and weight must share a dtype");
+  at::Tensor xc = x.stride(1) == 1 ? x : x.contiguous();
+  at::Tensor rc = residual.stride(1) == 1 ? residual : residual.contiguous();
+  auto w = weight.contiguous();
+  const int64_t n = x.size(1);
+  auto out = at::empty({x.size(0), n}, x.options());
+  auto sum = at::empty({x.size(0), n}, x.options());
+  PDSERVE_DISPATCH(x.scalar_type(),
+                   add_rms_norm_impl<T>(xc.data_ptr<T>(), rc.data_ptr<T>(), w.data_ptr<T>(), out.data_ptr<T>(),
+                                        sum.data_ptr<T>(), x.size(0), n, xc.stride(0), rc.stride(0),
+                                        static_cast<float>(eps)));
+  return {out, sum};
+}
+
 at::Tensor silu_and_mul(const at::Tensor& x) {
   check_input(x, "silu_and_mul");
   TORCH_CHECK(x.dim() == 2 && x.size(1) % 2 == 0, "silu_and_mul: x must be [T, 2 * I]");
@@ -158,12 +208,14 @@ void rotary_(const at::Tensor& x, const at::Tensor& positions, const at::Tensor&
 
 TORCH_LIBRARY_FRAGMENT(pdserve_cpu, m) {
   m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor");
+  m.def("add_rms_norm(Tensor x, Tensor residual, Tensor weight, float eps) -> (Tensor, Tensor)");
   m.def("silu_and_mul(Tensor x) -> Tensor");
   m.def("rotary_(Tensor(a!) x, Tensor positions, Tensor cos, Tensor sin_signed) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(pdserve_cpu, CPU, m) {
   m.impl("rms_norm", &rms_norm);
+  m.impl("add_rms_norm", &add_rms_norm);
   m.impl("silu_and_mul", &silu_and_mul);
   m.impl("rotary_", &rotary_);
 }

@@ -10,6 +10,8 @@ library (kernels/cpu_library.py).
 
   rms_norm(x [..., N], weight [N], eps): weight * normalize(x), normalized in float and rounded to x's
       dtype before the weight multiplies it (transformers' order, as the eager path).
+  add_rms_norm(x [T, N], residual [T, N], weight [N], eps) -> (rms_norm(s), s), s = x + residual
+      rounded to x's dtype: a decoder layer's residual add and the next norm in one pass.
   silu_and_mul(x [T, 2I]) -> [T, I]: silu(first half) * second half.
   rotary_(x [T, H, D], positions [T], cos [P, D], sin_signed [P, D] float32): in place,
       x * cos[pos] + roll(x, D / 2) * sin_signed[pos] (HF's rotate_half with the sign folded in).
@@ -22,12 +24,30 @@ import torch.nn.functional as F
 
 from pdserve.kernels.cpu_library import load
 
-__all__ = ["load", "rms_norm", "rms_norm_ref", "rotary_", "rotary_ref", "silu_and_mul", "silu_and_mul_ref"]
+__all__ = [
+    "add_rms_norm",
+    "add_rms_norm_ref",
+    "load",
+    "rms_norm",
+    "rms_norm_ref",
+    "rotary_",
+    "rotary_ref",
+    "silu_and_mul",
+    "silu_and_mul_ref",
+]
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     out: torch.Tensor = torch.ops.pdserve_cpu.rms_norm(x, weight, eps)
     return out
+
+
+def add_rms_norm(
+    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(rms_norm(x + residual), x + residual), the sum rounded to the dtype as the eager add rounds it."""
+    out, total = torch.ops.pdserve_cpu.add_rms_norm(x, residual, weight, eps)
+    return out, total
 
 
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
@@ -41,6 +61,13 @@ def rotary_(x: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin_sig
 
 def rms_norm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return weight * F.rms_norm(x.float(), (x.shape[-1],), eps=eps).to(x.dtype)
+
+
+def add_rms_norm_ref(
+    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    total = x + residual
+    return rms_norm_ref(total, weight, eps), total
 
 
 def silu_and_mul_ref(x: torch.Tensor) -> torch.Tensor:

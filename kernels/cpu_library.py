@@ -76,7 +76,9 @@ def load() -> bool:
         log.warning("the pdserve_cpu kernels were not built, the torch paths run instead: %s", e)
         return False
     torch.library.register_fake("pdserve_cpu::paged_decode_attention")(_attention_fake)
+    torch.library.register_fake("pdserve_cpu::paged_decode_attention_store")(_attention_store_fake)
     torch.library.register_fake("pdserve_cpu::rms_norm")(_rms_norm_fake)
+    torch.library.register_fake("pdserve_cpu::add_rms_norm")(_add_rms_norm_fake)
     torch.library.register_fake("pdserve_cpu::silu_and_mul")(_silu_and_mul_fake)
     torch.library.register_fake("pdserve_cpu::rotary_")(_rotary_fake)
     torch.library.register_fake("pdserve_cpu::greedy")(_greedy_fake)
@@ -89,8 +91,16 @@ def _attention_fake(q, rows, key_rows, lens, k_offset, v_offset, scale, k_new=No
     return q.new_empty(q.shape)
 
 
+def _attention_store_fake(q, rows, key_rows, lens, k_offset, v_offset, scale, new_rows, k, v):  # type: ignore[no-untyped-def]
+    return q.new_empty(q.shape)
+
+
 def _rms_norm_fake(x, weight, eps):  # type: ignore[no-untyped-def]
     return x.new_empty(x.shape)
+
+
+def _add_rms_norm_fake(x, residual, weight, eps):  # type: ignore[no-untyped-def]
+    return x.new_empty(x.shape), x.new_empty(x.shape)
 
 
 def _silu_and_mul_fake(x):  # type: ignore[no-untyped-def]

@@ -30,6 +30,7 @@ class CpuAttention(TorchAttention):
             return
         self._batch = batch
         self._out_rows = pool.slot_rows(batch.out_cache_loc)
+        self._rows = pool.rows()
         # [B, max_len] pool row of each position; each request reads its own seq_len of them, the new
         # token's included (forward writes it first).
         self._key_rows = pool.key_rows(batch.page_table, max(batch.seq_lens_cpu)).view(batch.batch_size, -1)
@@ -40,10 +41,16 @@ class CpuAttention(TorchAttention):
     ) -> torch.Tensor:
         if not self._decode:
             return super().forward(q, k, v, layer, pool, scale)
-        rows = pool.rows()
-        k_off, v_off = pool.row_offset(layer, 0), pool.row_offset(layer, 1)
-        rows.index_copy_(0, self._out_rows + k_off, k)
-        rows.index_copy_(0, self._out_rows + v_off, v)
-        return cpu_decode_attention.paged_decode_attention(
-            q, rows, self._key_rows, self._lens, k_off, v_off, scale
+        # the new token's K and V stored, then attended to with the cached ones: one call
+        return cpu_decode_attention.paged_decode_attention_store(
+            q,
+            self._rows,
+            self._key_rows,
+            self._lens,
+            pool.row_offset(layer, 0),
+            pool.row_offset(layer, 1),
+            scale,
+            self._out_rows,
+            k,
+            v,
         )

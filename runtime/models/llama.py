@@ -56,6 +56,7 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """The normalized x (any leading shape)."""
         if fused_kernels(x.device):
             from pdserve.kernels.rmsnorm import rms_norm  # triton: imported only where it runs
 
@@ -72,6 +73,19 @@ class RMSNorm(nn.Module):
         # row) rounds once instead of twice, and that flipped the bundled model's answer to a test
         # question; the two-step form is what a bf16 checkpoint is validated with.
         return self.weight * F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps).to(x.dtype)
+
+    def add(self, x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(norm(s), s) with s = x + residual [T, N] in x's dtype: a residual add and the norm after it,
+        in one kernel on CUDA and on CPU in bf16 / fp16 (the same values as the add, then forward)."""
+        if fused_kernels(x.device):
+            from pdserve.kernels.rmsnorm import rms_norm
+
+            out, total = rms_norm(x, self.weight, self.eps, residual=residual)
+            return out, total
+        if cpu_fused(x):
+            return cpu_fused_ops.add_rms_norm(x, residual, self.weight, self.eps)
+        total = x + residual
+        return self.forward(total), total
 
 
 class Rotary(nn.Module):
@@ -207,14 +221,23 @@ class DecoderLayer(nn.Module):
     def forward(
         self,
         x: torch.Tensor,
+        residual: torch.Tensor | None,
         positions: torch.Tensor,
         rotary: Rotary,
         backend: AttentionBackend,
         pool: KVPool,
-    ) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), positions, rotary, backend, pool)
-        y: torch.Tensor = x + self.mlp(self.post_attention_layernorm(x))
-        return y
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The residual stream kept apart (vLLM's form): the layer's input is x + residual (x alone for
+        the first layer); returns (its MLP output, the stream that output adds to). Each add is the
+        next norm's fused `add`, with the same values as `h = h + f(norm(h))` twice."""
+        if residual is None:
+            residual = x
+            h = self.input_layernorm(x)
+        else:
+            h, residual = self.input_layernorm.add(x, residual)
+        h = self.self_attn(h, positions, rotary, backend, pool)
+        h, residual = self.post_attention_layernorm.add(h, residual)
+        return self.mlp(h), residual
 
 
 class DecoderModel(nn.Module):
@@ -273,9 +296,13 @@ class CausalLM(nn.Module):
         (runtime/compiled_decode.py), which traces it with its own backend."""
         x = self.model.embed_tokens(input_ids)  # [T, hidden]
         self.rotary.prepare(positions, x.dtype)
+        residual: torch.Tensor | None = None
         for layer in self.model.layers:
-            x = layer(x, positions, self.rotary, backend, pool)
-        x = self.model.norm(x if logits_indices is None else x[logits_indices])  # [N, hidden]
+            x, residual = layer(x, residual, positions, self.rotary, backend, pool)
+        assert residual is not None  # a model has layers
+        if logits_indices is not None:
+            x, residual = x[logits_indices], residual[logits_indices]
+        x, _ = self.model.norm.add(x, residual)  # [N, hidden]
         if self.lm_head_quant is not None:
             logits: torch.Tensor = self.lm_head_quant(x)
             return logits.float()

@@ -62,6 +62,32 @@ def test_kernel_matches_reference(B, H, hkv, group, dim, lens, new, dtype):
     torch.testing.assert_close(got.float(), ref.float(), rtol=TOL[dtype], atol=TOL[dtype])
 
 
+@pytest.mark.parametrize("dtype", [F32, BF16], ids=["fp32", "bf16"])
+def test_store_then_attend_matches_index_copy_then_reference(dtype):
+    """The eager step's form: each request's new K and V (views of a fused qkv, as the model passes
+    them) stored at its new row, then attended to with its cached rows."""
+    B, H, hkv, group, dim = 5, 40, 3, 3, 64
+    q, rows, key_rows, _, k_off, v_off, scale, _, _ = _case(B, H, hkv, group, dim, dtype, [1] * B, False)
+    g = torch.Generator().manual_seed(5)
+    lens = torch.tensor([40, 1, 17, 33, 2])
+    new_rows = key_rows[torch.arange(B), lens - 1]  # the last visible position is the new token's
+    qkv = torch.randn(B, (group + 2) * hkv * dim, generator=g).to(dtype)
+    k = qkv[:, group * hkv * dim : (group + 1) * hkv * dim].view(B, hkv, dim)
+    v = qkv[:, (group + 1) * hkv * dim :].view(B, hkv, dim)
+    assert not k.is_contiguous()
+    want_rows = rows.clone()
+    ref = cda.paged_decode_attention_store_ref(
+        q, want_rows, key_rows, lens, k_off, v_off, scale, new_rows, k, v
+    )
+    got = cda.paged_decode_attention_store(q, rows, key_rows, lens, k_off, v_off, scale, new_rows, k, v)
+    assert torch.equal(rows, want_rows)
+    torch.testing.assert_close(got.float(), ref.float(), rtol=TOL[dtype], atol=TOL[dtype])
+    with pytest.raises(RuntimeError, match="new row .* outside the pool"):
+        cda.paged_decode_attention_store(
+            q, rows, key_rows, lens, k_off, v_off, scale, new_rows + rows.shape[0], k, v
+        )
+
+
 def test_a_request_that_sees_nothing_gets_zeros():
     args = _case(2, 4, 1, 2, 64, F32, [0, 4], new=False)
     out = cda.paged_decode_attention(*args)

@@ -20,6 +20,22 @@ def built():
 
 
 @pytest.mark.parametrize("dtype", [BF16, F16, F32], ids=["bf16", "fp16", "fp32"])
+@pytest.mark.parametrize("rows", [1, 37, 300])
+def test_add_rms_norm_matches_the_add_then_the_norm(rows, dtype):
+    g = torch.Generator().manual_seed(rows)
+    x = (torch.randn(rows, 576, generator=g) * 3).to(dtype)
+    res = (torch.randn(rows, 2 * 576, generator=g) * 3).to(dtype)[:, ::2]  # a strided residual too
+    w = torch.randn(576, generator=g).to(dtype)
+    got, total = ops.add_rms_norm(x, res, w, 1e-5)
+    ref, ref_total = ops.add_rms_norm_ref(x, res, w, 1e-5)
+    assert torch.equal(total, ref_total), "the sum must be the eager add's, bit for bit"
+    rtol, atol = TOL[dtype]
+    torch.testing.assert_close(got, ref, rtol=rtol, atol=atol)
+    if dtype != F32:
+        assert (got == ref).float().mean() > 0.995, "not the eager path's roundings"
+
+
+@pytest.mark.parametrize("dtype", [BF16, F16, F32], ids=["bf16", "fp16", "fp32"])
 @pytest.mark.parametrize("shape", [(1, 576), (37, 576), (5, 3, 64), (300, 2048)], ids=str)
 def test_rms_norm_matches_reference(shape, dtype):
     g = torch.Generator().manual_seed(0)
@@ -72,6 +88,8 @@ def test_bad_arguments_are_errors():
         ops.rotary_(x, torch.arange(4), cos.to(BF16), sin.to(BF16))
     with pytest.raises(RuntimeError, match="weight"):
         ops.rms_norm(x, torch.ones(32, dtype=BF16), 1e-5)
+    with pytest.raises(RuntimeError, match="x and residual"):
+        ops.add_rms_norm(x[:, 0], x[:3, 0], torch.ones(64, dtype=BF16), 1e-5)
     with pytest.raises(RuntimeError, match=r"2 \* I"):
         ops.silu_and_mul(torch.randn(4, 7, dtype=BF16))
 
@@ -90,7 +108,12 @@ def test_the_eager_bf16_forward_takes_them_and_stays_close(tiny_folders, name, m
     with profile() as prof:
         fused = torch.cat(extend_logits(loaded, prompts, page_size=4))
     ran = {e.key for e in prof.key_averages()}
-    assert {"pdserve_cpu::rms_norm", "pdserve_cpu::silu_and_mul", "pdserve_cpu::rotary_"} <= ran
+    assert {
+        "pdserve_cpu::rms_norm",
+        "pdserve_cpu::add_rms_norm",
+        "pdserve_cpu::silu_and_mul",
+        "pdserve_cpu::rotary_",
+    } <= ran
     monkeypatch.setattr(llama, "cpu_fused", lambda x: False)
     plain = torch.cat(extend_logits(loaded, prompts, page_size=4))
     # bf16 rounding differs by an ulp here and there: logits agree to bf16 precision, argmax nearly always
