@@ -42,23 +42,27 @@ void for_rows(int64_t rows, int64_t width, const F& f) {
   });
 }
 
+// Row v (n floats, in the dtype's values) normalized and times wf into o: the normalized row rounded to
+// the dtype before the weight multiplies it, the eager path's two roundings.
+template <typename T>
+void normalize_row(float* v, const float* wf, T* o, int64_t n, float eps) {
+  float ss = 0.f;
+  for (int64_t i = 0; i < n; ++i) ss += v[i] * v[i];
+  const float inv = 1.f / std::sqrt(ss / static_cast<float>(n) + eps);
+  for (int64_t i = 0; i < n; ++i) v[i] *= inv;
+  store_row(v, o, n);
+  load_row(o, v, n);
+  for (int64_t i = 0; i < n; ++i) v[i] *= wf[i];
+  store_row(v, o, n);
+}
+
 template <typename T>
 void rms_norm_impl(const T* x, const T* w, T* out, int64_t rows, int64_t n, int64_t x_stride, float eps) {
   std::vector<float> wf(n);
   load_row(w, wf.data(), n);
   for_rows(rows, n, [&](int64_t r, float* buf) {
-    float* v = buf;
-    load_row(x + r * x_stride, v, n);
-    float ss = 0.f;
-    for (int64_t i = 0; i < n; ++i) ss += v[i] * v[i];
-    const float inv = 1.f / std::sqrt(ss / static_cast<float>(n) + eps);
-    for (int64_t i = 0; i < n; ++i) v[i] *= inv;
-    // the normalized row in the dtype, then times the weight: the eager path's two roundings
-    T* o = out + r * n;
-    store_row(v, o, n);
-    load_row(o, v, n);
-    for (int64_t i = 0; i < n; ++i) v[i] *= wf[i];
-    store_row(v, o, n);
+    load_row(x + r * x_stride, buf, n);
+    normalize_row(buf, wf.data(), out + r * n, n, eps);
   });
 }
 
@@ -77,15 +81,7 @@ void add_rms_norm_impl(const T* x, const T* res, const T* w, T* out, T* sum, int
     T* sr = sum + r * n;
     store_row(v, sr, n);
     load_row(sr, v, n);  // the sum as stored: what the norm of the eager path reads
-    float ss = 0.f;
-    for (int64_t i = 0; i < n; ++i) ss += v[i] * v[i];
-    const float inv = 1.f / std::sqrt(ss / static_cast<float>(n) + eps);
-    for (int64_t i = 0; i < n; ++i) v[i] *= inv;
-    T* o = out + r * n;
-    store_row(v, o, n);
-    load_row(o, v, n);
-    for (int64_t i = 0; i < n; ++i) v[i] *= wf[i];
-    store_row(v, o, n);
+    normalize_row(v, wf.data(), out + r * n, n, eps);
   });
 }
 

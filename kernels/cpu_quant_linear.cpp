@@ -26,6 +26,7 @@
 #include <c10/util/Optional.h>
 
 #include <cstdint>
+#include <type_traits>
 #include <vector>
 
 #if defined(__AVX512F__)
@@ -42,6 +43,28 @@ constexpr int64_t kGroupBytes = 320; // int4: 256 bytes of codes, 16 fp16 scales
 // which keeps several streams in flight (one stream of 4 blocks side by side measured 10-15% slower).
 inline const uint8_t* int4_group(const uint8_t* packed, int64_t block, int64_t g, int64_t groups) {
   return packed + (block * groups + g) * kGroupBytes;
+}
+
+// Every row of x against output blocks [begin, end) of a thread's share: tiles of up to 4 rows and
+// 2-8 blocks (fewer rows, more blocks), so that enough independent sums and weight streams are in
+// flight. tile(MR, NB, m0, b0) computes rows m0 .. m0 + MR against blocks b0 .. b0 + NB; MR and NB
+// arrive as std::integral_constant, for the kernels' templates.
+template <typename Tile>
+void for_tiles(int64_t rows, int64_t begin, int64_t end, const Tile& tile) {
+  auto blocks = [&](auto mr, int64_t m0) {
+    constexpr int NB = mr() == 1 ? 8 : mr() == 2 ? 4 : 2;
+    int64_t b = begin;
+    for (; b + NB <= end; b += NB) tile(mr, std::integral_constant<int, NB>{}, m0, b);
+    for (; b < end; ++b) tile(mr, std::integral_constant<int, 1>{}, m0, b);
+  };
+  int64_t m = 0;
+  for (; m + 4 <= rows; m += 4) blocks(std::integral_constant<int, 4>{}, m);
+  switch (rows - m) {
+    case 3: blocks(std::integral_constant<int, 3>{}, m); break;
+    case 2: blocks(std::integral_constant<int, 2>{}, m); break;
+    case 1: blocks(std::integral_constant<int, 1>{}, m); break;
+    default: break;
+  }
 }
 
 #if defined(__AVX512BF16__)
@@ -94,16 +117,6 @@ void int4_tile(const uint16_t* x, const float* xsum, const uint8_t* packed, uint
                           (__m256i)_mm512_cvtneps_pbh(acc[m][b]));
 }
 
-// All rows of x against blocks [begin, end): tiles of up to 4 rows and 2-8 blocks, so that enough
-// independent sums and weight streams are in flight.
-template <int MR>
-void int4_rows(const uint16_t* x, const float* xsum, const uint8_t* packed, uint16_t* out, int64_t K, int64_t N,
-               int64_t m0, int64_t begin, int64_t end) {
-  constexpr int NB = MR == 1 ? 8 : MR == 2 ? 4 : 2;
-  int64_t b = begin;
-  for (; b + NB <= end; b += NB) int4_tile<MR, NB>(x, xsum, packed, out, K, N, m0, b);
-  for (; b < end; ++b) int4_tile<MR, 1>(x, xsum, packed, out, K, N, m0, b);
-}
 #endif
 
 // x [..., K] as rows of K contiguous values in `dtype` (converted where it is another dtype).
@@ -151,14 +164,9 @@ at::Tensor int4_linear(const at::Tensor& x_in, const at::Tensor& packed, int64_t
   const uint8_t* wp = packed.data_ptr<uint8_t>();
   uint16_t* op = reinterpret_cast<uint16_t*>(out.data_ptr());
   at::parallel_for(0, blocks, 8, [&](int64_t begin, int64_t end) {
-    int64_t m = 0;
-    for (; m + 4 <= rows; m += 4) int4_rows<4>(xp, xsum.data(), wp, op, k, n, m, begin, end);
-    switch (rows - m) {
-      case 3: int4_rows<3>(xp, xsum.data(), wp, op, k, n, m, begin, end); break;
-      case 2: int4_rows<2>(xp, xsum.data(), wp, op, k, n, m, begin, end); break;
-      case 1: int4_rows<1>(xp, xsum.data(), wp, op, k, n, m, begin, end); break;
-      default: break;
-    }
+    for_tiles(rows, begin, end, [&](auto mr, auto nb, int64_t m0, int64_t b0) {
+      int4_tile<mr(), nb()>(xp, xsum.data(), wp, op, k, n, m0, b0);
+    });
   });
   return output(out, x_in, n, bias);
 #else
@@ -192,14 +200,6 @@ void int8_tile(const float* xf, const int8_t* packed, const float* scale, float*
   }
 }
 
-template <int MR>
-void int8_rows(const float* xf, const int8_t* packed, const float* scale, float* out, int64_t K, int64_t N,
-               int64_t m0, int64_t begin, int64_t end) {
-  constexpr int NB = MR == 1 ? 8 : MR == 2 ? 4 : 2;
-  int64_t b = begin;
-  for (; b + NB <= end; b += NB) int8_tile<MR, NB>(xf, packed, scale, out, K, N, m0, b);
-  for (; b < end; ++b) int8_tile<MR, 1>(xf, packed, scale, out, K, N, m0, b);
-}
 #endif
 
 at::Tensor int8_linear(const at::Tensor& x_in, const at::Tensor& packed, const at::Tensor& scale,
@@ -219,14 +219,9 @@ at::Tensor int8_linear(const at::Tensor& x_in, const at::Tensor& packed, const a
   const float* sp = scale.data_ptr<float>();
   float* op = outf.data_ptr<float>();
   at::parallel_for(0, blocks, 8, [&](int64_t begin, int64_t end) {
-    int64_t m = 0;
-    for (; m + 4 <= rows; m += 4) int8_rows<4>(xp, wp, sp, op, k, n, m, begin, end);
-    switch (rows - m) {
-      case 3: int8_rows<3>(xp, wp, sp, op, k, n, m, begin, end); break;
-      case 2: int8_rows<2>(xp, wp, sp, op, k, n, m, begin, end); break;
-      case 1: int8_rows<1>(xp, wp, sp, op, k, n, m, begin, end); break;
-      default: break;
-    }
+    for_tiles(rows, begin, end, [&](auto mr, auto nb, int64_t m0, int64_t b0) {
+      int8_tile<mr(), nb()>(xp, wp, sp, op, k, n, m0, b0);
+    });
   });
   return output(outf, x_in, n, bias);
 #else
