@@ -120,12 +120,14 @@ def test_decode_killed_while_streaming(cluster, record_property):
 
 def test_prefill_killed_with_requests_queued(cluster):
     c = cluster
-    # Long prompts keep prefill busy, so requests are queued on prefill-1 when it dies.
-    long = body(16, text=" ".join(["the history of the printing press"] * 30))
-    reference = generate(c.url, long).output_ids  # greedy: every answer that succeeds equals it
+    # Long prompts keep prefill busy, so requests are queued on prefill-1 when it dies. Each starts
+    # differently: the same prompt ten times would follow its cached prefix to one prefill worker, which
+    # on a fast enough machine drains them all before the other takes any.
+    text = " ".join(["the history of the printing press"] * 30)
+    longs = [body(16, text=f"Note {i}: {text}") for i in range(10)]
     retries_before = metric(c.url, "pdserve_request_retries_total")
     with ThreadPoolExecutor(12) as pool:
-        futs = [pool.submit(generate, c.url, long, 120) for _ in range(10)]
+        futs = [pool.submit(generate, c.url, long, 120) for long in longs]
         # Held by prefill-1 (queued, prefilling or transferring), as its heartbeat reports.
         held = lambda: (w := workers(c.url)["prefill-1"])["queued"] + w["running"] > 0  # noqa: E731
         wait_for(held, 30, "requests held by prefill-1")
@@ -142,9 +144,12 @@ def test_prefill_killed_with_requests_queued(cluster):
     assert sum(o.ok for o in outs) >= 1
     for o in outs:
         assert o.ok or "transfer" in o.error or "prefill" in o.error, o.error
-        assert not o.ok or o.output_ids == reference, (o.output_ids, reference)
     assert retries > retries_before  # the requests queued on prefill-1 went to prefill-0
     wait_for(lambda: "prefill-1" not in workers(c.url), 10, "prefill-1 removed")
+    # greedy: every answer that succeeded equals its prompt's answer on the surviving workers
+    for o, long in zip(outs, longs):
+        if o.ok:
+            assert o.output_ids == generate(c.url, long).output_ids
     assert generate(c.url, body(24)).output_ids == c.reference[:24]
     wait_pools(c.url, {k: v for k, v in c.idle.items() if k in ("prefill-0", "decode-2")})
 
