@@ -22,7 +22,7 @@ auto` then keeps the torch path.
 `paged_decode_attention_store(q, rows, key_rows, lens, k_offset, v_offset, scale, new_rows, k, v)`: the
 eager decode step's form. It first stores k and v [B, Hkv, D] in the pool at rows `new_rows[b]` (layer
 0's K numbering, as `KVPool.slot_rows`) plus the offsets, then attends over lens[b] rows that include
-them: one call per layer where the step made three (`_store_ref` + the reference is its torch form).
+them: one call per layer where the step made three. `paged_decode_attention_store_ref` is its torch form.
 """
 
 from __future__ import annotations

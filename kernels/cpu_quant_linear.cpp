@@ -33,6 +33,8 @@
 #include <immintrin.h>
 #endif
 
+#include "cpu_rows.h"
+
 namespace {
 
 constexpr int64_t kRows = 16;        // output rows per block: the lanes of a register
@@ -149,18 +151,15 @@ at::Tensor int4_linear(const at::Tensor& x_in, const at::Tensor& packed, int64_t
   at::Tensor out = at::empty({rows, n}, x.options());
   if (rows == 0) return output(out, x_in, n, bias);
   const uint16_t* xp = reinterpret_cast<const uint16_t*>(x.data_ptr());
-  std::vector<float> xsum(rows * groups);  // sum(x) per row and group, in float
-  for (int64_t m = 0; m < rows; ++m)
+  std::vector<float> xsum(rows * groups), xf(k);  // sum(x) per row and group, in float
+  for (int64_t m = 0; m < rows; ++m) {
+    pdserve_rows::load_row(x.data_ptr<c10::BFloat16>() + m * k, xf.data(), k);
     for (int64_t g = 0; g < groups; ++g) {
       float s = 0.f;
-      for (int64_t i = 0; i < kGroup; ++i) {
-        const uint32_t bits = static_cast<uint32_t>(xp[m * k + g * kGroup + i]) << 16;
-        float v;
-        __builtin_memcpy(&v, &bits, 4);
-        s += v;
-      }
+      for (int64_t i = 0; i < kGroup; ++i) s += xf[g * kGroup + i];
       xsum[m * groups + g] = s;
     }
+  }
   const uint8_t* wp = packed.data_ptr<uint8_t>();
   uint16_t* op = reinterpret_cast<uint16_t*>(out.data_ptr());
   at::parallel_for(0, blocks, 8, [&](int64_t begin, int64_t end) {

@@ -9,8 +9,9 @@ bundled model (bf16 + w4a16, 2 cores, Xeon Sapphire Rapids class): served, a bat
 ~20 ms, its OpenMP thread sleeping and waking ~130 times a token, against ~10 ms offline.
 
 `serial_openmp()`, called first in such a thread, gives that thread's own parallel regions one thread:
-torch's ops then run inline there and no second team exists. Page copies are memory-bound, so one
-core moves them nearly as fast; the forward keeps its cores spinning.
+torch's ops then run inline there and no second team exists, and the forward keeps its cores
+spinning. A page copy then runs on one core (~4-5 GB/s on the machine above, the shared-memory
+transfer benchmark's one-thread figure).
 """
 
 from __future__ import annotations

@@ -121,18 +121,17 @@ class Int8WeightOnlyLinear(nn.Module):
         self.register_buffer("packed", cpu_quant_linear.pack_int8(q) if fast else None)
         self.in_features, self.out_features = weight.shape[1], n
         self.dense_min_rows = dense_min_rows()
-        # the row test as an element count, and the op looked up once: a decode step calls this ~120
-        # times, and each Python-level step costs a few microseconds
-        self.dense_min_elements = self.dense_min_rows * self.in_features
+        # the op looked up once: a decode step calls this ~120 times, and each Python-level step costs
+        # a few microseconds
         self.fast_op = torch.ops.pdserve_cpu.int8_linear.default if fast else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.fast_op is not None and x.numel() < self.dense_min_elements:
+        if x.numel() // self.in_features >= self.dense_min_rows:  # rows, without a reshape
+            return F.linear(x, self.dense, self.bias)
+        if self.fast_op is not None:
             fast: torch.Tensor = self.fast_op(x, self.packed, self.scale_f32, self.bias)
             return fast
         x2 = x.reshape(-1, x.shape[-1])
-        if x2.shape[0] >= self.dense_min_rows:
-            return F.linear(x, self.dense, self.bias)
         y: torch.Tensor = torch.ops.aten._weight_int8pack_mm(x2, self.qweight, self.scale)
         if self.bias is not None:
             y = y + self.bias
@@ -201,11 +200,9 @@ class Int4WeightOnlyLinear(nn.Module):
         self.group = group
         self.in_features, self.out_features = k, n
         self.dense_min_rows = dense_min_rows()
-        # the row test as a count (see Int8WeightOnlyLinear)
-        self.dense_min_elements = self.dense_min_rows * k
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.numel() >= self.dense_min_elements:
+        if x.numel() // self.in_features >= self.dense_min_rows:  # rows, without a reshape
             return F.linear(x, self.dense, self.bias)
         if self.fast_op is not None:
             fast: torch.Tensor = self.fast_op(x, self.packed, self.out_features, self.bias)
