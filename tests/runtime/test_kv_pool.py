@@ -130,9 +130,10 @@ def _vma_of(address: int) -> dict[str, str]:
 def test_a_cpu_pool_asks_linux_for_huge_pages():
     """Decode attention reads pages scattered over the pool: huge pages spare it TLB misses.
 
-    The pool's mapping must carry the madvise flag (`hg`) and be THP-eligible. Whether the kernel then
-    grants huge pages at the first touch depends on its free memory (fragmentation), so that part is
-    measured by the benchmark, not asserted here."""
+    The pool's mapping must carry the madvise flag (`hg`): that is what pdserve does. Whether the kernel
+    then calls the mapping THP-eligible and grants huge pages at the first touch depends on its own
+    state (a CI run once reported `THPeligible: 0` for a flagged 64 MiB pool; free memory and
+    fragmentation decide the rest), so that part is measured by the benchmark, not asserted here."""
     thp = "/sys/kernel/mm/transparent_hugepage/enabled"
     if not os.path.exists(thp) or "[never]" in open(thp).read() or not os.path.exists("/proc/self/smaps"):
         pytest.skip("transparent huge pages are off on this host")
@@ -142,5 +143,4 @@ def test_a_cpu_pool_asks_linux_for_huge_pages():
     for address in (first, last):
         vma = _vma_of(address)
         assert "hg" in vma["VmFlags"].split(), f"no MADV_HUGEPAGE on the pool: {vma['VmFlags']}"
-        assert vma.get("THPeligible", "1").strip() == "1"
     assert not pool.kv.any(), "the pool starts zeroed"
