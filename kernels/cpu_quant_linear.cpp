@@ -40,6 +40,7 @@ namespace {
 constexpr int64_t kRows = 16;        // output rows per block: the lanes of a register
 constexpr int64_t kGroup = 32;       // int4: inputs per scale
 constexpr int64_t kGroupBytes = 320; // int4: 256 bytes of codes, 16 fp16 scales, 16 fp16 minimums
+constexpr int64_t kPrefetchGroups = 4; // int4: how far ahead each weight stream is prefetched (measured best of 2-8)
 
 // Each block's groups are one stretch of memory ([N/16, K/32, 320]); a tile reads several blocks at once,
 // which keeps several streams in flight (one stream of 4 blocks side by side measured 10-15% slower).
@@ -81,6 +82,13 @@ void int4_tile(const uint16_t* x, const float* xsum, const uint8_t* packed, uint
   for (int m = 0; m < MR; ++m)
     for (int b = 0; b < NB; ++b) acc[m][b] = _mm512_setzero_ps();
   for (int64_t g = 0; g < groups; ++g) {
+    // Each stream's group kPrefetchGroups ahead, requested now: the hardware prefetchers alone kept
+    // a core's weight stream at ~10 GB/s where a plain sum reads ~43 (EPYC, AVX512-BF16, no AMX).
+    if (g + kPrefetchGroups < groups)
+      for (int b = 0; b < NB; ++b) {
+        const char* ahead = reinterpret_cast<const char*>(int4_group(packed, b0 + b, g + kPrefetchGroups, groups));
+        for (int64_t line = 0; line < kGroupBytes; line += 64) _mm_prefetch(ahead + line, _MM_HINT_T0);
+      }
     __m512 part[MR][NB][2];
     for (int m = 0; m < MR; ++m)
       for (int b = 0; b < NB; ++b) part[m][b][0] = part[m][b][1] = _mm512_setzero_ps();
