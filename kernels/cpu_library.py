@@ -24,7 +24,13 @@ log = logging.getLogger(__name__)
 
 _SOURCES = [
     Path(__file__).with_name(n)
-    for n in ("cpu_decode_attention.cpp", "cpu_fused_ops.cpp", "cpu_sampling.cpp", "cpu_quant_linear.cpp")
+    for n in (
+        "cpu_decode_attention.cpp",
+        "cpu_fused_ops.cpp",
+        "cpu_sampling.cpp",
+        "cpu_quant_linear.cpp",
+        "cpu_decode_layer.cpp",
+    )
 ]
 _HEADERS = [Path(__file__).with_name("cpu_rows.h")]
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 import torch
 
 from pdserve.kernels import cpu_decode_attention
+from pdserve.kernels.cpu_decode_layer import DecodeAttention
 from pdserve.runtime.attention import TorchAttention
 from pdserve.runtime.batch import ForwardBatch
 from pdserve.runtime.kv_pool import KVPool
@@ -35,6 +36,14 @@ class CpuAttention(TorchAttention):
         # token's included (forward writes it first).
         self._key_rows = pool.key_rows(batch.page_table, max(batch.seq_lens_cpu)).view(batch.batch_size, -1)
         self._lens = batch.seq_lens.long()
+
+    def decode_args(self, layer: int, pool: KVPool) -> DecodeAttention | None:
+        """What `forward` passes the kernel for this layer of a decode batch (None for other batches):
+        the one-call decode layer (kernels/cpu_decode_layer.py) makes that call itself."""
+        if not self._decode:
+            return None
+        k_offset, v_offset = pool.row_offset(layer, 0), pool.row_offset(layer, 1)
+        return DecodeAttention(self._rows, self._key_rows, self._lens, k_offset, v_offset, self._out_rows)
 
     def forward(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int, pool: KVPool, scale: float

@@ -201,6 +201,11 @@ class Int4WeightOnlyLinear(nn.Module):
         self.in_features, self.out_features = k, n
         self.dense_min_rows = dense_min_rows()
 
+    def decode_weights(self) -> tuple[list[torch.Tensor], torch.Tensor | None] | None:
+        """([dense, packed], bias) for the one-call CPU decode layer (kernels/cpu_decode_layer.py), which
+        makes forward's calls itself; None where forward runs torch's kernel instead."""
+        return ([self.dense, self.packed], self.bias) if self.fast_op is not None else None
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.numel() // self.in_features >= self.dense_min_rows:  # rows, without a reshape
             return F.linear(x, self.dense, self.bias)

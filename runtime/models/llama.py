@@ -7,13 +7,14 @@ per-head q/k RMSNorm (Qwen3), tied embeddings. q/k/v and gate/up are fused into 
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
+from typing import cast
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pdserve.kernels import cpu_fused_ops
+from pdserve.kernels import cpu_decode_layer, cpu_fused_ops
 from pdserve.runtime.attention import AttentionBackend
 from pdserve.runtime.batch import ForwardBatch
 from pdserve.runtime.kv_pool import KVPool
@@ -210,13 +211,59 @@ class MLP(nn.Module):
         return y
 
 
+def decode_projection(m: nn.Module) -> tuple[list[torch.Tensor], torch.Tensor | None] | None:
+    """A projection as `cpu_decode_layer` takes it, with its bias: [weight] for a plain linear, what a
+    quantized module offers (`decode_weights`, runtime/quant.py), None for any other."""
+    if type(m) is nn.Linear:
+        return [m.weight], m.bias
+    offer = getattr(m, "decode_weights", None)
+    return offer() if offer is not None else None
+
+
 class DecoderLayer(nn.Module):
     def __init__(self, spec: ModelSpec, layer_id: int):
         super().__init__()
+        self.layer_id = layer_id
         self.input_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
         self.self_attn = Attention(spec, layer_id)
         self.post_attention_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
         self.mlp = MLP(spec)
+        self._decode_weights: list[cpu_decode_layer.LayerWeights | None] = []  # [] until built
+
+    def decode_weights(self) -> cpu_decode_layer.LayerWeights | None:
+        """The layer's tensors for the one-call CPU decode layer (kernels/cpu_decode_layer.py), or None
+        where that cannot run it: a q/k norm, a projection of another kind, a bias outside qkv. Built at
+        the first decode step (after quantization); live weight updates copy into the same tensors."""
+        if not self._decode_weights:
+            self._decode_weights.append(self._build_decode_weights())
+        return self._decode_weights[0]
+
+    def _build_decode_weights(self) -> cpu_decode_layer.LayerWeights | None:
+        attn, mlp = self.self_attn, self.mlp
+        modules = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
+        found = [decode_projection(m) for m in modules]
+        projections = [p for p in found if p is not None]
+        if attn.qk_norm or len(projections) < len(found):
+            return None
+        (qkv, qkv_bias), (o, o_bias), (gate_up, gu_bias), (down, down_bias) = projections
+        if o_bias is not None or gu_bias is not None or down_bias is not None:
+            return None
+        dense_min_rows = max(int(getattr(m, "dense_min_rows", 0)) for m in modules)
+        return cpu_decode_layer.LayerWeights(
+            self.input_layernorm.weight,
+            self.post_attention_layernorm.weight,
+            self.input_layernorm.eps,
+            qkv,
+            qkv_bias,
+            o,
+            gate_up,
+            down,
+            dense_min_rows,
+            attn.nq,
+            attn.nkv,
+            attn.hd,
+            attn.scale,
+        )
 
     def forward(
         self,
@@ -297,8 +344,23 @@ class CausalLM(nn.Module):
         x = self.model.embed_tokens(input_ids)  # [T, hidden]
         self.rotary.prepare(positions, x.dtype)
         residual: torch.Tensor | None = None
-        for layer in self.model.layers:
-            x, residual = layer(x, residual, positions, self.rotary, backend, pool)
+        # A CPU decode batch in bf16 / fp16 (CpuAttention.decode_args): each layer as one operator call
+        # where it can be
+        decode_args: Callable[[int, KVPool], cpu_decode_layer.DecodeAttention | None] | None = (
+            getattr(backend, "decode_args", None) if cpu_fused(x) else None
+        )
+        for layer in cast("list[DecoderLayer]", self.model.layers):
+            weights = layer.decode_weights() if decode_args is not None else None
+            attn = (
+                decode_args(layer.layer_id, pool) if weights is not None and decode_args is not None else None
+            )
+            if weights is not None and attn is not None:
+                cos, sin_signed = self.rotary.cos, self.rotary.sin_signed
+                x, residual = cpu_decode_layer.decode_layer(
+                    x, residual, weights, positions, cos, sin_signed, attn
+                )
+            else:
+                x, residual = layer(x, residual, positions, self.rotary, backend, pool)
         assert residual is not None  # a model has layers
         if logits_indices is not None:
             x, residual = x[logits_indices], residual[logits_indices]
