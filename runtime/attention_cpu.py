@@ -48,18 +48,10 @@ class CpuAttention(TorchAttention):
     def forward(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int, pool: KVPool, scale: float
     ) -> torch.Tensor:
-        if not self._decode:
+        a = self.decode_args(layer, pool)
+        if a is None:
             return super().forward(q, k, v, layer, pool, scale)
         # the new token's K and V stored, then attended to with the cached ones: one call
         return cpu_decode_attention.paged_decode_attention_store(
-            q,
-            self._rows,
-            self._key_rows,
-            self._lens,
-            pool.row_offset(layer, 0),
-            pool.row_offset(layer, 1),
-            scale,
-            self._out_rows,
-            k,
-            v,
+            q, a.rows, a.key_rows, a.lens, a.k_offset, a.v_offset, scale, a.new_rows, k, v
         )

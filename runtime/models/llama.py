@@ -349,13 +349,11 @@ class CausalLM(nn.Module):
         decode_args: Callable[[int, KVPool], cpu_decode_layer.DecodeAttention | None] | None = (
             getattr(backend, "decode_args", None) if cpu_fused(x) else None
         )
+        cos, sin_signed = self.rotary.cos, self.rotary.sin_signed
         for layer in cast("list[DecoderLayer]", self.model.layers):
             weights = layer.decode_weights() if decode_args is not None else None
-            attn = (
-                decode_args(layer.layer_id, pool) if weights is not None and decode_args is not None else None
-            )
+            attn = None if weights is None or decode_args is None else decode_args(layer.layer_id, pool)
             if weights is not None and attn is not None:
-                cos, sin_signed = self.rotary.cos, self.rotary.sin_signed
                 x, residual = cpu_decode_layer.decode_layer(
                     x, residual, weights, positions, cos, sin_signed, attn
                 )
