@@ -29,11 +29,20 @@ class AttentionBackend(Protocol):
 class TorchAttention:
     """Pads the batch to [B, max_new, ...] x [B, max_len, ...] and runs SDPA once per layer.
 
+    A single prompt runs torch's CPU flash kernel without a mask: plain causal when nothing of it is
+    cached; with a cached prefix and a new part at least as long (`split_min_new` tokens or more), as
+    two calls, the new part over the prefix and over itself, merged by their log-sum-exps. The masked
+    call computes every query against every key (the masked triangle included): 17.7 -> 12.9 ms a layer
+    at 900 new tokens over 200 cached, 21.5 -> 15.2 at 1,000 over 50 (bf16, 9 query / 3 KV heads,
+    2 threads, EPYC); at 300 over 300 or 500 over 2,000 the masked call was as fast or faster.
+
     With grouped-query attention the G query heads that share a KV head are folded into the query
     length: SDPA sees [B, Hkv, G * max_new, D] queries against [B, Hkv, max_len, D] keys, with the
     mask repeated per group. That is what a paged decode kernel does, and on CPU it avoids SDPA's
     GQA path, which is several times slower in bf16 for short queries.
     """
+
+    split_min_new = 512
 
     def __init__(self) -> None:
         self._batch: ForwardBatch | None = None
@@ -49,7 +58,12 @@ class TorchAttention:
         # A single prompt with no cached prefix needs neither a gather nor a mask: plain causal.
         self._plain_causal = B == 1 and batch.seq_lens_cpu[0] == batch.extend_lens_cpu[0]
         self._out_rows = pool.slot_rows(batch.out_cache_loc)  # [T] rows of the new tokens
+        self._prefix_rows: torch.Tensor | None = None
         if self._plain_causal:
+            return
+        new, cached = batch.extend_lens_cpu[0], batch.seq_lens_cpu[0] - batch.extend_lens_cpu[0]
+        if B == 1 and dev.type == "cpu" and new >= max(cached, self.split_min_new):
+            self._prefix_rows = pool.key_rows(batch.page_table, cached)  # [cached] rows of the prefix
             return
         j = torch.arange(lmax, device=dev)
         # [B * lmax] pool row of every key position (padding maps into page 0 and is masked out)
@@ -94,6 +108,10 @@ class TorchAttention:
                 enable_gqa=Hq != Hkv,
             )  # [1, Hq, T, D]
             return out[0].transpose(0, 1)
+        if self._prefix_rows is not None:
+            kp = rows.index_select(0, self._prefix_rows + k_off)
+            vp = rows.index_select(0, self._prefix_rows + v_off)
+            return _attend_after_prefix(q, k, v, kp, vp, scale)
         B = batch.batch_size
         # index_select on flat rows, not advanced indexing: several times faster on CPU for this
         # gather, which is most of the decode step's attention time after SDPA.
@@ -121,6 +139,21 @@ class TorchAttention:
         if G not in self._group_masks:
             self._group_masks[G] = self._mask.repeat(1, 1, G, 1)
         return self._group_masks[G]
+
+
+def _attend_after_prefix(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kp: torch.Tensor, vp: torch.Tensor, scale: float
+) -> torch.Tensor:
+    """One prompt's new tokens q/k/v [N, H, D] after its cached prefix kp/vp [P, Hkv, D]: attention over
+    the prefix (all visible) and over the new part (causal), each through the CPU flash kernel, which
+    returns every row's log-sum-exp; the two softmaxes are merged with weights sigmoid(lse1 - lse2)."""
+    flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
+    qt = q.transpose(0, 1)[None]
+    o1, l1 = flash(qt, kp.transpose(0, 1)[None], vp.transpose(0, 1)[None], 0.0, False, scale=scale)
+    o2, l2 = flash(qt, k.transpose(0, 1)[None], v.transpose(0, 1)[None], 0.0, True, scale=scale)
+    w = torch.sigmoid(l1 - l2).unsqueeze(-1)  # [1, Hq, N, 1]: the prefix's share of each row's mass
+    out = torch.lerp(o2.float(), o1.float(), w).to(q.dtype)
+    return out[0].transpose(0, 1)
 
 
 def make_attention_backend(name: str, device: torch.device) -> AttentionBackend:
