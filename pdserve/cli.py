@@ -20,6 +20,7 @@ BENCHMARKS = {
     "gpu": "pdserve.bench.gpu_check",
     "weights": "pdserve.bench.bench_weights",
     "quant": "pdserve.bench.bench_quant",
+    "ttft": "pdserve.bench.bench_ttft",
 }
 
 # role -> module with `add_cli_args(parser)` and `main(args)`
