@@ -40,7 +40,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--rounds", type=int, default=6, help="prompts per length and side (median shown)")
     p.add_argument("--dtype", default="auto", help="both sides (see `pdserve up --help`)")
     p.add_argument("--quantization", default="auto", help="both sides")
-    p.add_argument("--num-threads", type=int, default=None, help="offline torch threads (default: every core)")
+    p.add_argument(
+        "--num-threads", type=int, default=None, help="offline torch threads (default: every core)"
+    )
     p.add_argument("--url", default=None, help="a running cluster's gateway instead of launching one")
     p.add_argument("--pdserve-args", default="", help="extra flags for the launched `pdserve up`")
     p.add_argument("--launch-port", type=int, default=33200)
@@ -116,7 +118,9 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         if launched is not None:
             launched.stop()
-    print(f"{'prompt':>6} {'offline prefill ms':>19} {'served TTFT ms':>15} {'ratio':>6} {'prefill forward ms':>19}")
+    print(
+        f"{'prompt':>6} {'offline prefill ms':>19} {'served TTFT ms':>15} {'ratio':>6} {'prefill forward ms':>19}"
+    )
     for n, off, srv, fwd in rows:
         print(f"{n:>6} {off * 1e3:19.1f} {srv * 1e3:15.1f} {srv / off:6.2f} {fwd * 1e3:19.1f}")
     print(f"medians of {args.rounds} fresh prompts a side, alternating; ratio = served / offline")
