@@ -590,6 +590,12 @@ class Launched:
                 pass
 
 
+def pdserve_up_argv(port: int, log_dir: str, *flags: str) -> list[str]:
+    """`pdserve up` on `port`, its workers' logs in `log_dir`, then each string of extra flags split."""
+    extra = [f for chunk in flags for f in shlex.split(chunk)]
+    return [sys.executable, "-m", "pdserve.cli", "up", "--port", str(port), "--log-dir", log_dir, *extra]
+
+
 def launch(name: str, argv: list[str], port: int, log_dir: str) -> Launched:
     log = os.path.join(log_dir, f"{name}.log")
     with open(log, "ab") as out:  # the child keeps its own descriptor
@@ -633,9 +639,7 @@ def _launch_all(args: argparse.Namespace, log_dir: str) -> list[Launched]:
     # Variants sit 20 ports up, two apart: each `pdserve up` also takes port + 1 for its control socket.
     for i, (name, flags) in enumerate(pd + _variants(args), start=-len(pd)):
         port = args.launch_port + (20 + 2 * i if i >= 0 else 0)
-        argv = [sys.executable, "-m", "pdserve.cli", "up", "--port", str(port),
-                "--log-dir", os.path.join(log_dir, name), *shlex.split(args.pdserve_args),
-                *shlex.split(flags)]  # fmt: skip
+        argv = pdserve_up_argv(port, os.path.join(log_dir, name), args.pdserve_args, flags)
         out.append(launch(name, argv, port, log_dir))
     if args.launch_transformers_serve:
         from pdserve.model_source import resolve_model_source

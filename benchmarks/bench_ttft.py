@@ -26,7 +26,7 @@ import time
 import httpx
 import torch
 
-from pdserve.bench.bench_serving import Launched, launch, wait_healthy
+from pdserve.bench.bench_serving import Launched, launch, pdserve_up_argv, wait_healthy
 from pdserve.config import RuntimeConfig
 from pdserve.progress import Counter, stderr
 from pdserve.runtime.engine import Engine
@@ -72,9 +72,10 @@ def main(argv: list[str] | None = None) -> int:
     url = args.url
     if url is None:
         log_dir = tempfile.mkdtemp(prefix="pdserve-bench-ttft-")
-        argv_up = [sys.executable, "-m", "pdserve.cli", "up", "--port", str(args.launch_port),
-                   "--log-dir", os.path.join(log_dir, "pdserve"), "--dtype", args.dtype,
-                   "--quantization", args.quantization, *shlex.split(args.pdserve_args)]  # fmt: skip
+        flags = f"--dtype {shlex.quote(args.dtype)} --quantization {shlex.quote(args.quantization)}"
+        argv_up = pdserve_up_argv(
+            args.launch_port, os.path.join(log_dir, "pdserve"), flags, args.pdserve_args
+        )
         launched = launch("pdserve", argv_up, args.launch_port, log_dir)
         url = launched.url
     try:

@@ -21,7 +21,7 @@ def tokenizer() -> Tokenizer:
 def gateway_client(tokenizer: Tokenizer, **overrides) -> TestClient:
     """A TestClient over a fresh app; its control socket binds a free port (`control_addr`)."""
     # A worker silent for 3 s is removed: 1 s removed a live in-process worker once on a loaded 2-core
-    # CI machine (most likely its link thread waiting for the GIL), and the tests that stop a worker wait up to 10 s.
+    # CI machine (most likely its link thread waiting for the GIL); tests that stop a worker wait up to 10 s.
     cfg = dataclasses.replace(
         GatewayConfig(
             control_host="127.0.0.1", control_port=0, heartbeat_interval_s=0.1, heartbeat_timeout_s=3.0
