@@ -136,6 +136,13 @@ def test_all_roles_healthy(cluster):
         assert (cluster.log_dir / f"{name}.log").exists()
 
 
+def _routed_to_decode(url: str) -> dict[str, float]:
+    """The gateway's count of request legs sent to each decode worker (/metrics)."""
+    text = httpx.get(url + "/metrics", timeout=10).text
+    pat = r'^pdserve_routed_requests_total\{role="decode",worker="([^"]+)"\} ([0-9.e+-]+)$'
+    return {m.group(1): float(m.group(2)) for m in re.finditer(pat, text, re.M)}
+
+
 def _watch_decode_load(url: str, stop: threading.Event, seen: dict[str, int]) -> None:
     while not stop.is_set():
         for w in workers(url, "decode"):
@@ -191,12 +198,17 @@ def test_sigterm_drains_a_decode_worker(cluster):
     watcher = threading.Thread(target=_watch_decode_load, args=(cluster.url, stop, seen))
     watcher.start()
     try:
+        before = _routed_to_decode(cluster.url)
         with ThreadPoolExecutor(2) as pool:
             news = list(pool.map(lambda p: stream(cluster.url, p, 8), ["Hello there", "Good morning"]))
+        after = _routed_to_decode(cluster.url)
     finally:
         stop.set()
         watcher.join()
-    assert seen[other] >= 1 and seen[victim] == 1, seen  # the victim holds only the long request
+    # Counted by the gateway, not sampled: 8-token requests can finish between two polls of the load.
+    routed = {w: after.get(w, 0.0) - before.get(w, 0.0) for w in (victim, other)}
+    assert routed == {victim: 0.0, other: 2.0}, routed
+    assert seen[victim] == 1, seen  # the victim holds only the long request
     for res in news:
         assert res["last"]["meta_info"]["completion_tokens"] == 8
 
