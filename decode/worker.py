@@ -54,6 +54,7 @@ class DecodeWorker:
         self.cache_events = CacheEvents(cfg.worker_id, "decode", cache)
         transfer_cfg = worker_transfer_config(cfg, self.runner.pool.kv)
         self.receiver = KVReceiver(self.runner.pool.kv, self.runner.fingerprint(), transfer_cfg)
+        self.receiver.on_result = self._transfer_ended  # a waiting loop wakes for the first token
         self.kv_backend = transfer_cfg.backend
         self.prefill_addr: dict[str, str] = {}  # room -> its prefill node's bootstrap address
         self.events: dict[str, DecodeEvents] = {}
@@ -92,6 +93,10 @@ class DecodeWorker:
             self.receiver.close()
             self.link.close()
 
+    def _transfer_ended(self) -> None:
+        if self.link is not None:
+            self.link.wake()
+
     def step(self) -> None:
         self._receive()
         assert self.link is not None
@@ -101,8 +106,9 @@ class DecodeWorker:
             self.cache_events.publish(self.link)
             return
         self._expire()
-        outputs = self._schedule()
-        outputs += self._run()
+        # First tokens go out before the step that follows them (their TTFT does not wait for it).
+        self._reply(self._schedule())
+        outputs = self._run()
         self._hand_off()
         self._reply(outputs)
         assert self.link is not None

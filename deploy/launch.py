@@ -28,7 +28,8 @@ import urllib.request
 
 from pdserve import env as pdserve_env
 from pdserve.cluster_auth import add_secret_arg
-from pdserve.launcher import cpu_worker_threads, role_omp_env, start_gateway
+from pdserve.cpu_share import CPU_SHARING, cpu_share
+from pdserve.launcher import start_gateway
 from pdserve.supervisor import Child, Supervisor
 
 
@@ -108,6 +109,12 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         default=None,
         help="CPU: torch threads per worker (default: every core)",
     )
+    p.add_argument(
+        "--cpu-sharing",
+        default="turns",
+        choices=list(CPU_SHARING),
+        help="CPU workers sharing cores: turns or passive (see `pdserve up --help`)",
+    )
     p.add_argument("--log-dir", default=env("PDSERVE_LOG_DIR", "pdserve-logs"))
     p.add_argument("--log-level", default="info")
     add_secret_arg(p)
@@ -155,11 +162,10 @@ def plan(args: argparse.Namespace, control_port: int | None = None) -> list[Chil
         return children
     gateway = args.gateway or f"127.0.0.1:{args.control_port if control_port is None else control_port}"
     n_workers = len(args.prefill_slots) + len(args.decode_slots)
-    # Every core for each worker; when they share cores, idle prefill OpenMP threads sleep at once (as
-    # `pdserve up`; see role_omp_env).
-    threads, omp = cpu_worker_threads(args.threads_per_worker, n_workers)
-    if args.device != "cpu":
-        omp = {}
+    # Every core for each worker; when they share cores, their forwards take turns (as `pdserve up`;
+    # pdserve/cpu_share.py).
+    lock = os.path.abspath(os.path.join(args.log_dir, "cpu-forward.lock"))
+    cpu = cpu_share(args.threads_per_worker, n_workers, args.cpu_sharing, lock)
     common = [
         "--device",
         args.device,
@@ -171,8 +177,9 @@ def plan(args: argparse.Namespace, control_port: int | None = None) -> list[Chil
         args.log_level,
     ]
     common += model
-    if args.device == "cpu" and "--num-threads" not in args.worker_flags:
-        common += ["--num-threads", str(threads)]
+    if args.device == "cpu":
+        flags = cpu.flags()
+        common += flags if "--num-threads" not in args.worker_flags else flags[2:]
     k = 0
     for role, slots in (("prefill", args.prefill_slots), ("decode", args.decode_slots)):
         for i, gpu in enumerate(slots):
@@ -185,7 +192,8 @@ def plan(args: argparse.Namespace, control_port: int | None = None) -> list[Chil
                 argv += ["--health-port", str(args.health_port_base + k)]
             k += 1
             # CPU workers see no GPU at all, so nothing is allocated there by accident.
-            env = {"CUDA_VISIBLE_DEVICES": gpu if gpu is not None else "", **role_omp_env(role, omp)}
+            env = {"CUDA_VISIBLE_DEVICES": gpu if gpu is not None else ""}
+            env.update(cpu.env(role) if args.device == "cpu" else {})
             children.append(Child(name, argv + args.worker_flags, env))
     return children
 

@@ -6,6 +6,12 @@ its request headers (a "slowloris" client trickling a header a minute holds its 
 a fresh connection without complete headers, a keep-alive one between requests, or a next request's
 headers arriving too slowly. A request in progress is left to the handlers' own limits (the body
 timeout, the request timeout).
+
+It also turns off Nagle's algorithm on every connection. asyncio does that only for sockets whose
+protocol number is IPPROTO_TCP, and the gateway's listening socket (`socket.create_server`) has 0, as
+its accepted sockets then do. uvicorn writes a response's headers and its body separately, so on a
+keep-alive connection the body waited for the client's delayed ACK: 44 ms for `/v1/models` on the
+second request of a connection, 1.5 ms on the first.
 """
 
 from __future__ import annotations
@@ -13,6 +19,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import resource
+import socket
 
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
@@ -27,6 +34,9 @@ class IdleTimeoutProtocol(H11Protocol):
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         super().connection_made(transport)
+        sock = transport.get_extra_info("socket")
+        if sock is not None and sock.family in (socket.AF_INET, socket.AF_INET6):
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         self._arm()
 
     def on_response_complete(self) -> None:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import collections
 import logging
 import threading
+from collections.abc import Callable
 from typing import Any
 
 import zmq
@@ -36,6 +37,14 @@ class Endpoint:
         self._ctx: zmq.Context[zmq.Socket[bytes]] | None = None
         self._auth: zmq.auth.base.Authenticator | None = None  # ZAP handler of a keyed bootstrap server
         self._io_error: str | None = None  # why the I/O thread ended, if it did before close()
+        # Called on the I/O thread after each result is queued (the worker wakes its loop): set before start().
+        self.on_result: Callable[[], None] | None = None
+
+    def _publish(self, result: TransferResult) -> None:
+        """(I/O thread) Queue a finished room's result for poll(), and say so."""
+        self._results.append(result)
+        if self.on_result is not None:
+            self.on_result()
 
     def poll(self) -> list[TransferResult]:
         """Rooms finished (SUCCESS or FAILED) since the last poll; their pages may be freed now."""

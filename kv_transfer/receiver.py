@@ -237,7 +237,7 @@ class _ReceiverIO(EndpointIO):
         room.transition(state)
         self.rooms.pop(room.room, None)
         self.o._states.pop(room.room, None)
-        self.o._results.append(
+        self.o._publish(
             room.result(
                 metadata=metadata,
                 error=error,
@@ -305,7 +305,7 @@ class _ReceiverIO(EndpointIO):
     def on_request(self, item: mb.Request) -> None:
         name = item.room
         if name in self.rooms:
-            self.o._results.append(
+            self.o._publish(
                 TransferResult(name, TransferState.FAILED, None, f"room {name} requested twice", 0, 0.0)
             )
             return

@@ -224,7 +224,7 @@ class _SenderIO(EndpointIO):
         self.rooms.pop(room.room, None)
         self.o._states.pop(room.room, None)
         self.remember(room.room, error or "success")
-        self.o._results.append(room.result(metadata=None, error=error, num_bytes=num_bytes))
+        self.o._publish(room.result(metadata=None, error=error, num_bytes=num_bytes))
 
     def remember(self, name: str, outcome: str) -> None:
         self.finished[name] = outcome
@@ -317,7 +317,7 @@ class _SenderIO(EndpointIO):
         if name in self.rooms or name in self.finished:
             outcome = "in progress" if name in self.rooms else self.finished[name]
             error = f"room {name} cannot be sent: already {outcome}"
-            self.o._results.append(TransferResult(name, TransferState.FAILED, None, error, 0, 0.0))
+            self.o._publish(TransferResult(name, TransferState.FAILED, None, error, 0, 0.0))
             return
         room = SendRoom.enter(
             name,

@@ -55,6 +55,9 @@ class RuntimeConfig:
     grammar_backend: str = "xgrammar"
     # Decode steps through torch.compile (runtime/compiled_decode.py; CPU).
     enable_torch_compile: bool = False
+    # A file whose exclusive lock every forward holds (runtime/forward_turns.py): co-located CPU workers
+    # take turns at the cores. None: no turns.
+    cpu_forward_lock: str | None = None
 
     def __post_init__(self) -> None:
         if self.page_size < 1:
@@ -125,6 +128,13 @@ def add_runtime_args(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--num-threads", type=int, default=None, help="torch threads for this process")
     parser.add_argument("--context-length", type=int, default=None)
+    parser.add_argument(
+        "--cpu-forward-lock",
+        default=None,
+        metavar="PATH",
+        help="take an exclusive lock on this file around every forward, so that workers sharing one "
+        "host's cores compute in turns (`pdserve up` sets it for co-located CPU workers)",
+    )
     parser.add_argument("--speculative-algorithm", default=None, choices=["NGRAM", "STANDALONE"])
     parser.add_argument("--speculative-num-draft-tokens", type=int, default=d.speculative_num_draft_tokens)
     parser.add_argument("--speculative-draft-model-path", default=None)

@@ -22,6 +22,7 @@ import urllib.request
 from pdserve import env
 from pdserve.cluster_auth import add_secret_arg
 from pdserve.config import KV_TRANSPORTS, TRANSFER_TIMEOUT_S, WAITING_TIMEOUT_S, add_runtime_args
+from pdserve.cpu_share import CPU_SHARING, CpuShare, cpu_share
 from pdserve.gateway.config import add_trace_args
 from pdserve.port_file import wait_port_file
 from pdserve.supervisor import Child, RestartPolicy, Supervisor, role_of
@@ -76,7 +77,15 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
         type=int,
         default=None,
         help="torch threads per worker (default: every core; co-located workers share the cores, "
-        "their idle OpenMP threads sleeping)",
+        "see --cpu-sharing)",
+    )
+    parser.add_argument(
+        "--cpu-sharing",
+        default="turns",
+        choices=list(CPU_SHARING),
+        help="when the workers' threads outnumber the cores: turns (one forward at a time, threads spin "
+        "briefly) or passive (forwards overlap, idle prefill threads sleep at once); see "
+        "pdserve/cpu_share.py",
     )
     parser.add_argument(
         "--served-model-name", default=None, help="the model name clients send (default: the model's own)"
@@ -226,8 +235,11 @@ def gateway_command(args: argparse.Namespace, port_file: str | None = None) -> l
     return argv
 
 
-def worker_commands(args: argparse.Namespace, control_port: int | None = None) -> list[tuple[str, list[str]]]:
-    """(name, argv) of every child, gateway first; workers dial `control_port` (default: the flags')."""
+def worker_commands(
+    args: argparse.Namespace, control_port: int | None = None, lock_path: str = ""
+) -> list[tuple[str, list[str]]]:
+    """(name, argv) of every child, gateway first; workers dial `control_port` (default: the flags')
+    and, when they take turns at the cores, lock `lock_path` (pdserve/cpu_share.py)."""
     exe = [sys.executable, "-m", "pdserve.cli"]
     control = _control_port(args) if control_port is None else control_port
     dial = "127.0.0.1" if args.internal_host in ("0.0.0.0", "::") else args.internal_host
@@ -238,8 +250,6 @@ def worker_commands(args: argparse.Namespace, control_port: int | None = None) -
             f"{dial}:{control}",
             "--host",
             dial,
-            "--num-threads",
-            str(_threads(args)),
             "--log-level",
             args.log_level,
             "--transfer-timeout",
@@ -250,6 +260,7 @@ def worker_commands(args: argparse.Namespace, control_port: int | None = None) -
             args.kv_transport,
         ]
         + _secret_flag(args)
+        + cpu_plan(args, lock_path).flags()
     )
     cmds = [("gateway", gateway_command(args))]
     for i in range(args.num_prefill):
@@ -289,40 +300,9 @@ def _opened(url: str, args: argparse.Namespace, control: int) -> str:
     return "\n".join(lines)
 
 
-def cpu_worker_threads(requested: int | None, n_workers: int) -> tuple[int, dict[str, str]]:
-    """Torch threads for each of `n_workers` CPU workers on this host, and the environment they need.
-
-    Default: every core for every worker. Co-located roles are rarely busy at once (a prefill burst, then
-    decode steps), and a role that holds only its even share of the cores leaves the rest idle whenever
-    the other role waits. When the workers' threads outnumber the cores, the environment returned makes
-    OpenMP threads sleep when idle instead of spinning (OMP_WAIT_POLICY=PASSIVE, unless the user chose), so
-    a busy worker gets the cores an idle one leaves; `role_omp_env` gives it to prefill workers only.
-    Measured on 2 cores (docs/benchmarks.md, bundled model, bf16 + w4a16):
-    2 threads per worker against the even split of 1, 30.1 against 27.0 output tok/s at concurrency 1
-    and 177 against 156 at concurrency 16; with spinning threads the same setting was 25% slower."""
-    cores = os.cpu_count() or 1
-    threads = requested or cores
-    shared = n_workers * threads > cores
-    return threads, ({"OMP_WAIT_POLICY": "PASSIVE"} if shared and not env.omp_wait_policy_set() else {})
-
-
-def role_omp_env(role: str, omp: dict[str, str]) -> dict[str, str]:
-    """The OpenMP environment of one worker, from `cpu_worker_threads`'s: prefill workers sleep at once
-    when idle; decode workers keep libgomp's default (spin a while, then sleep). A batch-1 decode step
-    makes ~210 matmul, gather and attention calls back to back (profiler count), and a sleeping thread
-    woken for their parallel regions costs ~25%: offline, batch 1 step
-    17.6-19.0 ms by default against 23.6-24.1 passive, batch 16 50-53 against 64-67 ms (bf16 + w4a16,
-    2 threads, Xeon Sapphire Rapids class). An idle decode worker's threads still go to sleep."""
-    return omp if role == "prefill" else {}
-
-
-def _threads(args: argparse.Namespace) -> int:
-    return cpu_worker_threads(args.threads_per_worker, args.num_prefill + args.num_decode)[0]
-
-
-def worker_env(args: argparse.Namespace) -> dict[str, str]:
-    """Extra environment for the children (see `cpu_worker_threads`)."""
-    return cpu_worker_threads(args.threads_per_worker, args.num_prefill + args.num_decode)[1]
+def cpu_plan(args: argparse.Namespace, lock_path: str = "") -> CpuShare:
+    """How this cluster's workers share the host's cores (pdserve/cpu_share.py)."""
+    return cpu_share(args.threads_per_worker, args.num_prefill + args.num_decode, args.cpu_sharing, lock_path)
 
 
 def _healthy(url: str) -> bool:
@@ -350,8 +330,8 @@ def main(args: argparse.Namespace) -> int:
     sup = Supervisor(args.log_dir, args.stop_timeout, prefix="pdserve up", policy=policy)
     sup.handle_signals()
     secret = secret_env(args)
-    omp = worker_env(args)
     with tempfile.TemporaryDirectory(prefix="pdserve-up-") as tmp:
+        cpu = cpu_plan(args, os.path.join(tmp, "cpu-forward.lock"))
         port_file = args.port_file or os.path.join(tmp, "gateway.ports")
         try:
             try:
@@ -361,8 +341,8 @@ def main(args: argparse.Namespace) -> int:
             except (RuntimeError, TimeoutError) as e:
                 sup.say(f"the gateway did not start: {e}", error=True)
                 return 1
-            for name, argv in worker_commands(args, control)[1:]:
-                sup.start(Child(name, argv, {**role_omp_env(role_of(name), omp), **secret}))
+            for name, argv in worker_commands(args, control, cpu.lock_path)[1:]:
+                sup.start(Child(name, argv, {**cpu.env(role_of(name)), **secret}))
             url = f"http://{args.host}:{port}"
             why = sup.wait_until(lambda: _healthy(url), args.startup_timeout)
             if sup.stopping:  # Ctrl-C or SIGTERM before the cluster was up: a requested stop

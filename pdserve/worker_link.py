@@ -66,7 +66,7 @@ class WorkerLink:
         self._retry_at: float | None = None  # when to register again after a `retry` refusal
         self.gateway_addr = gateway_addr if "://" in gateway_addr else f"tcp://{gateway_addr}"
         self.load = LoadReport()
-        self.inbox: queue.Queue[m.Message] = queue.Queue()
+        self.inbox: queue.Queue[m.Message | None] = queue.Queue()  # None: wake() (no message)
         self._outbox: queue.Queue[bytes] = queue.Queue()
         self._wake_addr = f"inproc://wake-{uuid.uuid4().hex}"
         self._wake_pull = self._ctx.socket(zmq.PULL)
@@ -108,18 +108,22 @@ class WorkerLink:
             sock.connect(self._wake_addr)
         sock.send(b"", zmq.NOBLOCK)
 
+    def wake(self) -> None:
+        """End the worker loop's current recv() wait now (another thread has news for it)."""
+        self.inbox.put(None)
+
     def recv(self, timeout_s: float) -> list[m.Message]:
-        """Messages for the worker loop; waits up to timeout_s for the first one."""
-        out = []
+        """Messages for the worker loop; waits up to timeout_s for the first one, or for a wake()."""
+        got = []
         try:
-            out.append(self.inbox.get(timeout=timeout_s) if timeout_s > 0 else self.inbox.get_nowait())
+            got.append(self.inbox.get(timeout=timeout_s) if timeout_s > 0 else self.inbox.get_nowait())
         except queue.Empty:
-            return out
+            return []
         while True:
             try:
-                out.append(self.inbox.get_nowait())
+                got.append(self.inbox.get_nowait())
             except queue.Empty:
-                return out
+                return [msg for msg in got if msg is not None]
 
     def close(self) -> None:
         self._stop.set()

@@ -7,6 +7,7 @@ It builds the KV pool and its allocator; schedulers allocate pages through `page
 
 from __future__ import annotations
 
+import contextlib
 import logging
 
 import torch
@@ -16,6 +17,7 @@ from pdserve.runtime.attention import make_attention_backend
 from pdserve.runtime.attention_cpu import CpuAttention
 from pdserve.runtime.batch import ForwardBatch, ForwardMode
 from pdserve.runtime.compiled_decode import CompiledDecode
+from pdserve.runtime.forward_turns import forward_turns
 from pdserve.runtime.grammar import GrammarBackend, GrammarMatcher, InvalidGrammar, apply_grammar_masks
 from pdserve.runtime.grammar import make_grammar_backend as _make_grammar_backend
 from pdserve.runtime.host import startup_line
@@ -75,6 +77,7 @@ class ModelRunner:
             else None
         )
         self._grammars: GrammarBackend | None = None  # built at the first constrained request
+        self.turns = forward_turns(cfg.cpu_forward_lock if self.device.type == "cpu" else None)
         log.info(
             "KV pool: %d pages x %d tokens (%.2f GiB)",
             num_pages,
@@ -147,10 +150,11 @@ class ModelRunner:
             self.device,
             all_logits,
         )
-        if self.compiled is not None and mode is ForwardMode.DECODE:
-            logits = self.compiled(batch)
-        else:
-            logits = self.model(batch, self.pool, self.backend)
+        with self.turns.turn() if self.turns is not None else contextlib.nullcontext():
+            if self.compiled is not None and mode is ForwardMode.DECODE:
+                logits = self.compiled(batch)
+            else:
+                logits = self.model(batch, self.pool, self.backend)
         for r, toks in zip(reqs, new_tokens):
             r.num_computed += len(toks)
         return logits

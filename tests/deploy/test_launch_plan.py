@@ -113,40 +113,56 @@ def test_bad_topologies_are_refused(launch, argv):
     assert e.value.code == 2
 
 
-def test_cpu_workers_get_every_core_and_shared_cores_wait_passively(launch, monkeypatch):
-    """Default: every CPU worker may use every core, so workers share cores, and then idle prefill
-    OpenMP threads must sleep (OMP_WAIT_POLICY=PASSIVE) while decode ones keep libgomp's spin-then-sleep
-    default, in both launchers. An even split asked for with
-    --threads-per-worker shares nothing and leaves the policy alone. A user's own policy wins."""
+def test_cpu_workers_get_every_core_and_take_turns_when_they_share(launch, monkeypatch):
+    """Default: every CPU worker may use every core, so workers share cores, and then every forward
+    takes one lock file (the same path for all workers of a launcher) and prefill threads spin briefly
+    (GOMP_SPINCOUNT) while decode ones keep libgomp's default, in both launchers. --cpu-sharing
+    passive: no lock, prefill threads sleep at once (OMP_WAIT_POLICY=PASSIVE). An even split asked for
+    with --threads-per-worker shares nothing and sets nothing. A user's own OpenMP settings win."""
     import os
 
-    from pdserve.launcher import add_cli_args, role_omp_env, worker_commands, worker_env
+    from pdserve.launcher import add_cli_args, cpu_plan, worker_commands
 
     monkeypatch.delenv("OMP_WAIT_POLICY", raising=False)
+    monkeypatch.delenv("GOMP_SPINCOUNT", raising=False)
     monkeypatch.setattr(os, "cpu_count", lambda: 4)
-    cpu = ["--device", "cpu", "--num-prefill", "1", "--num-decode", "1"]
+    cpu = ["--device", "cpu", "--num-prefill", "1", "--num-decode", "1", "--log-dir", "/tmp/logs-x"]
+    locks = set()
     for c in launch.plan(launch.parse_args(cpu))[1:]:
         cfg, _ = _parse_worker(c.argv)
         assert cfg.runtime.num_threads == 4
-        # prefill threads sleep at once; decode keeps libgomp's default (spin, then sleep)
+        locks.add(cfg.runtime.cpu_forward_lock)
+        assert "OMP_WAIT_POLICY" not in c.env
+        assert c.env.get("GOMP_SPINCOUNT") == ("10000" if c.name.startswith("prefill") else None), c.name
+    assert locks == {"/tmp/logs-x/cpu-forward.lock"}
+    for c in launch.plan(launch.parse_args([*cpu, "--cpu-sharing", "passive"]))[1:]:
+        cfg, _ = _parse_worker(c.argv)
+        assert cfg.runtime.cpu_forward_lock is None and "GOMP_SPINCOUNT" not in c.env
         assert c.env.get("OMP_WAIT_POLICY") == ("PASSIVE" if c.name.startswith("prefill") else None), c.name
     for c in launch.plan(launch.parse_args([*cpu, "--threads-per-worker", "2"]))[1:]:
         cfg, _ = _parse_worker(c.argv)
-        assert cfg.runtime.num_threads == 2 and "OMP_WAIT_POLICY" not in c.env
+        assert cfg.runtime.num_threads == 2 and cfg.runtime.cpu_forward_lock is None
+        assert "OMP_WAIT_POLICY" not in c.env and "GOMP_SPINCOUNT" not in c.env
 
     parser = argparse.ArgumentParser()
     add_cli_args(parser)
     shared, even = parser.parse_args([]), parser.parse_args(["--threads-per-worker", "2"])
-    workers = [argv for name, argv in worker_commands(shared) if name != "gateway"]
+    workers = [argv for name, argv in worker_commands(shared, lock_path="/run/x.lock") if name != "gateway"]
     assert all(argv[argv.index("--num-threads") + 1] == "4" for argv in workers)
-    assert worker_env(even) == {}
-    assert worker_env(shared) == {"OMP_WAIT_POLICY": "PASSIVE"}
-    assert role_omp_env("prefill", worker_env(shared)) == {"OMP_WAIT_POLICY": "PASSIVE"}
-    assert role_omp_env("decode", worker_env(shared)) == {}
+    assert all(argv[argv.index("--cpu-forward-lock") + 1] == "/run/x.lock" for argv in workers)
+    assert cpu_plan(even, "/run/x.lock").flags() == ["--num-threads", "2"]
+    assert cpu_plan(even).env("prefill") == {}
+    assert cpu_plan(shared).env("prefill") == {"GOMP_SPINCOUNT": "10000"}
+    assert cpu_plan(shared).env("decode") == {}
+    passive = parser.parse_args(["--cpu-sharing", "passive"])
+    assert cpu_plan(passive).env("prefill") == {"OMP_WAIT_POLICY": "PASSIVE"}
+    assert "--cpu-forward-lock" not in cpu_plan(passive, "/run/x.lock").flags()
+    monkeypatch.setenv("GOMP_SPINCOUNT", "500")
+    assert cpu_plan(shared).env("prefill") == {}
     monkeypatch.setenv("OMP_WAIT_POLICY", "ACTIVE")
-    assert worker_env(shared) == {}
+    assert cpu_plan(passive).env("prefill") == {}
     children = launch.plan(launch.parse_args(cpu))
-    assert all("OMP_WAIT_POLICY" not in c.env for c in children)
+    assert all("OMP_WAIT_POLICY" not in c.env and "GOMP_SPINCOUNT" not in c.env for c in children)
 
 
 def test_up_forwards_disable_radix_cache_to_every_worker():

@@ -70,3 +70,29 @@ def test_openai_client_and_disconnect(gateway_process, tokenizer):
     finally:
         p.stop()
         d.stop()
+
+
+@pytest.mark.timeout(60)
+def test_keep_alive_responses_do_not_wait_for_the_clients_delayed_ack(gateway_process):
+    """uvicorn writes a response's headers and body separately; with Nagle's algorithm on, the body of
+    every response after a connection's first waited for the client's delayed ACK (>= 40 ms on Linux).
+    The gateway turns it off on every connection: a keep-alive client gets `/v1/models` at once."""
+    import socket
+    import statistics
+
+    base, _ = gateway_process
+    port = int(base.rsplit(":", 1)[1])
+    with socket.create_connection(("127.0.0.1", port)) as s:
+        times = []
+        for _ in range(7):
+            t = time.perf_counter()
+            s.sendall(b"GET /v1/models HTTP/1.1\r\nHost: x\r\n\r\n")
+            data = b""
+            while not (b"\r\n\r\n" in data and data.endswith(b"}")):
+                chunk = s.recv(65536)
+                assert chunk, "the gateway closed the connection"
+                data += chunk
+            times.append(time.perf_counter() - t)
+            assert data.startswith(b"HTTP/1.1 200"), data[:100]
+            time.sleep(0.02)
+    assert statistics.median(times[1:]) < 0.03, times
