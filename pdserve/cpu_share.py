@@ -10,7 +10,8 @@ When the workers' threads outnumber the cores, two OpenMP teams running at once 
 partners the other team preempted. `--cpu-sharing` picks the remedy:
 
 - `turns` (default): every forward holds an exclusive lock on one file (`--cpu-forward-lock`,
-  runtime/forward_turns.py), so one team computes at a time. Prefill workers spin only briefly between
+  runtime/forward_turns.py), so one team computes at a time; a long forward lets a waiting worker's forward
+  run between its layers. Prefill workers spin only briefly between
   parallel regions (GOMP_SPINCOUNT=10000, ~0.1 ms) so that an idle prefill team soon stops taking CPU
   from the decode steps; decode workers keep libgomp's default (spin ~300,000 rounds, then sleep), which
   their back-to-back steps need (a batch-1 step makes ~210 matmul, gather and attention calls, and

@@ -30,6 +30,9 @@ from pdserve.sampling_params import SamplingParams
 log = logging.getLogger(__name__)
 
 CPU_DEFAULT_MAX_TOTAL_TOKENS = 32768
+# Forwards of at least this many tokens offer their turn at the cores between layers (forward_turns.py):
+# ~150 ms and more on two cores, where a decode step waiting for all of it would stall every stream.
+OFFER_TURN_MIN_TOKENS = 256
 
 
 class ContextLengthError(ValueError):
@@ -150,11 +153,13 @@ class ModelRunner:
             self.device,
             all_logits,
         )
-        with self.turns.turn() if self.turns is not None else contextlib.nullcontext():
+        with self.turns.turn() if self.turns is not None else contextlib.nullcontext() as turn:
             if self.compiled is not None and mode is ForwardMode.DECODE:
                 logits = self.compiled(batch)
             else:
-                logits = self.model(batch, self.pool, self.backend)
+                # A long forward lets a waiting co-located worker's forward run between its layers.
+                long = turn is not None and batch.num_tokens >= OFFER_TURN_MIN_TOKENS
+                logits = self.model(batch, self.pool, self.backend, turn.offer if long else None)
         for r, toks in zip(reqs, new_tokens):
             r.num_computed += len(toks)
         return logits

@@ -325,10 +325,17 @@ class CausalLM(nn.Module):
         return self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
 
     @torch.inference_mode()
-    def forward(self, batch: ForwardBatch, pool: KVPool, backend: AttentionBackend) -> torch.Tensor:
-        """Returns logits [len(batch.logits_indices), vocab] in float32."""
+    def forward(
+        self,
+        batch: ForwardBatch,
+        pool: KVPool,
+        backend: AttentionBackend,
+        between_layers: Callable[[], object] | None = None,
+    ) -> torch.Tensor:
+        """Returns logits [len(batch.logits_indices), vocab] in float32; `between_layers` is called
+        after each layer but the last (a long forward offering its turn at the cores)."""
         backend.prepare(batch, pool)
-        return self.run(batch.input_ids, batch.positions, batch.logits_indices, pool, backend)
+        return self.run(batch.input_ids, batch.positions, batch.logits_indices, pool, backend, between_layers)
 
     def run(
         self,
@@ -337,6 +344,7 @@ class CausalLM(nn.Module):
         logits_indices: torch.Tensor | None,
         pool: KVPool,
         backend: AttentionBackend,
+        between_layers: Callable[[], object] | None = None,
     ) -> torch.Tensor:
         """The layers and the head over a prepared backend: logits [N, vocab] in float32 at the rows
         `logits_indices` of the new tokens (None: every row). Also the body of the compiled decode step
@@ -350,7 +358,10 @@ class CausalLM(nn.Module):
             getattr(backend, "decode_args", None) if cpu_fused(x) else None
         )
         cos, sin_signed = self.rotary.cos, self.rotary.sin_signed
-        for layer in cast("list[DecoderLayer]", self.model.layers):
+        layers = cast("list[DecoderLayer]", self.model.layers)
+        for i, layer in enumerate(layers):
+            if between_layers is not None and i > 0:
+                between_layers()
             weights = layer.decode_weights() if decode_args is not None else None
             attn = None if weights is None or decode_args is None else decode_args(layer.layer_id, pool)
             if weights is not None and attn is not None:

@@ -108,3 +108,77 @@ def test_a_runner_with_the_lock_computes_only_in_its_turn(tmp_path, tiny_folders
 def test_an_unusable_lock_path_is_named(tmp_path):
     with pytest.raises(ValueError, match="--cpu-forward-lock .*missing"):
         ForwardTurns(str(tmp_path / "missing" / "cpu-forward.lock"))
+
+
+# A long forward stand-in: one turn of `n` slices of `hold` s, offering the turn between slices.
+LONG = """
+import sys, time
+from pdserve.runtime.forward_turns import ForwardTurns
+turns = ForwardTurns(sys.argv[1])
+n, hold = int(sys.argv[2]), float(sys.argv[3])
+print("ready", flush=True)
+with turns.turn() as turn:
+    start = time.monotonic()
+    for i in range(n):
+        if i and turn.offer():
+            start = time.monotonic()  # a waiter ran meanwhile: our compute starts again now
+        time.sleep(hold)
+        print(f"{start} {time.monotonic()}", flush=True)
+        start = time.monotonic()
+"""
+
+
+@pytest.mark.timeout(60)
+def test_a_long_forward_lets_a_waiting_worker_run_between_its_layers(tmp_path):
+    path = str(tmp_path / "cpu-forward.lock")
+    long = subprocess.Popen(
+        [sys.executable, "-c", LONG, path, "100", "0.02"], stdout=subprocess.PIPE, text=True
+    )
+    assert long.stdout is not None and long.stdout.readline().strip() == "ready"
+    time.sleep(0.2)  # inside its turn
+    short = _taker(path, 5, 0.01)
+    short_out, _ = short.communicate(timeout=30)
+    t_short_done = time.monotonic()
+    long_out, _ = long.communicate(timeout=30)
+    assert short.returncode == 0 and long.returncode == 0
+    short_spans = [tuple(map(float, line.split())) for line in short_out.splitlines()]
+    long_spans = [tuple(map(float, line.split())) for line in long_out.splitlines()]
+    assert len(short_spans) == 5 and len(long_spans) == 100
+    # The short worker's five turns ran inside the long one, not after it...
+    assert t_short_done < long_spans[-1][1] - 0.5
+    # ...and never while the long one computed.
+    for s0, s1 in short_spans:
+        for l0, l1 in long_spans:
+            assert s1 <= l0 or l1 <= s0, "a short turn overlapped the long forward's compute"
+
+
+@pytest.mark.timeout(120)
+def test_a_long_runner_forward_offers_its_turn_between_layers(tmp_path, tiny_folders, monkeypatch):
+    """A forward of >= OFFER_TURN_MIN_TOKENS tokens offers its turn after every layer but the last (the
+    offer itself is the real one, counted on the way); a shorter one never does. (The threshold is
+    lowered to fit the tiny model's 128-token context.)"""
+    from pdserve.config import RuntimeConfig
+    from pdserve.runtime import runner as runner_module
+    from pdserve.runtime.batch import ForwardMode
+    from pdserve.runtime.request import Request
+    from pdserve.runtime.runner import ModelRunner
+    from pdserve.sampling_params import SamplingParams
+
+    monkeypatch.setattr(runner_module, "OFFER_TURN_MIN_TOKENS", 64)
+
+    path = str(tmp_path / "cpu-forward.lock")
+    folder = next(iter(tiny_folders.values()))
+    cfg = RuntimeConfig(model_path=folder, device="cpu", max_total_tokens=1024, cpu_forward_lock=path)
+    runner = ModelRunner(cfg)
+    assert runner.turns is not None
+    offers = []
+    real = runner.turns.offer
+    runner.turns.offer = lambda: offers.append(1) or real()  # type: ignore[method-assign]
+    assert runner.spec.num_layers >= 2
+    for n, expected in ((63, 0), (64, runner.spec.num_layers - 1)):
+        offers.clear()
+        req = Request(f"r{n}", [5] * n, SamplingParams(max_new_tokens=1))
+        assert runner.reserve(req, n)
+        runner.forward(ForwardMode.EXTEND, [req], [req.prompt_ids])
+        runner.release(req)
+        assert len(offers) == expected, n
