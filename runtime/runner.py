@@ -158,8 +158,8 @@ class ModelRunner:
                 logits = self.compiled(batch)
             else:
                 # A long forward lets a waiting co-located worker's forward run between its layers.
-                long = turn is not None and batch.num_tokens >= OFFER_TURN_MIN_TOKENS
-                logits = self.model(batch, self.pool, self.backend, turn.offer if long else None)
+                offer = turn.offer if turn is not None and batch.num_tokens >= OFFER_TURN_MIN_TOKENS else None
+                logits = self.model(batch, self.pool, self.backend, offer)
         for r, toks in zip(reqs, new_tokens):
             r.num_computed += len(toks)
         return logits
