@@ -178,8 +178,7 @@ def plan(args: argparse.Namespace, control_port: int | None = None) -> list[Chil
     ]
     common += model
     if args.device == "cpu":
-        flags = cpu.flags()
-        common += flags if "--num-threads" not in args.worker_flags else flags[2:]
+        common += cpu.flags(threads="--num-threads" not in args.worker_flags)
     k = 0
     for role, slots in (("prefill", args.prefill_slots), ("decode", args.decode_slots)):
         for i, gpu in enumerate(slots):

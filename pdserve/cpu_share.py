@@ -51,10 +51,10 @@ class CpuShare:
             return {"OMP_WAIT_POLICY": "PASSIVE"}
         return {} if env.gomp_spincount_set() else {"GOMP_SPINCOUNT": str(PREFILL_SPIN_COUNT)}
 
-    def flags(self) -> list[str]:
-        """Extra flags of every worker."""
+    def flags(self, threads: bool = True) -> list[str]:
+        """Extra flags of every worker (`threads`: with its --num-threads)."""
         turns = self.shared and self.sharing == "turns" and bool(self.lock_path)
-        return ["--num-threads", str(self.threads)] + (
+        return (["--num-threads", str(self.threads)] if threads else []) + (
             ["--cpu-forward-lock", self.lock_path] if turns else []
         )
 

@@ -9,7 +9,7 @@ and releases it after. The kernel drops the lock of a process that dies, so a cr
 others waiting.
 
 A long forward (a prefill chunk of thousands of tokens takes seconds on a CPU) would hold every decode
-step for its whole length, so it offers its turn between layers (`Turn.offer`): a worker that waits
+step for its whole length, so it offers its turn between layers (`ForwardTurns.offer`): a worker that waits
 holds a second lock, `PATH.next`, while it blocks on the first, and the holder that finds `.next` taken
 lets it run one forward, then carries on. Waiters queue on `.next`, so none is passed over.
 """
@@ -33,7 +33,6 @@ class ForwardTurns:
     """An exclusive turn at the host's cores, shared through `flock` on `path` (and `path + ".next"`)."""
 
     def __init__(self, path: str):
-        self.path = path
         self._turn = _open(path)
         self._next = _open(path + ".next")
 
