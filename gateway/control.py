@@ -66,6 +66,8 @@ MAX_FRAME_BYTES = 16 << 20
 class TokensArrived:
     output: TokenOutput
     t_recv: float  # gateway wall clock at receipt
+    # "prefill": the first token, carried by PrefillDone before the KV lands (the decode reports it again).
+    source: str = "decode"
 
 
 @dataclass(frozen=True)
@@ -292,6 +294,8 @@ class ControlPlane:
                 room.prefill_done, room.prefill_done_at = msg, t_recv
                 self.registry.release(room.prefill, room.tokens)
                 room.prefill_event.set()
+                if msg.first is not None:
+                    room.inbox.put_nowait(TokensArrived(msg.first, t_recv, source="prefill"))
         elif isinstance(msg, RequestFailed):
             if msg.code == "transfer":
                 self.metrics.transfer_failures.inc()

@@ -7,8 +7,9 @@ every output step, the last one with `finished=True` and `meta_info`. Failures r
 the room are aborted.
 
 A leg that fails for reasons outside the request (`_AGAIN_CODES`) is run again on another pair
-under a new room id: before any token arrived that is a retry (at most one); after, a migration
-(at most `MAX_MIGRATIONS`): the new pair gets the prompt plus the tokens produced so far and the
+under a new room id: before a decode leg sent any token that is a retry (at most one); after, a
+migration (at most `MAX_MIGRATIONS`). Either way the new pair gets the prompt plus the tokens produced
+so far (a retry's: at most the first token, which PrefillDone brought) and the
 remaining `max_new_tokens`, and the same `GenState` and `_Collector` (detokenizer and stop-string
 state) carry on, so the client sees one stream.
 """
@@ -122,6 +123,9 @@ class _Run:
     retries: int = 0
     migrations: int = 0
     dispatched_once: bool = False
+    # A decode leg sent tokens. Until then a lost leg is retried (once), after it the generation migrates;
+    # either way the next attempt goes on from the tokens the client has (a first token from PrefillDone).
+    decoded: bool = False
     # The attempt that delivered the first token: its prefill events and dispatch time go in meta_info.
     origin: tuple[Room, float] | None = None
     span: RequestSpan | None = None  # the trace's root, with tracing on
@@ -187,7 +191,7 @@ class Generations:
     # ---- one generation ----------------------------------------------------------------------
 
     async def generate(self, inp: GenInput) -> AsyncIterator[GenState]:
-        """One generation. A leg lost (or draining, or a failed KV transfer) before any token is
+        """One generation. A leg lost (or draining, or a failed KV transfer) before any decoded token is
         retried once on another pair; after tokens, the generation migrates to another pair (at
         most `MAX_MIGRATIONS` times). Other failures, and those past the limits, raise `ApiError`."""
         st = GenState(inp.rid, len(inp.input_ids))
@@ -209,9 +213,10 @@ class Generations:
     def _again(self, run: _Run, a: _Again) -> None:
         """Count a retry or a migration and mark the workers to avoid, or raise the failure."""
         produced = len(run.st.output_ids)
-        if produced == 0 and run.retries >= 1:
+        retry = not run.decoded
+        if retry and run.retries >= 1:
             raise a.error
-        if produced > 0 and run.migrations >= MAX_MIGRATIONS:
+        if not retry and run.migrations >= MAX_MIGRATIONS:
             raise ApiError(
                 a.error.status, f"{a.error.message} (not migrated: already migrated {run.migrations} times)"
             )
@@ -225,13 +230,13 @@ class Generations:
             avoid.add(a.failed)
         missing = [r for r in ("prefill", "decode") if not self._candidates(r, avoid)]
         if missing:
-            what = "retried" if produced == 0 else "migrated"
+            what = "retried" if retry else "migrated"
             raise ApiError(
                 a.error.status,
                 f"{a.error.message} (not {what}: no other {' and no other '.join(missing)} worker in rotation)",
             )
         run.avoid, run.prefer_not = avoid, prefer_not
-        if produced == 0:
+        if retry:
             run.retries += 1
             self.metrics.retries.inc()
             log.warning("request %s: retrying on another pair after: %s", run.inp.rid, a.error.message)
@@ -306,11 +311,15 @@ class Generations:
         # Legs to abort on the way out; cleared as the request reaches a clean end.
         abort_decode: str | None = "cancelled"
         abort_prefill: str | None = "cancelled" if prefill is not None else None
+        # The first token comes twice: with PrefillDone, as soon as it is sampled, and with the
+        # decode's first output, once the KV landed. Whichever comes first counts; the other is dropped.
+        first_early = False  # the prefill's copy counted
+        decode_spoke = False  # the decode leg sent tokens: it holds this attempt's KV
         try:
             while not st.finished:
                 ev = await self._next_event(room, inp)
                 if isinstance(ev, LegFailed):
-                    if ev.role == "prefill" and len(st.output_ids) > len(produced):
+                    if ev.role == "prefill" and decode_spoke:
                         # The decode holds this attempt's KV already: the prefill is no longer needed.
                         log.info("room %s: prefill leg lost after the KV arrived: %s", room.room, ev.message)
                         abort_prefill = None
@@ -322,28 +331,35 @@ class Generations:
                     if ev.code in _AGAIN_CODES and ev.role in ("prefill", "decode"):
                         raise _Again(ev, room, err)
                     raise err
+                out = ev.output
+                if ev.source == "prefill":
+                    if decode_spoke:
+                        continue
+                    first_early = True
+                elif out.token_ids:
+                    if first_early and not decode_spoke:
+                        out = _without_first(out)
+                    decode_spoke = run.decoded = True
                 st.new_text, st.new_ids = "", 0
-                self._observe_itl(c, ev.t_recv, len(ev.output.token_ids))
-                if c.first_token_recv is None and ev.output.token_ids:
+                self._observe_itl(c, ev.t_recv, len(out.token_ids))
+                if c.first_token_recv is None and out.token_ids:
                     self.metrics.ttft.observe(ev.t_recv - inp.received_ts)
-                if run.origin is None and ev.output.token_ids:
+                if run.origin is None and out.token_ids:
                     run.origin = (room, dispatched)
-                c.feed(ev.output, ev.t_recv, room.decode.clock.offset)
-                if (
-                    ev.output.prefill_events is not None
-                    and room.prefill is None
-                    and room.prefill_done is None
-                ):
+                c.feed(out, ev.t_recv, room.decode.clock.offset)
+                if out.prefill_events is not None and room.prefill is None and room.prefill_done is None:
                     # A local prefill: the decode worker's first output stands in for PrefillDone.
-                    room.prefill_done = PrefillDone(room=room.room, events=ev.output.prefill_events)
+                    room.prefill_done = PrefillDone(room=room.room, events=out.prefill_events)
                     room.prefill_done_at = ev.t_recv
                     room.prefill_event.set()
                 if c.failed is not None:
                     abort_decode = None
                     raise self._leg_failed(room, LegFailed("decode", "aborted", c.failed, True))
-                if st.finished and not ev.output.finished:
+                if st.finished and not out.finished:
                     abort_decode = "stop"  # a stop string matched before the decode finished
                 elif st.finished:
+                    # The decode finished, or will on its own: the prefill's first token ended the request
+                    # (the decode, given the same token, stops there too once the KV lands).
                     abort_decode = None
                 if st.finished:
                     abort_prefill = None if room.prefill_done is not None else "finished"
@@ -524,6 +540,17 @@ class Generations:
             if inp.sampling.top_logprobs_num > 0:
                 meta["output_top_logprobs"] = [[[lp, t, None] for t, lp in top] for top in st.top_logprobs]
         return meta, tl
+
+
+def _without_first(out: TokenOutput) -> TokenOutput:
+    """The decode's first output less the first token, which the prefill's PrefillDone delivered."""
+    return out.model_copy(
+        update={
+            "token_ids": out.token_ids[1:],
+            "logprobs": out.logprobs[1:] if out.logprobs is not None else None,
+            "top_logprobs": out.top_logprobs[1:] if out.top_logprobs is not None else None,
+        }
+    )
 
 
 def _count_version(segments: list[dict], version: str, end: int) -> None:

@@ -17,7 +17,9 @@ Spans (all children of `request`, the gateway's root):
   response            the decode worker finished -> the response left the gateway
 
 Phases (the dashboard's bar, consecutive, summing to `response_sent - received`):
-queue, prefill, transfer, first_token (first token's way to the gateway), decode, response.
+queue, prefill, transfer, first_token (first token's way to the gateway), decode, response. The
+first token usually reaches the gateway with PrefillDone, before the KV lands: then first_token runs
+from the prefill's end and transfer from the first token to the KV's arrival.
 """
 
 from __future__ import annotations
@@ -104,7 +106,7 @@ def build_trace(t: TraceInput) -> RequestTrace:
     qe_raw = t.prefill_events.get("queue_entry")
     queue_entry = clamp(qe_raw - off if qe_raw is not None else dispatched, dispatched, fe)
     kr = t.decode_events.get("kv_ready")
-    kv_ready = clamp(kr if kr is not None else pf, pf, first)
+    kv_ready = clamp(kr if kr is not None else pf, pf, fin)
     de = t.decode_events.get("decode_entry")
     decode_entry = clamp(de if de is not None else dispatched, dispatched, kv_ready)
     kq = t.decode_events.get("kv_requested")
@@ -152,12 +154,11 @@ def build_trace(t: TraceInput) -> RequestTrace:
         )
     )
     spans.append(SpanRecord("response", fin, sent, {}))
-    phases = dict(
-        zip(
-            PHASES,
-            (fe - received, pf - fe, kv_ready - pf, first - kv_ready, fin - first, sent - fin),
-        )
-    )
+    if kv_ready <= first:  # the decode's output carried the first token
+        transfer, first_token, decode = kv_ready - pf, first - kv_ready, fin - first
+    else:  # PrefillDone carried it; the KV landed after
+        transfer, first_token, decode = kv_ready - first, first - pf, fin - kv_ready
+    phases = dict(zip(PHASES, (fe - received, pf - fe, transfer, first_token, decode, sent - fin)))
     finish = t.meta_info.get("finish_reason") or {}
     attributes: dict[str, Attr] = {
         "pdserve.rid": t.rid,

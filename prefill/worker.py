@@ -1,6 +1,6 @@
 """The prefill worker: batch prompts, compute their KV and first token, hand both to a decode node.
 
-Loop: receive -> schedule -> run -> hand off -> reply (see `step`). A request's pages are held
+Loop: receive -> schedule -> run -> reply -> hand off (see `step`). A request's pages are held
 until its KV transfer ends (Success or Failed); then its whole prompt pages go into the prefix cache
 (unless --disable-radix-cache), where later prompts that start the same way find them, and the rest
 is freed. Its state (queued, prefilling, transferring, then finished or failed) is moved only by
@@ -122,8 +122,8 @@ class PrefillWorker:
         self._expire()
         reqs, chunks = self.sched.schedule()
         done = self._run(reqs, chunks) if reqs else []
+        self._reply(done)  # first: PrefillDone carries the first token, which the client may be waiting for
         self._hand_off(done)
-        self._reply(done)
         assert self.link is not None
         self.cache_events.publish(self.link)
 
@@ -245,6 +245,7 @@ class PrefillWorker:
                 m.PrefillDone(
                     room=r.rid,
                     events=self.events.pop(r.rid),
+                    first=self._first_output(r),
                     cached_tokens=r.cached_tokens,
                     forward_chunks=self.chunks.pop(r.rid, []),
                     input_logprobs=r.input_logprobs if lps else None,
@@ -254,6 +255,21 @@ class PrefillWorker:
         ld = self.link.load
         ld.queued, ld.running = len(self.sched.waiting), len(self.rooms)
         ld.free_tokens = self.sched.free_tokens
+
+    def _first_output(self, r: Request) -> m.TokenOutput:
+        """The first token as the decode node reports it when the KV lands (decode/worker.py `_output`)."""
+        want_lp = r.params.logprobs or r.params.top_logprobs_num > 0
+        return m.TokenOutput(
+            room=r.rid,
+            token_ids=r.output_ids[:1],
+            logprobs=r.output_logprobs[:1] if want_lp and r.output_logprobs else None,
+            top_logprobs=[list(r.output_top_logprobs[0])]
+            if r.params.top_logprobs_num and r.output_top_logprobs
+            else None,
+            finished=r.finished,
+            finish_reason=r.finish_reason,
+            weight_version=self.weights.version,
+        )
 
     def _release_stalled(self, now: float) -> None:
         due = [x for x in self.stalled if x[0] <= now]

@@ -19,7 +19,8 @@ from pydantic import BaseModel, ConfigDict, TypeAdapter, ValidationError
 # 5: RegisterAck.retry (a worker id still held by a live connection).
 # 9: same-host KV hand-off through shared memory (HelloAck.shm, PageList.shm, Announce.shm_pages,
 #    shm_fence and trailer; Copied).
-PROTOCOL_VERSION = 9
+# 10: PrefillDone.first (the first token reaches the gateway from the prefill node, before its KV lands).
+PROTOCOL_VERSION = 10
 
 M = TypeVar("M", bound=BaseModel)
 

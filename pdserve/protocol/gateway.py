@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal, Union
 
-from pydantic import Field
+from pydantic import Field, model_validator
 
 from pdserve.protocol.codec import Codec
 from pdserve.protocol.codec import Msg as _Msg
@@ -198,31 +198,6 @@ class AbortRequest(_Msg):
     reason: str = ""
 
 
-class PrefillDone(_Msg):
-    """Prefill -> gateway: the forward ran and the KV was handed to the decode node."""
-
-    kind: Literal["prefill_done"] = "prefill_done"
-    room: str
-    events: PrefillEvents
-    cached_tokens: int = 0
-    # Worker-clock (start, end) of every extend forward that computed part of this prompt (chunked prefill).
-    forward_chunks: list[tuple[float, float]] = []
-    # Prompt logprobs from the request's logprob_start_len on (the first prompt token's is None).
-    input_logprobs: list[float | None] | None = None
-    input_top_logprobs: list[list[tuple[int, float]] | None] | None = None
-
-
-class RequestFailed(_Msg):
-    """Worker -> gateway: this leg of `room` failed; the gateway aborts the other leg."""
-
-    kind: Literal["failed"] = "failed"
-    room: str
-    role: Role
-    # Short machine-readable reason: "transfer", "oom", "bad_request", "aborted", "internal".
-    code: str
-    message: str
-
-
 class TokenOutput(_Msg):
     room: str
     # Tokens produced for this room in this step (the first token arrives in the first output).
@@ -243,6 +218,43 @@ class TokenOutput(_Msg):
     stats: RequestStats | None = None
     # The weights that produced `token_ids` (the first token: the prefill node's at sampling time).
     weight_version: str = "default"
+
+
+class PrefillDone(_Msg):
+    """Prefill -> gateway: the prompt's forward ran and sampled the first token; its KV goes to the
+    decode node right after (sent before the hand-off, so that the first token waits for nothing)."""
+
+    kind: Literal["prefill_done"] = "prefill_done"
+    room: str
+    events: PrefillEvents
+    # The first token as the decode node will report it once the KV lands (the same token, logprobs,
+    # finish and weight version): the gateway streams it now, and drops the decode's copy. A request
+    # that this token finishes is answered from here.
+    first: TokenOutput | None = None
+    cached_tokens: int = 0
+    # Worker-clock (start, end) of every extend forward that computed part of this prompt (chunked prefill).
+    forward_chunks: list[tuple[float, float]] = []
+    # Prompt logprobs from the request's logprob_start_len on (the first prompt token's is None).
+    input_logprobs: list[float | None] | None = None
+    input_top_logprobs: list[list[tuple[int, float]] | None] | None = None
+
+    @model_validator(mode="after")
+    def _one_first_token_of_this_room(self) -> PrefillDone:
+        f = self.first
+        if f is not None and (f.room != self.room or len(f.token_ids) != 1):
+            raise ValueError("first must be one token of the same room")
+        return self
+
+
+class RequestFailed(_Msg):
+    """Worker -> gateway: this leg of `room` failed; the gateway aborts the other leg."""
+
+    kind: Literal["failed"] = "failed"
+    room: str
+    role: Role
+    # Short machine-readable reason: "transfer", "oom", "bad_request", "aborted", "internal".
+    code: str
+    message: str
 
 
 class TokenBatch(_Msg):

@@ -20,7 +20,7 @@ class PrefillEvents(TypedDict, total=False):
 
     queue_entry: float  # GenerateRequest admitted
     forward_entry: float  # first forward of the prompt started
-    prefill_finished: float  # first token sampled, KV handed to the sender
+    prefill_finished: float  # first token sampled (the KV is handed to the sender next)
 
 
 class DecodeEvents(TypedDict, total=False):

@@ -1,5 +1,5 @@
 """`pdserve bench ttft` against a real `pdserve up` cluster: one row per prompt length, with the served
-time holding the prefill worker's forward."""
+time holding the prefill worker's forward, and the streamed first chunk's time."""
 
 from __future__ import annotations
 
@@ -24,14 +24,16 @@ def test_ttft_table_against_cluster(tmp_path, capsys):
     rows = {}
     for line in out.splitlines():
         parts = line.split()
-        if len(parts) == 5 and parts[0].isdigit():
+        if len(parts) == 7 and parts[0].isdigit():
             rows[int(parts[0])] = [float(x) for x in parts[1:]]
     assert sorted(rows) == [8, 40], out
-    for offline, served, ratio, forward in rows.values():
+    for offline, served, ratio, streamed, s_ratio, forward in rows.values():
         assert offline > 0 and forward > 0
         assert served >= forward, "the client's wall clock holds the prefill worker's forward"
+        assert streamed > 0
         # the table's milliseconds are rounded to 0.1 and its ratio to 0.01
         assert ratio == pytest.approx(served / offline, rel=0.01, abs=0.006)
+        assert s_ratio == pytest.approx(streamed / offline, rel=0.01, abs=0.006)
 
 
 def test_bad_lengths_are_refused(capsys):

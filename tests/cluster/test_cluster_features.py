@@ -335,3 +335,34 @@ def test_transfer_timeout_ends_a_transfer_stalled_mid_way(roles):
     assert TRANSFER_TIMEOUT_S <= o.seconds < KV_WAIT_TIMEOUT_S, o.seconds
     # The prefill node frees its pages once the held-back send gives up after the stall.
     wait_pools(c.url, c.idle, timeout_s=stall_s + 40)
+
+
+def test_first_token_comes_before_its_kv(roles, engine, tok):
+    """The first token reaches the client with PrefillDone, before the KV lands on the decode node:
+    with every hand-off held back 6 s (--test-stall-kv-send), a one-token request is answered and a
+    stream shows its first token well before then; the stream's later tokens follow the KV, and no
+    token or logprob comes twice."""
+    c = roles
+    stall_s = 6.0
+    _restart_prefill(c, ["--test-stall-kv-send", str(stall_s)])
+    ref = _reference(engine, tok, PROMPT, 6)
+
+    one = generate(c.url, body(1), 60)
+    assert one.ok and one.output_ids == ref[:1], one
+    assert one.seconds < stall_s / 2, one.seconds
+
+    t0 = time.monotonic()
+    first_at: list[float] = []
+    o = stream(
+        c.url,
+        {**body(6, stream=True), "return_logprob": True},
+        90,
+        first_chunk=lambda: first_at.append(time.monotonic() - t0),
+    )
+    assert o.ok and o.output_ids == ref, o
+    assert first_at[0] < stall_s / 2 <= stall_s <= o.seconds, (first_at, o.seconds)
+    assert o.meta is not None
+    assert [t for _, t, _ in o.meta["output_token_logprobs"]] == ref
+    assert o.meta["completion_tokens"] == 6
+    # The one-token request's KV went to the decode node after the stall; nobody waits for it there.
+    wait_pools(c.url, c.idle, timeout_s=stall_s + 30)
