@@ -7,7 +7,7 @@ every output step, the last one with `finished=True` and `meta_info`. Failures r
 the room are aborted.
 
 A leg that fails for reasons outside the request (`_AGAIN_CODES`) is run again on another pair
-under a new room id: before a decode leg sent any token that is a retry (at most one); after, a
+under a new room id: before the client may have seen a token that is a retry (at most one); after, a
 migration (at most `MAX_MIGRATIONS`). Either way the new pair gets the prompt plus the tokens produced
 so far (a retry's: at most the first token, which PrefillDone brought) and the
 remaining `max_new_tokens`, and the same `GenState` and `_Collector` (detokenizer and stop-string
@@ -86,6 +86,8 @@ class GenInput:
     skip_special_tokens: bool = True
     # The client's W3C trace context (the `traceparent` header): the parent of the request's trace.
     traceparent: str | None = None
+    # Streamed: the client sees each token as it comes (then a leg lost after one migrates; see _again).
+    stream: bool = False
 
 
 @dataclass
@@ -123,8 +125,7 @@ class _Run:
     retries: int = 0
     migrations: int = 0
     dispatched_once: bool = False
-    # A decode leg sent tokens. Until then a lost leg is retried (once), after it the generation migrates;
-    # either way the next attempt goes on from the tokens the client has (a first token from PrefillDone).
+    # A decode leg sent tokens (a first token from PrefillDone alone does not count).
     decoded: bool = False
     # The attempt that delivered the first token: its prefill events and dispatch time go in meta_info.
     origin: tuple[Room, float] | None = None
@@ -191,8 +192,8 @@ class Generations:
     # ---- one generation ----------------------------------------------------------------------
 
     async def generate(self, inp: GenInput) -> AsyncIterator[GenState]:
-        """One generation. A leg lost (or draining, or a failed KV transfer) before any decoded token is
-        retried once on another pair; after tokens, the generation migrates to another pair (at
+        """One generation. A leg lost (or draining, or a failed KV transfer) before the client may have
+        seen a token is retried once on another pair; after, the generation migrates to another pair (at
         most `MAX_MIGRATIONS` times). Other failures, and those past the limits, raise `ApiError`."""
         st = GenState(inp.rid, len(inp.input_ids))
         run = _Run(inp, st, _Collector(self.tokenizer, inp, st))
@@ -213,7 +214,10 @@ class Generations:
     def _again(self, run: _Run, a: _Again) -> None:
         """Count a retry or a migration and mark the workers to avoid, or raise the failure."""
         produced = len(run.st.output_ids)
-        retry = not run.decoded
+        # A retry until the client may have seen a token: a stream's first one (which PrefillDone brings
+        # before the decode has the KV), or any decoded one. Either way the next attempt goes on from the
+        # tokens produced so far.
+        retry = produced == 0 or (not run.inp.stream and not run.decoded)
         if retry and run.retries >= 1:
             raise a.error
         if not retry and run.migrations >= MAX_MIGRATIONS:

@@ -286,6 +286,7 @@ async def serve_generation(
         if traceparent and generations.tracing is not None:  # the client's trace: the root's parent
             inputs = [dataclasses.replace(i, traceparent=traceparent) for i in inputs]
         if stream:
+            inputs = [dataclasses.replace(i, stream=True) for i in inputs]
 
             async def body() -> AsyncIterator[bytes]:
                 try:

@@ -33,14 +33,15 @@ class AbortBody(LenientModel):
 
 @router.get("/health_generate")
 async def health_generate(request: Request) -> Response:
-    """One greedy token through a prefill and a decode worker: 200 when it comes back in time, else 503."""
+    """Two greedy tokens through a prefill and a decode worker (the first may come from the prefill alone,
+    the second comes from the decode): 200 when they come back in time, else 503."""
     gw = request.app.state.gw
     tok = gw.tokenizer
     prompt = tok.encode("Hi") or [tok.eos_token_id or 0]
     inp = GenInput(
         rid=f"health-generate-{uuid.uuid4().hex[:8]}",
         input_ids=prompt,
-        sampling=SamplingParams(max_new_tokens=1, temperature=0.0),
+        sampling=SamplingParams(max_new_tokens=2, temperature=0.0, ignore_eos=True),
         max_new_tokens_given=True,
         received_ts=time.time(),
     )

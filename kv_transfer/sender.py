@@ -19,7 +19,10 @@ on this same channel (pair_store.py): no store port is opened.
 Same host (shm.py): given the shared-memory segment its pool lives in, the sender offers it in every
 HelloAck; a decode node that mapped it says so in its page lists, and those rooms are announced with
 their page ids for the decode to copy itself. Such a room stays TRANSFERRING until the decode's Copied,
-for at most `transfer_timeout_s`; giving up on it (timeout, abort, shutdown) fences the segment first.
+for at most `transfer_timeout_s`; giving up on it (timeout, shutdown) fences the segment first. An abort
+(this node's, for the gateway's AbortRequest, or the decode's) does not give up on an announced room: the
+decode answers every announcement with Copied, and the room fails then, so that a fence bump does not fail
+the other rooms' copies running at that moment (the timeout still bounds the wait).
 """
 
 from __future__ import annotations
@@ -368,6 +371,8 @@ class _SenderIO(EndpointIO):
             self.fail(room, error)
 
     def abort(self, name: str, reason: str) -> None:
+        """An announced shared-memory room fails when the decode's Copied comes (or its timer ends), not
+        now: giving it up would fence the segment, failing every copy running at that moment."""
         self.early.pop(name, None)
         room = self.rooms.get(name)
         if room is None:
@@ -376,8 +381,9 @@ class _SenderIO(EndpointIO):
         if room.state == TransferState.WAITING_FOR_INPUT:
             self.fail(room, reason)
             return
-        if room.shm:
-            self.give_up_shm(room, reason)
+        if room.shm:  # the decode's Copied (or the timer) ends it, as aborted
+            room.aborted = True
+            room.abort_reason = reason
             return
         # Queued or running on the pair thread: its Done reports the room.
         room.aborted = True
@@ -407,6 +413,7 @@ class _SenderIO(EndpointIO):
                 if pair is not None:
                     pair.stores.deliver(gen, key, base64.b64decode(value, validate=True))
             case kc.Abort(room=name, reason=reason):
+                # The decode answers an announcement that crossed this Abort with Copied: wait for it.
                 self.abort(name, f"aborted by decode: {reason}")
             case kc.PairDead(gen=gen):
                 pair = self.pairs.get(identity)

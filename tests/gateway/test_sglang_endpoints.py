@@ -18,7 +18,7 @@ def test_health_generate_runs_through_both_legs(cluster):
     r = cluster.client.get("/health_generate")
     assert r.status_code == 200, r.text
     assert (len(cluster.prefill.requests()), len(cluster.decode.requests())) == (before[0] + 1, before[1] + 1)
-    assert cluster.decode.requests()[-1].sampling.max_new_tokens == 1
+    assert cluster.decode.requests()[-1].sampling.max_new_tokens == 2
 
 
 def test_health_generate_without_a_decode_worker_is_503(cluster):
