@@ -381,13 +381,11 @@ class _SenderIO(EndpointIO):
         if room.state == TransferState.WAITING_FOR_INPUT:
             self.fail(room, reason)
             return
-        if room.shm:  # the decode's Copied (or the timer) ends it, as aborted
-            room.aborted = True
-            room.abort_reason = reason
-            return
-        # Queued or running on the pair thread: its Done reports the room.
         room.aborted = True
         room.abort_reason = reason
+        if room.shm:  # the decode's Copied (or the timer) ends it, as aborted
+            return
+        # Queued or running on the pair thread: its Done reports the room.
         assert room.job is not None
         room.job.cancelled.set()
 
