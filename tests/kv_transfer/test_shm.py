@@ -203,6 +203,31 @@ def test_aborts_and_waiting_timeouts_behave_as_on_the_pair_group(nodes):
     assert segment.fence == 0  # nothing was announced: nothing to fence
 
 
+@pytest.mark.timeout(60)
+def test_an_abort_after_the_announcement_waits_for_the_copy_and_never_fences(nodes):
+    """A fence bump fails every copy running at that moment, so an abort of an announced room (a client
+    gone right after its first token) must end the room on the decode's Copied, not by fencing."""
+    stalled = TransferConfig(
+        bootstrap_timeout_s=5, waiting_timeout_s=5, transfer_timeout_s=5, transport="auto", stall_data_s=0.5
+    )
+    sender, receiver, segment = nodes(FAST, stalled)
+    receiver.request("left", sender.addr, [1, 2], 8)
+    sender.send("left", [3, 4], 8, {})
+    assert _wait_state(sender, "left", TransferState.TRANSFERRING)  # Started: the announcement is under way
+    sender.abort("left")
+    time.sleep(0.2)
+    assert sender.state("left") == TransferState.TRANSFERRING  # still waits for the decode's Copied
+    sent = _wait(sender, {"left"})["left"]
+    assert sent.state == TransferState.FAILED and sent.error == "aborted by prefill", sent
+    assert _wait(receiver, {"left"})["left"].shm
+    assert segment.fence == 0
+    # The next room on the same pair copies as usual.
+    receiver.request("next", sender.addr, [5], 3)
+    sender.send("next", [6], 3, {})
+    assert _wait(sender, {"next"})["next"].state == TransferState.SUCCESS
+    assert torch.equal(receiver._kv[5], sender._kv[6])
+
+
 def _wait_state(engine, room: str, state: TransferState, timeout: float = 5) -> bool:
     deadline = time.monotonic() + timeout
     while engine.state(room) != state and time.monotonic() < deadline:
