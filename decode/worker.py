@@ -288,15 +288,12 @@ class DecodeWorker:
         self, r: Request, new: list[int], first: bool = False, version: str | None = None
     ) -> m.TokenOutput:
         """`version`: the weights that produced `new` (default: this node's, which ran this step)."""
-        n = len(new)
-        want_lp = r.params.logprobs or r.params.top_logprobs_num > 0
+        logprobs, top_logprobs = r.newest_logprobs(len(new))
         out = m.TokenOutput(
             room=r.rid,
             token_ids=new,
-            logprobs=r.output_logprobs[-n:] if want_lp and n and r.output_logprobs else None,
-            top_logprobs=[list(t) for t in r.output_top_logprobs[-n:]]
-            if r.params.top_logprobs_num and n
-            else None,
+            logprobs=logprobs,
+            top_logprobs=top_logprobs,
             finished=r.finished,
             finish_reason=r.finish_reason,
             weight_version=self.weights.version if version is None else version,

@@ -257,15 +257,14 @@ class PrefillWorker:
         ld.free_tokens = self.sched.free_tokens
 
     def _first_output(self, r: Request) -> m.TokenOutput:
-        """The first token as the decode node reports it when the KV lands (decode/worker.py `_output`)."""
-        want_lp = r.params.logprobs or r.params.top_logprobs_num > 0
+        """The first token (the only output token here) as the decode node reports it when the KV lands
+        (decode/worker.py `_output`)."""
+        logprobs, top_logprobs = r.newest_logprobs(1)
         return m.TokenOutput(
             room=r.rid,
             token_ids=r.output_ids[:1],
-            logprobs=r.output_logprobs[:1] if want_lp and r.output_logprobs else None,
-            top_logprobs=[list(r.output_top_logprobs[0])]
-            if r.params.top_logprobs_num and r.output_top_logprobs
-            else None,
+            logprobs=logprobs,
+            top_logprobs=top_logprobs,
             finished=r.finished,
             finish_reason=r.finish_reason,
             weight_version=self.weights.version,

@@ -65,6 +65,17 @@ class Request:
     def finished(self) -> bool:
         return self.finish_reason is not None
 
+    def newest_logprobs(self, n: int) -> tuple[list[float] | None, list[list[tuple[int, float]]] | None]:
+        """(logprobs, top logprobs) of the newest `n` output tokens as an output reports them: None for
+        what the request did not ask for (the prefill's first token and the decode's steps alike)."""
+        p = self.params
+        want = p.logprobs or p.top_logprobs_num > 0
+        lps = self.output_logprobs[-n:] if want and n and self.output_logprobs else None
+        tops = (
+            self.output_top_logprobs[-n:] if p.top_logprobs_num and n and self.output_top_logprobs else None
+        )
+        return lps, [list(t) for t in tops] if tops is not None else None
+
     def append_token(
         self, token: int, logprob: float | None = None, top: list[tuple[int, float]] | None = None
     ) -> bool:
