@@ -85,17 +85,25 @@ RoomEvent = TokensArrived | LegFailed
 class Room:
     """One generation in flight: its two legs and the inbox the request handler reads. `prefill` is
     None for a local prefill (conditional disaggregation: the decode worker computes the prompt, and
-    its first output carries the prefill events that PrefillDone carries otherwise)."""
+    its first output carries the prefill events that PrefillDone carries otherwise); `decode` is None
+    for a prefill-only request (max_new_tokens 0). Never both."""
 
     room: str
     prefill: WorkerInfo | None
-    decode: WorkerInfo
+    decode: WorkerInfo | None
     tokens: int  # the work reserved on both legs (for routing)
     inbox: asyncio.Queue[RoomEvent] = field(default_factory=asyncio.Queue)
     prefill_done: PrefillDone | None = None
     prefill_done_at: float | None = None
     prefill_event: asyncio.Event = field(default_factory=asyncio.Event)
     rid: str = ""  # the client's request id (for /abort_request)
+
+    def leg(self, role: str) -> WorkerInfo:
+        """The worker that speaks for `role` here: a missing leg's work is the other's (a local
+        prefill's events come from the decode worker, a prefill-only request's end from the prefill)."""
+        w = (self.prefill or self.decode) if role == "prefill" else (self.decode or self.prefill)
+        assert w is not None, "a room has at least one leg"
+        return w
 
 
 class ControlPlane:
@@ -189,12 +197,14 @@ class ControlPlane:
     # ---- rooms -------------------------------------------------------------------------------
 
     def open_room(
-        self, room_id: str, prefill: WorkerInfo | None, decode: WorkerInfo, tokens: int, rid: str = ""
+        self, room_id: str, prefill: WorkerInfo | None, decode: WorkerInfo | None, tokens: int, rid: str = ""
     ) -> Room:
+        if prefill is None and decode is None:
+            raise ValueError("a room needs a prefill or a decode leg")
         room = Room(room_id, prefill, decode, tokens, rid=rid)
-        if prefill is not None:
-            self.registry.acquire(prefill, tokens)
-        self.registry.acquire(decode, tokens)
+        for worker in (prefill, decode):
+            if worker is not None:
+                self.registry.acquire(worker, tokens)
         self.rooms[room_id] = room
         return room
 
@@ -221,7 +231,8 @@ class ControlPlane:
         if room.prefill_done is None and room.prefill is not None:
             self.registry.release(room.prefill, room.tokens)
             abort_prefill = abort_prefill or "decode leg ended"
-        self.registry.release(room.decode, room.tokens)
+        if room.decode is not None:
+            self.registry.release(room.decode, room.tokens)
         for worker, reason in ((room.decode, abort_decode), (room.prefill, abort_prefill)):
             # Sent to a worker lost to the heartbeat as well: if it lives on, it stops the work; if it
             # is gone, the ROUTER drops the frame.

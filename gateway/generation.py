@@ -71,8 +71,9 @@ class _Again(Exception):
         super().__init__(error.message)
         self.code, self.error = ev.code, error
         prefill = room.prefill.worker_id if room.prefill is not None else ""  # "": a local prefill
-        self.failed = prefill if ev.role == "prefill" else room.decode.worker_id
-        self.prefill, self.decode = prefill, room.decode.worker_id
+        decode = room.decode.worker_id if room.decode is not None else ""  # "": prefill only
+        self.failed = prefill if ev.role == "prefill" else decode
+        self.prefill, self.decode = prefill, decode
 
 
 @dataclass(frozen=True)
@@ -261,7 +262,9 @@ class Generations:
         inp, st, c = run.inp, run.st, run.c
         prompt = inp.input_ids + list(st.output_ids)  # a migration's prompt: see below
         hashes: dict[int, list[int]] = {}  # the prompt's block hashes, computed once for all three
-        decode = self.registry.pick("decode", run.avoid, prompt, hashes)
+        # A prefill-only request (max_new_tokens 0: prompt logprobs, a cache warm-up) has no decode leg.
+        prefill_only = inp.sampling.max_new_tokens == 0
+        decode = None if prefill_only else self.registry.pick("decode", run.avoid, prompt, hashes)
         # Conditional disaggregation: the decode worker computes a short uncached prompt itself.
         # Prompt logprobs come from a prefill worker.
         local = (
@@ -275,9 +278,9 @@ class Generations:
             prefill = reg.pick("prefill", run.avoid | run.prefer_not, prompt, hashes) or reg.pick(
                 "prefill", run.avoid, prompt, hashes
             )
-        if (prefill is None and not local) or decode is None:
+        if (prefill is None and not local) or (decode is None and not prefill_only):
             missing = " and no ".join(
-                r for r, w in (("prefill", prefill or local), ("decode", decode)) if not w
+                r for r, w in (("prefill", prefill or local), ("decode", decode or prefill_only)) if not w
             )
             retry = " to retry on" if run.avoid else ""
             raise ApiError(503, f"no {missing} worker in rotation{retry}", headers={"Retry-After": "1"})
@@ -295,7 +298,7 @@ class Generations:
             sampling=sampling,
             prefill_worker=prefill.worker_id if prefill is not None else "",
             prefill_bootstrap_addr=prefill.bootstrap_addr if prefill is not None else "",
-            decode_worker=decode.worker_id,
+            decode_worker=decode.worker_id if decode is not None else "",
             local_prefill=local,
             deadline_s=inp.received_ts + self.cfg.request_timeout_s,
             traceparent=run.span.traceparent if run.span is not None else None,
@@ -305,15 +308,16 @@ class Generations:
             self.metrics.routed.labels("prefill", prefill.worker_id).inc()
         else:
             self.metrics.local_prefill.inc()
-        self.control.send(decode, req)
-        self.metrics.routed.labels("decode", decode.worker_id).inc()
+        if decode is not None:
+            self.control.send(decode, req)
+            self.metrics.routed.labels("decode", decode.worker_id).inc()
         dispatched = time.time()
         if not run.dispatched_once:
             run.dispatched_once = True
             self.metrics.prompt_tokens.inc(len(inp.input_ids))  # the client's prompt, counted once
 
         # Legs to abort on the way out; cleared as the request reaches a clean end.
-        abort_decode: str | None = "cancelled"
+        abort_decode: str | None = "cancelled" if decode is not None else None
         abort_prefill: str | None = "cancelled" if prefill is not None else None
         # The first token comes twice: with PrefillDone, as soon as it is sampled, and with the
         # decode's first output, once the KV landed. Whichever comes first counts; the other is dropped.
@@ -350,7 +354,7 @@ class Generations:
                     self.metrics.ttft.observe(ev.t_recv - inp.received_ts)
                 if run.origin is None and out.token_ids:
                     run.origin = (room, dispatched)
-                c.feed(out, ev.t_recv, room.decode.clock.offset)
+                c.feed(out, ev.t_recv, room.leg(ev.source).clock.offset)
                 if out.prefill_events is not None and room.prefill is None and room.prefill_done is None:
                     # A local prefill: the decode worker's first output stands in for PrefillDone.
                     room.prefill_done = PrefillDone(room=room.room, events=out.prefill_events)
@@ -398,7 +402,7 @@ class Generations:
                 504,
                 f"request {inp.rid} timed out after {self.cfg.request_timeout_s:g} s "
                 f"(prefill {room.prefill.worker_id if room.prefill else 'local'}, "
-                f"decode {room.decode.worker_id})",
+                f"decode {room.decode.worker_id if room.decode is not None else 'none: prefill only'})",
             )
         return ev
 
@@ -446,9 +450,9 @@ class Generations:
                 rid=inp.rid,
                 tl=tl,
                 prefill_worker=room.prefill.worker_id if room.prefill is not None else "",
-                decode_worker=room.decode.worker_id,
+                decode_worker=room.decode.worker_id if room.decode is not None else "",
                 prefill_events=pd.events if pd is not None else {},
-                prefill_offset=(room.prefill or room.decode).clock.offset,
+                prefill_offset=room.leg("prefill").clock.offset,
                 forward_chunks=pd.forward_chunks if pd is not None else [],
                 decode_events=c.decode_events,
                 stats=c.stats,
@@ -476,7 +480,7 @@ class Generations:
                 prefill_done_recv=room.prefill_done_at,
                 prefill_events=pd.events if pd is not None else {},
                 # A local prefill's events are on the decode worker's clock.
-                prefill_offset=(room.prefill or room.decode).clock.offset,
+                prefill_offset=room.leg("prefill").clock.offset,
                 decode_events=c.decode_events,
                 decode_offset=0.0,  # mapped onto the gateway clock as they arrived (see _Collector)
                 completion_tokens=len(st.output_ids),

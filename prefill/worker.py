@@ -31,7 +31,7 @@ from pdserve.runtime.prompt_logprobs import take_prompt_logprobs
 from pdserve.runtime.radix_cache import RadixCache
 from pdserve.runtime.request import Request, RequestState
 from pdserve.runtime.request_state import TERMINAL
-from pdserve.runtime.runner import ModelRunner, append_samples
+from pdserve.runtime.runner import ModelRunner, sample_first_tokens
 from pdserve.runtime.weight_update import WeightUpdater
 from pdserve.worker_common import make_clock, register_factory, serve_until_drained
 from pdserve.worker_link import WorkerLink
@@ -207,7 +207,7 @@ class PrefillWorker:
             logits = self.runner.forward(ForwardMode.EXTEND, reqs, chunks)
         done, rows = self.sched.take_completed(reqs)
         if done:
-            append_samples(done, self.runner.sample(done, logits[rows]))
+            sample_first_tokens(self.runner, done, logits[rows])
         end = self.clock()
         for r in reqs:
             self.chunks.setdefault(r.rid, []).append((now, end))
@@ -216,8 +216,13 @@ class PrefillWorker:
         return done
 
     def _hand_off(self, done: list[Request]) -> None:
-        """Completed prefills' KV goes to the sender (held back by the stall hook)."""
+        """Completed prefills' KV goes to the sender (held back by the stall hook). A prefill-only
+        request (max_new_tokens 0) has no decode leg: it ends here, its prompt's pages cached."""
         for r in done:
+            if r.params.max_new_tokens == 0:
+                self.sched.retire(r, RequestState.FINISHED)
+                self._forget(r.rid)
+                continue
             self.sched.hand_off(r)
             meta = FirstToken(
                 first_token=r.output_ids[0],

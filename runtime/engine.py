@@ -19,7 +19,7 @@ from pdserve.runtime.extend_scheduler import ExtendScheduler
 from pdserve.runtime.loader import LoadedModel
 from pdserve.runtime.radix_cache import RadixCache
 from pdserve.runtime.request import Request, RequestState
-from pdserve.runtime.runner import ModelRunner, append_samples
+from pdserve.runtime.runner import ModelRunner, sample_first_tokens
 from pdserve.runtime.stepper import PlainStepper, Stepper
 from pdserve.sampling_params import SamplingParams
 
@@ -88,7 +88,7 @@ class Engine:
             logits = self.runner.forward(ForwardMode.EXTEND, reqs, chunks)
             done, rows = self.extend.take_completed(reqs)
             if done:
-                append_samples(done, self.runner.sample(done, logits[rows]))
+                sample_first_tokens(self.runner, done, logits[rows])
                 now = time.perf_counter()
                 for r in done:
                     self._times[r.rid].append(now)

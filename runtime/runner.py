@@ -209,6 +209,21 @@ class ModelRunner:
         )
 
 
+def sample_first_tokens(runner: ModelRunner, done: list[Request], logits: torch.Tensor) -> None:
+    """The first token of each request whose prompt a forward completed (`logits`: their rows). A
+    prefill-only request (max_new_tokens 0: its prompt logprobs, or a cache warm-up, as SGLang's)
+    samples none and finishes there with length 0."""
+    rows = [i for i, r in enumerate(done) if r.params.max_new_tokens > 0]
+    for r in done:
+        if r.params.max_new_tokens == 0:
+            r.finish_reason = {"type": "length", "length": 0}
+    if len(rows) == len(done):
+        append_samples(done, runner.sample(done, logits))
+    elif rows:
+        sampled = [done[i] for i in rows]
+        append_samples(sampled, runner.sample(sampled, logits[rows]))
+
+
 def append_samples(reqs: list[Request], out: SampleOutput) -> list[bool]:
     """Append each request's sampled token (with logprobs when asked); returns which finished."""
     ids = out.token_ids.tolist()  # deliberate sync: tokens go back to the host scheduler

@@ -179,6 +179,7 @@ class GenerateRequest(_Msg):
     sampling: SamplingParams
     prefill_worker: str
     prefill_bootstrap_addr: str
+    # "" for a prefill-only request (sampling.max_new_tokens 0): the prefill node answers it alone.
     decode_worker: str
     # Conditional disaggregation: the decode worker computes the prompt itself and no prefill worker
     # takes part (`prefill_worker` and `prefill_bootstrap_addr` are then empty).
@@ -229,7 +230,8 @@ class PrefillDone(_Msg):
     events: PrefillEvents
     # The first token as the decode node will report it once the KV lands (the same token, logprobs,
     # finish and weight version): the gateway streams it now, and drops the decode's copy. A request
-    # that this token finishes is answered from here.
+    # that this token finishes is answered from here. A prefill-only request (max_new_tokens 0)
+    # finishes with no token.
     first: TokenOutput | None = None
     cached_tokens: int = 0
     # Worker-clock (start, end) of every extend forward that computed part of this prompt (chunked prefill).
@@ -241,8 +243,8 @@ class PrefillDone(_Msg):
     @model_validator(mode="after")
     def _one_first_token_of_this_room(self) -> PrefillDone:
         f = self.first
-        if f is not None and (f.room != self.room or len(f.token_ids) != 1):
-            raise ValueError("first must be one token of the same room")
+        if f is not None and (f.room != self.room or len(f.token_ids) > 1 or not (f.token_ids or f.finished)):
+            raise ValueError("first must be one token of the same room (none when it finished the request)")
         return self
 
 

@@ -360,3 +360,64 @@ def test_prompt_logprobs_equal_transformers_log_softmax(cluster, hf_bundled, tok
         cluster.url + "/v1/completions", json={"prompt": ids, "echo": True, "stream": True}, timeout=60
     )
     assert stream.status_code == 400 and "echo" in stream.json()["error"]["message"]
+
+
+def _decode_legs_routed(url: str) -> float:
+    text = httpx.get(url + "/metrics", timeout=30).text
+    return sum(
+        float(v)
+        for v in re.findall(r'^pdserve_routed_requests_total\{role="decode"[^}]*\} (\S+)$', text, re.M)
+    )
+
+
+def test_prefill_only_requests_give_prompt_logprobs_and_no_token(cluster, tokenizer):
+    """max_new_tokens 0 (SGLang's prefill-only request; completions' `max_tokens: 0` with `echo`): the
+    prefill node answers alone with the prompt's logprobs, no output token and no decode leg."""
+    import openai
+
+    (ids,) = tokenize(cluster, ["Prefill only: the prompt's own logprobs, and nothing generated after them."])
+    body = {"input_ids": ids, "return_logprob": True, "logprob_start_len": 0, "top_logprobs_num": 2}
+    one = generate(cluster.url, {**body, "sampling_params": {"max_new_tokens": 1, "temperature": 0}})
+    routed = _decode_legs_routed(cluster.url)
+    out = generate(cluster.url, {**body, "sampling_params": {"max_new_tokens": 0}})
+    meta = out["meta_info"]
+    assert out["output_ids"] == [] and out["text"] == ""
+    assert meta["finish_reason"] == {"type": "length", "length": 0} and meta["completion_tokens"] == 0
+    assert meta["output_token_logprobs"] == []
+    got = [lp for lp, _, _ in meta["input_token_logprobs"]]
+    want = [lp for lp, _, _ in one["meta_info"]["input_token_logprobs"]]
+    assert len(got) == len(ids) and got[0] is None
+    assert all(abs(g - w) < 1e-4 for g, w in zip(got[1:], want[1:])), (got[:4], want[:4])
+    tops = [[[t for _, t, _ in top] for top in m["input_top_logprobs"][1:]] for m in (meta, one["meta_info"])]
+    assert tops[0] == tops[1]
+    ts = [meta[k] for k in ("request_received_ts", "forward_entry_time", "prefill_finished_time",
+                            "request_finished_ts", "response_sent_to_client_ts")]  # fmt: skip
+    assert ts == sorted(ts), ts
+    assert _decode_legs_routed(cluster.url) == routed  # no decode worker took part
+
+    with httpx.stream("POST", cluster.url + "/generate", timeout=60,
+                      json={"input_ids": ids, "stream": True, "sampling_params": {"max_new_tokens": 0}}) as r:  # fmt: skip
+        chunks = [line[6:] for line in r.iter_lines() if line.startswith("data: ")]
+    assert chunks[-1] == "[DONE]" and len(chunks) == 2, chunks
+    last = json.loads(chunks[0])
+    assert last["output_ids"] == [] and last["meta_info"]["finish_reason"]["type"] == "length"
+
+    client = openai.OpenAI(base_url=cluster.url + "/v1", api_key="none", timeout=300)
+    comp = client.completions.create(model=MODEL, prompt=ids, max_tokens=0, echo=True, logprobs=1)
+    choice = comp.choices[0]
+    assert choice.text == tokenizer.decode(ids) and choice.finish_reason == "length"
+    assert comp.usage.completion_tokens == 0 and comp.usage.prompt_tokens == len(ids)
+    assert len(choice.logprobs.token_logprobs) == len(ids) and choice.logprobs.token_logprobs[0] is None
+    assert all(abs(g - w) < 1e-4 for g, w in zip(choice.logprobs.token_logprobs[1:], want[1:]))
+    chat = client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "Say nothing."}], max_tokens=0
+    )
+    assert chat.choices[0].message.content == "" and chat.choices[0].finish_reason == "length"
+    assert chat.usage.completion_tokens == 0
+    stream = client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "Say nothing."}], max_tokens=0, stream=True
+    )
+    chunks = list(stream)
+    assert chunks[-1].choices[0].finish_reason == "length"
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == ""
+    assert _decode_legs_routed(cluster.url) == routed

@@ -248,6 +248,24 @@ def test_malformed_records_announce_and_trailer_are_refused():
         FirstToken.model_validate({"first_token": "many"})
 
 
+def test_prefill_done_carries_one_first_token_or_none_when_it_finished():
+    def done(first: gw.TokenOutput) -> gw.PrefillDone:
+        return gw.PrefillDone(room="r1", events=PREFILL_EVENTS, first=first)
+
+    assert done(gw.TokenOutput(room="r1", token_ids=[5])).first is not None
+    ended = gw.TokenOutput(
+        room="r1", token_ids=[], finished=True, finish_reason={"type": "length", "length": 0}
+    )
+    assert gw.decode(gw.encode(done(ended))) == done(ended)  # a prefill-only request
+    for bad in (
+        gw.TokenOutput(room="r1", token_ids=[5, 6]),
+        gw.TokenOutput(room="r1", token_ids=[]),  # no token, yet not finished
+        gw.TokenOutput(room="r2", token_ids=[5]),
+    ):
+        with pytest.raises(ValueError, match="first must be one token"):
+            done(bad)
+
+
 # ---- gateway <-> worker: the gateway's control plane --------------------------------------------
 
 

@@ -233,6 +233,12 @@ def test_finish_rules(bundled, make_engine, prompts):
     stopped = engine.generate([prompts[4]], greedy.model_copy(update={"stop_token_ids": [stop_tok]}))[0]
     assert stopped.output_ids == base.output_ids[: first + 1]
     assert stopped.finish_reason == {"type": "stop", "matched": stop_tok}
+    # max_new_tokens 0: the prompt runs, nothing is sampled (batched with requests that do sample).
+    none = greedy.model_copy(update={"max_new_tokens": 0})
+    outs = engine.generate([prompts[4], prompts[1], prompts[4]], [none, greedy, none])
+    assert [o.output_ids for o in outs] == [[], outs[1].output_ids, []] and len(outs[1].output_ids) == 10
+    assert outs[0].finish_reason == {"type": "length", "length": 0}
+    assert_all_pages_back(engine)
 
 
 def whole_pages_shared(a: list[int], b: list[int], page_size: int) -> int:
