@@ -32,7 +32,13 @@ from pdserve.runtime.radix_cache import RadixCache
 from pdserve.runtime.request import Request, RequestState
 from pdserve.runtime.runner import ModelRunner, append_samples
 from pdserve.runtime.weight_update import WeightUpdater
-from pdserve.worker_common import make_clock, register_factory, serve_until_drained
+from pdserve.worker_common import (
+    BACKGROUND_WAIT_S,
+    IDLE_WAIT_S,
+    make_clock,
+    register_factory,
+    serve_until_drained,
+)
 from pdserve.worker_link import WorkerLink
 
 log = logging.getLogger(__name__)
@@ -117,8 +123,13 @@ class DecodeWorker:
     def _receive(self) -> None:
         assert self.link is not None
         s = self.sched
-        wait = 0.0 if s.running else (0.005 if len(s) else 0.05)
-        for msg in self.link.recv(0.05 if self.weights.paused else wait):
+        # Nothing running (or paused): sleep until a message or a transfer's end wakes the loop.
+        wait = 0.0 if s.running else (0.005 if len(s) else IDLE_WAIT_S)
+        if self.weights.paused:
+            wait = IDLE_WAIT_S
+        if self.weights.busy:
+            wait = min(wait, BACKGROUND_WAIT_S)
+        for msg in self.link.recv(wait):
             self._on_message(msg)
 
     def _schedule(self) -> list[m.TokenOutput]:

@@ -23,7 +23,10 @@ from pdserve.protocol.codec import ProtocolError
 
 logger = logging.getLogger("pdserve.kv_transfer")
 
-TICK_S = 0.02  # timer resolution of the I/O thread
+TICK_S = 0.02  # timer resolution of the I/O thread while a timer may come due
+# With nothing in flight the thread sleeps until a frame or a mailbox item, running its timers (slow
+# housekeeping only then) at least this often: no wake-ups on cores a forward may be using.
+IDLE_TICK_S = 1.0
 
 
 class EndpointIO:
@@ -34,7 +37,8 @@ class EndpointIO:
 
     def run(self) -> None:
         while True:
-            events = dict(self.poller.poll(int(TICK_S * 1000)))
+            wait = TICK_S if self.in_flight() else IDLE_TICK_S
+            events = dict(self.poller.poll(int(wait * 1000)))
             for sock in [s for s in events if isinstance(s, zmq.Socket)]:
                 guarded(self._read, sock)
             for item in self.mailbox.drain():
@@ -78,6 +82,10 @@ class EndpointIO:
         raise NotImplementedError
 
     def on_timers(self, now: float) -> None:
+        raise NotImplementedError
+
+    def in_flight(self) -> bool:
+        """Whether a timeout may come due within a tick (rooms, handshakes under way)."""
         raise NotImplementedError
 
 

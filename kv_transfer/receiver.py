@@ -506,6 +506,9 @@ class _ReceiverIO(EndpointIO):
             )
         )
 
+    def in_flight(self) -> bool:
+        return bool(self.rooms) or any(not p.ready for p in self.peers.values())
+
     def on_timers(self, now: float) -> None:
         for peer in [p for p in self.peers.values() if not p.ready and now >= p.hello_deadline]:
             self.drop_peer(

@@ -509,6 +509,9 @@ class _SenderIO(EndpointIO):
         self.close_pair(victim, "pair evicted (max_pairs)")
         return True
 
+    def in_flight(self) -> bool:
+        return bool(self.rooms or self.early)
+
     def on_timers(self, now: float) -> None:
         for room in [r for r in self.rooms.values() if r.expired(now)]:
             if room.shm:

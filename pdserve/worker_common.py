@@ -17,6 +17,14 @@ from pdserve.model_source import ModelSourceError
 from pdserve.protocol import gateway as m
 from pdserve.worker_link import RegistrationRefused, WorkerLink
 
+# How long an idle worker loop sleeps in `WorkerLink.recv`. What needs the loop wakes it sooner (a
+# gateway message, a KV transfer's end); a drain signal or a dead KV engine is noticed within this.
+# Short waits cost a wake-up each on cores that a forward of the other worker may be using.
+IDLE_WAIT_S = 0.5
+# The same while a weight update's background job runs (its reply is polled).
+BACKGROUND_WAIT_S = 0.05
+
+
 if TYPE_CHECKING:
     from pdserve.runtime.runner import ModelRunner
 

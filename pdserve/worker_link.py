@@ -31,6 +31,9 @@ from pdserve.protocol.codec import ProtocolError, VersionMismatch
 log = logging.getLogger(__name__)
 
 RETRY_REGISTER_S = 1.0
+# The I/O thread's longest sleep: frames and send() wake it; only its slow timers (a registration retry,
+# re-registering after silence) wait for this.
+POLL_MS = 500
 MAX_FRAME_BYTES = 16 << 20  # the gateway's frames: requests and acks, far below this
 
 
@@ -102,6 +105,10 @@ class WorkerLink:
 
     def send(self, msg: m.Message) -> None:
         self._outbox.put(m.encode(msg))
+        self._poke()
+
+    def _poke(self) -> None:
+        """Wake the I/O thread (from any thread: each has its own PUSH socket)."""
         sock = getattr(self._wake_local, "sock", None)
         if sock is None:
             sock = self._wake_local.sock = self._ctx.socket(zmq.PUSH)
@@ -127,6 +134,7 @@ class WorkerLink:
 
     def close(self) -> None:
         self._stop.set()
+        self._poke()
         self._thread.join(timeout=2)
 
     def _run(self) -> None:
@@ -142,7 +150,7 @@ class WorkerLink:
         last_heard = time.monotonic()
         try:
             while not self._stop.is_set():
-                events = dict(poller.poll(100))
+                events = dict(poller.poll(POLL_MS))
                 if self._wake_pull in events:
                     while self._wake_pull.poll(0):
                         self._wake_pull.recv()

@@ -33,7 +33,13 @@ from pdserve.runtime.request import Request, RequestState
 from pdserve.runtime.request_state import TERMINAL
 from pdserve.runtime.runner import ModelRunner, sample_first_tokens
 from pdserve.runtime.weight_update import WeightUpdater
-from pdserve.worker_common import make_clock, register_factory, serve_until_drained
+from pdserve.worker_common import (
+    BACKGROUND_WAIT_S,
+    IDLE_WAIT_S,
+    make_clock,
+    register_factory,
+    serve_until_drained,
+)
 from pdserve.worker_link import WorkerLink
 
 log = logging.getLogger(__name__)
@@ -81,6 +87,7 @@ class PrefillWorker:
             transfer_cfg,
             segment=segment,
         )
+        self.sender.on_result = self._transfer_ended  # a sleeping loop wakes to free the pages
         self.rooms: dict[str, Request] = {}  # queued, prefilling or transferring
         self.events: dict[str, PrefillEvents] = {}
         self.chunks: dict[str, list[tuple[float, float]]] = {}  # each forward's (start, end), per room
@@ -88,6 +95,7 @@ class PrefillWorker:
         self.expired: set[str] = set()
         self.link: WorkerLink | None = None
         self.weights = WeightUpdater.for_runner(self.runner, cache, cfg.host, self._weights_changed)
+        self.blocked = False  # the last schedule() gave nothing to run
 
     def serve(self) -> None:
         self.sender.start()
@@ -121,6 +129,7 @@ class PrefillWorker:
             return
         self._expire()
         reqs, chunks = self.sched.schedule()
+        self.blocked = not reqs  # prompts wait for pages (or none wait): a transfer's end wakes the loop
         done = self._run(reqs, chunks) if reqs else []
         self._reply(done)  # first: PrefillDone carries the first token, which the client may be waiting for
         self._hand_off(done)
@@ -130,14 +139,23 @@ class PrefillWorker:
     def _receive(self) -> None:
         """Ended transfers (their pages are freed), then the gateway's messages."""
         assert self.link is not None
-        for res in self.sender.poll():
+        ended = self.sender.poll()
+        for res in ended:
             self._on_transfer_end(res.room, res.state, res.error)
-        # Block briefly only when no prompt waits: longer when nothing at all is in flight.
-        wait = 0.0 if len(self.sched) else (0.005 if self.rooms else 0.05)
-        if self.weights.paused:
-            wait = 0.05
+        if ended:
+            self.blocked = False  # pages came back: waiting prompts may fit now
+        # No prompt it can compute (or paused): sleep until a message or a transfer's end wakes the loop.
+        wait = IDLE_WAIT_S if self.weights.paused or self.blocked or not len(self.sched) else 0.0
+        if self.weights.busy:
+            wait = min(wait, BACKGROUND_WAIT_S)
+        if self.stalled:  # test hook: the held-back sends are due at their time
+            wait = min(wait, max(0.0, min(x[0] for x in self.stalled) - time.monotonic()))
         for msg in self.link.recv(wait):
             self._on_message(msg)
+
+    def _transfer_ended(self) -> None:
+        if self.link is not None:
+            self.link.wake()
 
     def _on_message(self, msg: m.Message) -> None:
         assert self.link is not None

@@ -235,6 +235,11 @@ class WeightUpdater:
         self.paused = op == "pause"
         return self._reply(cmd, True, "", t0)
 
+    @property
+    def busy(self) -> bool:
+        """A background job runs: its reply comes out of `poll` when it ends."""
+        return bool(self._jobs)
+
     def poll(self) -> list[m.WeightsReply]:
         """Replies of the background jobs that ended since the last call."""
         out = []
