@@ -260,10 +260,18 @@ class Generations:
 
     async def _attempt(self, run: _Run) -> AsyncIterator[GenState]:
         inp, st, c = run.inp, run.st, run.c
-        prompt = inp.input_ids + list(st.output_ids)  # a migration's prompt: see below
+        # A migration continues from the tokens produced so far: the new prefill computes their KV
+        # and samples the next one; the new decode generates only what is left.
+        produced = list(st.output_ids)
+        prompt = inp.input_ids + produced
+        sampling = inp.sampling
+        if produced:
+            sampling = with_max_new_tokens(sampling, sampling.max_new_tokens - len(produced))
         hashes: dict[int, list[int]] = {}  # the prompt's block hashes, computed once for all three
-        # A prefill-only request (max_new_tokens 0: prompt logprobs, a cache warm-up) has no decode leg.
-        prefill_only = inp.sampling.max_new_tokens == 0
+        # No decode leg when the prefill's first token is all there is to generate (max_new_tokens 1),
+        # or nothing is (0, a prefill-only request: prompt logprobs, a cache warm-up): its answer is
+        # PrefillDone's, and no KV moves.
+        prefill_only = sampling.max_new_tokens <= 1
         decode = None if prefill_only else self.registry.pick("decode", run.avoid, prompt, hashes)
         # Conditional disaggregation: the decode worker computes a short uncached prompt itself.
         # Prompt logprobs come from a prefill worker.
@@ -284,17 +292,10 @@ class Generations:
             )
             retry = " to retry on" if run.avoid else ""
             raise ApiError(503, f"no {missing} worker in rotation{retry}", headers={"Retry-After": "1"})
-        # A migration continues from the tokens produced so far: the new prefill computes their KV
-        # and samples the next one; the new decode generates only what is left.
-        produced = list(st.output_ids)
-        input_ids = inp.input_ids + produced
-        sampling = inp.sampling
-        if produced:
-            sampling = with_max_new_tokens(sampling, sampling.max_new_tokens - len(produced))
-        room = self.control.open_room(uuid.uuid4().hex, prefill, decode, len(input_ids), inp.rid)
+        room = self.control.open_room(uuid.uuid4().hex, prefill, decode, len(prompt), inp.rid)
         req = GenerateRequest(
             room=room.room,
-            input_ids=input_ids,
+            input_ids=prompt,
             sampling=sampling,
             prefill_worker=prefill.worker_id if prefill is not None else "",
             prefill_bootstrap_addr=prefill.bootstrap_addr if prefill is not None else "",

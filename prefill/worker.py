@@ -96,6 +96,7 @@ class PrefillWorker:
         self.link: WorkerLink | None = None
         self.weights = WeightUpdater.for_runner(self.runner, cache, cfg.host, self._weights_changed)
         self.blocked = False  # the last schedule() gave nothing to run
+        self.alone: set[str] = set()  # rooms without a decode leg: answered by PrefillDone alone
 
     def serve(self) -> None:
         self.sender.start()
@@ -209,6 +210,8 @@ class PrefillWorker:
             return
         r = Request(req.room, req.input_ids, req.sampling, self.runner.spec.eos_token_ids, grammar=grammar)
         self.rooms[req.room] = r
+        if not req.decode_worker:
+            self.alone.add(req.room)
         self.events[req.room] = PrefillEvents(queue_entry=self.clock())
         self.sched.add(r, req.deadline_s)
 
@@ -234,10 +237,10 @@ class PrefillWorker:
         return done
 
     def _hand_off(self, done: list[Request]) -> None:
-        """Completed prefills' KV goes to the sender (held back by the stall hook). A prefill-only
-        request (max_new_tokens 0) has no decode leg: it ends here, its prompt's pages cached."""
+        """Completed prefills' KV goes to the sender (held back by the stall hook). A request without
+        a decode leg (it asks at most one token) ends here, its prompt's pages cached."""
         for r in done:
-            if r.params.max_new_tokens == 0:
+            if r.rid in self.alone:
                 self.sched.retire(r, RequestState.FINISHED)
                 self._forget(r.rid)
                 continue
@@ -323,6 +326,7 @@ class PrefillWorker:
             r.kv_cacheable = False
 
     def _forget(self, room: str) -> None:
+        self.alone.discard(room)
         self.rooms.pop(room, None)
         self.events.pop(room, None)
         self.chunks.pop(room, None)

@@ -179,7 +179,8 @@ class GenerateRequest(_Msg):
     sampling: SamplingParams
     prefill_worker: str
     prefill_bootstrap_addr: str
-    # "" for a prefill-only request (sampling.max_new_tokens 0): the prefill node answers it alone.
+    # "": no decode leg; the prefill node answers alone (sampling.max_new_tokens 0 or 1: its first
+    # token is all there is to generate, if anything) and keeps the KV.
     decode_worker: str
     # Conditional disaggregation: the decode worker computes the prompt itself and no prefill worker
     # takes part (`prefill_worker` and `prefill_bootstrap_addr` are then empty).
@@ -189,6 +190,16 @@ class GenerateRequest(_Msg):
     # W3C trace context of the request's trace (`traceparent`), when the gateway traces it; a worker
     # may log it. Spans are built by the gateway (gateway/tracing.py), not by the workers.
     traceparent: str | None = None
+
+    @model_validator(mode="after")
+    def _legs(self) -> GenerateRequest:
+        if not self.decode_worker and (self.local_prefill or self.sampling.max_new_tokens > 1):
+            raise ValueError(
+                "a request without a decode leg is prefilled remotely and asks at most one token"
+            )
+        if self.local_prefill == bool(self.prefill_worker):
+            raise ValueError("a local prefill names no prefill worker; any other names one")
+        return self
 
 
 class AbortRequest(_Msg):

@@ -372,13 +372,21 @@ def _decode_legs_routed(url: str) -> float:
 
 def test_prefill_only_requests_give_prompt_logprobs_and_no_token(cluster, tokenizer):
     """max_new_tokens 0 (SGLang's prefill-only request; completions' `max_tokens: 0` with `echo`): the
-    prefill node answers alone with the prompt's logprobs, no output token and no decode leg."""
+    prefill node answers alone with the prompt's logprobs, no output token and no decode leg. A one-token
+    request has no decode leg either, and its token is the one a longer request starts with."""
     import openai
 
     (ids,) = tokenize(cluster, ["Prefill only: the prompt's own logprobs, and nothing generated after them."])
     body = {"input_ids": ids, "return_logprob": True, "logprob_start_len": 0, "top_logprobs_num": 2}
-    one = generate(cluster.url, {**body, "sampling_params": {"max_new_tokens": 1, "temperature": 0}})
     routed = _decode_legs_routed(cluster.url)
+    one = generate(cluster.url, {**body, "sampling_params": {"max_new_tokens": 1, "temperature": 0}})
+    assert one["meta_info"]["finish_reason"] == {"type": "length", "length": 1}
+    assert _decode_legs_routed(cluster.url) == routed
+    two = generate(
+        cluster.url, {"input_ids": ids, "sampling_params": {"max_new_tokens": 2, "temperature": 0}}
+    )
+    assert two["output_ids"][:1] == one["output_ids"] and _decode_legs_routed(cluster.url) == routed + 1
+    routed += 1
     out = generate(cluster.url, {**body, "sampling_params": {"max_new_tokens": 0}})
     meta = out["meta_info"]
     assert out["output_ids"] == [] and out["text"] == ""

@@ -339,17 +339,22 @@ def test_transfer_timeout_ends_a_transfer_stalled_mid_way(roles):
 
 def test_first_token_comes_before_its_kv(roles, engine, tok):
     """The first token reaches the client with PrefillDone, before the KV lands on the decode node:
-    with every hand-off held back 6 s (--test-stall-kv-send), a one-token request is answered and a
-    stream shows its first token well before then; the stream's later tokens follow the KV, and no
-    token or logprob comes twice."""
+    with every hand-off held back 6 s (--test-stall-kv-send), a request its first token finishes (a stop
+    token; its decode leg still gets the KV) is answered and a stream shows its first token well before
+    then; the stream's later tokens follow the KV, and no token or logprob comes twice. A one-token
+    request has no decode leg at all."""
     c = roles
     stall_s = 6.0
     _restart_prefill(c, ["--test-stall-kv-send", str(stall_s)])
     ref = _reference(engine, tok, PROMPT, 6)
 
-    one = generate(c.url, body(1), 60)
-    assert one.ok and one.output_ids == ref[:1], one
+    stopped = body(4)
+    stopped["sampling_params"]["stop_token_ids"] = ref[:1]
+    one = generate(c.url, stopped, 60)
+    assert one.ok and one.output_ids == ref[:1] and one.meta["finish_reason"]["type"] == "stop", one
     assert one.seconds < stall_s / 2, one.seconds
+    alone = generate(c.url, body(1), 60)
+    assert alone.ok and alone.output_ids == ref[:1] and alone.seconds < stall_s / 2, alone
 
     t0 = time.monotonic()
     first_at: list[float] = []
@@ -364,5 +369,5 @@ def test_first_token_comes_before_its_kv(roles, engine, tok):
     assert o.meta is not None
     assert [t for _, t, _ in o.meta["output_token_logprobs"]] == ref
     assert o.meta["completion_tokens"] == 6
-    # The one-token request's KV went to the decode node after the stall; nobody waits for it there.
+    # The stopped request's KV went to the decode node after the stall; nobody waits for it there.
     wait_pools(c.url, c.idle, timeout_s=stall_s + 30)

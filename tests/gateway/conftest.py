@@ -60,7 +60,8 @@ class WireWorker:
     """A prefill or decode stand-in for gateway tests: registers, answers pings through
     `WorkerLink`, and answers GenerateRequest from a script (no model).
 
-    prefill: sends PrefillDone (or RequestFailed when `fail_code` is set).
+    prefill: sends PrefillDone (or RequestFailed when `fail_code` is set); for a request without a
+    decode leg (at most one token) it carries the script's answer, as a prefill node's would.
     decode: sends one TokenBatch per script step every `step_s`, stops a room on AbortRequest.
     `skew_s` shifts this worker's clock, as a worker on another machine would be.
     """
@@ -168,7 +169,15 @@ class WireWorker:
                 return
             ev = {"queue_entry": c, "forward_entry": c + 0.001, "prefill_finished": c + 0.002}
             self.events[req.room] = ev
-            done = m.PrefillDone(room=req.room, events=ev, cached_tokens=1)
+            first = None
+            if not req.decode_worker:
+                if req.sampling.max_new_tokens == 0:
+                    reason = {"type": "length", "length": 0}
+                    first = m.TokenOutput(room=req.room, token_ids=[], finished=True, finish_reason=reason)
+                else:
+                    assert self.script is not None
+                    first = self.script(req)[0]
+            done = m.PrefillDone(room=req.room, events=ev, cached_tokens=1, first=first)
             self._delayed.append((time.time() + self.prefill_delay_s, done))
             return
         if self.fail_code:

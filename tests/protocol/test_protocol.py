@@ -248,6 +248,26 @@ def test_malformed_records_announce_and_trailer_are_refused():
         FirstToken.model_validate({"first_token": "many"})
 
 
+def test_generate_request_legs_are_consistent():
+    base = dict(room="r", input_ids=[1], prefill_bootstrap_addr="h:1", decode_worker="d0")
+    gw.GenerateRequest(**base, sampling=SamplingParams(max_new_tokens=1), prefill_worker="p0")
+    gw.GenerateRequest(
+        **{**base, "decode_worker": ""}, sampling=SamplingParams(max_new_tokens=1), prefill_worker="p0"
+    )
+    gw.GenerateRequest(**{**base, "prefill_bootstrap_addr": ""}, sampling=SamplingParams(), prefill_worker="",
+                       local_prefill=True)  # fmt: skip
+    for bad in (
+        dict(decode_worker="", sampling=SamplingParams(max_new_tokens=2), prefill_worker="p0"),
+        dict(
+            decode_worker="", sampling=SamplingParams(max_new_tokens=0), prefill_worker="", local_prefill=True
+        ),
+        dict(sampling=SamplingParams(), prefill_worker="p0", local_prefill=True),
+        dict(sampling=SamplingParams(), prefill_worker=""),
+    ):
+        with pytest.raises(ValueError):
+            gw.GenerateRequest(**{**base, **bad})
+
+
 def test_prefill_done_carries_one_first_token_or_none_when_it_finished():
     def done(first: gw.TokenOutput) -> gw.PrefillDone:
         return gw.PrefillDone(room="r1", events=PREFILL_EVENTS, first=first)
