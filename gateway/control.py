@@ -86,7 +86,7 @@ class Room:
     """One generation in flight: its two legs and the inbox the request handler reads. `prefill` is
     None for a local prefill (conditional disaggregation: the decode worker computes the prompt, and
     its first output carries the prefill events that PrefillDone carries otherwise); `decode` is None
-    for a prefill-only request (max_new_tokens 0). Never both."""
+    for a request with nothing to decode (max_new_tokens 0 or 1: PrefillDone answers it). Never both."""
 
     room: str
     prefill: WorkerInfo | None
@@ -100,7 +100,7 @@ class Room:
 
     def leg(self, role: str) -> WorkerInfo:
         """The worker that speaks for `role` here: a missing leg's work is the other's (a local
-        prefill's events come from the decode worker, a prefill-only request's end from the prefill)."""
+        prefill's events come from the decode worker, the answer without a decode leg from the prefill)."""
         w = (self.prefill or self.decode) if role == "prefill" else (self.decode or self.prefill)
         assert w is not None, "a room has at least one leg"
         return w

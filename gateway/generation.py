@@ -271,8 +271,8 @@ class Generations:
         # No decode leg when the prefill's first token is all there is to generate (max_new_tokens 1),
         # or nothing is (0, a prefill-only request: prompt logprobs, a cache warm-up): its answer is
         # PrefillDone's, and no KV moves.
-        prefill_only = sampling.max_new_tokens <= 1
-        decode = None if prefill_only else self.registry.pick("decode", run.avoid, prompt, hashes)
+        no_decode = sampling.max_new_tokens <= 1
+        decode = None if no_decode else self.registry.pick("decode", run.avoid, prompt, hashes)
         # Conditional disaggregation: the decode worker computes a short uncached prompt itself.
         # Prompt logprobs come from a prefill worker.
         local = (
@@ -286,9 +286,9 @@ class Generations:
             prefill = reg.pick("prefill", run.avoid | run.prefer_not, prompt, hashes) or reg.pick(
                 "prefill", run.avoid, prompt, hashes
             )
-        if (prefill is None and not local) or (decode is None and not prefill_only):
+        if (prefill is None and not local) or (decode is None and not no_decode):
             missing = " and no ".join(
-                r for r, w in (("prefill", prefill or local), ("decode", decode or prefill_only)) if not w
+                r for r, w in (("prefill", prefill or local), ("decode", decode or no_decode)) if not w
             )
             retry = " to retry on" if run.avoid else ""
             raise ApiError(503, f"no {missing} worker in rotation{retry}", headers={"Retry-After": "1"})
@@ -403,7 +403,7 @@ class Generations:
                 504,
                 f"request {inp.rid} timed out after {self.cfg.request_timeout_s:g} s "
                 f"(prefill {room.prefill.worker_id if room.prefill else 'local'}, "
-                f"decode {room.decode.worker_id if room.decode is not None else 'none: prefill only'})",
+                f"decode {room.decode.worker_id if room.decode is not None else 'none: the prefill answers'})",
             )
         return ev
 

@@ -20,8 +20,8 @@ from pydantic import BaseModel, ConfigDict, TypeAdapter, ValidationError
 # 9: same-host KV hand-off through shared memory (HelloAck.shm, PageList.shm, Announce.shm_pages,
 #    shm_fence and trailer; Copied).
 # 10: PrefillDone.first (the first token reaches the gateway from the prefill node, before its KV lands).
-# 11: prefill-only requests (max_new_tokens 0): GenerateRequest.decode_worker "", PrefillDone.first
-#     finished with no token.
+# 11: requests without a decode leg (max_new_tokens 0 or 1): GenerateRequest.decode_worker "" (validated),
+#     PrefillDone.first finished with no token for max_new_tokens 0.
 PROTOCOL_VERSION = 11
 
 M = TypeVar("M", bound=BaseModel)

@@ -197,6 +197,8 @@ class GenerateRequest(_Msg):
             raise ValueError(
                 "a request without a decode leg is prefilled remotely and asks at most one token"
             )
+        if self.decode_worker and self.sampling.max_new_tokens == 0:
+            raise ValueError("a prefill-only request (max_new_tokens 0) has no decode leg")
         if self.local_prefill == bool(self.prefill_worker):
             raise ValueError("a local prefill names no prefill worker; any other names one")
         return self

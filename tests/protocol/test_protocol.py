@@ -263,6 +263,7 @@ def test_generate_request_legs_are_consistent():
         ),
         dict(sampling=SamplingParams(), prefill_worker="p0", local_prefill=True),
         dict(sampling=SamplingParams(), prefill_worker=""),
+        dict(sampling=SamplingParams(max_new_tokens=0), prefill_worker="p0"),  # 0 tokens with a decode leg
     ):
         with pytest.raises(ValueError):
             gw.GenerateRequest(**{**base, **bad})
