@@ -32,13 +32,7 @@ from pdserve.runtime.radix_cache import RadixCache
 from pdserve.runtime.request import Request, RequestState
 from pdserve.runtime.runner import ModelRunner, append_samples
 from pdserve.runtime.weight_update import WeightUpdater
-from pdserve.worker_common import (
-    BACKGROUND_WAIT_S,
-    IDLE_WAIT_S,
-    make_clock,
-    register_factory,
-    serve_until_drained,
-)
+from pdserve.worker_common import loop_wait, make_clock, register_factory, serve_until_drained
 from pdserve.worker_link import WorkerLink
 
 log = logging.getLogger(__name__)
@@ -126,12 +120,7 @@ class DecodeWorker:
         # Nothing running (or paused): sleep until a message or a transfer's end wakes the loop. A
         # request waiting for its KV needs no polling: the receiver wakes the loop when it lands (a
         # poll every few ms cost the prefill's forward on the same cores ~4 ms at 128 tokens).
-        wait = 0.0 if s.running else IDLE_WAIT_S
-        if self.weights.paused:
-            wait = IDLE_WAIT_S
-        if self.weights.busy:
-            wait = min(wait, BACKGROUND_WAIT_S)
-        for msg in self.link.recv(wait):
+        for msg in self.link.recv(loop_wait(bool(s.running), self.weights)):
             self._on_message(msg)
 
     def _schedule(self) -> list[m.TokenOutput]:

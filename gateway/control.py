@@ -208,12 +208,6 @@ class ControlPlane:
         self.rooms[room_id] = room
         return room
 
-    def client_gone(self, rids: set[str]) -> None:
-        """The client of these generations disconnected: end their rooms as `abort_rids` does."""
-        for room in list(self.rooms.values()):
-            if room.rid in rids:
-                room.inbox.put_nowait(LegFailed("gateway", "client_abort", "the client disconnected", False))
-
     def abort_rids(self, rid: str | None) -> int:
         """End the rooms of request `rid` (its n samples `rid-k` too), or every room for None, as if a
         leg had failed with code "client_abort"; the generations abort both legs on their way out."""

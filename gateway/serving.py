@@ -123,14 +123,6 @@ async def _wait_disconnect(request: Request) -> None:
             return
 
 
-async def abort_when_gone(request: Request, generations: Generations, inputs: list[GenInput]) -> None:
-    """A stream's watcher: when its client disconnects, end its generations (both legs aborted).
-    Starlette notices a gone client only when a write fails, which for a stream left before its first
-    token comes only with that token: its slot and its legs were held until then."""
-    await _wait_disconnect(request)
-    generations.control.client_gone({inp.rid for inp in inputs})
-
-
 async def until_disconnect(request: Request, work: Awaitable[T]) -> T:
     """Run `work`; if the client goes away first, cancel it (its generations abort both legs)."""
     task = asyncio.ensure_future(work)
@@ -298,13 +290,11 @@ async def serve_generation(
             inputs = [dataclasses.replace(i, stream=True) for i in inputs]
 
             async def body() -> AsyncIterator[bytes]:
-                watch = asyncio.ensure_future(abort_when_gone(request, generations, inputs))
                 try:
                     async with contextlib.aclosing(chunks(inputs)) as it:
                         async for b in it:
                             yield b
                 finally:
-                    watch.cancel()
                     admission.leave(admitted)
                     admission.leave_client(client)
 

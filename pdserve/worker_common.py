@@ -25,8 +25,16 @@ IDLE_WAIT_S = 0.5
 BACKGROUND_WAIT_S = 0.05
 
 
+def loop_wait(can_compute: bool, weights: WeightUpdater) -> float:
+    """How long a worker loop may wait for messages: not at all with work it can do now (and not
+    paused), else until woken (`IDLE_WAIT_S`), or `BACKGROUND_WAIT_S` while a weight job runs."""
+    wait = 0.0 if can_compute and not weights.paused else IDLE_WAIT_S
+    return min(wait, BACKGROUND_WAIT_S) if weights.busy else wait
+
+
 if TYPE_CHECKING:
     from pdserve.runtime.runner import ModelRunner
+    from pdserve.runtime.weight_update import WeightUpdater
 
 
 class _Worker(Protocol):

@@ -33,13 +33,7 @@ from pdserve.runtime.request import Request, RequestState
 from pdserve.runtime.request_state import TERMINAL
 from pdserve.runtime.runner import ModelRunner, sample_first_tokens
 from pdserve.runtime.weight_update import WeightUpdater
-from pdserve.worker_common import (
-    BACKGROUND_WAIT_S,
-    IDLE_WAIT_S,
-    make_clock,
-    register_factory,
-    serve_until_drained,
-)
+from pdserve.worker_common import loop_wait, make_clock, register_factory, serve_until_drained
 from pdserve.worker_link import WorkerLink
 
 log = logging.getLogger(__name__)
@@ -146,9 +140,7 @@ class PrefillWorker:
         if ended:
             self.blocked = False  # pages came back: waiting prompts may fit now
         # No prompt it can compute (or paused): sleep until a message or a transfer's end wakes the loop.
-        wait = IDLE_WAIT_S if self.weights.paused or self.blocked or not len(self.sched) else 0.0
-        if self.weights.busy:
-            wait = min(wait, BACKGROUND_WAIT_S)
+        wait = loop_wait(len(self.sched) > 0 and not self.blocked, self.weights)
         if self.stalled:  # test hook: the held-back sends are due at their time
             wait = min(wait, max(0.0, min(x[0] for x in self.stalled) - time.monotonic()))
         for msg in self.link.recv(wait):
