@@ -596,10 +596,12 @@ def pdserve_up_argv(port: int, log_dir: str, *flags: str) -> list[str]:
     return [sys.executable, "-m", "pdserve.cli", "up", "--port", str(port), "--log-dir", log_dir, *extra]
 
 
-def launch(name: str, argv: list[str], port: int, log_dir: str) -> Launched:
+def launch(
+    name: str, argv: list[str], port: int, log_dir: str, env: dict[str, str] | None = None
+) -> Launched:
     log = os.path.join(log_dir, f"{name}.log")
     with open(log, "ab") as out:  # the child keeps its own descriptor
-        proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+        proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, start_new_session=True, env=env)
     print(f"launched {name} (pid {proc.pid}): {shlex.join(argv)}; log {log}", flush=True)
     return Launched(name, f"http://127.0.0.1:{port}", proc, log)
 

@@ -101,8 +101,15 @@ def start_gateway(
     return p, ports["port"], ports["control_port"]
 
 
-def start_up(tmp_path, num_prefill: int = 1, num_decode: int = 1, extra: list[str] | None = None) -> Cluster:
-    """`pdserve up` as one process (it starts and stops its own children), on any free ports."""
+def start_up(
+    tmp_path,
+    num_prefill: int = 1,
+    num_decode: int = 1,
+    extra: list[str] | None = None,
+    env: dict | None = None,
+) -> Cluster:
+    """`pdserve up` as one process (it starts and stops its own children), on any free ports; `env`
+    adds to the environment (API keys, say)."""
     port_file = os.path.join(tmp_path, "gateway.ports")
     argv = [
         "up",
@@ -124,7 +131,7 @@ def start_up(tmp_path, num_prefill: int = 1, num_decode: int = 1, extra: list[st
         str(tmp_path),
         *(extra or []),
     ]
-    p = spawn(argv, os.path.join(tmp_path, "up.log"))
+    p = spawn(argv, os.path.join(tmp_path, "up.log"), env)
     try:
         ports = wait_port_file(port_file, p, timeout_s=120)
     except BaseException:

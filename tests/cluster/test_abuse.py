@@ -1,7 +1,8 @@
-"""The abuse table (`pdserve bench abuse`) as a test, against a real `pdserve up` with short limits:
-each case is sent while a normal streaming request runs. Every abusive request gets its expected
-answer within a second or its timeout, the normal request finishes in about its usual time, no
-worker leaves rotation, and the gateway and the workers go back to idle."""
+"""The abuse table (`pdserve bench abuse`) as a test, against a real `pdserve up` with short limits and
+both API keys set: each case is sent while a normal streaming request runs. Every abusive request gets
+its expected answer within a second or its timeout, the normal request stays within twice its solo
+latency (plus scheduling slack on 2 shared cores), no worker leaves rotation (but for the case that
+kills one on purpose), and the gateway and the workers go back to idle."""
 
 from __future__ import annotations
 
@@ -10,12 +11,23 @@ from harness import start_up
 
 from pdserve.bench import bench_abuse
 
-pytestmark = pytest.mark.timeout(900)
+pytestmark = [pytest.mark.timeout(1500), pytest.mark.slow]
+
+# Cases whose normal stream shares the cores with work the abuser is served (a 6k-token prefill, a
+# grammar compile, 40 requests): held to the looser bound.
+SHARED_WORK = {
+    "one client, 40 requests at once",
+    "one key spelled 4 ways, 40 requests at once",
+    "EBNF of 30k alternatives",
+    "SIGSTOP the prefill for 6 s mid-prefill",
+    "16 stop strings of 1,024 characters (allowed)",
+    "kill -9 the decode, then a weight update",
+}
 
 
 @pytest.fixture(scope="module")
 def limited_cluster(tmp_path_factory):
-    c = start_up(tmp_path_factory.mktemp("abuse"), extra=bench_abuse.LIMITS)
+    c = start_up(tmp_path_factory.mktemp("abuse"), extra=bench_abuse.LIMITS, env=bench_abuse.KEYS)
     try:
         c.wait_healthy()
         yield c
@@ -25,24 +37,26 @@ def limited_cluster(tmp_path_factory):
 
 def test_abuse_table(limited_cluster):
     c = limited_cluster
-    pid = bench_abuse.gateway_pid(c.procs[0].pid)
-    assert pid is not None, "no gateway process under pdserve up"
-    baseline, rows = bench_abuse.run_all(c.url, pid)
+    pids = bench_abuse.cluster_pids(c.procs[0].pid)
+    assert {"gateway", "prefill-0", "decode-0"} <= set(pids), pids
+    keys = bench_abuse.KEYS
+    target = bench_abuse.Target(c.url, keys["PDSERVE_API_KEY"], keys["PDSERVE_ADMIN_API_KEY"], pids)
+    baseline, rows = bench_abuse.run_all(target)
     print()
     print(bench_abuse.format_table(baseline, rows))
     for r in rows:
-        assert r.ok, f"{r.case}: {r.answer}"
-        assert r.workers_kept, f"{r.case}: a worker left rotation"
-        assert r.idle_after, f"{r.case}: the cluster did not go back to idle"
+        assert bench_abuse.row_passes(r), f"{r.case}: {r.answer} (kept {r.workers_kept}, idle {r.idle_after})"
         # Refusals come at once; the timeouts at their limit (2 s here) plus scheduling slack.
         limit = {
             "body stalls after 10 bytes": bench_abuse.BODY_TIMEOUT_S + 3,
+            "24 bodies of 3.9 MiB stalled after 1 MiB": bench_abuse.BODY_TIMEOUT_S + 6,
             "300 idle connections": bench_abuse.IDLE_TIMEOUT_S + 3,
             "50 connections trickling headers": bench_abuse.IDLE_TIMEOUT_S + 3,
+            "kill -9 the decode, then a weight update": 200,
         }.get(r.case)
         if limit is not None:
             assert r.seconds < limit, (r.case, r.seconds)
-        # The normal request is not held up beyond sharing the CPU with the abuser's served work.
-        assert r.normal_s < 3 * baseline + 5, (r.case, r.normal_s, baseline)
+        bound = 3 * baseline + 5 if r.case in SHARED_WORK else 2 * baseline + 2
+        assert r.normal_s < bound, (r.case, r.normal_s, baseline)
     # The gateway's memory after the whole table is within reach of where it started.
     assert rows[-1].rss_after_mib - rows[0].rss_before_mib < 200

@@ -1,0 +1,65 @@
+"""The cases of `pdserve bench abuse`, in the order they run: (row name, case)."""
+
+from __future__ import annotations
+
+from pdserve.bench.abuse_http import (
+    abandoned_streams,
+    allowed_json_of_lists,
+    allowed_stop_strings,
+    big_json_of_lists,
+    deep_json,
+    huge_body,
+    huge_integer,
+    huge_prompt,
+    idle_sockets,
+    long_stop_strings,
+    many_generations,
+    one_client_floods,
+    respelled_keys_flood,
+    slow_body,
+    slowloris,
+    stalled_big_bodies,
+)
+from pdserve.bench.abuse_target import Case
+from pdserve.bench.abuse_workers import (
+    heavy_grammar,
+    killed_worker_weight_update,
+    lone_surrogates,
+    long_rid,
+    overflowing_values,
+    raw_worker_connects,
+    server_info_secrets,
+    stopped_prefill,
+    tiny_temperature,
+)
+
+CASES: list[tuple[str, Case]] = [
+    ("3M-character prompt", huge_prompt),
+    ("400 prompts x n = 128 (16 KB body)", many_generations),
+    ("33 MiB body", huge_body),
+    ("31 MiB of empty lists", big_json_of_lists),
+    ("4 MiB of empty lists (allowed)", allowed_json_of_lists),
+    ("100k-deep JSON", deep_json),
+    ("5,000-digit integer", huge_integer),
+    ("16 stop strings of 100k characters", long_stop_strings),
+    ("16 stop strings of 1,024 characters (allowed)", allowed_stop_strings),
+    ("body stalls after 10 bytes", slow_body),
+    ("24 bodies of 3.9 MiB stalled after 1 MiB", stalled_big_bodies),
+    ("300 idle connections", idle_sockets),
+    ("50 connections trickling headers", slowloris),
+    ("one client, 40 requests at once", one_client_floods),
+    ("one key spelled 4 ways, 40 requests at once", respelled_keys_flood),
+    ("6 streams dropped after one chunk", abandoned_streams),
+    ("info endpoints read with the inference key", server_info_secrets),
+    ("top_k 2**63; seed 2**63-1 with n 2; stop_token_ids [2**63]", overflowing_values),
+    ("rid of 1 MiB with n = 128", long_rid),
+    ("lone surrogate in stop, rid, prompt", lone_surrogates),
+    ("temperature 1e-38", tiny_temperature),
+    ("EBNF of 30k alternatives", heavy_grammar),
+    ("SIGSTOP the prefill for 6 s mid-prefill", stopped_prefill),
+    ("300 raw connects to each worker port", raw_worker_connects),
+]
+# Last, apart: it replaces a worker on purpose (the row's "workers kept" is then expected to be "no").
+DESTRUCTIVE: list[tuple[str, Case]] = [
+    ("kill -9 the decode, then a weight update", killed_worker_weight_update),
+]
