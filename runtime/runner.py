@@ -193,7 +193,9 @@ class ModelRunner:
     def sample(self, reqs: list[Request], logits: torch.Tensor) -> SampleOutput:
         """One token per request from logits [len(reqs), V] (masked in place for constrained ones;
         logprobs stay those of the model's own distribution, as without a grammar)."""
-        sbatch = SamplingBatch.build([r.params for r in reqs], self.device, [r.eos_token_ids for r in reqs])
+        sbatch = SamplingBatch.build(
+            [r.params for r in reqs], self.device, [r.eos_token_ids for r in reqs], logits.shape[-1]
+        )
         raw = None
         if any(r.grammar is not None for r in reqs):
             raw = logits.clone() if sbatch.need_logprobs else None

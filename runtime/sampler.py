@@ -28,6 +28,16 @@ from pdserve.kernels import cpu_sampling
 from pdserve.sampling_params import SamplingParams
 
 _MASK32 = 0xFFFFFFFF
+# Every per-row integer lands in an int64 tensor, whatever got past validation (a worker may be
+# driven by a peer that validates less, and `seed + j` for n > 1 is derived after validation).
+_INT64_MAX = 2**63 - 1
+# Seeds are taken modulo this, so that every int is a seed and none overflows the hash's int64.
+SEED_MODULUS = 2**63
+# Below this temperature a row is greedy (as vLLM's _SAMPLING_EPS): dividing by it would overflow
+# the logits to inf and the softmax to NaN. NaN and negative temperatures are greedy too.
+MIN_TEMPERATURE = 1e-5
+# Above this, scaling changes nothing measurable (every logit is ~0); capped so inf never divides.
+MAX_TEMPERATURE = 1e4
 
 
 @dataclass(frozen=True)
@@ -90,21 +100,41 @@ class SamplingBatch:
         params: list[SamplingParams],
         device: torch.device | str = "cpu",
         eos_token_ids: Sequence[Sequence[int]] | None = None,
+        vocab_size: int | None = None,
     ) -> SamplingBatch:
-        """`eos_token_ids[row]`: the row's EOS ids, masked (with its stop_token_ids) below min_new_tokens."""
-        greedy = [p.greedy for p in params]
-        bias = [(i, t, b) for i, p in enumerate(params) for t, b in p.logit_bias.items()]
+        """`eos_token_ids[row]`: the row's EOS ids, masked (with its stop_token_ids) below min_new_tokens.
+
+        Never raises for any int or float a SamplingParams holds: top_k at or past `vocab_size` is off,
+        seeds are reduced modulo `SEED_MODULUS`, token ids outside [0, vocab_size) (or int64) are
+        dropped from logit_bias and stop_token_ids, counts are capped to int64, and temperatures below
+        `MIN_TEMPERATURE` (or NaN) are greedy."""
+        id_limit = vocab_size if vocab_size is not None else _INT64_MAX
+
+        def in_vocab(t: int) -> bool:
+            return 0 <= t < id_limit
+
+        greedy = [_is_greedy(p) for p in params]
+        bias = [(i, t, b) for i, p in enumerate(params) for t, b in p.logit_bias.items() if in_vocab(t)]
         min_new = [
             (i, t)
             for i, p in enumerate(params)
             if p.min_new_tokens > 0
             for t in sorted(set(p.stop_token_ids) | set(eos_token_ids[i] if eos_token_ids else ()))
+            if in_vocab(t)
         ]
-        # Filters are meaningless on greedy rows; clearing them keeps the flags honest.
-        top_ks = [0 if g or p.top_k <= 0 else p.top_k for p, g in zip(params, greedy, strict=True)]
+        # Filters are meaningless on greedy rows; clearing them keeps the flags honest. A top_k that
+        # keeps the whole vocabulary is no filter either.
+        top_ks = [
+            0 if g or p.top_k <= 0 or p.top_k >= id_limit else p.top_k
+            for p, g in zip(params, greedy, strict=True)
+        ]
         top_ps = [1.0 if g else p.top_p for p, g in zip(params, greedy, strict=True)]
         min_ps = [0.0 if g else p.min_p for p, g in zip(params, greedy, strict=True)]
-        seeds = [-1 if p.seed is None else p.seed for p in params]
+        seeds = [-1 if p.seed is None else p.seed % SEED_MODULUS for p in params]
+        temperatures = [
+            1.0 if g else min(p.temperature, MAX_TEMPERATURE) for p, g in zip(params, greedy, strict=True)
+        ]
+        min_new_tokens = [min(max(p.min_new_tokens, 0), _INT64_MAX) for p in params]
 
         def f32(values: list[float]) -> torch.Tensor:
             return torch.tensor(values, dtype=torch.float32, device=device)
@@ -113,7 +143,7 @@ class SamplingBatch:
             return torch.tensor(values, dtype=torch.int64, device=device)
 
         return cls(
-            temperatures=f32([1.0 if g else p.temperature for p, g in zip(params, greedy, strict=True)]),
+            temperatures=f32(temperatures),
             greedy=torch.tensor(greedy, dtype=torch.bool, device=device),
             top_ks=i64(top_ks),
             top_ps=f32(top_ps),
@@ -125,7 +155,7 @@ class SamplingBatch:
             bias_rows=i64([i for i, _, _ in bias]),
             bias_ids=i64([t for _, t, _ in bias]),
             bias_vals=f32([b for _, _, b in bias]),
-            min_new_tokens=i64([p.min_new_tokens for p in params]),
+            min_new_tokens=i64(min_new_tokens),
             min_new_rows=i64([i for i, _ in min_new]),
             min_new_ids=i64([t for _, t in min_new]),
             seeded_rows=i64([i for i, s in enumerate(seeds) if s >= 0]),
@@ -140,7 +170,7 @@ class SamplingBatch:
             any_logit_bias=bool(bias),
             any_min_new=bool(min_new),
             need_logprobs=any(p.logprobs or p.top_logprobs_num > 0 for p in params),
-            max_top_logprobs=max((p.top_logprobs_num for p in params), default=0),
+            max_top_logprobs=min(max((p.top_logprobs_num for p in params), default=0), _INT64_MAX),
         )
 
 
@@ -319,6 +349,11 @@ class Sampler:
 
 
 # -- helpers -------------------------------------------------------------------
+
+
+def _is_greedy(p: SamplingParams) -> bool:
+    """Argmax row: temperature 0 (or below MIN_TEMPERATURE, or NaN) or top_k 1."""
+    return p.greedy or not p.temperature >= MIN_TEMPERATURE
 
 
 def _global_exponential(shape: torch.Size, device: torch.device) -> torch.Tensor:
