@@ -32,6 +32,7 @@ from pdserve.runtime.radix_cache import RadixCache
 from pdserve.runtime.request import Request, RequestState
 from pdserve.runtime.runner import ModelRunner, append_samples
 from pdserve.runtime.weight_update import WeightUpdater
+from pdserve.step_faults import Progress, StepFaults
 from pdserve.worker_common import loop_wait, make_clock, register_factory, serve_until_drained
 from pdserve.worker_link import WorkerLink
 
@@ -65,6 +66,8 @@ class DecodeWorker:
         self.expired: set[str] = set()
         self.link: WorkerLink | None = None
         self.weights = WeightUpdater.for_runner(self.runner, cache, cfg.host, self._weights_changed)
+        # An exception in one request's work fails that request (code internal), not the worker.
+        self.faults = StepFaults(cfg.worker_id, "decode", self.runner.spec.vocab_size)
 
     def serve(self) -> None:
         if self.runner.compiled is not None:  # compile before taking requests, not at the first one
@@ -121,12 +124,17 @@ class DecodeWorker:
         # request waiting for its KV needs no polling: the receiver wakes the loop when it lands (a
         # poll every few ms cost the prefill's forward on the same cores ~4 ms at 128 tokens).
         for msg in self.link.recv(loop_wait(bool(s.running), self.weights)):
-            self._on_message(msg)
+            self._on_message_guarded(msg)
 
     def _schedule(self) -> list[m.TokenOutput]:
         """Resume, admit, collect finished transfers (their first tokens), then grow or retract."""
         s = self.sched
-        self.runner.recompute(s.resume_retracted())
+        for r in s.resume_retracted():
+            try:
+                self.runner.recompute([r])
+            except Exception as exc:  # noqa: BLE001 - a request fails, never the worker
+                self.faults.lone(exc, r.rid, "recomputing a retracted request")
+                self._fail_internal(r.rid, exc)
         local = []
         for r in s.admit():
             if r.state is RequestState.PREFILLING:
@@ -143,9 +151,14 @@ class DecodeWorker:
             if res.prefix_mismatch and s.prefix_refused(res.room) is not None:
                 log.warning("room %s: cached prefix refused, asking again in full: %s", res.room, res.error)
                 continue
-            out = self._on_transfer_end(
-                res.room, res.state, res.metadata, res.error, res.num_bytes, res.direct, res.shm
-            )
+            try:
+                out = self._on_transfer_end(
+                    res.room, res.state, res.metadata, res.error, res.num_bytes, res.direct, res.shm
+                )
+            except Exception as exc:  # noqa: BLE001 - a request fails, never the worker
+                self.faults.lone(exc, res.room, "taking a request's first token")
+                self._fail_internal(res.room, exc)
+                continue
             if out is not None:
                 outputs.append(out)
         # Retracted requests keep their stepper state (speculative counters, drafter indexes):
@@ -159,29 +172,65 @@ class DecodeWorker:
         if not reqs:
             return []
         start = self.clock()
-        logits = self.runner.forward(ForwardMode.EXTEND, reqs, [r.prompt_ids[r.num_computed :] for r in reqs])
-        append_samples(reqs, self.runner.sample(reqs, logits))
-        now = self.clock()
-        outputs = []
-        for r in reqs:
-            entry = self.events[r.rid].get("decode_entry", start)
-            self.events[r.rid]["kv_requested"] = start
-            self.prefill_events[r.rid] = PrefillEvents(
-                queue_entry=entry, forward_entry=start, prefill_finished=now
+        progress = Progress.of(reqs)
+        try:
+            logits = self.runner.forward(
+                ForwardMode.EXTEND, reqs, [r.prompt_ids[r.num_computed :] for r in reqs]
             )
-            self.events[r.rid]["kv_ready"] = now
-            self.sched.prefilled(r)
-            outputs.append(self._output(r, r.output_ids[:1], first=True))
-        return outputs
+            append_samples(reqs, self.runner.sample(reqs, logits))
+        except Exception as exc:  # noqa: BLE001 - a request fails, never the worker
+            return self._local_prefill_failed(reqs, progress, exc, start)
+        self.faults.ok()
+        now = self.clock()
+        return [self._prefilled(r, start, now) for r in reqs]
+
+    def _local_prefill_failed(
+        self, reqs: list[Request], progress: dict[str, Progress], exc: Exception, start: float
+    ) -> list[m.TokenOutput]:
+        """The culprits fail; those that got their first token go on; the rest run again without
+        the culprits (a second failure, with no culprit left to find, fails them all)."""
+        bad = {r.rid for r in self.faults.triage(exc, reqs, "a local prefill")}
+        outputs, again = [], []
+        for r in reqs:
+            if r.rid in bad:
+                self._fail_internal(r.rid, exc)
+            elif progress[r.rid].sampled(r):
+                outputs.append(self._prefilled(r, start, self.clock()))
+            else:
+                progress[r.rid].restore(r)
+                again.append(r)
+        return outputs + self._prefill_locally(again)
+
+    def _prefilled(self, r: Request, start: float, now: float) -> m.TokenOutput:
+        """A local prefill's request, first token sampled, joins the running batch."""
+        entry = self.events[r.rid].get("decode_entry", start)
+        self.events[r.rid]["kv_requested"] = start
+        self.prefill_events[r.rid] = PrefillEvents(
+            queue_entry=entry, forward_entry=start, prefill_finished=now
+        )
+        self.events[r.rid]["kv_ready"] = now
+        self.sched.prefilled(r)
+        return self._output(r, r.output_ids[:1], first=True)
 
     def _run(self) -> list[m.TokenOutput]:
         # A request whose first token already finished it is not stepped again.
         running = [r for r in self.sched.running if not r.finished]
         if not running:
             return []
-        before = {r.rid: len(r.output_ids) for r in running}
-        self.stepper.step(running)
-        return [self._output(r, r.output_ids[before[r.rid] :]) for r in running]
+        before = Progress.of(running)
+        try:
+            self.stepper.step(running)
+        except Exception as exc:  # noqa: BLE001 - a request fails, never the worker
+            bad = {r.rid for r in self.faults.triage(exc, running, "a decode step")}
+            for r in running:
+                if r.rid in bad:
+                    self._fail_internal(r.rid, exc)
+                else:  # stepped again from where it was (a token it got before the failure stays)
+                    before[r.rid].restore(r)
+            running = [r for r in running if r.rid not in bad and before[r.rid].sampled(r)]
+        else:
+            self.faults.ok()
+        return [self._output(r, r.output_ids[before[r.rid].outputs :]) for r in running]
 
     def _hand_off(self) -> None:
         """Finished requests leave: their pages are freed, their stepper state dropped."""
@@ -197,6 +246,17 @@ class DecodeWorker:
         ld = self.link.load
         ld.queued, ld.running = len(s) - len(s.running), len(s.running)
         ld.free_tokens = s.free_tokens
+
+    def _on_message_guarded(self, msg: m.Message) -> None:
+        """`_on_message`; an exception while admitting a request fails that request alone."""
+        try:
+            self._on_message(msg)
+        except Exception as exc:  # noqa: BLE001 - a request fails, never the worker
+            if not isinstance(msg, m.GenerateRequest):
+                log.error("handling a %s message failed", msg.kind, exc_info=exc)
+                return
+            self.faults.lone(exc, msg.room, "admitting a request")
+            self._fail_internal(msg.room, exc)
 
     def _on_message(self, msg: m.Message) -> None:
         if isinstance(msg, m.GenerateRequest):
@@ -316,6 +376,18 @@ class DecodeWorker:
                 **self.stepper.stats(r),
             )
         return out
+
+    def _fail_internal(self, room: str, exc: BaseException) -> None:
+        """`room` fails with code `internal` through the abort path: its pages are freed, never cached."""
+        if self.sched.is_transferring(room):
+            self.expired.add(room)  # its transfer's end needs no second report
+            self.receiver.abort(room)
+        else:
+            removed = self.sched.remove(room)
+            if removed is not None:
+                self.stepper.forget(removed)
+            self._forget(room)
+        self._fail(room, m.FAIL_INTERNAL, self.faults.message(exc))
 
     def _fail(self, room: str, code: str, message: str) -> None:
         assert self.link is not None

@@ -15,6 +15,7 @@ from pdserve.drain import DrainSignal
 from pdserve.health import Failure, start_health_server
 from pdserve.model_source import ModelSourceError
 from pdserve.protocol import gateway as m
+from pdserve.step_faults import BLIND_FAILURE_LIMIT, StepFailed
 from pdserve.worker_link import RegistrationRefused, WorkerLink
 
 # How long an idle worker loop sleeps in `WorkerLink.recv`. What needs the loop wakes it sooner (a
@@ -89,7 +90,7 @@ def run_worker(
     except (ValueError, ModelSourceError, RegistrationRefused, TimeoutError) as e:
         print(f"pdserve {role}: {e}", file=sys.stderr)
         return 2
-    except EngineDead as e:
+    except (EngineDead, StepFailed) as e:
         print(f"pdserve {role}: {e}", file=sys.stderr)
         return 1
     return 0
@@ -108,8 +109,13 @@ def serve_until_drained(
 
     `failure` (the KV engine's `io_failure`): once it reports, the worker is unhealthy on its health
     port, leaves rotation and drains; it then raises `EngineDead`, so that its process exits non-zero
-    and a supervisor restarts it."""
+    and a supervisor restarts it.
+
+    An exception out of `step` (the workers fail the requests whose work raised, see step_faults.py;
+    what is left is the loop's own work) is logged and the loop goes on; `BLIND_FAILURE_LIMIT` of
+    them in a row raise `StepFailed`, so that a worker broken for good exits and is restarted."""
     log = logging.getLogger(f"pdserve.{cfg.role}")
+    failed_steps = 0
     failure = failure or (lambda: None)
     health = start_health_server(cfg.host, cfg.health_port, link, signals, failure)
     drain_deadline = None
@@ -127,7 +133,18 @@ def serve_until_drained(
             if drain_deadline is not None and (not outstanding() or time.monotonic() > drain_deadline):
                 log.info("drained; exiting")
                 break
-            step()
+            try:
+                step()
+                failed_steps = 0
+            except StepFailed:
+                raise
+            except Exception as exc:  # noqa: BLE001 - one bad step must not end the worker
+                failed_steps += 1
+                log.error("a step failed (%d in a row); going on", failed_steps, exc_info=exc)
+                if failed_steps >= BLIND_FAILURE_LIMIT:
+                    raise StepFailed(
+                        f"{failed_steps} steps in a row failed: {type(exc).__name__}: {exc}"
+                    ) from exc
     finally:
         if health is not None:
             health.close()

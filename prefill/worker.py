@@ -15,6 +15,8 @@ import logging
 import time
 from typing import Any
 
+import torch
+
 from pdserve.cache_events import CacheEvents
 from pdserve.config import WorkerConfig
 from pdserve.drain import DrainSignal
@@ -33,6 +35,7 @@ from pdserve.runtime.request import Request, RequestState
 from pdserve.runtime.request_state import TERMINAL
 from pdserve.runtime.runner import ModelRunner, sample_first_tokens
 from pdserve.runtime.weight_update import WeightUpdater
+from pdserve.step_faults import Progress, StepFaults
 from pdserve.worker_common import loop_wait, make_clock, register_factory, serve_until_drained
 from pdserve.worker_link import WorkerLink
 
@@ -91,6 +94,8 @@ class PrefillWorker:
         self.weights = WeightUpdater.for_runner(self.runner, cache, cfg.host, self._weights_changed)
         self.blocked = False  # the last schedule() gave nothing to run
         self.alone: set[str] = set()  # rooms without a decode leg: answered by PrefillDone alone
+        # An exception in one request's work fails that request (code internal), not the worker.
+        self.faults = StepFaults(cfg.worker_id, "prefill", self.runner.spec.vocab_size)
 
     def serve(self) -> None:
         self.sender.start()
@@ -144,7 +149,7 @@ class PrefillWorker:
         if self.stalled:  # test hook: the held-back sends are due at their time
             wait = min(wait, max(0.0, min(x[0] for x in self.stalled) - time.monotonic()))
         for msg in self.link.recv(wait):
-            self._on_message(msg)
+            self._on_message_guarded(msg)
 
     def _transfer_ended(self) -> None:
         if self.link is not None:
@@ -164,6 +169,21 @@ class PrefillWorker:
                 self.link.send(reply)
         elif isinstance(msg, m.FlushCache):
             self.link.send(self.cache_events.flush(msg.flush_id, len(self.rooms) + len(self.stalled)))
+
+    def _on_message_guarded(self, msg: m.Message) -> None:
+        """`_on_message`; an exception while admitting a request fails that request alone."""
+        try:
+            self._on_message(msg)
+        except Exception as exc:  # noqa: BLE001 - a request fails, never the worker
+            if not isinstance(msg, m.GenerateRequest):
+                log.error("handling a %s message failed", msg.kind, exc_info=exc)
+                return
+            self.faults.lone(exc, msg.room, "admitting a request")
+            r = self.rooms.get(msg.room)
+            if r is not None and r.state not in TERMINAL:
+                self._fail_internal(r, exc)
+            else:
+                self._fail(msg.room, m.FAIL_INTERNAL, self.faults.message(exc))
 
     def _stop(self, r: Request) -> bool:
         """End `r` on this node: its pages are freed now (False), or, with its transfer in flight,
@@ -212,21 +232,58 @@ class PrefillWorker:
         now = self.clock()
         for r in reqs:
             self.events[r.rid].setdefault("forward_entry", now)
-        before = [r.num_computed for r in reqs]
-        if any(r.params.logprob_start_len >= 0 for r in reqs):  # prompt logprobs: every row's logits
-            logits = self.runner.forward(ForwardMode.EXTEND, reqs, chunks, all_logits=True)
-            logits = take_prompt_logprobs(reqs, before, chunks, logits)
-        else:
-            logits = self.runner.forward(ForwardMode.EXTEND, reqs, chunks)
+        progress = Progress.of(reqs)
+        try:
+            logits = self._forward(reqs, chunks)
+        except Exception as exc:  # noqa: BLE001 - a request fails, never the worker
+            bad = {r.rid for r in self.faults.triage(exc, reqs, "a prefill forward")}
+            for r in reqs:
+                if r.rid in bad:
+                    self._fail_internal(r, exc)
+                else:  # scheduled again from where it was
+                    progress[r.rid].restore(r)
+            return []
         done, rows = self.sched.take_completed(reqs)
         if done:
-            sample_first_tokens(self.runner, done, logits[rows])
+            done = self._sample(done, logits[rows], progress)
+        self.faults.ok()
         end = self.clock()
         for r in reqs:
             self.chunks.setdefault(r.rid, []).append((now, end))
         for r in done:
             self.events[r.rid]["prefill_finished"] = end
         return done
+
+    def _forward(self, reqs: list[Request], chunks: list[list[int]]) -> torch.Tensor:
+        """One extend forward: each request's last row of logits (prompt logprobs recorded on the way)."""
+        if any(r.params.logprob_start_len >= 0 for r in reqs):  # prompt logprobs: every row's logits
+            before = [r.num_computed for r in reqs]
+            logits = self.runner.forward(ForwardMode.EXTEND, reqs, chunks, all_logits=True)
+            return take_prompt_logprobs(reqs, before, chunks, logits)
+        return self.runner.forward(ForwardMode.EXTEND, reqs, chunks)
+
+    def _sample(
+        self, done: list[Request], logits: torch.Tensor, progress: dict[str, Progress]
+    ) -> list[Request]:
+        """The first tokens of `done` (logits: their rows). When the batch's sampling raises, each
+        request is sampled alone and those that raise alone fail; the others go on."""
+        try:
+            sample_first_tokens(self.runner, done, logits)
+            return done
+        except Exception as exc:  # noqa: BLE001 - a request fails, never the worker
+            log.warning(
+                "sampling %d first tokens failed (%s): sampling each alone", len(done), type(exc).__name__
+            )
+        kept = []
+        for i, r in enumerate(done):
+            try:
+                if not progress[r.rid].sampled(r):
+                    sample_first_tokens(self.runner, [r], logits[i : i + 1])
+                kept.append(r)
+            except Exception as exc:  # noqa: BLE001
+                self.faults.lone(exc, r.rid, "sampling the first token")
+                self._fail_internal(r, exc)
+        return kept
 
     def _hand_off(self, done: list[Request]) -> None:
         """Completed prefills' KV goes to the sender (held back by the stall hook). A request without
@@ -306,6 +363,13 @@ class PrefillWorker:
         elif state is TransferState.FAILED:
             log.warning("KV transfer of %s failed: %s", room, error)
             self._fail(room, "transfer", f"KV transfer failed: {error}")
+
+    def _fail_internal(self, r: Request, exc: BaseException) -> None:
+        """`r` fails with code `internal` through the abort path: its pages are freed, never cached."""
+        r.kv_cacheable = False
+        if self._stop(r):
+            self.expired.add(r.rid)  # its transfer's end needs no second report
+        self._fail(r.rid, m.FAIL_INTERNAL, self.faults.message(exc))
 
     def _fail(self, room: str, code: str, message: str) -> None:
         assert self.link is not None

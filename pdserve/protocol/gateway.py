@@ -261,13 +261,25 @@ class PrefillDone(_Msg):
         return self
 
 
+# `RequestFailed.code`s the workers send (a str on the wire, so that a new one never makes a frame
+# malformed): what the gateway answers for each is its `_FAIL_STATUS` (gateway/generation.py).
+FAIL_BAD_REQUEST = "bad_request"  # the request cannot run here (too long, a grammar that fails): 400
+FAIL_DEADLINE = "deadline"  # past GenerateRequest.deadline_s: 504
+FAIL_DRAINING = "draining"  # the worker is leaving rotation: run again elsewhere
+FAIL_TRANSFER = "transfer"  # the KV transfer failed: run again elsewhere
+FAIL_OOM = "oom"
+# An exception while the worker computed for this request (pdserve/step_faults.py): the request
+# failed, the worker goes on. Not run again elsewhere: the gateway refuses a request after two (500).
+FAIL_INTERNAL = "internal"
+
+
 class RequestFailed(_Msg):
     """Worker -> gateway: this leg of `room` failed; the gateway aborts the other leg."""
 
     kind: Literal["failed"] = "failed"
     room: str
     role: Role
-    # Short machine-readable reason: "transfer", "oom", "bad_request", "aborted", "internal".
+    # Short machine-readable reason: one of the FAIL_* codes above.
     code: str
     message: str
 
