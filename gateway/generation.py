@@ -28,6 +28,7 @@ from pdserve.gateway.config import GatewayConfig
 from pdserve.gateway.control import ControlPlane, LegFailed, Room, TokensArrived
 from pdserve.gateway.detokenizer import IncrementalDetokenizer, StopStringMatcher
 from pdserve.gateway.errors import ApiError, bad_request
+from pdserve.gateway.failed_requests import FailedRequests, request_fingerprint
 from pdserve.gateway.metrics import GatewayMetrics
 from pdserve.gateway.protocol import check_prompt_ids, with_max_new_tokens
 from pdserve.gateway.request_trace import RequestTrace, TraceInput, build_trace
@@ -56,6 +57,9 @@ _FAIL_STATUS = {
     "shutdown": 503,
     "transfer": 503,
     "client_abort": 400,
+    # The worker's step raised for this request (it goes on): not run again elsewhere, and refused
+    # before dispatch after two (`FailedRequests`).
+    "internal": 500,
 }
 # Failures that say nothing about the request itself: worth running again on another pair (the
 # client does not notice). "transfer": the KV never reached this decode worker; another may get it.
@@ -131,6 +135,7 @@ class _Run:
     # The attempt that delivered the first token: its prefill events and dispatch time go in meta_info.
     origin: tuple[Room, float] | None = None
     span: RequestSpan | None = None  # the trace's root, with tracing on
+    fingerprint: str = ""  # request_fingerprint: counted when a worker fails it with code internal
 
 
 class Generations:
@@ -154,6 +159,8 @@ class Generations:
         # OpenTelemetry export (None: off) and the dashboard's recent requests: both take each
         # finished request's spans, built once.
         self.tracing, self.on_finish = tracing, on_finish
+        # Requests that made a worker's step raise; refused once they did twice.
+        self.failed_requests = FailedRequests()
 
     # ---- before dispatch ---------------------------------------------------------------------
 
@@ -198,6 +205,15 @@ class Generations:
         most `MAX_MIGRATIONS` times). Other failures, and those past the limits, raise `ApiError`."""
         st = GenState(inp.rid, len(inp.input_ids))
         run = _Run(inp, st, _Collector(self.tokenizer, inp, st))
+        run.fingerprint = request_fingerprint(inp.input_ids, inp.sampling)
+        if self.failed_requests.refused(run.fingerprint):
+            self.metrics.rejected.labels("failed_workers").inc()
+            raise ApiError(
+                422,
+                f"this request (the same prompt and sampling parameters) failed a worker's step "
+                f"{self.failed_requests.refuse_after} times with an internal error; it is refused",
+                code="request_failed_workers",
+            )
         if self.tracing is not None:
             run.span = self.tracing.begin(inp.received_ts, inp.traceparent)
         try:
@@ -339,6 +355,8 @@ class Generations:
                     err = self._leg_failed(room, ev)
                     if ev.code in _AGAIN_CODES and ev.role in ("prefill", "decode"):
                         raise _Again(ev, room, err)
+                    if ev.code == "internal":
+                        self.failed_requests.record(run.fingerprint)
                     raise err
                 out = ev.output
                 if ev.source == "prefill":
