@@ -3,12 +3,16 @@
 `KVSender` and `KVReceiver` both let the caller's thread only post to a mailbox or read a deque; one
 I/O thread owns all room state, writes `_states` and appends to `_results`. Nothing a peer sends may
 end that thread; should it end anyway, `io_failure` says so (the worker's health port reports it).
+
+An endpoint lifts the process's soft limit on open files to the hard one: its pair groups' gloo listeners
+accept every connection, and gloo aborts the process when `accept` fails for want of a descriptor.
 """
 
 from __future__ import annotations
 
 import collections
 import logging
+import resource
 import threading
 from collections.abc import Callable
 from typing import Any
@@ -24,8 +28,24 @@ from pdserve.kv_transfer.state import TransferResult, TransferState
 from pdserve.side_threads import serial_openmp
 
 
+def raise_open_files_limit() -> int:
+    """Lift the soft limit on open files to the hard one; the new soft limit."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    target = hard if hard != resource.RLIM_INFINITY else max(soft, 1 << 20)
+    if soft < target:
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
+            soft = target
+        except (ValueError, OSError) as e:
+            logging.getLogger("pdserve.kv_transfer").warning(
+                "kv_transfer: could not raise the open-files limit from %d: %s", soft, e
+            )
+    return soft
+
+
 class Endpoint:
     def __init__(self, kv: Any, fingerprint: dict[str, str | int], config: TransferConfig) -> None:
+        raise_open_files_limit()
         self._kv = pool_tensor(kv)
         self._geometry = geometry_of(self._kv)
         self._identity = pair_identity(fingerprint, self._geometry, config.backend)

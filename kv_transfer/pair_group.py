@@ -5,11 +5,20 @@ PrefixStore(f"pair/{pair_id}/{gen}", the generation's PairStore): the two ranks 
 on the pair's own control channel (pair_store.py), so no store port is opened. A group that saw a timeout
 or a peer failure is dead for good: the owner drops it and builds generation gen+1.
 
+gloo's device listens on a port for the whole life of the group and accepts every connection; one that
+does not complete gloo's handshake is never closed (a raw connect stays open waiting for a sequence
+number, one that sends an unknown number is kept for a later wait), and torch gives no way to stop the
+listener. Only destroying the group (the last reference to its device) closes the listener and every
+connection it accepted: `close()` drops it, and a pair rebuilds a group whose port holds more than
+MAX_STRAY_CONNECTIONS such connections (`stray_connections`, checked around each transfer).
+
 Called only from a pair's own thread; every operation here may block up to its timeout.
 """
 
 from __future__ import annotations
 
+import collections
+import os
 import queue
 import threading
 from datetime import timedelta
@@ -35,6 +44,9 @@ from pdserve.side_threads import serial_openmp
 
 SENDER_RANK = 0
 RECEIVER_RANK = 1
+# Connections a group's gloo listener may hold beyond its peer's before the pair rebuilds the group.
+MAX_STRAY_CONNECTIONS = 64
+_TCP_LISTEN = "0A"  # the state column of /proc/net/tcp
 
 
 class _PointToPoint(Protocol):
@@ -44,6 +56,45 @@ class _PointToPoint(Protocol):
     def send(self, tensors: list[torch.Tensor], dst_rank: int, tag: int) -> Work: ...
 
     def recv(self, tensors: list[torch.Tensor], src_rank: int, tag: int) -> Work: ...
+
+
+def _open_files() -> int:
+    try:
+        return len(os.listdir("/proc/self/fd"))
+    except OSError:
+        return 0
+
+
+def _listen_port(store: PairStore, prefix: str, rank: int) -> int | None:
+    """The port of this rank's gloo listener: the address it published holds a sockaddr (the family, 2
+    bytes little-endian, then the port big-endian) at an offset that varies; the port is the one that a
+    listening socket has. None when none matches."""
+    value = next((v for k, v in store.items() if k.startswith(prefix) and k.endswith(f"/{rank}")), None)
+    if value is None:
+        return None
+    listening = _tcp_ports(listening=True)
+    for i in range(len(value) - 3):
+        if value[i : i + 2] in (b"\x02\x00", b"\x0a\x00"):  # AF_INET, AF_INET6
+            port = int.from_bytes(value[i + 2 : i + 4], "big")
+            if port in listening:
+                return port
+    return None
+
+
+def _tcp_ports(listening: bool) -> collections.Counter[int]:
+    """Local ports of the host's TCP sockets (LISTEN ones, or the others), with how many sockets each."""
+    ports: collections.Counter[int] = collections.Counter()
+    for table in ("/proc/self/net/tcp", "/proc/self/net/tcp6"):
+        try:
+            with open(table) as f:
+                next(f, None)
+                for line in f:
+                    fields = line.split(maxsplit=4)
+                    if (fields[3] == _TCP_LISTEN) == listening:
+                        ports[int(fields[1].rsplit(":", 1)[1], 16)] += 1
+        except (OSError, ValueError, IndexError):
+            continue
+    return ports
 
 
 def _gloo_device(config: TransferConfig, local_host: str) -> ProcessGroupGloo.Device:
@@ -98,6 +149,10 @@ class PairGroup:
             # and pass one byte so the point-to-point path is set up before the first transfer.
             nccl.eager_connect_single_device(kv.device)
             self._pg = cast(_PointToPoint, nccl)
+        self._listen_port = (
+            _listen_port(store, f"pair/{pair_id}/{gen}/", rank) if config.backend == "gloo" else None
+        )
+        self._open_files_at_build = _open_files()
         self._buffers: list[tuple[torch.Tensor, torch.Tensor]] = []  # (compute-side, wire-side) flat uint8
         self._buffer_bytes = 0
         if config.backend == "nccl":
@@ -107,8 +162,17 @@ class PairGroup:
             torch.cuda.current_stream(kv.device).synchronize()  # deliberate: the build is complete here
 
     def close(self) -> None:
+        """Drop the group: with its last reference its gloo device goes, closing the listener and every
+        connection it accepted."""
         self._pg = None
         self._buffers = []
+
+    def stray_connections(self) -> int:
+        """Connections on this group's gloo listener beyond its peer's (raw connects that gloo keeps);
+        counted only once the process holds MAX_STRAY_CONNECTIONS more files than at the build."""
+        if self._listen_port is None or _open_files() - self._open_files_at_build <= MAX_STRAY_CONNECTIONS:
+            return 0
+        return max(0, _tcp_ports(listening=False)[self._listen_port] - 1)
 
     @property
     def _p2p(self) -> _PointToPoint:

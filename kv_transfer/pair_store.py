@@ -114,6 +114,11 @@ class PairStore(Store):
         with self._cond:
             return self._data.pop(key, None) is not None
 
+    def items(self) -> list[tuple[str, bytes]]:
+        """A snapshot of the keys and values (both sides' writes)."""
+        with self._cond:
+            return list(self._data.items())
+
     def num_keys(self) -> int:
         with self._cond:
             return len(self._data)

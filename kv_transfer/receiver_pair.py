@@ -17,7 +17,7 @@ from pdserve.kv_transfer.config import TransferConfig
 from pdserve.kv_transfer.io_loop import local_address_towards
 from pdserve.kv_transfer.layout import PoolGeometry
 from pdserve.kv_transfer.mailbox import Done, GroupDead, Mailbox, ToSender
-from pdserve.kv_transfer.pair_group import RECEIVER_RANK, PairThread
+from pdserve.kv_transfer.pair_group import MAX_STRAY_CONNECTIONS, RECEIVER_RANK, PairThread
 from pdserve.kv_transfer.pair_store import PairStores
 from pdserve.kv_transfer.shm import MappedPool, copy_pages
 from pdserve.protocol import kv_control as kc
@@ -167,3 +167,8 @@ class ReceiverPair(PairThread[RecvJob | ShmJob | _Build]):
             return
         nbytes = job.num_pages * self._geometry.page_bytes
         self._mailbox.post(Done(job.room, None, nbytes, metadata, direct=job.runs is not None))
+        if (strays := group.stray_connections()) > MAX_STRAY_CONNECTIONS:
+            # gloo never closes connections that are not the peer's: the sender builds a new group, and
+            # replacing this one here (its Build) closes its listener with them.
+            reason = f"its gloo port holds {strays} stray connections"
+            self._mailbox.post(GroupDead(self.addr, job.gen, reason))

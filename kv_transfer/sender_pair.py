@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import base64
 import itertools
+import logging
 import threading
 import time
 from collections.abc import Callable
@@ -20,11 +21,13 @@ import torch
 from pdserve.kv_transfer.config import TransferConfig
 from pdserve.kv_transfer.layout import PoolGeometry, chunk_pages, direct_runs
 from pdserve.kv_transfer.mailbox import Done, Mailbox, Outbound, Started
-from pdserve.kv_transfer.pair_group import SENDER_RANK, PairThread
+from pdserve.kv_transfer.pair_group import MAX_STRAY_CONNECTIONS, SENDER_RANK, PairThread
 from pdserve.kv_transfer.pair_store import PairStores
 from pdserve.kv_transfer.shm import SharedSegment
 from pdserve.protocol import kv_control as kc
 from pdserve.protocol.kv_trailer import encode_trailer
+
+log = logging.getLogger("pdserve.kv_transfer")
 
 
 @dataclass
@@ -145,6 +148,15 @@ class SenderPair(PairThread[SendJob | _Build]):
             self._announce_shm(job)
             return
         if self._group is not None and self._group.gen == self.discard_gen:
+            self._group.close()
+            self._group = None
+        if self._group is not None and (strays := self._group.stray_connections()) > MAX_STRAY_CONNECTIONS:
+            # Connections that are not the peer's, which gloo never closes: only a new group sheds them.
+            log.warning(
+                "kv_transfer: pair gen %d's gloo port holds %d stray connections: rebuilding the group",
+                self._group.gen,
+                strays,
+            )
             self._group.close()
             self._group = None
         if self._group is None:
