@@ -56,7 +56,7 @@ CASES: list[tuple[str, Case]] = [
     ("lone surrogate in stop, rid, prompt", lone_surrogates),
     ("temperature 1e-38", tiny_temperature),
     ("EBNF of 30k alternatives", heavy_grammar),
-    ("SIGSTOP the prefill for 6 s mid-prefill", stopped_prefill),
+    ("SIGSTOP the prefill for 3.5 s mid-prefill", stopped_prefill),
     ("300 raw connects to each worker port", raw_worker_connects),
 ]
 # Last, apart: it replaces a worker on purpose (the row's "workers kept" is then expected to be "no").

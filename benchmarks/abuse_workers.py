@@ -87,7 +87,7 @@ def heavy_grammar(t: Target) -> tuple[str, bool]:
 
 
 def stopped_prefill(t: Target) -> tuple[str, bool]:
-    """SIGSTOP the prefill worker for 6 s during a 6k-token prefill: the decode keeps its turn at the
+    """SIGSTOP the prefill worker for 3.5 s (under the 5 s heartbeat timeout) during a 6k-token prefill: the decode keeps its turn at the
     cores (the normal stream goes on); the long request finishes after SIGCONT."""
     pid = t.pid("prefill")
     if pid is None:
@@ -99,7 +99,7 @@ def stopped_prefill(t: Target) -> tuple[str, bool]:
     time.sleep(1.0)
     os.kill(pid, signal.SIGSTOP)
     try:
-        time.sleep(6.0)
+        time.sleep(3.5)
     finally:
         os.kill(pid, signal.SIGCONT)
     th.join(300)

@@ -19,7 +19,7 @@ SHARED_WORK = {
     "one client, 40 requests at once",
     "one key spelled 4 ways, 40 requests at once",
     "EBNF of 30k alternatives",
-    "SIGSTOP the prefill for 6 s mid-prefill",
+    "SIGSTOP the prefill for 3.5 s mid-prefill",
     "16 stop strings of 1,024 characters (allowed)",
     "kill -9 the decode, then a weight update",
 }
