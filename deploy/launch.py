@@ -9,9 +9,9 @@
 Flags after `--` go verbatim to every worker (e.g. `-- --max-total-tokens 4096 --num-threads 1`).
 Each child runs in its own process group with its own log file (`<log-dir>/<name>.log`); the
 launcher prints `started <name> pid <pid> log <path>` for each. A child that crashes is restarted
-with backoff (a crash-looping one stays down); on SIGINT/SIGTERM, or when a role has no process
-left, it sends SIGTERM to exactly those process groups (workers drain), waits `--stop-timeout`,
-then SIGKILLs what is left. A worker that exits 0 on its own (drained by a SIGTERM sent to it
+with backoff (a crash-looping one every 30 s, never given up on); on SIGINT/SIGTERM it sends
+SIGTERM to exactly those process groups (workers drain), waits `--stop-timeout`, then SIGKILLs
+what is left. A worker that exits 0 on its own (drained by a SIGTERM sent to it
 directly) is let go; the rest keep serving. Children die with the launcher, even when it is
 SIGKILLed. The supervision is `pdserve.supervisor`'s, shared with `pdserve up`: run this with an
 interpreter that has pdserve installed (launch.sh takes it from $PYTHON).

@@ -131,7 +131,8 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
         "--max-restarts",
         type=int,
         default=policy.max_restarts,
-        help=f"restarts of a crashing child within {policy.window_s:.0f} s before it stays down",
+        help=f"restarts of a crashing child within {policy.window_s:.0f} s after which it is crash-looping: "
+        f"retried every {policy.backoff_max_s:.0f} s (never given up on; the launcher goes on)",
     )
     parser.add_argument(
         "--restart-backoff",
@@ -286,16 +287,20 @@ def secret_env(args: argparse.Namespace) -> dict[str, str]:
 
 
 def _opened(url: str, args: argparse.Namespace, control: int) -> str:
-    """What the cluster listens on, for the start-up message (worker ports as the gateway lists them)."""
+    """What the cluster listens on, for the start-up message (worker ports as the gateway lists them).
+    `/workers` is an admin endpoint: asked with the key the gateway takes for it (gateway/auth.py:
+    the admin key, else the API key), from the environment the gateway inherits; never printed."""
     lines = [f"  HTTP          {url}", f"  control       {args.internal_host}:{control} (CurveZMQ)"]
+    key = env.admin_api_key() or env.api_key()
+    req = urllib.request.Request(url + "/workers", headers={"Authorization": f"Bearer {key}"} if key else {})
     try:
-        with urllib.request.urlopen(url + "/workers", timeout=2) as r:
+        with urllib.request.urlopen(req, timeout=2) as r:
             workers = json.loads(r.read()).get("workers", [])
         for w in workers:
             if w.get("bootstrap_addr"):
                 lines.append(f"  KV bootstrap  {w['bootstrap_addr']} ({w.get('worker_id')}; CurveZMQ)")
-    except (OSError, ValueError):
-        pass
+    except (OSError, ValueError) as e:  # said, not silently dropped: the lines above still hold
+        lines.append(f"  KV bootstrap  (not listed: /workers answered {e})")
     lines.append(f"  workers       gloo pair groups: {args.internal_host}, free ports")
     return "\n".join(lines)
 

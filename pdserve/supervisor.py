@@ -6,10 +6,12 @@ also dies with its launcher, even when the launcher is SIGKILLed (Linux `PR_SET_
 interrupted launcher leaves no orphans behind.
 
 A child that dies unexpectedly is started again with the same arguments after a backoff that
-doubles from `RestartPolicy.backoff_initial_s` up to `backoff_max_s`. One that crashes more than
-`max_restarts` times within `window_s` stays down and the launcher says so; the launcher gives up
-(exit 1) only when a role it started has no member left running or coming back. A worker that
-exits 0 drained on request (a SIGTERM sent to it alone) is let go, not restarted.
+doubles from `RestartPolicy.backoff_initial_s` up to `backoff_max_s`. One restarted `max_restarts`
+times within `window_s` is crash-looping: it is retried every `backoff_max_s`, never given up on
+(whatever killed it, a bad request or a full disk, may pass), and the launcher never exits for it.
+The log says when a child enters the crash loop and when it leaves it (fewer than `max_restarts`
+restarts within the window again), not at every attempt; each start still logs its pid. A worker
+that exits 0 drained on request (a SIGTERM sent to it alone) is let go, not restarted.
 """
 
 from __future__ import annotations
@@ -50,14 +52,13 @@ def role_of(name: str) -> str:
 class RestartPolicy:
     backoff_initial_s: float = 1.0
     backoff_max_s: float = 30.0
-    max_restarts: int = 5  # within window_s; the next crash leaves the child down
+    max_restarts: int = 5  # within window_s; past it, retries come every backoff_max_s
     window_s: float = 300.0
 
 
 class ChildState(str, Enum):
     RUNNING = "running"
     BACKOFF = "restarting"  # crashed; starts again at `restart_at`
-    DOWN = "down"  # crash-looped: not started again
     DRAINED = "drained"  # exited 0 on its own: let go
 
 
@@ -69,6 +70,7 @@ class _Slot:
     restart_at: float = 0.0
     restarts: deque[float] = field(default_factory=deque)  # monotonic times, within the window
     total_restarts: int = 0
+    crash_looping: bool = False  # restarted max_restarts times within the window: retried at the cap
 
 
 def die_with(parent_pid: int) -> Callable[[], None]:
@@ -163,6 +165,10 @@ class Supervisor:
     def states(self) -> dict[str, ChildState]:
         return {name: slot.state for name, slot in self.slots.items()}
 
+    def crash_looping(self) -> list[str]:
+        """The children retried at the longest backoff (see the module docstring)."""
+        return [name for name, slot in self.slots.items() if slot.crash_looping]
+
     def poll(self) -> None:
         """Notice exits, and start again what is due."""
         now = time.monotonic()
@@ -170,6 +176,8 @@ class Supervisor:
             if slot.state == ChildState.RUNNING:
                 rc = slot.proc.poll()
                 if rc is None:
+                    if slot.crash_looping:
+                        self._maybe_recovered(slot, now)
                     continue
                 if rc == 0 and slot.child.role != "gateway":
                     slot.state = ChildState.DRAINED
@@ -182,57 +190,61 @@ class Supervisor:
                 slot.proc = self._spawn(slot.child)
                 slot.state = ChildState.RUNNING
 
+    def _prune(self, slot: _Slot, now: float) -> int:
+        """The restarts within the window (older ones forgotten)."""
+        while slot.restarts and now - slot.restarts[0] > self.policy.window_s:
+            slot.restarts.popleft()
+        return len(slot.restarts)
+
     def _crashed(self, slot: _Slot, rc: int, now: float) -> None:
         p = self.policy
-        while slot.restarts and now - slot.restarts[0] > p.window_s:
-            slot.restarts.popleft()
+        recent = self._prune(slot, now)
         name = slot.child.name
-        if len(slot.restarts) >= p.max_restarts:
-            slot.state = ChildState.DOWN
-            self.say(
-                f"{name} exited with {rc} and was restarted {len(slot.restarts)} times within "
-                f"{p.window_s:.0f} s: it stays down",
-                error=True,
-            )
+        slot.state = ChildState.BACKOFF
+        if recent >= p.max_restarts:
+            slot.restart_at = now + p.backoff_max_s
+            if not slot.crash_looping:  # one line when it starts, none at each attempt
+                slot.crash_looping = True
+                self.say(
+                    f"{name} exited with {rc} and was restarted {recent} times within {p.window_s:.0f} s: "
+                    f"crash-looping, retried every {p.backoff_max_s:g} s until it stays up",
+                    error=True,
+                )
             return
-        delay = min(p.backoff_max_s, p.backoff_initial_s * 2 ** len(slot.restarts))
-        slot.state, slot.restart_at = ChildState.BACKOFF, now + delay
-        self.say(f"{name} exited with {rc}; restarting in {delay:.0f} s", error=True)
+        delay = min(p.backoff_max_s, p.backoff_initial_s * 2**recent)
+        slot.restart_at = now + delay
+        self.say(f"{name} exited with {rc}; restarting in {delay:g} s", error=True)
 
-    def fatal(self) -> str | None:
-        """Why the cluster cannot go on: a role this launcher started has crash-looped members and
-        none running or coming back."""
-        roles: dict[str, list[_Slot]] = {}
-        for slot in self.slots.values():
-            roles.setdefault(slot.child.role, []).append(slot)
-        for role, slots in roles.items():
-            live = [s for s in slots if s.state in (ChildState.RUNNING, ChildState.BACKOFF)]
-            down = [s.child.name for s in slots if s.state == ChildState.DOWN]
-            if down and not live:
-                return f"no {role} left: {', '.join(down)} crash-looped"
-        return None
+    def _maybe_recovered(self, slot: _Slot, now: float) -> None:
+        recent = self._prune(slot, now)
+        if recent < max(1, self.policy.max_restarts):
+            slot.crash_looping = False
+            self.say(
+                f"{slot.child.name} has stayed up ({recent} restarts within the last "
+                f"{self.policy.window_s:.0f} s): out of the crash loop"
+            )
 
     def wait_until(self, ready: Callable[[], bool], timeout_s: float) -> str | None:
-        """Poll `ready` until it holds; None then, else why it never will (a role lost, a signal, time)."""
+        """Poll `ready` until it holds; None then, else why it never will (a signal, time). A child
+        that crash-loops meanwhile is retried until the timeout."""
         deadline = time.monotonic() + timeout_s
         while not ready():
             self.poll()
-            why = self.fatal() or ("stopped" if self.stopping else None)
+            why = "stopped" if self.stopping else None
             if why is None and time.monotonic() > deadline:
-                why = f"not healthy within {timeout_s:.0f} s"
+                looping = self.crash_looping()
+                why = f"not healthy within {timeout_s:.0f} s" + (
+                    f" ({', '.join(looping)} crash-looping)" if looping else ""
+                )
             if why:
                 return why
             time.sleep(0.2)
         return None
 
     def watch(self) -> int:
-        """Until a signal (0) or a role is lost for good (1)."""
+        """Until a signal (0): a crashing child, even one that crash-loops, never ends the watch."""
         while not self.stopping:
             self.poll()
-            why = self.fatal()
-            if why:
-                self.say(f"{why}; stopping everything", error=True)
-                return 1
             time.sleep(0.2)
         return 0
 

@@ -1,10 +1,11 @@
-"""pdserve.supervisor with real (tiny) processes: restart with backoff, crash-loop limit, drained
-workers let go, the roles that keep a cluster alive, and a stop that leaves nothing behind."""
+"""pdserve.supervisor with real (tiny) processes: restart with backoff, crash loops retried at the
+longest backoff (never given up on), drained workers let go, and a stop that leaves nothing behind."""
 
 from __future__ import annotations
 
 import re
 import sys
+import threading
 import time
 
 import pytest
@@ -26,24 +27,56 @@ def _run_until(sup: Supervisor, done, timeout_s: float = 20.0) -> None:
         time.sleep(0.02)
 
 
+def _starts(text: str, name: str) -> int:
+    return len(re.findall(rf"started {name} pid \d+", text))
+
+
 @pytest.mark.timeout(60)
-def test_crash_loop_backs_off_then_stays_down(tmp_path, capsys):
+def test_crash_loop_is_retried_at_the_cap_and_said_once(tmp_path, capsys):
+    """Past max_restarts within the window a child is retried every backoff_max_s, for good (it used
+    to stay down); the log says so once, not at each attempt."""
     sup = Supervisor(str(tmp_path), stop_timeout_s=5, policy=FAST)
     sup.start(_child("decode-0", "import sys; sys.exit(3)"))
     sup.start(_child("decode-1", "import time; time.sleep(60)"))
+    extra = 3  # attempts past the limit
     try:
-        _run_until(sup, lambda: sup.states()["decode-0"] == ChildState.DOWN)
+        _run_until(sup, lambda: sup.slots["decode-0"].total_restarts == FAST.max_restarts)
+        at_limit = time.monotonic()
+        _run_until(sup, lambda: sup.slots["decode-0"].total_restarts == FAST.max_restarts + extra)
+        spent = time.monotonic() - at_limit
         out = capsys.readouterr()
-        starts = re.findall(r"started decode-0 pid \d+", out.out)
-        assert len(starts) == 1 + FAST.max_restarts, out.out
+        assert _starts(out.out, "decode-0") == 1 + FAST.max_restarts + extra, out.out
         delays = [float(d) for d in re.findall(r"decode-0 exited with 3; restarting in ([\d.]+) s", out.err)]
-        assert len(delays) == FAST.max_restarts, out.err
-        assert "stays down" in out.err
-        # decode-1 still runs: the cluster goes on with it.
-        assert sup.states()["decode-1"] == ChildState.RUNNING and sup.fatal() is None
+        assert len(delays) == FAST.max_restarts, out.err  # the attempts in the crash loop add no line
+        loops = re.findall(r"decode-0 exited with 3 and was restarted (\d+) times .*: crash-looping", out.err)
+        assert loops == [str(FAST.max_restarts)], out.err
+        # Each attempt in the loop waited the cap (the last one's crash is not waited for here).
+        assert extra * FAST.backoff_max_s <= spent < extra * (FAST.backoff_max_s + 0.5), spent
+        assert sup.crash_looping() == ["decode-0"] and "stays down" not in out.err
+        assert sup.states()["decode-1"] == ChildState.RUNNING
     finally:
         sup.stop()
     assert all(s.proc.poll() is not None for s in sup.slots.values())
+
+
+@pytest.mark.timeout(60)
+def test_a_child_that_stays_up_leaves_the_crash_loop(tmp_path, capsys):
+    """Crashes at its first three starts, then runs: out of the crash loop once its restarts fall
+    out of the window, said in one line."""
+    count = tmp_path / "starts"
+    code = f"p = {str(count)!r}; open(p, 'a').write('x')\nimport sys, time\n"
+    code += "sys.exit(1) if len(open(p).read()) <= 3 else time.sleep(60)"
+    policy = RestartPolicy(backoff_initial_s=0.1, backoff_max_s=0.5, max_restarts=2, window_s=2.0)
+    sup = Supervisor(str(tmp_path), stop_timeout_s=5, policy=policy)
+    sup.start(_child("prefill-0", code))
+    try:
+        _run_until(sup, lambda: sup.crash_looping() == ["prefill-0"])
+        _run_until(sup, lambda: sup.crash_looping() == [], timeout_s=10)
+        assert sup.states()["prefill-0"] == ChildState.RUNNING and sup.slots["prefill-0"].total_restarts == 3
+        err = capsys.readouterr()
+        assert len(re.findall(r"prefill-0 has stayed up .*: out of the crash loop", err.out)) == 1, err
+    finally:
+        sup.stop()
 
 
 @pytest.mark.timeout(60)
@@ -71,15 +104,25 @@ def test_backoff_doubles_up_to_the_cap(tmp_path):
 
 
 @pytest.mark.timeout(60)
-def test_a_role_with_no_member_left_is_fatal(tmp_path):
+def test_a_role_whose_only_member_crash_loops_does_not_end_the_watch(tmp_path):
+    """It used to: `watch` returned 1 ("no prefill left") and the launcher stopped everything."""
     sup = Supervisor(str(tmp_path), stop_timeout_s=5, policy=FAST)
     sup.start(_child("gateway", "import time; time.sleep(60)"))
     sup.start(_child("prefill-0", "import sys; sys.exit(2)"))
+    result: list[int] = []
+    watcher = threading.Thread(target=lambda: result.append(sup.watch()))
+    watcher.start()
     try:
-        _run_until(sup, lambda: sup.fatal() is not None)
-        assert sup.fatal() == "no prefill left: prefill-0 crash-looped"
+        deadline = time.monotonic() + 20
+        while sup.slots["prefill-0"].total_restarts < FAST.max_restarts + 2:
+            assert watcher.is_alive() and time.monotonic() < deadline, (result, sup.states())
+            time.sleep(0.05)
+        assert sup.crash_looping() == ["prefill-0"] and watcher.is_alive()
     finally:
+        sup.stopping = True  # what SIGINT/SIGTERM do
+        watcher.join(10)
         sup.stop()
+    assert result == [0]
 
 
 @pytest.mark.timeout(60)
@@ -91,7 +134,7 @@ def test_drained_worker_is_let_go_but_a_gateway_exit_is_a_crash(tmp_path):
     try:
         _run_until(sup, lambda: sup.proc("gateway").pid != first_gateway)
         assert sup.states()["decode-0"] == ChildState.DRAINED
-        assert sup.slots["decode-0"].total_restarts == 0 and sup.fatal() is None
+        assert sup.slots["decode-0"].total_restarts == 0
     finally:
         sup.stop()
 
