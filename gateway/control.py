@@ -24,6 +24,7 @@ import contextlib
 import logging
 import time
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import zmq
@@ -126,8 +127,12 @@ class ControlPlane:
         self._outbox: asyncio.Queue[tuple[bytes, bytes]] = asyncio.Queue()
         self._tasks: list[asyncio.Task] = []
         self.bound_port: int | None = None
-        # Answers awaited by `ask` (FlushCacheDone by flush_id, WeightsReply by op_id).
-        self._answers: dict[str, asyncio.Future[FlushCacheDone | WeightsReply]] = {}
+        # Answers awaited by `ask` (FlushCacheDone by flush_id, WeightsReply by op_id), and whom each is
+        # from: a worker that is lost or registers again will not answer, so its wait ends then.
+        self._answers: dict[str, asyncio.Future[FlushCacheDone | WeightsReply | str]] = {}
+        self._asked: dict[str, WorkerInfo] = {}
+        # Called with each worker accepted by a Register (gateway/weights.py: bring it to the cluster's weights).
+        self.on_registered: list[Callable[[WorkerInfo], None]] = []
 
     # ---- lifecycle ---------------------------------------------------------------------------
 
@@ -327,8 +332,9 @@ class ControlPlane:
         elif isinstance(msg, KVEvents):
             worker.prefix.apply(msg)
         elif isinstance(msg, (WeightsReply, FlushCacheDone)):
-            fut = self._answers.get(msg.op_id if isinstance(msg, WeightsReply) else msg.flush_id)
-            if fut is not None and not fut.done():
+            key = msg.op_id if isinstance(msg, WeightsReply) else msg.flush_id
+            fut = self._answers.get(key)
+            if fut is not None and not fut.done() and self._asked.get(key) is worker:
                 fut.set_result(msg)
         elif isinstance(msg, Deregister):
             if msg.worker_id != worker.worker_id:
@@ -372,6 +378,7 @@ class ControlPlane:
         if old is not None:
             # Same id again: a restarted worker has lost whatever it held.
             self._fail_rooms_of(old, f"{old.role} worker {old.worker_id} re-registered (restarted)")
+            self._end_waits_on(old, "re-registered (restarted)")
         w = self.registry.add(reg, identity, time.monotonic())
         w.clock.add_one_way(reg.t_send, t_recv)
         log.info("worker %s registered as %s (%s)", reg.worker_id, reg.role, reg.bootstrap_addr or "-")
@@ -379,6 +386,8 @@ class ControlPlane:
         # A first round trip right away so the offset estimate does not wait a heartbeat interval.
         self.send(w, Ping(t0=time.time()))
         self._update_worker_gauges()
+        for hook in self.on_registered:
+            hook(w)
 
     def _holder_gone(self, old: WorkerInfo, now: float) -> bool:
         """Another connection claims `old`'s id. The first claim pings the holder; a claim (the claimant
@@ -414,23 +423,39 @@ class ControlPlane:
 
     async def ask(
         self, sends: dict[str, tuple[WorkerInfo, FlushCache | WeightsCommand]], timeout_s: float
-    ) -> dict[str, FlushCacheDone | WeightsReply | None]:
+    ) -> dict[str, FlushCacheDone | WeightsReply | str]:
         """Send each worker (keyed by worker id) its command and wait, at most `timeout_s` in all, for
-        every answer (matched by the command's flush_id / op_id); None for a worker that stayed silent."""
+        every answer (matched by the command's flush_id / op_id); for a worker that gave none, why:
+        silent until the timeout, or lost or registered again meanwhile (its wait ends then)."""
         loop = asyncio.get_running_loop()
-        futs = {}
+        futs: dict[str, asyncio.Future[FlushCacheDone | WeightsReply | str]] = {}
         for wid, (w, cmd) in sends.items():
             key = cmd.op_id if isinstance(cmd, WeightsCommand) else cmd.flush_id
             futs[wid] = self._answers[key] = loop.create_future()
-            self.send(w, cmd)
+            self._asked[key] = w
+            if self.registry.get(w.worker_id) is not w:  # lost or replaced before we asked
+                futs[wid].set_result("is no longer registered")
+            else:
+                self.send(w, cmd)
         try:
             if futs:
                 await asyncio.wait(futs.values(), timeout=timeout_s)
-            return {wid: f.result() if f.done() and not f.cancelled() else None for wid, f in futs.items()}
+            return {
+                wid: f.result() if f.done() and not f.cancelled() else f"no answer within {timeout_s:g} s"
+                for wid, f in futs.items()
+            }
         finally:
             for f in futs.values():
                 f.cancel()
             self._answers = {k: f for k, f in self._answers.items() if not f.done()}
+            self._asked = {k: w for k, w in self._asked.items() if k in self._answers}
+
+    def _end_waits_on(self, w: WorkerInfo, why: str) -> None:
+        """`w` will not answer what it was asked (it is lost, or a new process took its id)."""
+        for key, asked in self._asked.items():
+            fut = self._answers.get(key)
+            if asked is w and fut is not None and not fut.done():
+                fut.set_result(why)
 
     async def flush_caches(self, timeout_s: float = 10.0) -> dict[str, str]:
         """Ask every registered worker (both roles keep a prefix cache) to empty it; returns the
@@ -438,24 +463,23 @@ class ControlPlane:
         sends = {w.worker_id: (w, FlushCache(flush_id=uuid.uuid4().hex)) for w in self.registry.all()}
         answers = await self.ask(dict(sends), timeout_s)
         return {
-            wid: f"no answer within {timeout_s:.0f} s" if a is None else a.message
+            wid: a if isinstance(a, str) else a.message
             for wid, a in answers.items()
-            if a is None or not a.ok
+            if isinstance(a, str) or not a.ok
         }
 
     async def ask_weights(
         self, commands: dict[str, tuple[WorkerInfo, WeightsCommand]], timeout_s: float
     ) -> dict[str, WeightsReply]:
-        """`ask` with weights commands (every op_id distinct); a silent worker gets a failed reply."""
+        """`ask` with weights commands (every op_id distinct); a worker that gave no answer gets a
+        failed reply saying why."""
         answers = await self.ask(dict(commands), timeout_s)
         out: dict[str, WeightsReply] = {}
         for wid, a in answers.items():
             if isinstance(a, WeightsReply):
                 out[wid] = a
             else:
-                out[wid] = WeightsReply(
-                    op_id=commands[wid][1].op_id, ok=False, message=f"no answer within {timeout_s:g} s"
-                )
+                out[wid] = WeightsReply(op_id=commands[wid][1].op_id, ok=False, message=str(a))
         return out
 
     # ---- liveness ----------------------------------------------------------------------------
@@ -476,6 +500,7 @@ class ControlPlane:
                 self.cfg.heartbeat_timeout_s,
             )
             self.registry.mark_down(w.worker_id, time.monotonic())  # listed as down in /workers
+            self._end_waits_on(w, f"stopped responding to heartbeats ({self.cfg.heartbeat_timeout_s:g} s)")
             self.metrics.worker_gone(w.worker_id, w.role)
             self._update_worker_gauges()
             self._fail_rooms_of(w, f"{w.role} worker {w.worker_id} stopped responding to heartbeats")
@@ -486,6 +511,10 @@ class ControlPlane:
             needs = room.decode is w or (room.prefill is w and room.prefill_done is None)
             if needs:
                 room.inbox.put_nowait(LegFailed(w.role, "worker_lost", message, reported=False))
+
+    def workers_changed(self) -> None:
+        """A worker entered or left rotation outside the control plane (gateway/weights.py)."""
+        self._update_worker_gauges()
 
     def _update_worker_gauges(self) -> None:
         for role in ("prefill", "decode"):

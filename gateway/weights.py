@@ -9,6 +9,16 @@ One update at a time (another while one runs: 409). An update is two phases:
 2. commit: each worker swaps them in between two forward steps and takes the new version; its prefix
    cache is invalidated. A worker that fails the commit (or does not answer) leaves rotation
    (`stale_weights`) rather than serving old weights under the new version.
+A worker lost to the heartbeat, or replaced by a new process under its id, ends the wait for its
+answer at once: the update fails naming it (503, nothing changed, if it was preparing), never waiting
+out the phase's timeout.
+
+A worker that registers on other weights than the cluster's (restarted after an update, so on its
+start checkpoint; or started later) is brought to them: when the cluster's weights came from disk,
+the gateway sends it the same prepare and commit with the recorded path and version, and puts it in
+rotation once its commit reports that version. Weights that came over a trainer's distributed group
+cannot be read again: such a worker stays out of rotation (`stale_weights`) until the next update.
+This catch-up holds the update lock while it runs (an update sent meanwhile: 409).
 Requests in flight go on with the new weights from their next step; every output carries the version
 that produced it, so `weight_versions` is exact. With `abort_all_requests` they are aborted instead.
 """
@@ -39,6 +49,11 @@ class WeightUpdates:
         self.control, self.registry = control, registry
         self._lock = asyncio.Lock()
         self.groups: dict[str, list[str]] = {}  # group name -> worker ids in rank order
+        # (model_path, load_format) of the cluster's weights when they came from disk; None when they
+        # are the start checkpoint's ("default") or came over a distributed group.
+        self.source: tuple[str, str | None] | None = None
+        self._catch_ups: set[asyncio.Task[None]] = set()
+        control.on_registered.append(self._registered)
 
     @property
     def version(self) -> str:
@@ -80,7 +95,9 @@ class WeightUpdates:
             workers = self._workers()
             ids: dict[str, str] = {}
             prepare = self._cmd("prepare_disk", ids, model_path=model_path, load_format=load_format)
-            return await self._update(workers, ids, prepare, version, abort_all, "model_path")
+            return await self._update(
+                workers, ids, prepare, version, abort_all, "model_path", (model_path, load_format)
+            )
 
     async def from_distributed(
         self,
@@ -111,7 +128,7 @@ class WeightUpdates:
             prepare = self._cmd(
                 "prepare_distributed", ids, group_name=group_name, names=names, dtypes=dtypes, shapes=shapes
             )
-            return await self._update(workers, ids, prepare, version, abort_all, "names")
+            return await self._update(workers, ids, prepare, version, abort_all, "names", None)
 
     async def _update(
         self,
@@ -121,7 +138,9 @@ class WeightUpdates:
         version: str | None,
         abort_all: bool,
         param: str,
+        source: tuple[str, str | None] | None,
     ) -> dict:
+        """`source`: where the new weights can be read again (a restarted worker loads them there)."""
         t0 = time.monotonic()
         aborted = self.control.abort_rids(None) if abort_all else 0
         replies = await self._ask(workers, prepare, PREPARE_TIMEOUT_S)
@@ -129,12 +148,11 @@ class WeightUpdates:
         refused = {wid: r.message for wid, r in replies.items() if not r.ok}
         if refused:
             await self._ask(workers, self._cmd("cancel", ids), QUICK_TIMEOUT_S)
-            detail = "; ".join(f"{wid}: {why}" for wid, why in sorted(refused.items()))
-            raise ApiError(400, f"weights not updated, nothing changed: {detail}", param)
+            raise self._refusal(workers, refused, param)
         new = version or self.version
         commits = await self._ask(workers, self._cmd("commit", ids, weight_version=new), COMMIT_TIMEOUT_S)
         t_done = time.monotonic()
-        self.registry.weight_version = new
+        self.registry.weight_version, self.source = new, source
         failed: dict[str, str] = {}
         for w in workers:
             r = commits[w.worker_id]
@@ -147,15 +165,17 @@ class WeightUpdates:
                     w.worker_id,
                     failed[w.worker_id],
                 )
-        asked = {w.worker_id for w in workers}
+        asked = {id(w) for w in workers}
         for w in self.registry.all():  # registered during the update: on the old weights
-            if w.worker_id not in asked and w.weight_version != new:
+            if id(w) not in asked and w.weight_version != new:
                 w.stale_weights = True
                 log.warning(
-                    "worker %s joined during the update on version %s: out of rotation",
+                    "worker %s joined during the update on version %s: out of rotation until it catches up",
                     w.worker_id,
                     w.weight_version,
                 )
+                self._registered(w)
+        self.control.workers_changed()
         log.info("weights updated to version %s in %.2f s", new, t_done - t0)
         return {
             "success": not failed,
@@ -172,6 +192,68 @@ class WeightUpdates:
             "seconds": round(t_done - t0, 4),
             "worker_commit_seconds": {wid: round(r.seconds, 4) for wid, r in commits.items()},
         }
+
+    def _refusal(self, workers: list[WorkerInfo], refused: dict[str, str], param: str) -> ApiError:
+        """The error of a failed prepare: 503 naming the workers lost meanwhile (lost to the heartbeat,
+        or restarted), else 400 with every worker's reason."""
+        detail = "; ".join(f"{wid}: {why}" for wid, why in sorted(refused.items()))
+        lost = sorted(w.worker_id for w in workers if self.registry.get(w.worker_id) is not w)
+        if lost:
+            return ApiError(
+                503,
+                f"weights not updated, nothing changed: worker {', '.join(lost)} was lost during the "
+                f"update ({detail}); try again once it is back",
+                headers={"Retry-After": "5"},
+            )
+        return ApiError(400, f"weights not updated, nothing changed: {detail}", param)
+
+    # ---- a worker on other weights catches up --------------------------------------------------
+
+    def _registered(self, w: WorkerInfo) -> None:
+        """A worker registered (or joined during an update) on other weights than the cluster's."""
+        if not w.stale_weights:
+            return
+        task = asyncio.get_running_loop().create_task(self._catch_up(w))
+        self._catch_ups.add(task)
+        task.add_done_callback(self._catch_ups.discard)
+
+    async def _catch_up(self, w: WorkerInfo) -> None:
+        async with self._lock:  # after any update in progress, whose version it then loads
+            if self.registry.get(w.worker_id) is not w or not w.stale_weights:
+                return  # gone, replaced, or brought up to date meanwhile
+            target, source = self.version, self.source
+            if source is None:
+                log.warning(
+                    "worker %s serves weights %s, the cluster %s, which no path can load again (a "
+                    "distributed update, or the gateway restarted): out of rotation until the next update",
+                    w.worker_id,
+                    w.weight_version,
+                    target,
+                )
+                return
+            log.info(
+                "worker %s serves weights %s: loading the cluster's %s", w.worker_id, w.weight_version, target
+            )
+            ids: dict[str, str] = {}
+            path, load_format = source
+            prepare = self._cmd("prepare_disk", ids, model_path=path, load_format=load_format)
+            r = (await self._ask([w], prepare, PREPARE_TIMEOUT_S))[w.worker_id]
+            if r.ok:
+                commit = self._cmd("commit", ids, weight_version=target)
+                r = (await self._ask([w], commit, COMMIT_TIMEOUT_S))[w.worker_id]
+            else:
+                await self._ask([w], self._cmd("cancel", ids), QUICK_TIMEOUT_S)
+            if not r.ok or r.weight_version != target or self.registry.get(w.worker_id) is not w:
+                log.error(
+                    "worker %s could not load the cluster's weights %s: %s; out of rotation",
+                    w.worker_id,
+                    target,
+                    r.message or f"serves version {r.weight_version!r}",
+                )
+                return
+            w.weight_version, w.stale_weights = target, False
+            self.control.workers_changed()
+            log.info("worker %s loaded the cluster's weights %s: back in rotation", w.worker_id, target)
 
     # ---- the trainer's group ----------------------------------------------------------------
 

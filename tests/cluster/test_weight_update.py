@@ -19,74 +19,23 @@ import time
 
 import httpx
 import pytest
-import torch
+from cluster.weights_ckpts import NORM, PROMPTS, Reference, greedy_via_cluster, make_ckpts, tokenize
 from harness import start_roles
-from safetensors.torch import load_file, save_file
-
-from pdserve.config import RuntimeConfig
-from pdserve.runtime.engine import Engine
-from pdserve.sampling_params import SamplingParams
 
 # A cluster of its own and streams of 128 tokens: about 4 minutes on two shared cores.
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 
 ADMIN = "weights-admin-key"
 AUTH = {"Authorization": f"Bearer {ADMIN}"}
-NORM = "model.norm.weight"
-PROMPTS = [
-    "The history of the printing press",
-    "Write a short story about a lighthouse keeper",
-    "List the planets of the solar system and",
-    "Explain how a bicycle stays upright",
-]
 MAX_NEW = 128
 # Which weights each version label the tests set holds: True for checkpoint B.
 IS_B = {"default": False, "B": True, "C": False, "E": True}
 
 
-def _scaled_norm(w: torch.Tensor) -> torch.Tensor:
-    return w * (1.0 + 0.6 * torch.sin(torch.arange(w.numel(), dtype=w.dtype)))
-
-
 @pytest.fixture(scope="module")
 def ckpts(tmp_path_factory):
     """(bundled folder, B: final norm rescaled, bad: that norm one element longer) as HF folders."""
-    from pdserve.model_source import resolve_model_source
-    from pdserve.runtime.loader import model_folder
-
-    base = model_folder(resolve_model_source(None))
-    root = tmp_path_factory.mktemp("ckpts")
-    state = load_file(os.path.join(base, "model.safetensors"))
-    out = {}
-    for name, norm in (("b", _scaled_norm(state[NORM])), ("bad", torch.ones(state[NORM].numel() + 1))):
-        d = root / name
-        shutil.copytree(base, d, ignore=shutil.ignore_patterns("*.safetensors", "*.lock"))
-        save_file({**state, NORM: norm.contiguous()}, str(d / "model.safetensors"))
-        out[name] = str(d)
-    return base, out["b"], out["bad"]
-
-
-class Reference:
-    """Greedy outputs of the offline engine (no prefix cache) on the bundled weights or on checkpoint B."""
-
-    def __init__(self) -> None:
-        self.eng = Engine(RuntimeConfig(dtype="float32", max_total_tokens=8192, disable_radix_cache=True))
-        self.norm = self.eng.runner.model.model.norm.weight
-        self.orig = self.norm.detach().clone()
-
-    def greedy_many(self, jobs: list[tuple[list[int], int]], b: bool) -> list[list[int]]:
-        """[(prompt, tokens)] run together, on B's weights if `b`."""
-        with torch.no_grad():
-            self.norm.copy_(_scaled_norm(self.orig) if b else self.orig)
-        try:
-            params = [SamplingParams(temperature=0, max_new_tokens=n, ignore_eos=True) for _, n in jobs]
-            return [o.output_ids for o in self.eng.generate([p for p, _ in jobs], params)]
-        finally:
-            with torch.no_grad():
-                self.norm.copy_(self.orig)
-
-    def greedy(self, prompt: list[int], n: int, b: bool) -> list[int]:
-        return self.greedy_many([(prompt, n)], b)[0]
+    return make_ckpts(tmp_path_factory.mktemp("ckpts"))
 
 
 @pytest.fixture(scope="module")
@@ -104,16 +53,6 @@ def cluster(tmp_path_factory):
         yield c
     finally:
         c.stop()
-
-
-def tokenize(texts: list[str]) -> list[list[int]]:
-    from transformers import AutoTokenizer
-
-    from pdserve.model_source import resolve_model_source
-    from pdserve.runtime.loader import model_folder
-
-    tok = AutoTokenizer.from_pretrained(model_folder(resolve_model_source(None)))
-    return [tok(t).input_ids for t in texts]
 
 
 def admin(c, path: str, body: dict | None = None, timeout: float = 300) -> httpx.Response:
@@ -303,13 +242,6 @@ def tensor_shapes(folder: str, names: list[str]) -> list[list[int]]:
 
     with safe_open(os.path.join(folder, "model.safetensors"), framework="pt") as f:
         return [list(f.get_slice(n).get_shape()) for n in names]
-
-
-def greedy_via_cluster(c, ids: list[int], n: int = 24) -> dict:
-    body = {"input_ids": ids, "sampling_params": {"max_new_tokens": n, "temperature": 0, "ignore_eos": True}}
-    r = httpx.post(c.url + "/generate", json=body, timeout=300)
-    assert r.status_code == 200, r.text
-    return r.json()
 
 
 def test_refused_updates_change_nothing(cluster, ckpts, engine, tmp_path):
