@@ -28,6 +28,7 @@ from pdserve.protocol import gateway as m
 from pdserve.protocol.kv_trailer import FirstToken
 from pdserve.protocol.records import DecodeEvents, PrefillEvents, RequestStats
 from pdserve.runtime.batch import ForwardMode
+from pdserve.runtime.grammar import GrammarMatcher, GrammarWaits
 from pdserve.runtime.radix_cache import RadixCache
 from pdserve.runtime.request import Request, RequestState
 from pdserve.runtime.runner import ModelRunner, append_samples
@@ -68,6 +69,13 @@ class DecodeWorker:
         self.weights = WeightUpdater.for_runner(self.runner, cache, cfg.host, self._weights_changed)
         # An exception in one request's work fails that request (code internal), not the worker.
         self.faults = StepFaults(cfg.worker_id, "decode", self.runner.spec.vocab_size)
+        # Requests whose grammar compiles in the background: not admitted until it is ready.
+        self.compiling: GrammarWaits[m.GenerateRequest] = GrammarWaits(
+            self.runner.spec.vocab_size,
+            rc.grammar_compile_timeout_s,
+            self.clock,
+            wake=self._transfer_ended,  # link.wake(): a compile's end wakes a sleeping loop
+        )
 
     def serve(self) -> None:
         if self.runner.compiled is not None:  # compile before taking requests, not at the first one
@@ -88,7 +96,7 @@ class DecodeWorker:
                 self.link,
                 self.signals,
                 self.step,
-                lambda: len(self.sched),
+                lambda: len(self.sched) + len(self.compiling),
                 self.receiver.io_failure,
             )
         finally:
@@ -125,6 +133,7 @@ class DecodeWorker:
         # poll every few ms cost the prefill's forward on the same cores ~4 ms at 128 tokens).
         for msg in self.link.recv(loop_wait(bool(s.running), self.weights)):
             self._on_message_guarded(msg)
+        self._admit_compiled()
 
     def _schedule(self) -> list[m.TokenOutput]:
         """Resume, admit, collect finished transfers (their first tokens), then grow or retract."""
@@ -268,17 +277,15 @@ class DecodeWorker:
             try:
                 self.runner.check_fits(len(msg.input_ids), msg.sampling.max_new_tokens)
                 # Its matcher accepts the prefill's first token first (`_on_transfer_end`).
-                grammar = self.runner.grammar_matcher(msg.sampling)
+                compiling = self.runner.grammar_future(msg.sampling)
             except ValueError as e:
                 self._fail(msg.room, "bad_request", str(e))
                 return
-            self.events[msg.room] = DecodeEvents(decode_entry=self.clock())
-            if not msg.local_prefill:
-                self.prefill_addr[msg.room] = msg.prefill_bootstrap_addr
-            r = Request(
-                msg.room, msg.input_ids, msg.sampling, self.runner.spec.eos_token_ids, grammar=grammar
-            )
-            self.sched.add(r, msg.deadline_s, local_prefill=msg.local_prefill)
+            constraint = msg.sampling.constraint
+            if compiling is not None and constraint is not None:  # enters from `_admit_compiled`
+                self.compiling.add(msg.room, msg, constraint[0], compiling, msg.deadline_s)
+                return
+            self._enter(msg, None)
         elif isinstance(msg, m.WeightsCommand):
             assert self.link is not None
             reply = self.weights.on_command(msg)
@@ -288,6 +295,7 @@ class DecodeWorker:
             assert self.link is not None
             self.link.send(self.cache_events.flush(msg.flush_id, len(self.sched)))
         elif isinstance(msg, m.AbortRequest):
+            self.compiling.remove(msg.room)
             if self.sched.is_transferring(msg.room):
                 self.receiver.abort(msg.room)  # poll() reports Failed; the pages are freed there
                 return
@@ -295,6 +303,21 @@ class DecodeWorker:
             if removed is not None:
                 self.stepper.forget(removed)
             self._forget(msg.room)
+
+    def _admit_compiled(self) -> None:
+        """Requests whose grammar is ready are admitted; a failed or slow compile fails its own."""
+        ready, failed = self.compiling.poll()
+        for f in failed:
+            self._fail(f.item.room, f.code, f.message)
+        for msg, grammar in ready:
+            self._enter(msg, grammar)
+
+    def _enter(self, msg: m.GenerateRequest, grammar: GrammarMatcher | None) -> None:
+        self.events[msg.room] = DecodeEvents(decode_entry=self.clock())
+        if not msg.local_prefill:
+            self.prefill_addr[msg.room] = msg.prefill_bootstrap_addr
+        r = Request(msg.room, msg.input_ids, msg.sampling, self.runner.spec.eos_token_ids, grammar=grammar)
+        self.sched.add(r, msg.deadline_s, local_prefill=msg.local_prefill)
 
     def _expire(self) -> None:
         """Requests past their deadline fail: the gateway is told at once, the pages follow."""

@@ -28,6 +28,7 @@ import urllib.request
 
 from pdserve import env as pdserve_env
 from pdserve.cluster_auth import add_secret_arg
+from pdserve.config import GRAMMAR_COMPILE_TIMEOUT_S
 from pdserve.cpu_share import CPU_SHARING, cpu_share
 from pdserve.launcher import start_gateway
 from pdserve.supervisor import Child, Supervisor
@@ -115,6 +116,12 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         choices=list(CPU_SHARING),
         help="CPU workers sharing cores: turns or passive (see `pdserve up --help`)",
     )
+    p.add_argument(
+        "--grammar-compile-timeout",
+        type=float,
+        default=GRAMMAR_COMPILE_TIMEOUT_S,
+        help="seconds a constraint's grammar may take to compile, at the gateway and each worker (400 past it)",
+    )
     p.add_argument("--log-dir", default=env("PDSERVE_LOG_DIR", "pdserve-logs"))
     p.add_argument("--log-level", default="info")
     add_secret_arg(p)
@@ -157,6 +164,7 @@ def plan(args: argparse.Namespace, control_port: int | None = None) -> list[Chil
         gw = exe + ["gateway", "--host", args.gateway_host, "--port", str(args.port)]
         gw += ["--control-host", args.gateway_host, "--control-port", str(args.control_port)]
         gw += ["--port-file", args.port_file]
+        gw += ["--grammar-compile-timeout", str(args.grammar_compile_timeout)]
         children.append(Child("gateway", gw + model + ["--log-level", args.log_level], {}))
     if args.gateway_only:
         return children
@@ -175,6 +183,8 @@ def plan(args: argparse.Namespace, control_port: int | None = None) -> list[Chil
         args.host,
         "--log-level",
         args.log_level,
+        "--grammar-compile-timeout",
+        str(args.grammar_compile_timeout),
     ]
     common += model
     if args.device == "cpu":

@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 
 from pdserve import env
 from pdserve.cluster_auth import add_secret_arg
+from pdserve.config import GRAMMAR_COMPILE_TIMEOUT_S
 from pdserve.gateway.function_call import PARSER_NAMES
 from pdserve.gateway.reasoning import REASONING_PARSERS
 
@@ -56,6 +57,8 @@ class GatewayConfig:
     disaggregation_max_prefill_queue: int = 0
     # Structured output: constraints are compiled here too, so an invalid one is a 400 (xgrammar | none).
     grammar_backend: str = "xgrammar"
+    # A constraint's compile runs off the event loop; one that takes longer is a 400 naming the flag.
+    grammar_compile_timeout_s: float = GRAMMAR_COMPILE_TIMEOUT_S
     # The cluster secret (pdserve/cluster_auth.py); None: PDSERVE_CLUSTER_SECRET, else unauthenticated.
     cluster_secret_file: str | None = None
     # HTTP API keys (gateway/auth.py); None: that kind of endpoint is open.
@@ -213,6 +216,13 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
         choices=["xgrammar", "none"],
         help="validates json_schema / regex / ebnf / response_format constraints; none: refuse them",
     )
+    parser.add_argument(
+        "--grammar-compile-timeout",
+        type=float,
+        default=d.grammar_compile_timeout_s,
+        help="seconds a constraint's grammar may take to compile; a request whose grammar takes longer "
+        "is a 400",
+    )
     add_trace_args(parser)
     parser.add_argument(
         "--dashboard-requests",
@@ -272,6 +282,7 @@ def config_from_args(args: argparse.Namespace) -> GatewayConfig:
         cache_weight=args.cache_weight,
         load_weight=args.load_weight,
         grammar_backend=args.grammar_backend,
+        grammar_compile_timeout_s=args.grammar_compile_timeout,
         cluster_secret_file=args.cluster_secret_file,
         api_key=args.api_key,
         admin_api_key=args.admin_api_key,

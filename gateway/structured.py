@@ -11,6 +11,12 @@ The constraint is compiled with the workers' backend (runtime/grammar/) over the
 so an invalid schema, regex or grammar is an HTTP 400 naming the field and the compiler's complaint
 instead of a failure on a worker. Compiled grammars are cached by text, so a repeated schema is a
 dictionary lookup. The backend is built at the first constrained request (a few hundred ms, once).
+
+`apply` blocks its caller while a grammar compiles, so it runs off the event loop: a body that names a
+constraint is always parsed on a thread (serving.py `parse_inline`). The compile itself runs on the
+backend's own pool of two threads (it releases the GIL), and the wait is bounded by
+--grammar-compile-timeout: past it the request is a 400 naming the flag, and the parsing thread is
+free again while the compile finishes in the background (cached for a retry).
 """
 
 from __future__ import annotations
@@ -19,6 +25,7 @@ import json
 import threading
 from typing import Any
 
+from pdserve.config import GRAMMAR_COMPILE_TIMEOUT_S
 from pdserve.gateway.errors import bad_request
 from pdserve.gateway.tokenizer import Tokenizer
 from pdserve.sampling_params import SamplingParams
@@ -54,9 +61,14 @@ def response_format_schema(rf: dict[str, Any] | None) -> str | None:
 class Constraints:
     """Validates constraints by compiling them (--grammar-backend); built once per gateway."""
 
-    def __init__(self, backend: str, tokenizer: Tokenizer):
+    def __init__(
+        self, backend: str, tokenizer: Tokenizer, compile_timeout_s: float = GRAMMAR_COMPILE_TIMEOUT_S
+    ):
+        if compile_timeout_s <= 0:
+            raise ValueError("--grammar-compile-timeout must be > 0")
         self.backend_name = backend
         self.tokenizer = tokenizer
+        self.compile_timeout_s = compile_timeout_s
         self._backend: Any = None  # runtime.grammar.GrammarBackend, built at first use
         self._lock = threading.Lock()
 
@@ -66,7 +78,9 @@ class Constraints:
                 from pdserve.runtime.grammar.backend import GrammarBackend
 
                 tok = self.tokenizer
-                self._backend = GrammarBackend(tok.hf, tok.vocab_size, [tok.eos_token_id or 0])
+                self._backend = GrammarBackend(
+                    tok.hf, tok.vocab_size, [tok.eos_token_id or 0], compile_timeout_s=self.compile_timeout_s
+                )
             return self._backend
 
     def apply(
@@ -90,7 +104,7 @@ class Constraints:
         from pdserve.runtime.grammar.backend import InvalidGrammar
 
         try:
-            self.backend().validate(kind, text)
-        except InvalidGrammar as e:
+            self.backend().validate(kind, text)  # waits at most --grammar-compile-timeout
+        except InvalidGrammar as e:  # CompileTimeout included: its message names the flag
             raise bad_request(str(e), param) from None
         return sp

@@ -22,6 +22,8 @@ KV_TRANSPORTS = ("auto", "shm", "dist")
 # kv_transfer.TransferConfig all take them from here.
 TRANSFER_TIMEOUT_S = 30.0  # one KV send/recv operation (a chunk or the trailer) once data flows
 WAITING_TIMEOUT_S = 300.0  # waiting for the other side of a transfer (the prefill's queue included)
+# A constraint's grammar compile, at the gateway and on each worker (runtime/grammar/backend.py).
+GRAMMAR_COMPILE_TIMEOUT_S = 10.0
 
 
 @dataclass(frozen=True)
@@ -53,6 +55,8 @@ class RuntimeConfig:
     disable_radix_cache: bool = False
     # Structured output (runtime/grammar/): xgrammar | none (constrained requests refused).
     grammar_backend: str = "xgrammar"
+    # A grammar's compile runs beside the forwards; a request whose compile takes longer fails (400).
+    grammar_compile_timeout_s: float = GRAMMAR_COMPILE_TIMEOUT_S
     # Decode steps through torch.compile (runtime/compiled_decode.py; CPU).
     enable_torch_compile: bool = False
     # A file whose exclusive lock every forward holds (runtime/forward_turns.py): co-located CPU workers
@@ -74,6 +78,8 @@ class RuntimeConfig:
             raise ValueError("--speculative-num-draft-tokens must be >= 0")
         if self.grammar_backend not in ("xgrammar", "none"):
             raise ValueError("--grammar-backend must be xgrammar or none")
+        if self.grammar_compile_timeout_s <= 0:
+            raise ValueError("--grammar-compile-timeout must be > 0")
         if self.quantization not in QUANT_CHOICES:
             raise ValueError(f"--quantization must be one of {', '.join(QUANT_CHOICES)}")
         if self.dtype == "float32" and self.quantization not in ("auto", "none"):
@@ -148,6 +154,14 @@ def add_runtime_args(parser: argparse.ArgumentParser) -> None:
         default=d.grammar_backend,
         choices=["xgrammar", "none"],
         help="structured output (json_schema, regex, ebnf, response_format); none: refuse them",
+    )
+    parser.add_argument(
+        "--grammar-compile-timeout",
+        dest="grammar_compile_timeout_s",
+        type=float,
+        default=d.grammar_compile_timeout_s,
+        help="seconds a constraint's grammar may take to compile (in the background); a request whose "
+        "grammar takes longer fails with a 400",
     )
     parser.add_argument(
         "--enable-torch-compile",

@@ -224,6 +224,7 @@ def gateway_command(args: argparse.Namespace, port_file: str | None = None) -> l
         if value:
             argv += [flag, value]
     argv += ["--grammar-backend", args.grammar_backend]
+    argv += ["--grammar-compile-timeout", str(args.grammar_compile_timeout_s)]
     argv += _flags(args, [flag[2:].replace("-", "_") for flag, _ in _GATEWAY_LIMITS])
     if getattr(args, "enable_trace", False):
         argv += ["--enable-trace", "--otlp-traces-endpoint", args.otlp_traces_endpoint]
@@ -259,6 +260,8 @@ def worker_commands(
             str(args.waiting_timeout),
             "--kv-transport",
             args.kv_transport,
+            "--grammar-compile-timeout",
+            str(args.grammar_compile_timeout_s),
         ]
         + _secret_flag(args)
         + cpu_plan(args, lock_path).flags()

@@ -29,6 +29,7 @@ from pdserve.protocol.kv_trailer import FirstToken
 from pdserve.protocol.records import PrefillEvents
 from pdserve.runtime.batch import ForwardMode
 from pdserve.runtime.extend_scheduler import ExtendScheduler
+from pdserve.runtime.grammar import GrammarMatcher, GrammarWaits
 from pdserve.runtime.prompt_logprobs import take_prompt_logprobs
 from pdserve.runtime.radix_cache import RadixCache
 from pdserve.runtime.request import Request, RequestState
@@ -86,6 +87,13 @@ class PrefillWorker:
         )
         self.sender.on_result = self._transfer_ended  # a sleeping loop wakes to free the pages
         self.rooms: dict[str, Request] = {}  # queued, prefilling or transferring
+        # Requests whose grammar compiles in the background: not queued until it is ready.
+        self.compiling: GrammarWaits[m.GenerateRequest] = GrammarWaits(
+            self.runner.spec.vocab_size,
+            rc.grammar_compile_timeout_s,
+            self.clock,
+            wake=self._transfer_ended,  # link.wake(): a compile's end wakes a sleeping loop
+        )
         self.events: dict[str, PrefillEvents] = {}
         self.chunks: dict[str, list[tuple[float, float]]] = {}  # each forward's (start, end), per room
         # Rooms failed for their deadline whose transfer is being stopped: already reported.
@@ -112,7 +120,12 @@ class PrefillWorker:
         log.info("prefill worker %s registered; KV bootstrap at %s", self.cfg.worker_id, self.sender.addr)
         try:
             serve_until_drained(
-                self.cfg, self.link, self.signals, self.step, lambda: len(self.rooms), self.sender.io_failure
+                self.cfg,
+                self.link,
+                self.signals,
+                self.step,
+                lambda: len(self.rooms) + len(self.compiling),
+                self.sender.io_failure,
             )
         finally:
             self.weights.close()
@@ -150,6 +163,7 @@ class PrefillWorker:
             wait = min(wait, max(0.0, min(x[0] for x in self.stalled) - time.monotonic()))
         for msg in self.link.recv(wait):
             self._on_message_guarded(msg)
+        self._admit_compiled()
 
     def _transfer_ended(self) -> None:
         if self.link is not None:
@@ -160,6 +174,7 @@ class PrefillWorker:
         if isinstance(msg, m.GenerateRequest):
             self._admit(msg)
         elif isinstance(msg, m.AbortRequest):
+            self.compiling.remove(msg.room)
             r = self.rooms.get(msg.room)
             if r is not None:
                 self._stop(r)
@@ -216,10 +231,25 @@ class PrefillWorker:
             return
         try:
             self.runner.check_fits(len(req.input_ids), req.sampling.max_new_tokens)
-            grammar = self.runner.grammar_matcher(req.sampling)  # the first token is sampled here
+            compiling = self.runner.grammar_future(req.sampling)  # the first token is sampled here
         except ValueError as e:
             self._fail(req.room, "bad_request", str(e))
             return
+        constraint = req.sampling.constraint
+        if compiling is not None and constraint is not None:  # enters from `_admit_compiled`
+            self.compiling.add(req.room, req, constraint[0], compiling, req.deadline_s)
+            return
+        self._enter(req, None)
+
+    def _admit_compiled(self) -> None:
+        """Requests whose grammar is ready enter the scheduler; a failed or slow compile fails its own."""
+        ready, failed = self.compiling.poll()
+        for f in failed:
+            self._fail(f.item.room, f.code, f.message)
+        for req, grammar in ready:
+            self._enter(req, grammar)
+
+    def _enter(self, req: m.GenerateRequest, grammar: GrammarMatcher | None) -> None:
         r = Request(req.room, req.input_ids, req.sampling, self.runner.spec.eos_token_ids, grammar=grammar)
         self.rooms[req.room] = r
         if not req.decode_worker:

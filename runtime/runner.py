@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import contextlib
 import logging
+from concurrent.futures import Future
+from typing import Any
 
 import torch
 
@@ -18,7 +20,13 @@ from pdserve.runtime.attention_cpu import CpuAttention
 from pdserve.runtime.batch import ForwardBatch, ForwardMode
 from pdserve.runtime.compiled_decode import CompiledDecode
 from pdserve.runtime.forward_turns import forward_turns
-from pdserve.runtime.grammar import GrammarBackend, GrammarMatcher, InvalidGrammar, apply_grammar_masks
+from pdserve.runtime.grammar import (
+    CompileTimeout,
+    GrammarBackend,
+    GrammarMatcher,
+    InvalidGrammar,
+    apply_grammar_masks,
+)
 from pdserve.runtime.grammar import make_grammar_backend as _make_grammar_backend
 from pdserve.runtime.host import startup_line
 from pdserve.runtime.kv_pool import KVGeometry, KVPool, PageAllocator, RequestPages
@@ -172,8 +180,24 @@ class ModelRunner:
             self.forward(ForwardMode.EXTEND, [r], [(r.prompt_ids + r.output_ids)[:-1]])
 
     def grammar_matcher(self, params: SamplingParams) -> GrammarMatcher | None:
-        """A fresh matcher for the request's output constraint (None without one); raises
-        InvalidGrammar (a ValueError) for one that does not compile or with --grammar-backend none."""
+        """A fresh matcher for the request's output constraint (None without one), waiting for its
+        compile (at most --grammar-compile-timeout); raises InvalidGrammar (a ValueError) for one that
+        does not compile in time or with --grammar-backend none. The offline engine's way; workers
+        use `grammar_future`, which does not wait."""
+        future = self.grammar_future(params)
+        if future is None or params.constraint is None:
+            return None
+        timeout = self.cfg.grammar_compile_timeout_s
+        try:
+            compiled = future.result(timeout=timeout)
+        except TimeoutError:
+            raise CompileTimeout(params.constraint[0], timeout) from None
+        return GrammarMatcher(compiled, self.spec.vocab_size)
+
+    def grammar_future(self, params: SamplingParams) -> Future[Any] | None:
+        """The request's compiled grammar, compiling on the backend's pool (None without a
+        constraint); the Future raises InvalidGrammar. Raises InvalidGrammar itself with
+        --grammar-backend none."""
         constraint = params.constraint
         if constraint is None:
             return None
@@ -184,11 +208,15 @@ class ModelRunner:
 
             hf = AutoTokenizer.from_pretrained(self.loaded.folder)
             backend = _make_grammar_backend(
-                self.cfg.grammar_backend, hf, self.spec.vocab_size, self.spec.eos_token_ids
+                self.cfg.grammar_backend,
+                hf,
+                self.spec.vocab_size,
+                self.spec.eos_token_ids,
+                self.cfg.grammar_compile_timeout_s,
             )
             assert backend is not None
             self._grammars = backend
-        return self._grammars.matcher(*constraint)
+        return self._grammars.submit(*constraint)
 
     def sample(self, reqs: list[Request], logits: torch.Tensor) -> SampleOutput:
         """One token per request from logits [len(reqs), V] (masked in place for constrained ones;
