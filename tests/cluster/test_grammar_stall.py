@@ -71,9 +71,8 @@ def test_a_heavy_compile_does_not_stall_a_stream(cluster):
     gaps = [b - a for a, b in zip(during, during[1:], strict=False)]
     longest = max(gaps)
     before = [b - a for a, b in zip(stamps, stamps[1:10], strict=False)]
-    print(f"heavy request {took:.1f} s; stream: {len(during)} chunks meanwhile, longest gap {longest:.2f} s")
-    print("gaps before", [round(g, 2) for g in before])
-    print("big gaps at", [(round(a - heavy["start"], 2), round(b - a, 2)) for a, b in zip(during, during[1:]) if b - a > 0.3])
+    print(f"heavy request {took:.1f} s; {len(during)} stream chunks meanwhile, longest gap {longest:.2f} s")
+    print(f"gaps before it: {[round(g, 2) for g in before]}")
     assert len(during) > 10
     # On a loaded 2-core machine a decode step takes tens of ms; a compile on the decode's loop
     # stopped the stream for the whole compile (seconds).
