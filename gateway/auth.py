@@ -67,8 +67,9 @@ class ApiKeys:
         return tuple(k for k in (self.api_key, self.admin_api_key) if k) if self.api_key else ()
 
 
-def _bearer(headers: list[tuple[bytes, bytes]], basic: bool = False) -> bytes | None:
-    """The bearer token; with `basic`, also HTTP Basic's password."""
+def bearer_token(headers: list[tuple[bytes, bytes]], basic: bool = False) -> bytes | None:
+    """The bearer token (the scheme in any case, blanks around the token ignored: `bearer k`,
+    `BEARER  k` and `Bearer k` give one token); with `basic`, also HTTP Basic's password."""
     for name, value in headers:
         if name.lower() == b"authorization":
             scheme, _, token = value.partition(b" ")
@@ -94,7 +95,7 @@ class ApiKeyMiddleware:
         wanted = self.keys.required(scope["path"])
         if wanted:
             dashboard = scope["path"] in DASHBOARD_PATHS
-            given = _bearer(scope.get("headers", []), basic=dashboard)
+            given = bearer_token(scope.get("headers", []), basic=dashboard)
             # Every key is compared, whatever matched: the time does not tell which one was close.
             ok = False
             for key in wanted:

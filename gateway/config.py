@@ -3,13 +3,18 @@
 from __future__ import annotations
 
 import argparse
-from dataclasses import dataclass, field
+import types
+from dataclasses import dataclass, field, fields, is_dataclass
+from typing import Any
 
 from pdserve import env
 from pdserve.cluster_auth import add_secret_arg
 from pdserve.config import GRAMMAR_COMPILE_TIMEOUT_S
 from pdserve.gateway.function_call import PARSER_NAMES
 from pdserve.gateway.reasoning import REASONING_PARSERS
+
+# A config field with this metadata is never shown: not in its repr, not in `public_config`.
+SECRET = types.MappingProxyType({"secret": True})
 
 
 @dataclass(frozen=True)
@@ -34,8 +39,13 @@ class GatewayConfig:
     # HTTP generation requests in flight per client (its API key, else its address): 429 beyond (0: no limit).
     max_requests_per_client: int = 256
     # One request's limits: its body, and the generations it asks for (prompts x n).
-    max_request_bytes: int = 32 << 20
+    # 4 MiB: nginx's default is 1 MiB; a body's JSON is parsed whole, and a 4 MiB one of the costliest
+    # shape (a million empty lists) takes about 0.1 s to parse.
+    max_request_bytes: int = 4 << 20
     max_generations_per_request: int = 256
+    # Bytes of request bodies being received or parsed, over all requests: past it a 429, so that
+    # stalled bodies cannot grow the gateway's memory without bound.
+    max_inflight_body_bytes: int = 64 << 20
     # Slow clients: a body not all arrived within this is a 408; a connection with no request in
     # progress (no complete headers yet, or idle between requests) is closed after idle_timeout_s.
     request_body_timeout_s: float = 60.0
@@ -60,10 +70,11 @@ class GatewayConfig:
     # A constraint's compile runs off the event loop; one that takes longer is a 400 naming the flag.
     grammar_compile_timeout_s: float = GRAMMAR_COMPILE_TIMEOUT_S
     # The cluster secret (pdserve/cluster_auth.py); None: PDSERVE_CLUSTER_SECRET, else unauthenticated.
-    cluster_secret_file: str | None = None
+    # Where the secret lives is not shown either.
+    cluster_secret_file: str | None = field(default=None, repr=False, metadata=SECRET)
     # HTTP API keys (gateway/auth.py); None: that kind of endpoint is open.
-    api_key: str | None = field(default=None, repr=False)  # never printed with the config
-    admin_api_key: str | None = field(default=None, repr=False)
+    api_key: str | None = field(default=None, repr=False, metadata=SECRET)
+    admin_api_key: str | None = field(default=None, repr=False, metadata=SECRET)
     protect_health: bool = False
     protect_metrics: bool = False
     # OpenTelemetry traces (gateway/tracing.py), SGLang's flag names; the protocol None: from the endpoint.
@@ -161,7 +172,17 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
         "or idle between requests)",
     )
     parser.add_argument(
-        "--max-request-bytes", type=int, default=d.max_request_bytes, help="a larger body is a 413"
+        "--max-request-bytes",
+        type=int,
+        default=d.max_request_bytes,
+        help="a larger body is a 413 (default 4 MiB)",
+    )
+    parser.add_argument(
+        "--max-inflight-body-bytes",
+        type=int,
+        default=d.max_inflight_body_bytes,
+        help="bytes of request bodies being received or parsed, over all clients; past it a 429 "
+        "(default 64 MiB)",
     )
     parser.add_argument(
         "--max-generations-per-request",
@@ -270,6 +291,7 @@ def config_from_args(args: argparse.Namespace) -> GatewayConfig:
         request_body_timeout_s=args.request_body_timeout,
         idle_timeout_s=args.idle_timeout,
         max_request_bytes=args.max_request_bytes,
+        max_inflight_body_bytes=args.max_inflight_body_bytes,
         max_generations_per_request=args.max_generations_per_request,
         request_timeout_s=args.request_timeout,
         enable_metrics=args.enable_metrics,
@@ -293,3 +315,15 @@ def config_from_args(args: argparse.Namespace) -> GatewayConfig:
         otlp_traces_protocol=args.otlp_traces_protocol,
         dashboard_requests=args.dashboard_requests,
     )
+
+
+def public_config(cfg: Any) -> dict[str, Any]:
+    """A config dataclass as a dict fit to show (an HTTP response, a log line): every field but the
+    secret ones (`metadata=SECRET`), nested dataclasses likewise. Every config dump goes through here."""
+    out: dict[str, Any] = {}
+    for f in fields(cfg):
+        if f.metadata.get("secret"):
+            continue
+        value = getattr(cfg, f.name)
+        out[f.name] = public_config(value) if is_dataclass(value) and not isinstance(value, type) else value
+    return out

@@ -7,16 +7,20 @@ set (auth.py).
 
 from __future__ import annotations
 
+import json
+import logging
 import time
 from collections import deque
 from importlib import resources
 from typing import Any
 
 from fastapi import APIRouter, Request
-from fastapi.responses import HTMLResponse
+from fastapi.responses import HTMLResponse, Response
 
 from pdserve.gateway.request_trace import PHASES, RequestTrace
 from pdserve.gateway.workers import WorkerInfo, WorkerRegistry
+
+log = logging.getLogger(__name__)
 
 router = APIRouter()
 
@@ -77,7 +81,25 @@ async def dashboard_page() -> HTMLResponse:
     return HTMLResponse(html, headers={"Cache-Control": "no-cache"})
 
 
+def _encode(obj: Any) -> bytes:
+    return json.dumps(obj, ensure_ascii=False, allow_nan=False, separators=(",", ":")).encode("utf-8")
+
+
+def encode_dashboard_data(data: dict[str, Any]) -> bytes:
+    """`data` as JSON, each request on its own: one that cannot be encoded (text that is not UTF-8, a
+    value that is not a number) is left out with a warning, and the page still gets the rest."""
+    requests = []
+    for t in data["requests"]:
+        try:
+            requests.append(_encode(t))
+        except (ValueError, TypeError) as e:  # UnicodeEncodeError is a ValueError
+            log.warning("dashboard: left out request %r: %s", str(t.get("rid", "?"))[:64], type(e).__name__)
+    head = _encode({k: v for k, v in data.items() if k != "requests"})
+    return head[:-1] + b',"requests":[' + b",".join(requests) + b"]}"
+
+
 @router.get("/dashboard/data", include_in_schema=False)
-async def dashboard_json(request: Request) -> dict[str, Any]:
+async def dashboard_json(request: Request) -> Response:
     gw = request.app.state.gw
-    return dashboard_data(gw.registry, gw.recent)
+    data = encode_dashboard_data(dashboard_data(gw.registry, gw.recent))
+    return Response(data, media_type="application/json")

@@ -9,12 +9,15 @@ from __future__ import annotations
 
 import json
 import logging
+import re
+from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse
+from fastapi.responses import JSONResponse, Response
 from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import ClientDisconnect
 
 log = logging.getLogger(__name__)
 
@@ -118,12 +121,52 @@ def validation_error_to_api(err: ValidationError | RequestValidationError, prefi
     return bad_request(msg, param)
 
 
+# Text that cannot be UTF-8: a lone surrogate, as a JSON escape ("\udc00") or as a character (an
+# undecodable byte, read with surrogateescape, becomes one).
+_SURROGATE_ESCAPE = re.compile(r"\\u[dD][89abcdefABCDEF][0-9a-fA-F]{2}")
+_SURROGATE_CHAR = re.compile("[\ud800-\udfff]")
+_NOT_UTF8 = "not valid UTF-8 text (a lone surrogate or an undecodable byte)"
+
+
+def _lone_surrogates(s: str) -> bool:
+    try:
+        s.encode("utf-8")
+    except UnicodeEncodeError:
+        return True
+    return False
+
+
+def _bad_text(body: Any) -> ApiError | None:
+    """A 400 naming the first string (value or key) in `body` that is not valid UTF-8 text, by its
+    dotted path (the text itself is not repeated: it cannot be encoded in the answer)."""
+    stack: list[tuple[Any, str]] = [(body, "")]
+    while stack:
+        obj, path = stack.pop()
+        if isinstance(obj, str):
+            if _lone_surrogates(obj):
+                return bad_request(f"{path}: {_NOT_UTF8}", path or None)
+        elif isinstance(obj, dict):
+            for k, v in obj.items():
+                if _lone_surrogates(k):
+                    return bad_request(f"{path or 'the body'}: a key is {_NOT_UTF8}", path or None)
+                stack.append((v, f"{path}.{k}" if path else k))
+        elif isinstance(obj, list):
+            stack.extend((v, f"{path}.{i}" if path else str(i)) for i, v in enumerate(obj))
+    return None
+
+
 def parse_json_body(raw: bytes) -> dict:
-    """Decode a request body that must be a JSON object."""
+    """Decode a request body that must be a JSON object whose every string is valid UTF-8 text (a
+    lone surrogate or an undecodable byte is a 400 naming the field, before anything else sees it)."""
     if not raw:
         raise bad_request("request body is empty; expected a JSON object")
+    text: str | None = None
     try:
-        body = json.loads(raw)
+        if json.detect_encoding(raw) == "utf-8":
+            text = raw.decode("utf-8", "surrogateescape")  # an undecodable byte: found below, by field
+            body = json.loads(text)
+        else:  # UTF-16 or UTF-32, or a byte-order mark
+            body = json.loads(raw)
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise bad_request(f"malformed JSON body: {e}") from None
     except RecursionError:
@@ -132,6 +175,10 @@ def parse_json_body(raw: bytes) -> dict:
         raise bad_request(f"unreadable JSON body: {e}") from None
     if not isinstance(body, dict):
         raise bad_request("request body must be a JSON object")
+    if text is None or _SURROGATE_ESCAPE.search(text) or _SURROGATE_CHAR.search(text):
+        err = _bad_text(body)
+        if err is not None:
+            raise err
     return body
 
 
@@ -148,6 +195,17 @@ def install_error_handlers(app: FastAPI) -> None:
             error_body(exc.status_code, str(exc.detail)), status_code=exc.status_code, headers=exc.headers
         )
 
+    async def on_client_gone(request: Request, _: ClientDisconnect) -> Response:
+        # Nobody is left to read the answer; one line, not a traceback (a client may do it at will).
+        client = request.client.host if request.client else "?"
+        log.info(
+            "%s %s: the client (%s) left before its request body was in",
+            request.method,
+            request.url.path,
+            client,
+        )
+        return Response(status_code=499)
+
     async def on_unexpected(_: Request, exc: Exception) -> JSONResponse:
         log.exception("unhandled error in request handler")
         return JSONResponse(error_body(500, f"internal error: {type(exc).__name__}: {exc}"), status_code=500)
@@ -155,4 +213,5 @@ def install_error_handlers(app: FastAPI) -> None:
     app.add_exception_handler(ApiError, on_api_error)
     app.add_exception_handler(RequestValidationError, on_validation)
     app.add_exception_handler(StarletteHTTPException, on_http)
+    app.add_exception_handler(ClientDisconnect, on_client_gone)
     app.add_exception_handler(Exception, on_unexpected)

@@ -274,6 +274,35 @@ class Generations:
     def _candidates(self, role: Role, avoid: set[str]) -> list[WorkerInfo]:
         return [w for w in self.registry.in_rotation(role) if w.worker_id not in avoid]
 
+    def _dispatch(
+        self, run: _Run, room: Room, prompt: list[int], sampling: SamplingParams, local: bool
+    ) -> float:
+        """Send the attempt's GenerateRequest to its legs; the dispatch time."""
+        prefill, decode = room.prefill, room.decode
+        req = GenerateRequest(
+            room=room.room,
+            input_ids=prompt,
+            sampling=sampling,
+            prefill_worker=prefill.worker_id if prefill is not None else "",
+            prefill_bootstrap_addr=prefill.bootstrap_addr if prefill is not None else "",
+            decode_worker=decode.worker_id if decode is not None else "",
+            local_prefill=local,
+            deadline_s=run.inp.received_ts + self.cfg.request_timeout_s,
+            traceparent=run.span.traceparent if run.span is not None else None,
+        )
+        if prefill is not None:
+            self.control.send(prefill, req)
+            self.metrics.routed.labels("prefill", prefill.worker_id).inc()
+        else:
+            self.metrics.local_prefill.inc()
+        if decode is not None:
+            self.control.send(decode, req)
+            self.metrics.routed.labels("decode", decode.worker_id).inc()
+        if not run.dispatched_once:
+            run.dispatched_once = True
+            self.metrics.prompt_tokens.inc(len(run.inp.input_ids))  # the client's prompt, counted once
+        return time.time()
+
     async def _attempt(self, run: _Run) -> AsyncIterator[GenState]:
         inp, st, c = run.inp, run.st, run.c
         # A migration continues from the tokens produced so far: the new prefill computes their KV
@@ -309,31 +338,8 @@ class Generations:
             retry = " to retry on" if run.avoid else ""
             raise ApiError(503, f"no {missing} worker in rotation{retry}", headers={"Retry-After": "1"})
         room = self.control.open_room(uuid.uuid4().hex, prefill, decode, len(prompt), inp.rid)
-        req = GenerateRequest(
-            room=room.room,
-            input_ids=prompt,
-            sampling=sampling,
-            prefill_worker=prefill.worker_id if prefill is not None else "",
-            prefill_bootstrap_addr=prefill.bootstrap_addr if prefill is not None else "",
-            decode_worker=decode.worker_id if decode is not None else "",
-            local_prefill=local,
-            deadline_s=inp.received_ts + self.cfg.request_timeout_s,
-            traceparent=run.span.traceparent if run.span is not None else None,
-        )
-        if prefill is not None:
-            self.control.send(prefill, req)
-            self.metrics.routed.labels("prefill", prefill.worker_id).inc()
-        else:
-            self.metrics.local_prefill.inc()
-        if decode is not None:
-            self.control.send(decode, req)
-            self.metrics.routed.labels("decode", decode.worker_id).inc()
-        dispatched = time.time()
-        if not run.dispatched_once:
-            run.dispatched_once = True
-            self.metrics.prompt_tokens.inc(len(inp.input_ids))  # the client's prompt, counted once
-
-        # Legs to abort on the way out; cleared as the request reaches a clean end.
+        # Legs to abort on the way out; cleared as the request reaches a clean end. Every exit from
+        # here on, a failure while dispatching included, goes through the `finally` that closes the room.
         abort_decode: str | None = "cancelled" if decode is not None else None
         abort_prefill: str | None = "cancelled" if prefill is not None else None
         # The first token comes twice: with PrefillDone, as soon as it is sampled, and with the
@@ -341,6 +347,7 @@ class Generations:
         first_early = False  # the prefill's copy counted
         decode_spoke = False  # the decode leg sent tokens: it holds this attempt's KV
         try:
+            dispatched = self._dispatch(run, room, prompt, sampling, local)
             while not st.finished:
                 ev = await self._next_event(room, inp)
                 if isinstance(ev, LegFailed):

@@ -16,7 +16,7 @@ from fastapi.responses import Response
 from pdserve.gateway.chat_output import reasoning_tokens
 from pdserve.gateway.errors import ApiError, bad_request
 from pdserve.gateway.generation import Generations, GenInput, GenState
-from pdserve.gateway.protocol import GenerateBody, build_sampling, parse_body, with_seed
+from pdserve.gateway.protocol import GenerateBody, build_sampling, derive_seed, parse_body, with_seed
 from pdserve.gateway.reasoning import reasoning_format
 from pdserve.gateway.serving import SSE_DONE, check_generations, merge_streams, serve_generation, sse
 from pdserve.gateway.tokenizer import Tokenizer
@@ -104,7 +104,7 @@ def _inputs(gw, body: GenerateBody, received: float) -> tuple[list[GenInput], bo
             sampling = sampling.model_copy(update={"logprob_start_len": body.logprob_start_len})
         sampling = gw.constraints.apply(sampling, prefix=param)  # structured output
         for j in range(sp.n):
-            seed = None if sampling.seed is None else sampling.seed + j
+            seed = derive_seed(sampling.seed, j)
             base = rid or uuid.uuid4().hex
             inputs.append(
                 GenInput(

@@ -26,6 +26,7 @@ from pdserve.gateway.protocol import (
     CompletionBody,
     NamedToolChoice,
     build_sampling,
+    derive_seed,
     parse_body,
     with_seed,
 )
@@ -180,8 +181,7 @@ def _gen_input(
     rid: str, ids: list[int], sp: SamplingParams, j: int, given: bool, received: float, skip: bool
 ) -> GenInput:
     # n > 1 with a seed: distinct but reproducible samples.
-    seed = None if sp.seed is None else sp.seed + j
-    return GenInput(rid, list(ids), with_seed(sp, seed), given, received, skip)
+    return GenInput(rid, list(ids), with_seed(sp, derive_seed(sp.seed, j)), given, received, skip)
 
 
 # Arguments of apply_chat_template itself: a template variable must not override them.

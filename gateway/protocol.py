@@ -23,6 +23,20 @@ log = logging.getLogger(__name__)
 
 StopField = str | list[str] | None
 
+# A request id is copied into every sample's answer and kept by the dashboard: bounded.
+MAX_RID_CHARS = 256
+# Seeds are int64 on the workers; a request's n samples use seed, seed + 1, ... (wrapping, see derive_seed).
+SEED_RANGE = 1 << 63
+
+
+def check_rid(rid: str | list[str] | None) -> str | list[str] | None:
+    """A pydantic field validator: each rid at most `MAX_RID_CHARS` characters."""
+    for r in [rid] if isinstance(rid, str) else rid or []:
+        if len(r) > MAX_RID_CHARS:
+            raise ValueError(f"a rid may have at most {MAX_RID_CHARS} characters, got {len(r)}")
+    return rid
+
+
 # Keys that cannot be ignored when set: pdserve cannot honour them and ignoring them would change the answer.
 REFUSED_IF_SET: dict[str, str] = {
     "lora_path": "LoRA adapters are not supported",
@@ -98,9 +112,11 @@ class GenerateBody(LenientModel):
     )
     stream: bool = False
     rid: str | list[str] | None = None
+    _rid = field_validator("rid")(check_rid)
     return_logprob: bool = False
     top_logprobs_num: int = Field(0, ge=0, le=20)
-    logprob_start_len: int = Field(-1, ge=-1)  # prompt logprobs from this position on (-1: none)
+    # Prompt logprobs from this position on (-1: none); bounded to stay an int32 on the workers.
+    logprob_start_len: int = Field(-1, ge=-1, le=(1 << 31) - 1)
     return_text_in_logprobs: bool = False
 
     @model_validator(mode="after")
@@ -199,6 +215,7 @@ class _OpenAIBase(_SamplingFields):
     stream_options: StreamOptions | None = None
     user: str | None = None
     rid: str | None = None
+    _rid = field_validator("rid")(check_rid)
     # Accepted and ignored: OpenAI's storage and tagging of completions.
     store: bool | None = None
     metadata: dict[str, Any] | None = None
@@ -314,6 +331,22 @@ def _logit_bias(raw: dict[str, float] | None, vocab_size: int | None, param: str
     return out
 
 
+def _check_vocab_ids(values: dict[str, Any], vocab_size: int | None, prefix: str) -> None:
+    """Token-id parameters within the vocabulary: stop_token_ids refused outside it (400), a top_k of
+    the vocabulary or more is no top-k at all (-1: what it means, in a range the workers take)."""
+    if vocab_size is None:
+        return
+    top_k = values.get("top_k")
+    if top_k is not None and top_k >= vocab_size:
+        values["top_k"] = -1
+    for tid in values.get("stop_token_ids") or []:
+        if not 0 <= tid < vocab_size:
+            param = f"{prefix}.stop_token_ids" if prefix else "stop_token_ids"
+            raise bad_request(
+                f"{param}: token id {tid} is outside the vocabulary (0..{vocab_size - 1})", param
+            )
+
+
 def build_sampling(
     fields: _SamplingFields,
     max_new_tokens: int | None,
@@ -344,6 +377,7 @@ def build_sampling(
     }
     if fields.seed is None and fields.sampling_seed is not None:
         values["seed"] = fields.sampling_seed
+    _check_vocab_ids(values, vocab_size, param_prefix)
     values["stop"] = stop_list(fields.stop)
     values["ignore_eos"] = fields.ignore_eos
     values["no_stop_trim"] = fields.no_stop_trim
@@ -371,6 +405,12 @@ def with_seed(sp: SamplingParams, seed: int | None) -> SamplingParams:
     return sp.model_copy(update={"seed": seed})
 
 
+def derive_seed(seed: int | None, j: int) -> int | None:
+    """Sample `j`'s seed of a request seeded `seed` (n > 1: distinct but reproducible samples), kept
+    within int64 by wrapping past 2**63 - 1 to 0."""
+    return None if seed is None else (seed + j) % SEED_RANGE
+
+
 def check_prompt_ids(ids: list[int], vocab_size: int, param: str) -> None:
     if not ids:
         raise bad_request("the prompt is empty", param)
@@ -394,6 +434,8 @@ __all__ = [
     "ToolCall",
     "build_sampling",
     "check_prompt_ids",
+    "check_rid",
+    "derive_seed",
     "parse_body",
     "stop_list",
     "with_max_new_tokens",

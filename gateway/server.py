@@ -86,7 +86,9 @@ def create_app(cfg: GatewayConfig, tokenizer: Tokenizer | None = None) -> FastAP
         control=control,
         metrics=metrics,
         generations=Generations(cfg, tok, registry, control, metrics, tracing, recent.add),
-        admission=Admission(cfg.max_pending_generations, cfg.max_requests_per_client, metrics),
+        admission=Admission(
+            cfg.max_pending_generations, cfg.max_requests_per_client, metrics, cfg.max_inflight_body_bytes
+        ),
         started=int(time.time()),
         model_name=cfg.served_model_name or model_name(cfg.model_path),
         constraints=Constraints(cfg.grammar_backend, tok, cfg.grammar_compile_timeout_s),

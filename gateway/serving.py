@@ -7,6 +7,7 @@ import contextlib
 import dataclasses
 import hashlib
 import json
+import logging
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any, TypeVar
@@ -14,31 +15,17 @@ from typing import Any, TypeVar
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
+from pdserve.gateway.auth import bearer_token
 from pdserve.gateway.errors import ApiError, parse_json_body
 from pdserve.gateway.generation import Generations, GenInput, GenState
 from pdserve.gateway.metrics import GatewayMetrics
+from pdserve.gateway.request_body import PARSE_THREADS, parse_inline, parse_off_loop, read_body
+
+log = logging.getLogger(__name__)
 
 T = TypeVar("T")
 
 SSE_DONE = b"data: [DONE]\n\n"
-# Bodies up to this size are validated and tokenized on the event loop (at most a few thousand
-# characters of prompt, well under a millisecond of work), unless they name an output constraint or
-# tools, whose grammar is compiled while parsing.
-INLINE_PARSE_BYTES = 4096
-_COMPILED_KEYS = (
-    b'"json_schema"',
-    b'"regex"',
-    b'"ebnf"',
-    b'"response_format"',
-    b'"tools"',
-    b'"structural_tag"',
-)
-
-
-def parse_inline(raw: bytes) -> bool:
-    """Whether a body is cheap enough to parse on the event loop (parsing a 128-token body through the
-    thread took 0.41 ms, hop and validation together)."""
-    return len(raw) <= INLINE_PARSE_BYTES and not any(k in raw for k in _COMPILED_KEYS)
 
 
 def sse(obj: Any) -> bytes:
@@ -55,16 +42,38 @@ class Admission:
     Per client (its API key when it sends one, else its address): HTTP generation requests, from
     the moment the headers are in, so that slow or stalled bodies hold only their own client's
     slots (429 beyond `per_client`). Across clients: generations (prompts x n), counted once the
-    request is parsed (503 beyond `generations`).
+    request is parsed (503 beyond `generations`), and the bytes of bodies being received or parsed
+    (429 beyond `body_bytes`; 0: no limit); big bodies are parsed `PARSE_THREADS` at a time.
     """
 
-    def __init__(self, generations: int, per_client: int, metrics: GatewayMetrics) -> None:
+    def __init__(
+        self, generations: int, per_client: int, metrics: GatewayMetrics, body_bytes: int = 0
+    ) -> None:
         self.limit = generations
         self.per_client = per_client
         self.pending = 0  # generations admitted
         self.requests = 0  # HTTP generation requests in flight
         self.clients: dict[str, int] = {}
         self.metrics = metrics
+        self.body_limit = body_bytes
+        self.body_bytes = 0  # of bodies being received or parsed
+        self.parse_slots = asyncio.Semaphore(PARSE_THREADS)
+
+    def take_body(self, n: int) -> None:
+        """`n` more bytes of some request's body are held; 429 past the gateway-wide bound."""
+        if self.body_limit and self.body_bytes + n > self.body_limit:
+            self.metrics.rejected.labels("body_bytes").inc()
+            raise ApiError(
+                429,
+                f"the gateway holds {self.body_bytes} bytes of request bodies in flight and this one "
+                f"would pass its limit of {self.body_limit} bytes; retry later",
+                headers={"Retry-After": "1"},
+                code="rate_limit_exceeded",
+            )
+        self.body_bytes += n
+
+    def give_body(self, n: int) -> None:
+        self.body_bytes -= n
 
     def enter_client(self, client: str) -> None:
         n = self.clients.get(client, 0)
@@ -108,11 +117,13 @@ class Admission:
 
 
 def client_id(request: Request, keyed: bool) -> str:
-    """Whom a request's limits count against: its API key (hashed: never kept) when the gateway
-    checks keys (`keyed`), else its address (unchecked, any bearer would make a new client)."""
-    auth = request.headers.get("authorization", "")
-    if keyed and auth:
-        return "key:" + hashlib.sha256(auth.encode()).hexdigest()[:16]
+    """Whom a request's limits count against: the API key it was let in with (hashed: never kept),
+    read as the key check reads it (scheme in any case, blanks around the key ignored), when the
+    gateway checks keys on generation paths (`keyed`); else its address (an unchecked bearer would
+    make a new client at will)."""
+    token = bearer_token(request.scope.get("headers", [])) if keyed else None
+    if token:
+        return "key:" + hashlib.sha256(token).hexdigest()[:16]
     return "addr:" + (request.client.host if request.client else "?")
 
 
@@ -167,12 +178,16 @@ async def merge_streams(
 ) -> AsyncIterator[tuple[int, GenState]]:
     """Interleave several generations' steps as they come, tagged with their index.
 
-    A failure in one raises here (after the others are cancelled and aborted).
+    A failure in one raises here (after the others are cancelled and aborted), always as an
+    `ApiError`: the stream then ends with an error event and [DONE], never cut short.
     """
     if len(inputs) == 1:
-        async with contextlib.aclosing(generations.generate(inputs[0])) as gen:
-            async for st in gen:
-                yield 0, st
+        try:
+            async with contextlib.aclosing(generations.generate(inputs[0])) as gen:
+                async for st in gen:
+                    yield 0, st
+        except Exception as e:
+            raise _as_api_error(e) from e
         return
     q: asyncio.Queue[tuple[int, GenState | BaseException | None]] = asyncio.Queue()
 
@@ -195,6 +210,8 @@ async def merge_streams(
             i, item = await q.get()
             if item is None:
                 live -= 1
+            elif isinstance(item, Exception):
+                raise _as_api_error(item) from item
             elif isinstance(item, BaseException):
                 raise item
             else:
@@ -203,6 +220,13 @@ async def merge_streams(
         for t in tasks:
             t.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
+
+
+def _as_api_error(e: Exception) -> ApiError:
+    if isinstance(e, ApiError):
+        return e
+    log.error("a stream's generation failed", exc_info=e)
+    return ApiError(500, f"internal error: {type(e).__name__}: {e}")
 
 
 def _snapshot(st: GenState) -> GenState:
@@ -220,29 +244,6 @@ def _snapshot(st: GenState) -> GenState:
         meta_info=st.meta_info,
         cached_tokens=st.cached_tokens,
     )
-
-
-async def read_body(request: Request, limit: int, timeout_s: float) -> bytes:
-    """The request body, refused with a 413 as soon as it is known to exceed `limit` bytes, and
-    with a 408 when it has not all arrived within `timeout_s`."""
-    declared = request.headers.get("content-length")
-    if declared is not None and declared.isdigit() and int(declared) > limit:
-        raise ApiError(413, f"the request body is larger than the limit of {limit} bytes")
-    chunks: list[bytes] = []
-
-    async def read() -> None:
-        size = 0
-        async for chunk in request.stream():
-            size += len(chunk)
-            if size > limit:
-                raise ApiError(413, f"the request body is larger than the limit of {limit} bytes")
-            chunks.append(chunk)
-
-    try:
-        await asyncio.wait_for(read(), timeout_s)
-    except TimeoutError:
-        raise ApiError(408, f"the request body did not arrive within {timeout_s:g} s") from None
-    return b"".join(chunks)
 
 
 def check_generations(count: int, limit: int) -> None:
@@ -266,19 +267,28 @@ async def serve_generation(
     parameter name; `full` shapes the collected results; `chunks` shapes a stream (SSE bytes).
     """
     cfg = generations.cfg
-    client = client_id(request, bool(cfg.api_key or cfg.admin_api_key))
+    # Generation paths check keys when an inference key is set (auth.py); an admin key alone leaves
+    # them open, and then any bearer would be a new client.
+    client = client_id(request, bool(cfg.api_key))
     admission.enter_client(client)
     admitted = 0
     handed_to_stream = False
     try:
         received = time.time()
-        raw = await read_body(request, cfg.max_request_bytes, cfg.request_body_timeout_s)
-        # A big body is parsed and tokenized off the event loop: a huge prompt must not stall heartbeats
-        # or other requests, nor a grammar's compilation.
-        if parse_inline(raw):
-            inputs, stream, param = parse(parse_json_body(raw), received)
-        else:
-            inputs, stream, param = await asyncio.to_thread(parse, parse_json_body(raw), received)
+        raw = await read_body(request, cfg.max_request_bytes, cfg.request_body_timeout_s, admission)
+        held = len(raw)
+        try:
+            # A big body is decoded, validated and tokenized off the event loop: it must not stall
+            # heartbeats or other requests, nor must a grammar's compilation.
+            if parse_inline(raw):
+                inputs, stream, param = parse(parse_json_body(raw), received)
+            else:
+                async with admission.parse_slots:
+                    inputs, stream, param = await asyncio.to_thread(parse_off_loop, parse, raw, received)
+        finally:
+            # The body is not needed past here (a plain request's frame lives until its answer).
+            del raw
+            admission.give_body(held)
         check_generations(len(inputs), cfg.max_generations_per_request)
         admission.enter(len(inputs))
         admitted = len(inputs)

@@ -4,17 +4,19 @@
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import time
 import uuid
 from importlib.metadata import PackageNotFoundError, version
 
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
+from pydantic import field_validator
 
+from pdserve.gateway.config import public_config
 from pdserve.gateway.errors import ApiError, error_body, parse_json_body
 from pdserve.gateway.generation import GenInput
-from pdserve.gateway.protocol import LenientModel, parse_body
+from pdserve.gateway.protocol import LenientModel, check_rid, parse_body
+from pdserve.gateway.request_body import read_body
 from pdserve.gateway.serving import collect
 from pdserve.sampling_params import SamplingParams
 
@@ -24,8 +26,13 @@ router = APIRouter()
 HEALTH_GENERATE_TIMEOUT_S = 20.0
 
 
+# /abort_request's body: a rid and a few flags.
+ABORT_BODY_BYTES = 64 << 10
+
+
 class AbortBody(LenientModel):
     rid: str = ""
+    _rid = field_validator("rid")(check_rid)
     abort_all: bool = False
     abort_message: str | None = None
     finished_reason: dict | None = None
@@ -92,12 +99,13 @@ async def model_info(request: Request) -> dict:
 @router.get("/get_server_info")
 @router.get("/server_info")
 async def server_info(request: Request) -> dict:
-    """The gateway's settings (SGLang's server args where they exist) and each worker's state."""
+    """The gateway's settings (SGLang's server args where they exist, secrets left out) and each
+    worker's state."""
     gw = request.app.state.gw
     limits = gw.registry.limits()
     decodes = gw.registry.in_rotation("decode")
     return {
-        **dataclasses.asdict(gw.cfg),
+        **public_config(gw.cfg),
         "served_model_name": gw.model_name,
         "tokenizer_path": gw.cfg.model_path or gw.model_name,
         "version": _version(),
@@ -125,7 +133,8 @@ async def abort_request(request: Request) -> Response:
     """Abort request `rid` (its n samples too), or every request with `abort_all`; their clients get an
     error (a streamed one ends with an `abort` finish reason)."""
     gw = request.app.state.gw
-    body: AbortBody = parse_body(AbortBody, parse_json_body(await request.body()))
+    raw = await read_body(request, ABORT_BODY_BYTES, gw.cfg.request_body_timeout_s)
+    body: AbortBody = parse_body(AbortBody, parse_json_body(raw))
     if not body.abort_all and not body.rid:
         raise ApiError(400, "give rid or abort_all", "rid")
     hit = gw.control.abort_rids(None if body.abort_all else body.rid)

@@ -163,6 +163,7 @@ _GATEWAY_LIMITS: list[tuple[str, type]] = [
     ("--max-pending-generations", int),
     ("--max-requests-per-client", int),
     ("--max-request-bytes", int),
+    ("--max-inflight-body-bytes", int),
     ("--max-generations-per-request", int),
     ("--request-body-timeout", float),
     ("--idle-timeout", float),

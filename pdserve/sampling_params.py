@@ -12,11 +12,14 @@ The nodes that sample mask the logits to it (pdserve/runtime/grammar/).
 
 from __future__ import annotations
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 # Stop strings: how many, and how long each (the gateway matches them against every output character).
 MAX_STOPS = 16
 MAX_STOP_CHARS = 1024
+# Temperatures below this are greedy, as in SGLang and vLLM (their _SAMPLING_EPS): dividing the logits
+# by 1e-38 overflows them to inf, and what comes out is no longer the most likely token.
+GREEDY_BELOW_TEMPERATURE = 1e-5
 
 
 class SamplingParams(BaseModel):
@@ -26,7 +29,7 @@ class SamplingParams(BaseModel):
     # 0 means greedy (argmax), as in SGLang.
     temperature: float = Field(1.0, ge=0.0, le=100.0)
     top_p: float = Field(1.0, gt=0.0, le=1.0)
-    # -1 (or 0) disables top-k.
+    # -1 (or 0) disables top-k; the gateway turns a top_k of the vocabulary or more into -1.
     top_k: int = Field(-1, ge=-1)
     min_p: float = Field(0.0, ge=0.0, le=1.0)
     repetition_penalty: float = Field(1.0, gt=0.0, le=10.0)
@@ -53,12 +56,18 @@ class SamplingParams(BaseModel):
     regex: str | None = Field(None, max_length=1 << 16)
     ebnf: str | None = Field(None, max_length=1 << 20)
 
+    @field_validator("temperature")
+    @classmethod
+    def _tiny_is_greedy(cls, t: float) -> float:
+        return 0.0 if t < GREEDY_BELOW_TEMPERATURE else t
+
     @model_validator(mode="after")
     def _check(self) -> SamplingParams:
         if any(s == "" for s in self.stop):
             raise ValueError("stop strings must be non-empty")
         if any(len(s) > MAX_STOP_CHARS for s in self.stop):
             raise ValueError(f"a stop string may have at most {MAX_STOP_CHARS} characters")
+        # The gateway checks token ids against the vocabulary (gateway/protocol.py).
         if any(t < 0 for t in self.stop_token_ids):
             raise ValueError("stop_token_ids must be non-negative")
         if self.min_new_tokens > self.max_new_tokens:
