@@ -13,7 +13,7 @@ instead of a failure on a worker. Compiled grammars are cached by text, so a rep
 dictionary lookup. The backend is built at the first constrained request (a few hundred ms, once).
 
 `apply` blocks its caller while a grammar compiles, so it runs off the event loop: a body that names a
-constraint is always parsed on a thread (serving.py `parse_inline`). The compile itself runs on the
+constraint is always parsed on a thread (request_body.py `parse_inline`). The compile itself runs on the
 backend's own pool of two threads (it releases the GIL), and the wait is bounded by
 --grammar-compile-timeout: past it the request is a 400 naming the flag, and the parsing thread is
 free again while the compile finishes in the background (cached for a retry).
