@@ -1,5 +1,8 @@
-"""Triton kernels, one concern per module, each with a wrapper that checks its arguments and a torch
-reference with the same signature (`<name>_ref`):
+"""pdserve's kernels: Triton kernels for CUDA, and the `pdserve_cpu` C++ library for CPUs. Each has a
+wrapper that checks its arguments and a torch reference with the same behaviour (`<name>_ref`, or the
+eager path named in its module).
+
+Triton, one concern per module:
 
 - decode_attention: paged decode attention, grouped-query heads, split-K with a merge kernel.
 - extend_attention: packed prefill/extend over cached prefix pages; a speculative verify (k+1
@@ -7,15 +10,27 @@ reference with the same signature (`<name>_ref`):
 - kv_copy: the store of new tokens' K/V into the paged pool.
 - rmsnorm: RMSNorm with an optional fused residual add.
 - rotary: rotary embedding applied in place to q and k.
+- int8_gemm: weight-only int8 GEMM (the CUDA side of `w8a16_int8`); tested, not yet called by the runtime.
+- _online_softmax (the paged tile loop the attention kernels share) and _checks (argument checks).
 
-One C++ kernel for CPUs (not Triton): cpu_decode_attention, paged decode attention reading the KV pool
-in place, built at first use and registered as a torch operator (`torch.ops.pdserve_cpu`), with its
-torch reference; the `cpu` attention backend (runtime/attention_cpu.py) runs it.
+C++ for CPUs (not Triton), one `.cpp` and its Python module each, compiled together into one operator
+library at first use (cpu_library.py, `torch.ops.pdserve_cpu`; cpu_rows.h holds the shared row
+conversions):
 
-Who calls the Triton kernels: the Triton attention backend (runtime/attention_triton.py) runs the attention
-kernels and the KV store; the model (runtime/models/llama.py) runs rmsnorm and rotary on CUDA.
+- cpu_decode_attention: paged decode attention reading the KV pool in place, and its storing form
+  that writes the step's new K/V first.
+- cpu_fused_ops: RMSNorm (with a fused residual add), SiLU-and-mul and rotary, one pass each.
+- cpu_quant_linear: weight-only int4 (GGUF Q4_1 groups) and int8 linears for few rows, with packers.
+- cpu_sampling: greedy sampling.
+- cpu_decode_layer: one decoder layer of a decode step in one call, making the eager layer's calls.
 
-Modules import triton at import time; this package does not, so `import pdserve.kernels` works
-where triton is missing. On CPU the kernels run only under TRITON_INTERPRET=1 (set before triton
-is first imported).
+Who calls them: the Triton attention backend (runtime/attention_triton.py) runs the attention kernels
+and the KV store, and the model (runtime/models/llama.py) runs rmsnorm and rotary on CUDA; on CPU the
+`cpu` attention backend (runtime/attention_cpu.py) runs the C++ attention, the model the fused ops and
+the decoder layer, the quantized linears (runtime/quant.py) the int4/int8 kernels, and the sampler the
+greedy kernel.
+
+Triton modules import triton at import time; this package does not, so `import pdserve.kernels` works
+where triton is missing. On CPU the Triton kernels run only under TRITON_INTERPRET=1 (set before triton
+is first imported). Where the C++ library cannot be built, every caller keeps its torch path.
 """
