@@ -106,6 +106,7 @@ def create_app(cfg: GatewayConfig, tokenizer: Tokenizer | None = None) -> FastAP
             yield
         finally:
             await control.stop()
+            gw.constraints.close()
             if tracing is not None:
                 tracing.shutdown()  # what is queued is exported
 

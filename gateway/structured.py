@@ -7,16 +7,16 @@
 - SGLang's native `sampling_params.json_schema` (the schema's JSON text), `regex`, `ebnf`; the OpenAI
   endpoints take `regex` and `ebnf` at the top level as SGLang does.
 
-The constraint is compiled with the workers' backend (runtime/grammar/) over the gateway's tokenizer,
+The constraint is compiled with the workers' compiler (runtime/grammar/) over the gateway's tokenizer,
 so an invalid schema, regex or grammar is an HTTP 400 naming the field and the compiler's complaint
-instead of a failure on a worker. Compiled grammars are cached by text, so a repeated schema is a
-dictionary lookup. The backend is built at the first constrained request (a few hundred ms, once).
+instead of a failure on a worker. Verdicts are cached by text, so a repeated schema is a lookup.
 
 `apply` blocks its caller while a grammar compiles, so it runs off the event loop: a body that names a
-constraint is always parsed on a thread (request_body.py `parse_inline`). The compile itself runs on the
-backend's own pool of two threads (it releases the GIL), and the wait is bounded by
---grammar-compile-timeout: past it the request is a 400 naming the flag, and the parsing thread is
-free again while the compile finishes in the background (cached for a retry).
+constraint is always parsed on a thread (request_body.py `parse_inline`). The compile runs in a child
+process (runtime/grammar/checker.py, two at most), killed at --grammar-compile-timeout: the request is
+then a 400 naming the flag, and nothing of that compile goes on (in a thread it ran on for minutes,
+holding a core and hundreds of MB). The checker is built at the first constrained request (the
+tokenizer's vocabulary for xgrammar, a few hundred ms; each child starts in about a second, once).
 """
 
 from __future__ import annotations
@@ -69,19 +69,25 @@ class Constraints:
         self.backend_name = backend
         self.tokenizer = tokenizer
         self.compile_timeout_s = compile_timeout_s
-        self._backend: Any = None  # runtime.grammar.GrammarBackend, built at first use
+        self._checker: Any = None  # runtime.grammar.checker.GrammarChecker, built at first use
         self._lock = threading.Lock()
 
-    def backend(self) -> Any:
+    def checker(self) -> Any:
         with self._lock:
-            if self._backend is None:
-                from pdserve.runtime.grammar.backend import GrammarBackend
+            if self._checker is None:
+                from pdserve.runtime.grammar.backend import tokenizer_info
+                from pdserve.runtime.grammar.checker import GrammarChecker
 
                 tok = self.tokenizer
-                self._backend = GrammarBackend(
-                    tok.hf, tok.vocab_size, [tok.eos_token_id or 0], compile_timeout_s=self.compile_timeout_s
-                )
-            return self._backend
+                info = tokenizer_info(tok.hf, tok.vocab_size, [tok.eos_token_id or 0])
+                self._checker = GrammarChecker(info.serialize_json(), self.compile_timeout_s)
+            return self._checker
+
+    def close(self) -> None:
+        """Stop the checker's children."""
+        with self._lock:
+            if self._checker is not None:
+                self._checker.close()
 
     def apply(
         self, sp: SamplingParams, response_format: dict[str, Any] | None = None, prefix: str = ""
@@ -104,7 +110,7 @@ class Constraints:
         from pdserve.runtime.grammar.backend import InvalidGrammar
 
         try:
-            self.backend().validate(kind, text)  # waits at most --grammar-compile-timeout
+            self.checker().check(kind, text)  # waits at most --grammar-compile-timeout
         except InvalidGrammar as e:  # CompileTimeout included: its message names the flag
             raise bad_request(str(e), param) from None
         return sp

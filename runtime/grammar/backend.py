@@ -128,10 +128,7 @@ class GrammarBackend:
         if compile_timeout_s <= 0:
             raise ValueError("--grammar-compile-timeout must be > 0")
         t0 = time.perf_counter()
-        # vocab_size is the model's logits width, which may exceed the tokenizer's (padding rows).
-        info = xgr.TokenizerInfo.from_huggingface(
-            hf_tokenizer, vocab_size=vocab_size, stop_token_ids=list(stop_token_ids) or None
-        )
+        info = tokenizer_info(hf_tokenizer, vocab_size, stop_token_ids)
         # Our own cache below keys on the constraint text; xgrammar's would duplicate it. One thread
         # per compile (xgrammar's default is 8): measured on 2 loaded cores, a compile on 8 threads
         # made a torch loop beside it 7.5x slower per step, on 1 thread 2x (the compile itself 2x slower).
@@ -226,24 +223,40 @@ class GrammarBackend:
             job.future.set_result(hit)
 
     def _compile(self, kind: str, text: str) -> Any:
-        if kind not in CONSTRAINT_KINDS:
-            raise InvalidGrammar(kind, f"unknown constraint kind (one of {', '.join(CONSTRAINT_KINDS)})")
-        try:
-            if kind == "json_schema":
-                try:
-                    schema = json.loads(text)
-                except json.JSONDecodeError as e:
-                    raise InvalidGrammar(kind, f"not valid JSON: {e}") from None
-                if not isinstance(schema, dict):
-                    raise InvalidGrammar(kind, "a JSON schema must be an object")
-                return self._compiler.compile_json_schema(text, any_whitespace=False, strict_mode=True)
-            if kind == "regex":
-                return self._compiler.compile_regex(text)
-            return self._compiler.compile_grammar(text)
-        except InvalidGrammar:
-            raise
-        except Exception as e:  # xgrammar raises RuntimeError / ValueError with the parser's message
-            raise InvalidGrammar(kind, _first_line(str(e))) from None
+        return compile_constraint(self._compiler, kind, text)
+
+
+def tokenizer_info(hf_tokenizer: Any, vocab_size: int, stop_token_ids: tuple[int, ...] | list[int]) -> Any:
+    """xgrammar's TokenizerInfo of a Hugging Face tokenizer; `vocab_size` is the model's logits width,
+    which may exceed the tokenizer's (padding rows)."""
+    import xgrammar as xgr
+
+    return xgr.TokenizerInfo.from_huggingface(
+        hf_tokenizer, vocab_size=vocab_size, stop_token_ids=list(stop_token_ids) or None
+    )
+
+
+def compile_constraint(compiler: Any, kind: str, text: str) -> Any:
+    """(kind, text) compiled by an xgrammar GrammarCompiler; raises InvalidGrammar with the compiler's
+    complaint."""
+    if kind not in CONSTRAINT_KINDS:
+        raise InvalidGrammar(kind, f"unknown constraint kind (one of {', '.join(CONSTRAINT_KINDS)})")
+    try:
+        if kind == "json_schema":
+            try:
+                schema = json.loads(text)
+            except json.JSONDecodeError as e:
+                raise InvalidGrammar(kind, f"not valid JSON: {e}") from None
+            if not isinstance(schema, dict):
+                raise InvalidGrammar(kind, "a JSON schema must be an object")
+            return compiler.compile_json_schema(text, any_whitespace=False, strict_mode=True)
+        if kind == "regex":
+            return compiler.compile_regex(text)
+        return compiler.compile_grammar(text)
+    except InvalidGrammar:
+        raise
+    except Exception as e:  # xgrammar raises RuntimeError / ValueError with the parser's message
+        raise InvalidGrammar(kind, _first_line(str(e))) from None
 
 
 def _lower_priority() -> None:
