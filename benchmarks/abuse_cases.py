@@ -48,7 +48,7 @@ CASES: list[tuple[str, Case]] = [
     ("300 idle connections", idle_sockets),
     ("50 connections trickling headers", slowloris),
     ("one client, 40 requests at once", one_client_floods),
-    ("one key spelled 4 ways, 40 requests at once", respelled_keys_flood),
+    ("one key spelled 8 ways, 40 requests at once", respelled_keys_flood),
     ("6 streams dropped after one chunk", abandoned_streams),
     ("info endpoints read with the inference key", server_info_secrets),
     ("top_k 2**63; seed 2**63-1 with n 2; stop_token_ids [2**63]", overflowing_values),

@@ -143,7 +143,8 @@ def slowloris(t: Target) -> tuple[str, bool]:
 
 def _flood(t: Target, spellings: list[str]) -> tuple[str, bool]:
     """40 requests at once from the client whose normal request is in flight: that request holds one of
-    its slots, so at least PER_CLIENT - 1 of the 40 are let in and the rest get 429."""
+    its slots, so at least PER_CLIENT - 1 of the 40 are let in (more as the first ones finish) and the
+    rest get 429."""
     body = {"text": "hi", "sampling_params": {"max_new_tokens": 4}}
 
     def one(i: int) -> int:
@@ -155,7 +156,7 @@ def _flood(t: Target, spellings: list[str]) -> tuple[str, bool]:
     counts = {c: codes.count(c) for c in sorted(set(codes))}
     answer = ", ".join(f"{n} x {c}" for c, n in counts.items())
     fair = set(counts) <= {200, 429} and counts.get(429, 0) > 0
-    return answer, fair and PER_CLIENT - 1 <= counts.get(200, 0) <= PER_CLIENT
+    return answer, fair and counts.get(200, 0) >= PER_CLIENT - 1
 
 
 def one_client_floods(t: Target) -> tuple[str, bool]:
@@ -163,9 +164,11 @@ def one_client_floods(t: Target) -> tuple[str, bool]:
 
 
 def respelled_keys_flood(t: Target) -> tuple[str, bool]:
-    """The same key written four ways counts as one client."""
+    """The same key written eight ways counts as one client: when each spelling was a client of its
+    own, 8 x PER_CLIENT slots let all 40 in."""
     k = t.api_key
-    return _flood(t, [f"Bearer {k}", f"bearer {k}", f"BEARER  {k}", f"Bearer {k} "] if k else [""])
+    schemes = ["Bearer", "bearer", "BEARER", "BeArEr", "bEARER", "beaRER", "BEarer", "bearER"]
+    return _flood(t, [f"{s}{' ' * (1 + i % 3)}{k}" for i, s in enumerate(schemes)] if k else [""])
 
 
 def abandoned_streams(t: Target) -> tuple[str, bool]:

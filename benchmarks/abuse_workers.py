@@ -125,7 +125,9 @@ def _listening_ports(pid: int) -> list[int]:
 
 def raw_worker_connects(t: Target) -> tuple[str, bool]:
     """300 raw TCP connections to every port each worker listens on (gloo, KV bootstrap, health),
-    held 3 s and closed: each worker's descriptors come back to where they were."""
+    held 3 s and closed, then small requests (a KV transfer each) for at most 20 s: each worker's
+    descriptors come back to where they were (gloo keeps a raw connection until its group is rebuilt,
+    which a transfer does)."""
     parts, ok = [], True
     for name, pid in sorted(t.pids.items()):
         if name == "gateway":
@@ -141,8 +143,9 @@ def raw_worker_connects(t: Target) -> tuple[str, bool]:
         time.sleep(3.0)
         for s in socks:
             s.close()
-        deadline = time.monotonic() + 10
+        deadline = time.monotonic() + 20
         while _fds(pid) > before + 8 and time.monotonic() < deadline:
+            post(t, {"text": "hi", "sampling_params": {"max_new_tokens": 3}})
             time.sleep(0.5)
         after = _fds(pid)
         ok &= 0 <= after <= before + 8
