@@ -63,7 +63,7 @@ class DecodeWorker:
         self.prefill_events: dict[str, PrefillEvents] = {}  # local prefills', until the first output
         self.transfer_bytes: dict[str, int] = {}  # KV bytes each transfer moved, until the final output
         self.transfer_path: dict[str, str] = {}  # how: "gloo/direct", "nccl/staged"... (RequestStats.kv_path)
-        # Rooms failed for their deadline whose transfer is being aborted: already reported.
+        # Rooms aborted, or failed for their deadline, whose transfer is being stopped: dropped at its end.
         self.expired: set[str] = set()
         self.link: WorkerLink | None = None
         self.weights = WeightUpdater.for_runner(self.runner, cache, cfg.host, self._weights_changed)
@@ -297,7 +297,10 @@ class DecodeWorker:
         elif isinstance(msg, m.AbortRequest):
             self.compiling.remove(msg.room)
             if self.sched.is_transferring(msg.room):
-                self.receiver.abort(msg.room)  # poll() reports Failed; the pages are freed there
+                # The transfer may still end well (a shared-memory copy already done): whatever poll()
+                # reports, the room is dropped there and its pages freed, never run.
+                self.expired.add(msg.room)
+                self.receiver.abort(msg.room)
                 return
             removed = self.sched.remove(msg.room)
             if removed is not None:
@@ -342,7 +345,7 @@ class DecodeWorker:
         direct: bool = False,
         shm: bool = False,
     ) -> m.TokenOutput | None:
-        if room in self.expired:  # failed for its deadline: drop it whatever the transfer did
+        if room in self.expired:  # aborted, or failed for its deadline: dropped whatever the transfer did
             self.expired.discard(room)
             self.sched.kv_failed(room)
             self._forget(room)

@@ -46,6 +46,7 @@ SENDER_RANK = 0
 RECEIVER_RANK = 1
 # Connections a group's gloo listener may hold beyond its peer's before the pair rebuilds the group.
 MAX_STRAY_CONNECTIONS = 64
+IDLE_CHECK_S = 5.0  # how often an idle pair thread looks for stray connections
 _TCP_LISTEN = "0A"  # the state column of /proc/net/tcp
 
 
@@ -343,13 +344,24 @@ class PairThread(Generic[J]):
 
     def _run(self) -> None:
         serial_openmp()  # its page copies must not start a second OpenMP team (pdserve/side_threads.py)
-        while (job := self._jobs.get()) is not None:
+        while True:
+            try:
+                job = self._jobs.get(timeout=IDLE_CHECK_S)
+            except queue.Empty:
+                self._idle()
+                continue
+            if job is None:
+                break
             self._handle(job)
         if self._group is not None:
             self._group.close()
 
     def _handle(self, job: J) -> None:
         raise NotImplementedError
+
+    def _idle(self) -> None:
+        """No job for IDLE_CHECK_S: a pair whose transfers all go through shared memory, or that is
+        not used, still sheds stray connections on its gloo port (see `stray_connections`)."""
 
     def _replace_group(self, *, store: PairStore, pair_id: str, gen: int, rank: int, local_host: str) -> None:
         """Close the current group, if any, and build a new one; raises what the build raises."""

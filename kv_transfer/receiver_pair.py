@@ -74,6 +74,7 @@ class ReceiverPair(PairThread[RecvJob | ShmJob | _Build]):
         self._kv, self._geometry, self._config, self._mailbox = kv, geometry, config, mailbox
         # The rendezvous keys of this pair's groups travel on the bootstrap channel (pair_store.py).
         self.stores = PairStores(self._publish, timedelta(seconds=config.bootstrap_timeout_s))
+        self._reported_gen = -1  # the last group reported dead for stray connections (pair thread only)
         self._start(f"kv-recv-pair-{addr}")
 
     def build(self, gen: int, pair_id: str) -> None:
@@ -85,6 +86,17 @@ class ReceiverPair(PairThread[RecvJob | ShmJob | _Build]):
 
     def submit(self, job: RecvJob | ShmJob) -> None:
         self._jobs.put(job)
+
+    def _idle(self) -> None:
+        """A group whose gloo port holds stray connections is reported dead once, between transfers too:
+        the sender then builds a new one, and replacing this one closes its listener with them."""
+        group = self._group
+        if group is None or group.gen == self._reported_gen:
+            return
+        if (strays := group.stray_connections()) > MAX_STRAY_CONNECTIONS:
+            self._reported_gen = group.gen
+            reason = f"its gloo port holds {strays} stray connections"
+            self._mailbox.post(GroupDead(self.addr, group.gen, reason))
 
     def _handle(self, job: RecvJob | ShmJob | _Build) -> None:
         if isinstance(job, _Build):

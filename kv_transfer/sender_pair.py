@@ -116,6 +116,29 @@ class SenderPair(PairThread[SendJob | _Build]):
         else:
             self._transfer(job)
 
+    def _idle(self) -> None:
+        """Rebuild a group whose gloo port holds stray connections, on this side or (reported dead by
+        the receiver) on the other, between transfers too: a pair used only through shared memory has
+        no transfer that would."""
+        group = self._group
+        if group is None:
+            return
+        strays = group.stray_connections()
+        if group.gen != self.discard_gen and strays <= MAX_STRAY_CONNECTIONS:
+            return
+        log.warning(
+            "kv_transfer: rebuilding idle pair gen %d (%s)",
+            group.gen,
+            f"{strays} stray connections on its gloo port"
+            if strays > MAX_STRAY_CONNECTIONS
+            else "receiver's report",
+        )
+        group.close()
+        self._group = None
+        gen = self.new_gen()
+        self._out(kc.Build(gen=gen))
+        self._build(gen)
+
     def _announce_shm(self, job: SendJob) -> None:
         """Same host: announce the pages for the decode to copy; its Copied (to the I/O thread) ends
         the room. The fence is read before Started: any bump for this room comes after it."""

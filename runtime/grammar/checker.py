@@ -72,13 +72,13 @@ class _Child:
             if f is not None:
                 f.close()
 
-    def _send(self, obj: dict) -> None:
+    def _send(self, obj: dict[str, str]) -> None:
         stdin: IO[bytes] | None = self.proc.stdin
         assert stdin is not None
         stdin.write(json.dumps(obj).encode() + b"\n")
         stdin.flush()
 
-    def _reply(self, timeout_s: float) -> dict | None:
+    def _reply(self, timeout_s: float) -> dict[str, object] | None:
         out = self.proc.stdout
         assert out is not None
         with selectors.DefaultSelector() as sel:

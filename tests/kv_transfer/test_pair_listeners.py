@@ -114,3 +114,33 @@ def test_raw_connects_to_a_groups_port_are_shed_by_a_rebuild(spawn):
         for s in raw:
             s.close()
     _transfer(prefill, decode, "fourth")
+
+
+@pytest.mark.timeout(120)
+def test_an_idle_pair_sheds_raw_connects(spawn):
+    """The same 300 raw connects to each side with no transfer after them (a pair used only through
+    shared memory never has one): the idle pair threads rebuild the group within a few idle checks."""
+    from pdserve.kv_transfer.pair_group import IDLE_CHECK_S
+
+    prefill = spawn("prefill", *BIG)
+    decode = spawn("decode", *BIG)
+    before = {p: listening_ports(p.pid) for p in (prefill, decode)}
+    _transfer(prefill, decode, "first")
+    ports = {p: _group_port(p.pid, before[p]) for p in (prefill, decode)}
+    files = {p: open_files(p.pid) for p in (prefill, decode)}
+    raw = []
+    for p in (prefill, decode):
+        raw += [socket.create_connection(("127.0.0.1", ports[p]), timeout=5) for _ in range(300)]
+    try:
+        deadline = time.monotonic() + 4 * IDLE_CHECK_S + 10
+        while time.monotonic() < deadline:
+            if all(open_files(p.pid) < files[p] + 20 for p in (prefill, decode)):
+                break
+            time.sleep(0.5)
+        for p in (prefill, decode):
+            assert open_files(p.pid) < files[p] + 20, (p.pid, files[p], open_files(p.pid))
+            assert ports[p] not in listening_ports(p.pid)
+    finally:
+        for s in raw:
+            s.close()
+    _transfer(prefill, decode, "second")  # the rebuilt group serves
