@@ -25,13 +25,13 @@ up: $(STAMP)
 test: $(STAMP)
 	$(BIN)/ruff check .
 	$(MAKE) --no-print-directory typecheck
-	$(BIN)/python -m pytest -m "not slow" --durations=15
+	$(BIN)/python -P -m pytest -m "not slow" --durations=15
 
 ## Lint and type-check, then every test, the soak and the long fault tests included (what CI runs)
 test-all: $(STAMP) browser
 	$(BIN)/ruff check .
 	$(MAKE) --no-print-directory typecheck
-	$(BIN)/python -m pytest --durations=15
+	$(BIN)/python -P -m pytest --durations=15
 
 ## Chromium and chromedriver from the system packages, for the dashboard's browser test (as root or with sudo)
 browser:

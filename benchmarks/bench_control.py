@@ -7,7 +7,7 @@ back from the prefill, and one TokenBatch per output token from the decode. The 
 opening the room to the last token and PrefillDone both being in the gateway's room. Unkeyed and
 keyed rounds alternate, so drift on a shared machine hits both alike.
 
-    python -m pdserve.bench.bench_control [--requests 300] [--tokens 16] [--prompt 512] [--rounds 4]
+    python -P -m pdserve.bench.bench_control [--requests 300] [--tokens 16] [--prompt 512] [--rounds 4]
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """Kernel benchmark: correctness and speed of every Triton kernel against torch, on one GPU.
 
-    python -m pdserve.bench.bench_kernels
+    python -P -m pdserve.bench.bench_kernels
 
 Memory-bound kernels are reported as achieved bandwidth (bytes that must move / time) next to
 the device's copy bandwidth measured in the same run (a plain device-to-device `copy_`).

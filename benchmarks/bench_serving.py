@@ -45,6 +45,7 @@ import httpx
 import numpy as np
 
 from pdserve.progress import Counter, stderr
+from pdserve.supervisor import pdserve_command
 
 BACKEND_PATHS = {
     "openai-chat": "/v1/chat/completions",
@@ -593,7 +594,7 @@ class Launched:
 def pdserve_up_argv(port: int, log_dir: str, *flags: str) -> list[str]:
     """`pdserve up` on `port`, its workers' logs in `log_dir`, then each string of extra flags split."""
     extra = [f for chunk in flags for f in shlex.split(chunk)]
-    return [sys.executable, "-m", "pdserve.cli", "up", "--port", str(port), "--log-dir", log_dir, *extra]
+    return pdserve_command("up", "--port", str(port), "--log-dir", log_dir, *extra)
 
 
 def launch(

@@ -10,7 +10,7 @@ time.monotonic() clocks agree. Each transport (--transports) runs in its own pai
 over the gloo pair group, `shm` with the prefill's pool in shared memory, copied by the decode
 (kv_transfer/shm.py); the ratio column is shm over dist throughput.
 
-    python -m pdserve.bench.bench_transfer [--tokens 1024 4096 16384] [--reps 3] [--transports dist shm]
+    python -P -m pdserve.bench.bench_transfer [--tokens 1024 4096 16384] [--reps 3] [--transports dist shm]
 """
 
 from __future__ import annotations

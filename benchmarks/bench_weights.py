@@ -9,7 +9,7 @@ wait for every worker's commit (each applies it after the step it is in); `in wo
 between the bundled weights and a copy with the final norm rescaled (made in a temporary folder);
 from distributed, this process is the trainer (rank 0) and broadcasts every tensor of the model.
 
-    python -m pdserve.bench.bench_weights [--rounds 3] [--streams 4] [--max-new-tokens 96]
+    python -P -m pdserve.bench.bench_weights [--rounds 3] [--streams 4] [--max-new-tokens 96]
 """
 
 from __future__ import annotations
@@ -21,7 +21,6 @@ import shutil
 import signal
 import socket
 import statistics
-import sys
 import tempfile
 import threading
 import time
@@ -34,7 +33,7 @@ from pdserve.model_source import resolve_model_source
 from pdserve.port_file import wait_port_file
 from pdserve.runtime.loader import model_folder
 from pdserve.runtime.weights_group import WeightsGroup
-from pdserve.supervisor import signal_group, spawn
+from pdserve.supervisor import pdserve_command, signal_group, spawn
 
 PROMPTS = [
     "The history of the printing press",
@@ -103,7 +102,7 @@ def main(argv: list[str] | None = None) -> None:
     second = os.path.join(tmp, "rescaled")
     make_second_checkpoint(base, second)
     port_file = os.path.join(tmp, "ports")
-    argv_up = [sys.executable, "-m", "pdserve.cli", "up", "--port", "0", "--port-file", port_file]
+    argv_up = pdserve_command("up", "--port", "0", "--port-file", port_file)
     argv_up += ["--max-total-tokens", "8192", "--log-dir", tmp]
     proc = spawn(argv_up, os.path.join(tmp, "up.log"))
     try:

@@ -42,6 +42,8 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from pdserve.supervisor import pdserve_command
+
 # Run from a checkout's root (the tests, the lists and the sources are read from there); pdserve itself
 # may be installed elsewhere, as on the GPU machine.
 ROOT = Path.cwd()
@@ -112,10 +114,6 @@ def _cuda_available() -> bool:
     import torch
 
     return bool(torch.cuda.is_available())
-
-
-def _pdserve(*args: str) -> list[str]:
-    return [sys.executable, "-m", "pdserve.cli", *args]
 
 
 # ---- stages -------------------------------------------------------------------------------------------
@@ -240,11 +238,13 @@ def stage_packaging(run: Run) -> StageResult:
 def stage_kernel_tests(run: Run) -> StageResult:
     if run.cuda:
         env = {"TRITON_INTERPRET": "0"}
-        rc, tail = run.cmd("kernel_tests", [sys.executable, "-m", "pytest", "-q", "tests/kernels"], 300, env)
+        rc, tail = run.cmd(
+            "kernel_tests", [sys.executable, "-P", "-m", "pytest", "-q", "tests/kernels"], 300, env
+        )
     else:  # the GPU-only tests must at least still be collected
         rc, tail = run.cmd(
             "kernel_tests",
-            [sys.executable, "-m", "pytest", "-q", "--collect-only", "-m", "gpu", "tests/kernels"],
+            [sys.executable, "-P", "-m", "pytest", "-q", "--collect-only", "-m", "gpu", "tests/kernels"],
             120,
         )
     summary = tail.strip().splitlines()[-1] if tail.strip() else ""
@@ -252,7 +252,7 @@ def stage_kernel_tests(run: Run) -> StageResult:
 
 
 def stage_kernel_bench(run: Run) -> StageResult:
-    rc, tail = run.cmd("kernel_bench", _pdserve("bench", "kernels"), 240)
+    rc, tail = run.cmd("kernel_bench", pdserve_command("bench", "kernels"), 240)
     verdicts = re.findall(r"(WRONG|MISSED)", tail)
     status = "ok" if rc == 0 and "WRONG" not in verdicts else "failed"
     note = "" if run.cuda else " (no CUDA: the interpreted smoke check only)"
@@ -294,10 +294,12 @@ def _bundled_model() -> str | None:
 
 
 def stage_engine_bench(run: Run, model_path: str | None) -> StageResult | None:
-    argv = _pdserve("bench", "engine", "--device", "cuda", "--dtype", "bfloat16", "--batch-sizes", "1,16,64")
+    argv = pdserve_command(
+        "bench", "engine", "--device", "cuda", "--dtype", "bfloat16", "--batch-sizes", "1,16,64"
+    )
     argv += ["--model-path", model_path] if model_path else []
     if not run.cuda:
-        return StageResult("engine_bench", "skipped", 0.0, "needs CUDA: " + shlex.join(argv[2:]))
+        return StageResult("engine_bench", "skipped", 0.0, "needs CUDA: " + shlex.join(_cli_args(argv)))
     rc, tail = run.cmd("engine_bench", argv, 300)
     return StageResult(
         "engine_bench", "ok" if rc == 0 else "failed", 0.0, tail.strip().splitlines()[-1][:200]
@@ -306,11 +308,13 @@ def stage_engine_bench(run: Run, model_path: str | None) -> StageResult | None:
 
 def cluster_commands(port: int, model_path: str | None, log_dir: str) -> tuple[list[str], list[str]]:
     """`pdserve up` on the one GPU and the serving benchmark against it."""
-    up = _pdserve("up", "--device", "cuda", "--port", str(port), "--log-dir", log_dir)
+    up = pdserve_command("up", "--device", "cuda", "--port", str(port), "--log-dir", log_dir)
     up += ["--model-path", model_path] if model_path else []
     # Two processes share the device: each gets a KV pool of its own, staged hand-off through the host.
     up += ["--", "--kv-transfer-backend", "gloo", "--mem-fraction-static", "0.3"]
-    bench = _pdserve("bench", "serving", "--base-url", f"http://127.0.0.1:{port}", "--max-concurrency", "64")
+    bench = pdserve_command(
+        "bench", "serving", "--base-url", f"http://127.0.0.1:{port}", "--max-concurrency", "64"
+    )
     bench += ["--num-prompts", "256", "--dataset", "random", "--random-input-len", "512"]
     bench += [
         "--random-output-len",
@@ -327,7 +331,7 @@ def stage_cluster(run: Run, model_path: str | None) -> StageResult:
     if not run.cuda:
         _parse_only(up, bench)
         return StageResult(
-            "cluster", "skipped", 0.0, "needs CUDA (command lines parsed): " + shlex.join(up[2:])
+            "cluster", "skipped", 0.0, "needs CUDA (command lines parsed): " + shlex.join(_cli_args(up))
         )
     import httpx
 
@@ -375,10 +379,15 @@ def _parse_only(up: list[str], bench: list[str]) -> None:
 
     parser = argparse.ArgumentParser()
     launcher.add_cli_args(parser)
-    _, rest = parser.parse_known_args(up[4:])
+    _, rest = parser.parse_known_args(_cli_args(up)[1:])  # after "up"
     if rest and rest[0] != "--":
         raise ValueError(f"pdserve up does not take {rest}")
-    bench_serving.parse_args(bench[5:])
+    bench_serving.parse_args(_cli_args(bench)[2:])  # after "bench serving"
+
+
+def _cli_args(argv: list[str]) -> list[str]:
+    """A pdserve command line from `pdserve.cli` on: what follows the interpreter and its options."""
+    return argv[argv.index("pdserve.cli") + 1 :]
 
 
 # ---- the run ----------------------------------------------------------------------------------------

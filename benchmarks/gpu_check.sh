@@ -20,7 +20,7 @@ elif ls .gpu/model.part-* >/dev/null 2>&1; then
 fi
 mkdir -p "$out"
 set +e
-python3 -m pdserve.cli bench gpu --out "$out" "${model[@]}" "$@" 2>&1 | tee "$out/run.log"
+python3 -P -m pdserve.cli bench gpu --out "$out" "${model[@]}" "$@" 2>&1 | tee "$out/run.log"
 status=${PIPESTATUS[0]}
 tar -czf "$out/logs.tar.gz" -C "$out" logs && rm -rf "$out/logs"
 exit "$status"

@@ -31,7 +31,7 @@ from pdserve.cluster_auth import add_secret_arg
 from pdserve.config import GRAMMAR_COMPILE_TIMEOUT_S
 from pdserve.cpu_share import CPU_SHARING, cpu_share
 from pdserve.launcher import start_gateway
-from pdserve.supervisor import Child, Supervisor
+from pdserve.supervisor import Child, Supervisor, pdserve_command
 
 
 def _gpu_list(text: str | None) -> list[str]:
@@ -155,7 +155,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
 
 def plan(args: argparse.Namespace, control_port: int | None = None) -> list[Child]:
     """Every process to start, gateway first; local workers dial `control_port` (default: the flags')."""
-    exe = [args.python, "-m", "pdserve.cli"]
+    exe = pdserve_command(python=args.python)
     model = ["--model-path", args.model_path] if args.model_path else []
     # The path only: the secret itself never goes on a command line (env PDSERVE_CLUSTER_SECRET passes through).
     model += ["--cluster-secret-file", args.cluster_secret_file] if args.cluster_secret_file else []

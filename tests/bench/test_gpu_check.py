@@ -7,18 +7,18 @@ from __future__ import annotations
 
 import json
 import subprocess
-import sys
 
 import pytest
 
 from pdserve.bench import gpu_check
+from pdserve.supervisor import pdserve_command
 
 
 @pytest.mark.timeout(600)
 def test_dry_run(tmp_path):
     out = tmp_path / "out"
     r = subprocess.run(
-        [sys.executable, "-m", "pdserve.cli", "bench", "gpu", "--dry-run", "--out", str(out)],
+        pdserve_command("bench", "gpu", "--dry-run", "--out", str(out)),
         capture_output=True,
         text=True,
         timeout=580,

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import time
 
 import httpx
@@ -17,30 +16,20 @@ from harness import start_up
 PX_TOL = 3.0  # pixels
 
 
-def _browser() -> tuple[str, str] | None:
-    chrome = next(
-        (p for p in map(shutil.which, ("chromium", "chromium-browser", "google-chrome")) if p), None
-    )
-    driver = shutil.which("chromedriver")
-    return (chrome, driver) if chrome and driver else None
-
-
 @pytest.fixture
-def browser():
-    found = _browser()
-    if found is None:
-        if os.environ.get("CI"):
-            pytest.fail("no Chromium and chromedriver on CI (make test-all installs them: `make browser`)")
-        pytest.skip("no Chromium and chromedriver (`make browser` installs them from the system packages)")
+def browser(require_tool):
+    hint = "`make browser` installs them from the system packages; make test-all runs it"
+    chrome = require_tool("chromium", "chromium-browser", "google-chrome", hint=hint)
+    driver = require_tool("chromedriver", hint=hint)
     from selenium import webdriver
     from selenium.webdriver.chrome.service import Service
 
     opts = webdriver.ChromeOptions()
-    opts.binary_location = found[0]
+    opts.binary_location = chrome
     for a in ("--headless=new", "--no-sandbox", "--disable-dev-shm-usage", "--window-size=1280,900"):
         opts.add_argument(a)
     opts.set_capability("goog:loggingPrefs", {"browser": "ALL"})
-    d = webdriver.Chrome(options=opts, service=Service(found[1]))
+    d = webdriver.Chrome(options=opts, service=Service(driver))
     try:
         yield d
     finally:

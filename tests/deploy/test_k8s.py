@@ -18,10 +18,9 @@ import shutil
 import subprocess
 from pathlib import Path
 
+import kubernetes_validate
 import pytest
-
-yaml = pytest.importorskip("yaml")
-kubernetes_validate = pytest.importorskip("kubernetes_validate")
+import yaml
 
 REPO = Path(__file__).resolve().parents[2]
 K8S = REPO / "deploy" / "k8s"
@@ -32,15 +31,14 @@ POD_IP, POD_NAME = "10.1.2.3", "pdserve-x-0"
 
 
 @pytest.fixture(scope="module", params=OVERLAYS)
-def built(request, tmp_path_factory) -> tuple[str, list[dict]]:
-    if shutil.which("kubectl") is None:
-        pytest.skip("kubectl is not installed")
+def built(request, tmp_path_factory, require_tool) -> tuple[str, list[dict]]:
+    kubectl = require_tool("kubectl", hint="the test extra installs it: pip install -e '.[test]'")
     # A copy with the cluster secret file a deployment makes first (it is never committed).
     k8s = tmp_path_factory.mktemp("k8s") / "k8s"
     shutil.copytree(K8S, k8s)
     (k8s / "base" / "cluster-secret").write_text(secrets.token_hex(32))
     out = subprocess.run(
-        ["kubectl", "kustomize", str(k8s / "overlays" / request.param)],
+        [kubectl, "kustomize", str(k8s / "overlays" / request.param)],
         capture_output=True,
         text=True,
         timeout=60,

@@ -40,13 +40,18 @@ def _clean_env(monkeypatch):
         monkeypatch.delenv(var, raising=False)
 
 
+def _role_args(argv: list[str]) -> list[str]:
+    """`argv` from the pdserve command on: its role, then the role's flags."""
+    return argv[argv.index("pdserve.cli") + 1 :]
+
+
 def _parse_worker(argv: list[str]):
     from pdserve.config import add_worker_args, worker_config_from_args
 
-    role = argv[3]
+    role, *flags = _role_args(argv)
     p = argparse.ArgumentParser(exit_on_error=False)
     add_worker_args(p, role)
-    args, unknown = p.parse_known_args(argv[4:])
+    args, unknown = p.parse_known_args(flags)
     return worker_config_from_args(args, role), unknown
 
 
@@ -189,7 +194,7 @@ def test_up_passes_the_prefill_policy_to_the_gateway():
         argv = gateway_command(parser.parse_args(["--prefill-policy", policy]))
         gw = argparse.ArgumentParser()
         add_gateway_args(gw)
-        assert config_from_args(gw.parse_args(argv[4:])).prefill_policy == policy
+        assert config_from_args(gw.parse_args(_role_args(argv)[1:])).prefill_policy == policy
     with pytest.raises(SystemExit):
         parser.parse_args(["--prefill-policy", "random"])
 
@@ -205,7 +210,7 @@ def test_up_binds_internal_sockets_to_loopback_and_hands_the_secret_by_environme
     args = parser.parse_args([])
     gw = argparse.ArgumentParser()
     add_gateway_args(gw)
-    assert config_from_args(gw.parse_args(gateway_command(args)[4:])).control_host == "127.0.0.1"
+    assert config_from_args(gw.parse_args(_role_args(gateway_command(args))[1:])).control_host == "127.0.0.1"
     for _, argv in worker_commands(args)[1:]:
         cfg, unknown = _parse_worker(argv)
         assert cfg.host == "127.0.0.1" and cfg.gateway_addr.startswith("127.0.0.1:") and unknown == []

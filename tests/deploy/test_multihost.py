@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import signal
 import subprocess
 import sys
@@ -68,9 +67,10 @@ def addr(host: str) -> str:
 
 
 @pytest.fixture
-def hosts():
-    if os.geteuid() != 0 or shutil.which("ip") is None:
-        pytest.skip("needs root and iproute2")
+def hosts(require_tool):
+    if os.geteuid() != 0:
+        pytest.skip("needs root")
+    require_tool("ip", hint="from iproute2")
     nets = Namespaces()
     try:
         try:

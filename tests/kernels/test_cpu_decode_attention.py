@@ -184,7 +184,9 @@ def _load_in_subprocess(env_extra: dict[str, str]) -> subprocess.CompletedProces
         "print(c.load(), type(make_attention_backend('auto', torch.device('cpu'))).__name__)\n"
     )
     env = {**os.environ, **env_extra}
-    return subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    return subprocess.run(
+        [sys.executable, "-P", "-c", code], env=env, capture_output=True, text=True, timeout=120
+    )
 
 
 def test_a_lock_left_by_a_killed_build_does_not_hang_the_next_worker():

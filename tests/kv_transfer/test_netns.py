@@ -7,7 +7,6 @@ deleted, also when the test fails.
 from __future__ import annotations
 
 import os
-import shutil
 import signal
 import subprocess
 import time
@@ -25,10 +24,11 @@ def _ip(*args: str, check: bool = True) -> subprocess.CompletedProcess:
 
 
 @pytest.fixture
-def two_hosts():
+def two_hosts(require_tool):
     """Two namespaces `prefill` and `decode` with a veth link; yields their names, addresses, interfaces."""
-    if os.geteuid() != 0 or shutil.which("ip") is None:
-        pytest.skip("needs root and the ip tool")
+    if os.geteuid() != 0:
+        pytest.skip("needs root")
+    require_tool("ip", hint="from iproute2")
     tag = f"{os.getpid() % 100000}"
     ns_p, ns_d = f"pdkv_p{tag}", f"pdkv_d{tag}"
     if_p, if_d = f"kvp{tag}", f"kvd{tag}"  # interface names stay under 15 characters

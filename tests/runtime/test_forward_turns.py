@@ -32,7 +32,7 @@ for _ in range(n):
 
 def _taker(path: str, n: int, hold: float) -> subprocess.Popen[str]:
     p = subprocess.Popen(
-        [sys.executable, "-c", TAKER, path, str(n), str(hold)], stdout=subprocess.PIPE, text=True
+        [sys.executable, "-P", "-c", TAKER, path, str(n), str(hold)], stdout=subprocess.PIPE, text=True
     )
     assert p.stdout is not None and p.stdout.readline().strip() == "ready"
     return p
@@ -132,7 +132,7 @@ with turns.turn() as turn:
 def test_a_long_forward_lets_a_waiting_worker_run_between_its_layers(tmp_path):
     path = str(tmp_path / "cpu-forward.lock")
     long = subprocess.Popen(
-        [sys.executable, "-c", LONG, path, "100", "0.02"], stdout=subprocess.PIPE, text=True
+        [sys.executable, "-P", "-c", LONG, path, "100", "0.02"], stdout=subprocess.PIPE, text=True
     )
     assert long.stdout is not None and long.stdout.readline().strip() == "ready"
     time.sleep(0.2)  # inside its turn

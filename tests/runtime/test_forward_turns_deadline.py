@@ -30,7 +30,7 @@ with turns.turn():
 
 
 def _stopped_holder(path: str, name: str) -> subprocess.Popen[str]:
-    p = subprocess.Popen([sys.executable, "-c", HOLDER, path, name], stdout=subprocess.PIPE, text=True)
+    p = subprocess.Popen([sys.executable, "-P", "-c", HOLDER, path, name], stdout=subprocess.PIPE, text=True)
     assert p.stdout is not None and p.stdout.readline().strip() == "in turn"
     os.kill(p.pid, signal.SIGSTOP)
     return p
@@ -54,7 +54,7 @@ def _timed_turn(turns: ForwardTurns, limit_s: float) -> float | None:
 def _lock_is_free(path: str) -> bool:
     """Whether another process could take the turn now (a probe in its own process)."""
     probe = "import fcntl, os, sys\nfd = os.open(sys.argv[1], os.O_RDWR)\ntry:\n    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)\nexcept BlockingIOError:\n    sys.exit(1)\n"
-    return subprocess.run([sys.executable, "-c", probe, path]).returncode == 0
+    return subprocess.run([sys.executable, "-P", "-c", probe, path]).returncode == 0
 
 
 @pytest.mark.timeout(60)

@@ -6,7 +6,6 @@ import json
 import os
 import shutil
 import subprocess
-import sys
 
 import pytest
 
@@ -15,6 +14,7 @@ from pdserve.runtime.loader import load_model
 from pdserve.runtime.model_config import SUPPORTED_ARCHITECTURES, UnsupportedModelError
 from pdserve.runtime.runner import ContextLengthError
 from pdserve.sampling_params import SamplingParams
+from pdserve.supervisor import pdserve_command
 
 
 def test_unknown_architecture_names_the_supported_ones(tmp_path):
@@ -106,7 +106,7 @@ def test_bad_token_ids(tiny_engine, bad, message):
 @pytest.mark.timeout(120)
 def test_cli_generate_with_missing_model_exits_2():
     proc = subprocess.run(
-        [sys.executable, "-m", "pdserve.cli", "generate", "hi", "--model-path", "/nonexistent"],
+        pdserve_command("generate", "hi", "--model-path", "/nonexistent"),
         capture_output=True,
         text=True,
         timeout=110,

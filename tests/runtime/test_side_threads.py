@@ -53,7 +53,7 @@ t.join()
 
 def _sleeps(mode: str) -> int:
     out = subprocess.run(
-        [sys.executable, "-c", SCRIPT, mode], capture_output=True, text=True, timeout=120, check=True
+        [sys.executable, "-P", "-c", SCRIPT, mode], capture_output=True, text=True, timeout=120, check=True
     )
     return int(out.stdout.split()[-1])
 
