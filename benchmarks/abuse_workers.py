@@ -87,13 +87,13 @@ def heavy_grammar(t: Target) -> tuple[str, bool]:
 
 
 def stopped_prefill(t: Target) -> tuple[str, bool]:
-    """SIGSTOP the prefill worker for 3.5 s (under the 5 s heartbeat timeout) during a 6k-token prefill: the decode keeps its turn at the
+    """SIGSTOP the prefill worker for 3.5 s (under the 5 s heartbeat timeout) during a 2k-token prefill: the decode keeps its turn at the
     cores (the normal stream goes on); the long request finishes after SIGCONT."""
     pid = t.pid("prefill")
     if pid is None:
         return "no prefill pid", False
     result: list[int] = []
-    body = {"text": "lighthouse " * 6000, "sampling_params": {"max_new_tokens": 2}}
+    body = {"text": "lighthouse " * 2000, "sampling_params": {"max_new_tokens": 2}}
     th = threading.Thread(target=lambda: result.append(post(t, body, timeout=300).status_code))
     th.start()
     time.sleep(1.0)

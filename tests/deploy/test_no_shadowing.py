@@ -95,6 +95,6 @@ def test_every_pdserve_child_is_started_with_P():
         str(path.relative_to(REPO))
         for folder in folders
         for path in (REPO / folder).rglob("*.py")
-        if path not in own and '"-m", "pdserve' in path.read_text()
+        if path not in own and '"-m", "pdserve.cli"' in path.read_text()
     ]
     assert not offenders, f"build these command lines with pdserve_command: {offenders}"
