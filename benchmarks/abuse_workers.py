@@ -125,9 +125,9 @@ def _listening_ports(pid: int) -> list[int]:
 
 def raw_worker_connects(t: Target) -> tuple[str, bool]:
     """300 raw TCP connections to every port each worker listens on (gloo, KV bootstrap, health),
-    held 3 s and closed, then small requests (a KV transfer each) for at most 20 s: each worker's
+    held 3 s and closed, then small requests (a KV hand-off each) for at most 20 s: each worker's
     descriptors come back to where they were (gloo keeps a raw connection until its group is rebuilt,
-    which a transfer does)."""
+    which the pair's thread does within its 5 s check)."""
     parts, ok = [], True
     for name, pid in sorted(t.pids.items()):
         if name == "gateway":

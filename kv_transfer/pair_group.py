@@ -21,6 +21,7 @@ import collections
 import os
 import queue
 import threading
+import time
 from datetime import timedelta
 from typing import Generic, Protocol, TypeVar, cast
 
@@ -46,7 +47,8 @@ SENDER_RANK = 0
 RECEIVER_RANK = 1
 # Connections a group's gloo listener may hold beyond its peer's before the pair rebuilds the group.
 MAX_STRAY_CONNECTIONS = 64
-IDLE_CHECK_S = 5.0  # how often an idle pair thread looks for stray connections
+STRAY_CHECK_S = 5.0  # how often a pair thread looks for stray connections on its group's port
+_NO_JOB = object()  # the job queue's wait ended at a check's time
 _TCP_LISTEN = "0A"  # the state column of /proc/net/tcp
 
 
@@ -344,24 +346,29 @@ class PairThread(Generic[J]):
 
     def _run(self) -> None:
         serial_openmp()  # its page copies must not start a second OpenMP team (pdserve/side_threads.py)
+        next_check = time.monotonic() + STRAY_CHECK_S
         while True:
             try:
-                job = self._jobs.get(timeout=IDLE_CHECK_S)
+                job: J | None | object = self._jobs.get(timeout=max(0.0, next_check - time.monotonic()))
             except queue.Empty:
-                self._idle()
-                continue
+                job = _NO_JOB
             if job is None:
                 break
-            self._handle(job)
+            if job is not _NO_JOB:
+                self._handle(job)  # type: ignore[arg-type]  # a J: neither None nor _NO_JOB
+            if time.monotonic() >= next_check:
+                self._shed_strays()
+                next_check = time.monotonic() + STRAY_CHECK_S
         if self._group is not None:
             self._group.close()
 
     def _handle(self, job: J) -> None:
         raise NotImplementedError
 
-    def _idle(self) -> None:
-        """No job for IDLE_CHECK_S: a pair whose transfers all go through shared memory, or that is
-        not used, still sheds stray connections on its gloo port (see `stray_connections`)."""
+    def _shed_strays(self) -> None:
+        """Every STRAY_CHECK_S, between jobs: a pair whose transfers all go through shared memory (or
+        that is not used) has no gloo transfer that would shed stray connections on its group's port
+        (see `stray_connections`), so this does."""
 
     def _replace_group(self, *, store: PairStore, pair_id: str, gen: int, rank: int, local_host: str) -> None:
         """Close the current group, if any, and build a new one; raises what the build raises."""

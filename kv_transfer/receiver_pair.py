@@ -87,9 +87,9 @@ class ReceiverPair(PairThread[RecvJob | ShmJob | _Build]):
     def submit(self, job: RecvJob | ShmJob) -> None:
         self._jobs.put(job)
 
-    def _idle(self) -> None:
-        """A group whose gloo port holds stray connections is reported dead once, between transfers too:
-        the sender then builds a new one, and replacing this one closes its listener with them."""
+    def _shed_strays(self) -> None:
+        """A group whose gloo port holds stray connections is reported dead once, between jobs: the
+        sender then builds a new one, and replacing this one closes its listener with them."""
         group = self._group
         if group is None or group.gen == self._reported_gen:
             return

@@ -116,10 +116,10 @@ class SenderPair(PairThread[SendJob | _Build]):
         else:
             self._transfer(job)
 
-    def _idle(self) -> None:
+    def _shed_strays(self) -> None:
         """Rebuild a group whose gloo port holds stray connections, on this side or (reported dead by
-        the receiver) on the other, between transfers too: a pair used only through shared memory has
-        no transfer that would."""
+        the receiver) on the other, between jobs: a pair used only through shared memory has no gloo
+        transfer that would."""
         group = self._group
         if group is None:
             return
@@ -127,7 +127,7 @@ class SenderPair(PairThread[SendJob | _Build]):
         if group.gen != self.discard_gen and strays <= MAX_STRAY_CONNECTIONS:
             return
         log.warning(
-            "kv_transfer: rebuilding idle pair gen %d (%s)",
+            "kv_transfer: rebuilding pair gen %d (%s)",
             group.gen,
             f"{strays} stray connections on its gloo port"
             if strays > MAX_STRAY_CONNECTIONS

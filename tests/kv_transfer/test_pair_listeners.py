@@ -119,8 +119,8 @@ def test_raw_connects_to_a_groups_port_are_shed_by_a_rebuild(spawn):
 @pytest.mark.timeout(120)
 def test_an_idle_pair_sheds_raw_connects(spawn):
     """The same 300 raw connects to each side with no transfer after them (a pair used only through
-    shared memory never has one): the idle pair threads rebuild the group within a few idle checks."""
-    from pdserve.kv_transfer.pair_group import IDLE_CHECK_S
+    shared memory never has one): the pair threads rebuild the group within a few of their periodic checks."""
+    from pdserve.kv_transfer.pair_group import STRAY_CHECK_S
 
     prefill = spawn("prefill", *BIG)
     decode = spawn("decode", *BIG)
@@ -132,7 +132,7 @@ def test_an_idle_pair_sheds_raw_connects(spawn):
     for p in (prefill, decode):
         raw += [socket.create_connection(("127.0.0.1", ports[p]), timeout=5) for _ in range(300)]
     try:
-        deadline = time.monotonic() + 4 * IDLE_CHECK_S + 10
+        deadline = time.monotonic() + 4 * STRAY_CHECK_S + 10
         while time.monotonic() < deadline:
             if all(open_files(p.pid) < files[p] + 20 for p in (prefill, decode)):
                 break
