@@ -10,6 +10,7 @@ from pydantic import Field
 
 from pdserve.gateway.errors import ApiError, parse_json_body
 from pdserve.gateway.protocol import LenientModel, parse_body
+from pdserve.gateway.request_body import read_body
 
 router = APIRouter()
 
@@ -52,8 +53,13 @@ class PauseBody(LenientModel):
     mode: Literal["abort", "in_place", "retract"] = "abort"
 
 
+# A weights command is a few paths and names: its body has no reason to be large (413 past this).
+WEIGHTS_BODY_BYTES = 64 << 10
+
+
 async def _body(request: Request, model: type[LenientModel]) -> LenientModel:
-    raw = await request.body()
+    cfg = request.app.state.gw.cfg
+    raw = await read_body(request, WEIGHTS_BODY_BYTES, cfg.request_body_timeout_s)
     return parse_body(model, parse_json_body(raw) if raw.strip() else {})  # type: ignore[no-any-return]
 
 

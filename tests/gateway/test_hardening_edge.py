@@ -70,6 +70,13 @@ def test_the_default_body_limit_is_4_mib_and_the_413_says_so(cluster):
     assert "4194304 bytes" in err["message"] and "--max-request-bytes" in err["message"]
 
 
+def test_weights_and_abort_bodies_are_small(cluster):
+    """The admin endpoints' bodies are a few names: 64 KiB at most (they had no limit at all)."""
+    big = b'{"model_path": "' + b"a" * (100 << 10) + b'"}'
+    for path in ("/update_weights_from_disk", "/abort_request"):
+        _error(cluster.client.post(path, content=big), 413)
+
+
 def test_a_big_costly_body_is_parsed_off_the_event_loop(cluster):
     """Just under 4 MiB of empty lists took 2.5 s to parse on the event loop (json.loads and the
     model's checks); parsed in a thread with the collector paused, /health waits ~0.3 s at most."""
