@@ -419,7 +419,7 @@ class Generations:
         remaining = inp.received_ts + self.cfg.request_timeout_s - time.time()
         try:
             ev = await asyncio.wait_for(room.inbox.get(), timeout=max(0.0, remaining))
-        except asyncio.TimeoutError:  # an alias of TimeoutError from 3.11
+        except TimeoutError:  # asyncio.TimeoutError is this class from 3.11
             ev = None
         # A worker that saw the deadline (`GenerateRequest.deadline_s`) pass first: one error shape.
         if ev is None or (isinstance(ev, LegFailed) and ev.code == "deadline"):

@@ -57,7 +57,7 @@ async def health_generate(request: Request) -> Response:
         await asyncio.wait_for(collect(gw.generations, inp), HEALTH_GENERATE_TIMEOUT_S)
     except ApiError as e:
         return JSONResponse(error_body(503, f"health generation failed: {e.message}"), status_code=503)
-    except asyncio.TimeoutError:
+    except TimeoutError:
         msg = f"health generation did not finish within {HEALTH_GENERATE_TIMEOUT_S:g} s"
         return JSONResponse(error_body(503, msg), status_code=503)
     return Response(status_code=200)

@@ -1,7 +1,7 @@
 """One decoder layer of a CPU decode step in one operator call (cpu_decode_layer.cpp).
 
 The eager bf16 / fp16 CPU layer is ~16 operator calls, each a few microseconds of Python and dispatch:
-at batch 1 on 2 cores they added up to ~2 ms of a ~7 ms step once the int4 weight reads were fast. The
+at batch 1 on 2 cores they add up to ~2 ms of a ~7 ms step with the int4 kernel's weight reads. The
 C++ operator makes the same calls, in the same order, through the dispatcher, so it gives the eager
 layer's values exactly; the eager layer (runtime/models/llama.py) is its reference. It runs where every
 projection is a plain linear or a w4a16 linear with pdserve's int4 kernel, the layer has no per-head

@@ -1,7 +1,9 @@
 """The `pdserve_cpu` operator library: C++ CPU kernels built on first use.
 
 Sources: cpu_decode_attention.cpp (paged decode attention), cpu_fused_ops.cpp (RMSNorm, SiLU-and-mul
-and rotary in one pass each) and cpu_sampling.cpp (greedy sampling). `load()` compiles them (11.5 s cold, measured) with the host's compiler and instruction
+and rotary in one pass each), cpu_sampling.cpp (greedy sampling), cpu_quant_linear.cpp (int8 / int4
+weight-only linears) and cpu_decode_layer.cpp (a bf16 decoder layer as one operator), with the shared
+row helpers of cpu_rows.h. `load()` compiles them (11.5 s cold, measured) with the host's compiler and instruction
 set (`-march=native`) into `TORCH_EXTENSIONS_DIR` (default ~/.cache/torch_extensions), under a name that
 hashes the sources, the torch version and the CPU's flags, and later processes reuse the build. Where
 it cannot be built (no compiler, a build error), `load()` says why once and returns False, and every

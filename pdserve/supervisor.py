@@ -25,7 +25,7 @@ import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from enum import Enum
+from enum import StrEnum
 
 _PR_SET_PDEATHSIG = 1
 # Loaded once here: a forked child should not have to dlopen anything before it execs.
@@ -56,7 +56,7 @@ class RestartPolicy:
     window_s: float = 300.0
 
 
-class ChildState(str, Enum):
+class ChildState(StrEnum):
     RUNNING = "running"
     BACKOFF = "restarting"  # crashed; starts again at `restart_at`
     DRAINED = "drained"  # exited 0 on its own: let go

@@ -103,7 +103,7 @@ async def _one(client: httpx.AsyncClient, rng: random.Random, i: int) -> tuple[s
         if leave:
             try:
                 await asyncio.wait_for(client.post("/generate", json=req), rng.uniform(0.01, 0.3))
-            except asyncio.TimeoutError:
+            except TimeoutError:
                 return "disconnected", time.monotonic() - t0
             return "ok", time.monotonic() - t0  # finished before the client left
         r = await client.post("/generate", json=req)
