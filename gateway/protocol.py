@@ -388,7 +388,8 @@ def build_sampling(
     if max_new_tokens is not None:
         values["max_new_tokens"] = max_new_tokens
     limit = values.get("max_new_tokens", SamplingParams.model_fields["max_new_tokens"].default)
-    if values.get("min_new_tokens", 0) > limit:
+    # (A negative max_new_tokens is SamplingParams' own 400 below.)
+    if "min_new_tokens" in values and limit >= 0 and values["min_new_tokens"] > limit:
         param = f"{param_prefix}.min_new_tokens" if param_prefix else "min_new_tokens"
         raise bad_request(f"{param}: {values['min_new_tokens']} is more than max_new_tokens ({limit})", param)
     try:

@@ -77,6 +77,18 @@ def test_weights_and_abort_bodies_are_small(cluster):
         _error(cluster.client.post(path, content=big), 413)
 
 
+def test_a_negative_max_new_tokens_is_a_400_not_a_500(cluster):
+    """max_new_tokens -1 without min_new_tokens raised a KeyError in the min/max check (a 500, found by
+    the random sampling parameters of tests/cluster/test_sampling_fuzz.py)."""
+    for sp in (
+        {"max_new_tokens": -1},
+        {"max_new_tokens": -1, "min_new_tokens": 2},
+        {"max_new_tokens": 1, "min_new_tokens": 2},
+    ):
+        err = _error(cluster.client.post("/generate", json={"text": "hi", "sampling_params": sp}))
+        assert "max_new_tokens" in err["message"] or "min_new_tokens" in err["message"], err
+
+
 def test_a_big_costly_body_is_parsed_off_the_event_loop(cluster):
     """Just under 4 MiB of empty lists took 2.5 s to parse on the event loop (json.loads and the
     model's checks); parsed in a thread with the collector paused, /health waits ~0.3 s at most."""
