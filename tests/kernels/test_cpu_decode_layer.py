@@ -8,7 +8,7 @@ import pytest
 import torch
 from torch.profiler import profile
 
-from pdserve.kernels import cpu_decode_layer
+from pdserve.kernels import cpu_decode_layer, cpu_quant_linear
 from pdserve.runtime.attention import TorchAttention
 from pdserve.runtime.attention_cpu import CpuAttention
 from pdserve.runtime.batch import ForwardBatch, ForwardMode
@@ -59,6 +59,11 @@ def test_each_layer_equals_the_eager_layer(tiny_folders, name, quantization, pre
         residual = None
         for layer in model.model.layers:
             weights = layer.decode_weights()
+            if quantization == "w4a16" and not cpu_quant_linear.support()[0]:
+                # This host builds no int4 kernel (AVX2 without VNNI): its w4a16 linears are another
+                # kind, and the layer keeps the eager path, as decode_weights documents.
+                assert weights is None
+                return
             assert weights is not None, "every layer of these models can run as one call"
             args = backend.decode_args(layer.layer_id, pool)
             got = cpu_decode_layer.decode_layer(
@@ -80,7 +85,10 @@ def _layer_calls(model, batch: ForwardBatch, pool: KVPool, backend) -> int:
 def test_the_forward_takes_one_call_per_layer_for_cpu_decode_batches(tiny_folders, quantization):
     loaded = load_model(tiny_folders["llama-untied"], dtype="bfloat16", quantization=quantization)
     batch, pool = _decode_case(loaded, [3, 9])
-    assert _layer_calls(loaded.model, batch, pool, CpuAttention()) == loaded.spec.num_layers
+    # Without an int4 kernel on this host (AVX2 without VNNI) w4a16 layers keep the eager path.
+    one_call = quantization != "w4a16" or cpu_quant_linear.support()[0]
+    want = loaded.spec.num_layers if one_call else 0
+    assert _layer_calls(loaded.model, batch, pool, CpuAttention()) == want
     # the torch attention backend (the reference) and prefills keep the eager layers
     assert _layer_calls(loaded.model, batch, pool, TorchAttention()) == 0
     prefill = ForwardBatch.build(ForwardMode.EXTEND, [[1, 2, 3]], [0], [[0]], PAGE)
