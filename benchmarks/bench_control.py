@@ -26,7 +26,7 @@ from pdserve.gateway.metrics import GatewayMetrics
 from pdserve.gateway.workers import WorkerRegistry
 from pdserve.protocol import gateway as m
 from pdserve.sampling_params import SamplingParams
-from pdserve.worker_link import WorkerLink
+from pdserve.worker.link import WorkerLink
 
 FINGERPRINT = {"architecture": "bench", "page_size": 16}
 

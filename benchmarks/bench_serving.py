@@ -44,8 +44,8 @@ from dataclasses import asdict, dataclass, field, replace
 import httpx
 import numpy as np
 
+from pdserve.launch.supervisor import pdserve_command
 from pdserve.progress import Counter, stderr
-from pdserve.supervisor import pdserve_command
 
 BACKEND_PATHS = {
     "openai-chat": "/v1/chat/completions",

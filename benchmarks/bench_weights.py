@@ -29,11 +29,11 @@ import httpx
 import torch
 from safetensors.torch import load_file, save_file
 
+from pdserve.launch.supervisor import pdserve_command, signal_group, spawn
 from pdserve.model_source import resolve_model_source
 from pdserve.port_file import wait_port_file
 from pdserve.runtime.loader import model_folder
 from pdserve.runtime.weights_group import WeightsGroup
-from pdserve.supervisor import pdserve_command, signal_group, spawn
 
 PROMPTS = [
     "The history of the printing press",

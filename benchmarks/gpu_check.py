@@ -42,7 +42,7 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from pdserve.supervisor import pdserve_command
+from pdserve.launch.supervisor import pdserve_command
 
 # Run from a checkout's root (the tests, the lists and the sources are read from there); pdserve itself
 # may be installed elsewhere, as on the GPU machine.
@@ -374,8 +374,8 @@ def stage_cluster(run: Run, model_path: str | None) -> StageResult:
 
 def _parse_only(up: list[str], bench: list[str]) -> None:
     """The command lines are accepted by pdserve's own parsers (flags renamed elsewhere fail here)."""
-    from pdserve import launcher
     from pdserve.bench import bench_serving
+    from pdserve.launch import up as launcher
 
     parser = argparse.ArgumentParser()
     launcher.add_cli_args(parser)

@@ -13,6 +13,6 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
 
 def main(args: argparse.Namespace) -> int:
     from pdserve.decode.worker import DecodeWorker
-    from pdserve.worker_common import run_worker
+    from pdserve.worker.common import run_worker
 
     return run_worker("decode", args, DecodeWorker)

@@ -17,25 +17,26 @@ from typing import Any
 
 from pydantic import ValidationError
 
-from pdserve.cache_events import CacheEvents
 from pdserve.config import WorkerConfig
 from pdserve.decode.scheduler import DecodeScheduler
 from pdserve.decode.stepper import make_stepper
-from pdserve.drain import DrainSignal
 from pdserve.kv_transfer import KVReceiver, TransferState
 from pdserve.kv_transfer.config import worker_transfer_config
 from pdserve.protocol import gateway as m
 from pdserve.protocol.kv_trailer import FirstToken
 from pdserve.protocol.records import DecodeEvents, PrefillEvents, RequestStats
+from pdserve.protocol.vocabulary import FailCode
 from pdserve.runtime.batch import ForwardMode
 from pdserve.runtime.grammar import GrammarMatcher, GrammarWaits
 from pdserve.runtime.radix_cache import RadixCache
 from pdserve.runtime.request import Request, RequestState
 from pdserve.runtime.runner import ModelRunner, append_samples
 from pdserve.runtime.weight_update import WeightUpdater
-from pdserve.step_faults import Progress, StepFaults
-from pdserve.worker_common import loop_wait, make_clock, register_factory, serve_until_drained
-from pdserve.worker_link import WorkerLink
+from pdserve.worker.cache_events import CacheEvents
+from pdserve.worker.common import loop_wait, make_clock, register_factory, serve_until_drained
+from pdserve.worker.drain import DrainSignal
+from pdserve.worker.link import WorkerLink
+from pdserve.worker.step_faults import Progress, StepFaults
 
 log = logging.getLogger(__name__)
 
@@ -272,14 +273,14 @@ class DecodeWorker:
             if msg.traceparent is not None:
                 log.debug("room %s: traceparent %s", msg.room, msg.traceparent)
             if self.signals.draining.is_set():
-                self._fail(msg.room, "draining", "the decode worker is draining")
+                self._fail(msg.room, FailCode.DRAINING, "the decode worker is draining")
                 return
             try:
                 self.runner.check_fits(len(msg.input_ids), msg.sampling.max_new_tokens)
                 # Its matcher accepts the prefill's first token first (`_on_transfer_end`).
                 compiling = self.runner.grammar_future(msg.sampling)
             except ValueError as e:
-                self._fail(msg.room, "bad_request", str(e))
+                self._fail(msg.room, FailCode.BAD_REQUEST, str(e))
                 return
             constraint = msg.sampling.constraint
             if compiling is not None and constraint is not None:  # enters from `_admit_compiled`
@@ -333,7 +334,7 @@ class DecodeWorker:
                 self.stepper.forget(r)
                 self._forget(r.rid)
             msg = f"the request passed its deadline on decode worker {self.cfg.worker_id} ({state})"
-            self._fail(r.rid, "deadline", msg)
+            self._fail(r.rid, FailCode.DEADLINE, msg)
 
     def _on_transfer_end(
         self,
@@ -359,7 +360,7 @@ class DecodeWorker:
         if first is None:
             if self.sched.kv_failed(room) is not None:
                 self._forget(room)
-                self._fail(room, "transfer", f"KV transfer failed: {error}")
+                self._fail(room, FailCode.TRANSFER, f"KV transfer failed: {error}")
             return None
         r = self.sched.kv_arrived(room)
         if r is None:
@@ -413,9 +414,9 @@ class DecodeWorker:
             if removed is not None:
                 self.stepper.forget(removed)
             self._forget(room)
-        self._fail(room, m.FAIL_INTERNAL, self.faults.message(exc))
+        self._fail(room, FailCode.INTERNAL, self.faults.message(exc))
 
-    def _fail(self, room: str, code: str, message: str) -> None:
+    def _fail(self, room: str, code: FailCode, message: str) -> None:
         assert self.link is not None
         self.link.send(m.RequestFailed(room=room, role="decode", code=code, message=message))
 

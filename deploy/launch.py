@@ -13,7 +13,7 @@ with backoff (a crash-looping one every 30 s, never given up on); on SIGINT/SIGT
 SIGTERM to exactly those process groups (workers drain), waits `--stop-timeout`, then SIGKILLs
 what is left. A worker that exits 0 on its own (drained by a SIGTERM sent to it
 directly) is let go; the rest keep serving. Children die with the launcher, even when it is
-SIGKILLed. The supervision is `pdserve.supervisor`'s, shared with `pdserve up`: run this with an
+SIGKILLed. The supervision is `pdserve.launch.supervisor`'s, shared with `pdserve up`: run this with an
 interpreter that has pdserve installed (launch.sh takes it from $PYTHON).
 """
 
@@ -29,9 +29,9 @@ import urllib.request
 from pdserve import env as pdserve_env
 from pdserve.cluster_auth import add_secret_arg
 from pdserve.config import GRAMMAR_COMPILE_TIMEOUT_S
-from pdserve.cpu_share import CPU_SHARING, cpu_share
-from pdserve.launcher import start_gateway
-from pdserve.supervisor import Child, Supervisor, pdserve_command
+from pdserve.launch.cpu_share import CPU_SHARING, cpu_share
+from pdserve.launch.supervisor import Child, Supervisor, pdserve_command
+from pdserve.launch.up import start_gateway
 
 
 def _gpu_list(text: str | None) -> list[str]:
@@ -171,7 +171,7 @@ def plan(args: argparse.Namespace, control_port: int | None = None) -> list[Chil
     gateway = args.gateway or f"127.0.0.1:{args.control_port if control_port is None else control_port}"
     n_workers = len(args.prefill_slots) + len(args.decode_slots)
     # Every core for each worker; when they share cores, their forwards take turns (as `pdserve up`;
-    # pdserve/cpu_share.py).
+    # pdserve/launch/cpu_share.py).
     lock = os.path.abspath(os.path.join(args.log_dir, "cpu-forward.lock"))
     cpu = cpu_share(args.threads_per_worker, n_workers, args.cpu_sharing, lock)
     common = [

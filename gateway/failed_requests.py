@@ -1,6 +1,6 @@
 """Requests that made a worker's step raise (`RequestFailed` with code `internal`), remembered.
 
-The worker fails such a request and goes on (pdserve/step_faults.py); the gateway answers it 500 and
+The worker fails such a request and goes on (pdserve/worker/step_faults.py); the gateway answers it 500 and
 does not run it again elsewhere, since the fault goes with the request, not the worker. A request
 whose fingerprint (prompt ids and sampling parameters) failed that way `REFUSE_AFTER` times is
 refused before dispatch (422), so that one client cannot keep costing the workers failed steps. The

@@ -174,7 +174,7 @@ class WorkerRegistry:
         return self._workers.get(worker_id)
 
     def by_identity(self, identity: bytes) -> WorkerInfo | None:
-        # A worker's identity is `worker_id/<random>` (pdserve.worker_link), or its bare id.
+        # A worker's identity is `worker_id/<random>` (pdserve.worker.link), or its bare id.
         w = self._workers.get(identity.decode(errors="replace").split("/", 1)[0])
         if w is not None and w.identity == identity:
             return w

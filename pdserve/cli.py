@@ -25,7 +25,7 @@ BENCHMARKS = {
 
 # role -> module with `add_cli_args(parser)` and `main(args)`
 ROLES = {
-    "up": ("pdserve.launcher", "start a local cluster: gateway + prefill and decode workers"),
+    "up": ("pdserve.launch.up", "start a local cluster: gateway + prefill and decode workers"),
     "gateway": ("pdserve.gateway.cli", "run the HTTP gateway alone"),
     "prefill": ("pdserve.prefill.cli", "run one prefill worker"),
     "decode": ("pdserve.decode.cli", "run one decode worker"),

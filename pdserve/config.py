@@ -201,7 +201,7 @@ class WorkerConfig:
     waiting_timeout_s: float = WAITING_TIMEOUT_S
     register_timeout_s: float = 120.0
     drain_timeout_s: float = 600.0
-    # /livez, /readyz and /metrics for orchestrators (0: off); see pdserve/health.py.
+    # /livez, /readyz and /metrics for orchestrators (0: off); see pdserve/worker/health.py.
     health_port: int = 0
     # The cluster secret (pdserve/cluster_auth.py); None: PDSERVE_CLUSTER_SECRET, else unauthenticated.
     cluster_secret_file: str | None = None

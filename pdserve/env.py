@@ -19,7 +19,7 @@ read when a process starts (argument parsing) or when a path is first needed, ne
   GLOO_SOCKET_IFNAME      network interface of the KV pair groups when TransferConfig.socket_ifname
                           is unset (gloo's own variable)
   OMP_WAIT_POLICY         read by the launchers only to leave a user's choice alone (OpenMP's own)
-  GOMP_SPINCOUNT          the same (libgomp's own; pdserve/cpu_share.py)
+  GOMP_SPINCOUNT          the same (libgomp's own; pdserve/launch/cpu_share.py)
 
 deploy/launch.sh reads defaults for its flags of the same meaning (`launch_default`):
   PDSERVE_DEVICE, PDSERVE_PREFILL_GPUS, PDSERVE_DECODE_GPUS, PDSERVE_MODEL_PATH, PDSERVE_PORT,

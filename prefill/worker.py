@@ -17,9 +17,7 @@ from typing import Any
 
 import torch
 
-from pdserve.cache_events import CacheEvents
 from pdserve.config import WorkerConfig
-from pdserve.drain import DrainSignal
 from pdserve.kv_transfer import KVSender, TransferState
 from pdserve.kv_transfer.config import worker_transfer_config
 from pdserve.kv_transfer.shm import ShmError, shared_pool
@@ -27,6 +25,7 @@ from pdserve.protocol import gateway as m
 from pdserve.protocol.block_hash import block_hashes
 from pdserve.protocol.kv_trailer import FirstToken
 from pdserve.protocol.records import PrefillEvents
+from pdserve.protocol.vocabulary import FailCode
 from pdserve.runtime.batch import ForwardMode
 from pdserve.runtime.extend_scheduler import ExtendScheduler
 from pdserve.runtime.grammar import GrammarMatcher, GrammarWaits
@@ -36,9 +35,11 @@ from pdserve.runtime.request import Request, RequestState
 from pdserve.runtime.request_state import TERMINAL
 from pdserve.runtime.runner import ModelRunner, sample_first_tokens
 from pdserve.runtime.weight_update import WeightUpdater
-from pdserve.step_faults import Progress, StepFaults
-from pdserve.worker_common import loop_wait, make_clock, register_factory, serve_until_drained
-from pdserve.worker_link import WorkerLink
+from pdserve.worker.cache_events import CacheEvents
+from pdserve.worker.common import loop_wait, make_clock, register_factory, serve_until_drained
+from pdserve.worker.drain import DrainSignal
+from pdserve.worker.link import WorkerLink
+from pdserve.worker.step_faults import Progress, StepFaults
 
 log = logging.getLogger(__name__)
 
@@ -198,7 +199,7 @@ class PrefillWorker:
             if r is not None and r.state not in TERMINAL:
                 self._fail_internal(r, exc)
             else:
-                self._fail(msg.room, m.FAIL_INTERNAL, self.faults.message(exc))
+                self._fail(msg.room, FailCode.INTERNAL, self.faults.message(exc))
 
     def _stop(self, r: Request) -> bool:
         """End `r` on this node: its pages are freed now (False), or, with its transfer in flight,
@@ -220,20 +221,20 @@ class PrefillWorker:
             if self._stop(r):
                 self.expired.add(r.rid)
             msg = f"the request passed its deadline on prefill worker {self.cfg.worker_id} ({state})"
-            self.link.send(m.RequestFailed(room=r.rid, role="prefill", code="deadline", message=msg))
+            self.link.send(m.RequestFailed(room=r.rid, role="prefill", code=FailCode.DEADLINE, message=msg))
 
     def _admit(self, req: m.GenerateRequest) -> None:
         assert self.link is not None
         if req.traceparent is not None:
             log.debug("room %s: traceparent %s", req.room, req.traceparent)
         if self.signals.draining.is_set():
-            self._fail(req.room, "draining", "the prefill worker is draining")
+            self._fail(req.room, FailCode.DRAINING, "the prefill worker is draining")
             return
         try:
             self.runner.check_fits(len(req.input_ids), req.sampling.max_new_tokens)
             compiling = self.runner.grammar_future(req.sampling)  # the first token is sampled here
         except ValueError as e:
-            self._fail(req.room, "bad_request", str(e))
+            self._fail(req.room, FailCode.BAD_REQUEST, str(e))
             return
         constraint = req.sampling.constraint
         if compiling is not None and constraint is not None:  # enters from `_admit_compiled`
@@ -392,16 +393,16 @@ class PrefillWorker:
             self._forget(room)
         elif state is TransferState.FAILED:
             log.warning("KV transfer of %s failed: %s", room, error)
-            self._fail(room, "transfer", f"KV transfer failed: {error}")
+            self._fail(room, FailCode.TRANSFER, f"KV transfer failed: {error}")
 
     def _fail_internal(self, r: Request, exc: BaseException) -> None:
         """`r` fails with code `internal` through the abort path: its pages are freed, never cached."""
         r.kv_cacheable = False
         if self._stop(r):
             self.expired.add(r.rid)  # its transfer's end needs no second report
-        self._fail(r.rid, m.FAIL_INTERNAL, self.faults.message(exc))
+        self._fail(r.rid, FailCode.INTERNAL, self.faults.message(exc))
 
-    def _fail(self, room: str, code: str, message: str) -> None:
+    def _fail(self, room: str, code: FailCode, message: str) -> None:
         assert self.link is not None
         self._forget(room)
         self.link.send(m.RequestFailed(room=room, role="prefill", code=code, message=message))

@@ -10,10 +10,10 @@ import itertools
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
 
 from pdserve.config import RuntimeConfig
 from pdserve.protocol.records import RequestStats
+from pdserve.protocol.vocabulary import FinishReason
 from pdserve.runtime.batch import ForwardMode
 from pdserve.runtime.extend_scheduler import ExtendScheduler
 from pdserve.runtime.loader import LoadedModel
@@ -29,7 +29,7 @@ class GenerateOutput:
     rid: str
     prompt_ids: list[int]
     output_ids: list[int]
-    finish_reason: dict[str, Any]
+    finish_reason: FinishReason
     output_logprobs: list[float] = field(default_factory=list)
     output_top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
     prefill_seconds: float = 0.0
@@ -108,12 +108,13 @@ class Engine:
             self.stepper.forget(r)
             self.extend.retire(r, RequestState.FINISHED)
             t = self._times.pop(r.rid)
+            assert r.finish_reason is not None  # what `finished` means
             outs.append(
                 GenerateOutput(
                     r.rid,
                     r.prompt_ids,
                     r.output_ids,
-                    r.finish_reason or {},
+                    r.finish_reason,
                     r.output_logprobs,
                     r.output_top_logprobs,
                     t[1] - t[0],

@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
 
-from pdserve.runtime.grammar.matcher import DEAD_END, GrammarMatcher
+from pdserve.protocol.vocabulary import FinishReason, finish_dead_end, finish_length, finish_stop
+from pdserve.runtime.grammar.matcher import GrammarMatcher
 from pdserve.runtime.request_state import RequestState, check_transition
 from pdserve.sampling_params import SamplingParams
 
@@ -29,7 +29,7 @@ class Request:
     # Prompt logprobs from `params.logprob_start_len` on (prefill node; runtime/prompt_logprobs.py).
     input_logprobs: list[float | None] = field(default_factory=list)
     input_top_logprobs: list[list[tuple[int, float]] | None] = field(default_factory=list)
-    finish_reason: dict[str, Any] | None = None
+    finish_reason: FinishReason | None = None
     num_retractions: int = 0
     # The output constraint's matcher (runtime/grammar/), fed every appended token; None: free text.
     grammar: GrammarMatcher | None = None
@@ -89,13 +89,13 @@ class Request:
         if self.grammar is not None:
             if not self.grammar.accept(token):
                 # Only reachable when the mask allowed nothing: the grammar has no way forward.
-                self.finish_reason = {"type": DEAD_END, "message": "no token can continue the grammar"}
+                self.finish_reason = finish_dead_end()
                 return True
             if self.grammar.is_terminated():  # the grammar's end (its stop token) ends it like EOS
-                self.finish_reason = {"type": "stop", "matched": token}
+                self.finish_reason = finish_stop(token)
                 return True
         if token in p.stop_token_ids or (not p.ignore_eos and token in self.eos_token_ids):
-            self.finish_reason = {"type": "stop", "matched": token}
+            self.finish_reason = finish_stop(token)
         elif len(self.output_ids) >= p.max_new_tokens:
-            self.finish_reason = {"type": "length", "length": len(self.output_ids)}
+            self.finish_reason = finish_length(len(self.output_ids))
         return self.finished

@@ -15,6 +15,7 @@ from typing import Any
 import torch
 
 from pdserve.config import RuntimeConfig
+from pdserve.protocol.vocabulary import finish_length
 from pdserve.runtime.attention import make_attention_backend
 from pdserve.runtime.attention_cpu import CpuAttention
 from pdserve.runtime.batch import ForwardBatch, ForwardMode
@@ -246,7 +247,7 @@ def sample_first_tokens(runner: ModelRunner, done: list[Request], logits: torch.
     rows = [i for i, r in enumerate(done) if r.params.max_new_tokens > 0]
     for r in done:
         if r.params.max_new_tokens == 0:
-            r.finish_reason = {"type": "length", "length": 0}
+            r.finish_reason = finish_length(0)
     if len(rows) == len(done):
         append_samples(done, runner.sample(done, logits))
     elif rows:

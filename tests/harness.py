@@ -1,6 +1,6 @@
 """Real clusters for tests: `pdserve up`, or each role as its own process.
 
-Every process runs in its own process group, dies with the test run (pdserve.launcher.spawn) and is
+Every process runs in its own process group, dies with the test run (pdserve.launch.up.spawn) and is
 stopped by PID at teardown. Nothing uses a fixed port: the gateway binds port 0 and reports what it
 got in a port file; workers dial that.
 """
@@ -15,9 +15,9 @@ from dataclasses import dataclass, field
 
 import httpx
 
+from pdserve.launch.supervisor import pdserve_command, signal_group
+from pdserve.launch.supervisor import spawn as spawn_process
 from pdserve.port_file import wait_port_file
-from pdserve.supervisor import pdserve_command, signal_group
-from pdserve.supervisor import spawn as spawn_process
 
 # Small pools and one thread per worker: several workers share the 2 cores of a CI machine.
 # float32: the exactness reference (the tests compare with transformers and with the offline engine).

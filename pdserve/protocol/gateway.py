@@ -9,13 +9,14 @@ uses its `worker_id` as its zmq identity.
 
 from __future__ import annotations
 
-from typing import Annotated, Any, Literal, Union
+from typing import Annotated, Literal, Union
 
 from pydantic import Field, model_validator
 
 from pdserve.protocol.codec import Codec
 from pdserve.protocol.codec import Msg as _Msg
 from pdserve.protocol.records import DecodeEvents, PrefillEvents, RequestStats
+from pdserve.protocol.vocabulary import AbortReason, FailCode, FinishReason
 from pdserve.sampling_params import SamplingParams
 
 Role = Literal["prefill", "decode"]
@@ -209,7 +210,7 @@ class AbortRequest(_Msg):
 
     kind: Literal["abort"] = "abort"
     room: str
-    reason: str = ""
+    reason: AbortReason = AbortReason.CANCELLED
 
 
 class TokenOutput(_Msg):
@@ -221,8 +222,7 @@ class TokenOutput(_Msg):
     # For each token, [(token_id, logprob), ...] when top_logprobs_num > 0.
     top_logprobs: list[list[tuple[int, float]]] | None = None
     finished: bool = False
-    # {"type": "length", "length": N} | {"type": "stop", "matched": id} | {"type": "abort", "message": s}
-    finish_reason: dict[str, Any] | None = None
+    finish_reason: FinishReason | None = None
     # Sent with the first output (decode_entry, kv_ready) and the final one (finished).
     events: DecodeEvents | None = None
     # A local prefill's events (decode worker clock), with the first output: what PrefillDone carries
@@ -261,26 +261,13 @@ class PrefillDone(_Msg):
         return self
 
 
-# `RequestFailed.code`s the workers send (a str on the wire, so that a new one never makes a frame
-# malformed): what the gateway answers for each is its `_FAIL_STATUS` (gateway/generation.py).
-FAIL_BAD_REQUEST = "bad_request"  # the request cannot run here (too long, a grammar that fails): 400
-FAIL_DEADLINE = "deadline"  # past GenerateRequest.deadline_s: 504
-FAIL_DRAINING = "draining"  # the worker is leaving rotation: run again elsewhere
-FAIL_TRANSFER = "transfer"  # the KV transfer failed: run again elsewhere
-FAIL_OOM = "oom"
-# An exception while the worker computed for this request (pdserve/step_faults.py): the request
-# failed, the worker goes on. Not run again elsewhere: the gateway refuses a request after two (500).
-FAIL_INTERNAL = "internal"
-
-
 class RequestFailed(_Msg):
     """Worker -> gateway: this leg of `room` failed; the gateway aborts the other leg."""
 
     kind: Literal["failed"] = "failed"
     room: str
     role: Role
-    # Short machine-readable reason: one of the FAIL_* codes above.
-    code: str
+    code: FailCode
     message: str
 
 

@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-DEAD_END = "grammar_dead_end"
+DEAD_END = "grammar_dead_end"  # the finish reason type (pdserve/protocol/vocabulary.py DeadEndFinish)
 
 
 class GrammarMatcher:

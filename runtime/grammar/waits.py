@@ -20,6 +20,7 @@ from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any, Generic, TypeVar
 
+from pdserve.protocol.vocabulary import FailCode
 from pdserve.runtime.grammar.backend import CompileTimeout, InvalidGrammar
 from pdserve.runtime.grammar.matcher import GrammarMatcher
 
@@ -31,7 +32,7 @@ class Failed(Generic[T]):
     """A waiting request that fails: `code` as in `RequestFailed` (bad_request or deadline)."""
 
     item: T
-    code: str
+    code: FailCode
     message: str
 
 
@@ -87,18 +88,18 @@ class GrammarWaits(Generic[T]):
             if w.deadline_s is not None and clock > w.deadline_s:
                 del self._waits[room]
                 failed.append(
-                    Failed(w.item, "deadline", "the request passed its deadline (grammar compiling)")
+                    Failed(w.item, FailCode.DEADLINE, "the request passed its deadline (grammar compiling)")
                 )
             elif w.future.done():
                 del self._waits[room]
                 try:
                     ready.append((w.item, GrammarMatcher(w.future.result(), self.vocab_size)))
                 except InvalidGrammar as e:
-                    failed.append(Failed(w.item, "bad_request", str(e)))
+                    failed.append(Failed(w.item, FailCode.BAD_REQUEST, str(e)))
                 except Exception as e:  # cancelled by a closing backend
-                    failed.append(Failed(w.item, "bad_request", f"the {w.kind} constraint: {e!r}"))
+                    failed.append(Failed(w.item, FailCode.BAD_REQUEST, f"the {w.kind} constraint: {e!r}"))
             elif now > w.compile_deadline:
                 del self._waits[room]
                 timeout = CompileTimeout(w.kind, self.compile_timeout_s)
-                failed.append(Failed(w.item, "bad_request", str(timeout)))
+                failed.append(Failed(w.item, FailCode.BAD_REQUEST, str(timeout)))
         return ready, failed

@@ -8,7 +8,7 @@ import subprocess
 import pytest
 
 from pdserve.cli import BENCHMARKS
-from pdserve.supervisor import pdserve_command
+from pdserve.launch.supervisor import pdserve_command
 
 
 @pytest.mark.parametrize("name", sorted(BENCHMARKS))

@@ -11,7 +11,7 @@ import subprocess
 import pytest
 
 from pdserve.bench import gpu_check
-from pdserve.supervisor import pdserve_command
+from pdserve.launch.supervisor import pdserve_command
 
 
 @pytest.mark.timeout(600)

@@ -15,7 +15,7 @@ import zmq
 
 from pdserve.cluster_auth import ClusterKeys
 from pdserve.protocol import gateway as gw
-from pdserve.worker_link import WorkerLink
+from pdserve.worker.link import WorkerLink
 
 pytestmark = pytest.mark.timeout(300)
 

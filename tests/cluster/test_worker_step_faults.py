@@ -20,6 +20,7 @@ from pdserve.config import RuntimeConfig, WorkerConfig
 from pdserve.decode.worker import DecodeWorker
 from pdserve.prefill.worker import PrefillWorker
 from pdserve.protocol import gateway as m
+from pdserve.protocol.vocabulary import FailCode
 from pdserve.sampling_params import SamplingParams
 
 pytestmark = pytest.mark.timeout(600)
@@ -140,7 +141,7 @@ def decode():
 
 
 def _failed_internal(msg: m.Message, worker_id: str) -> None:
-    assert isinstance(msg, m.RequestFailed) and msg.code == m.FAIL_INTERNAL, msg
+    assert isinstance(msg, m.RequestFailed) and msg.code == FailCode.INTERNAL, msg
     assert worker_id in msg.message and "Error" in msg.message and "Traceback" not in msg.message, msg
 
 

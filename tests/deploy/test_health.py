@@ -1,4 +1,4 @@
-"""pdserve.health: a worker's /livez, /readyz and /metrics follow its link to a real gateway process."""
+"""pdserve.worker.health: a worker's /livez, /readyz and /metrics follow its link to a real gateway process."""
 
 from __future__ import annotations
 
@@ -8,10 +8,10 @@ import httpx
 import pytest
 from harness import start_gateway, stop_processes
 
-from pdserve.drain import DrainSignal
-from pdserve.health import HealthServer, start_health_server
 from pdserve.protocol import gateway as m
-from pdserve.worker_link import WorkerLink
+from pdserve.worker.drain import DrainSignal
+from pdserve.worker.health import HealthServer, start_health_server
+from pdserve.worker.link import WorkerLink
 
 
 @pytest.fixture(scope="module")
@@ -109,7 +109,7 @@ def test_a_worker_whose_kv_io_thread_died_is_unhealthy_leaves_rotation_and_exits
     from pdserve.config import RuntimeConfig, WorkerConfig
     from pdserve.kv_transfer import KVSender, TransferConfig
     from pdserve.kv_transfer.mailbox import Close
-    from pdserve.worker_common import EngineDead, serve_until_drained
+    from pdserve.worker.common import EngineDead, serve_until_drained
 
     sender = KVSender(torch.zeros(4, 1, 2, 4, 1, 8), {"arch": "a"}, "127.0.0.1", 0, TransferConfig())
     sender.start()

@@ -21,8 +21,8 @@ from pathlib import Path
 import httpx
 import pytest
 
+from pdserve.launch.supervisor import die_with
 from pdserve.port_file import wait_port_file
-from pdserve.supervisor import die_with
 
 REPO = Path(__file__).resolve().parents[2]
 

@@ -126,7 +126,7 @@ def test_cpu_workers_get_every_core_and_take_turns_when_they_share(launch, monke
     with --threads-per-worker shares nothing and sets nothing. A user's own OpenMP settings win."""
     import os
 
-    from pdserve.launcher import add_cli_args, cpu_plan, worker_commands
+    from pdserve.launch.up import add_cli_args, cpu_plan, worker_commands
 
     monkeypatch.delenv("OMP_WAIT_POLICY", raising=False)
     monkeypatch.delenv("GOMP_SPINCOUNT", raising=False)
@@ -171,7 +171,7 @@ def test_cpu_workers_get_every_core_and_take_turns_when_they_share(launch, monke
 
 
 def test_up_forwards_disable_radix_cache_to_every_worker():
-    from pdserve.launcher import add_cli_args, worker_commands
+    from pdserve.launch.up import add_cli_args, worker_commands
 
     parser = argparse.ArgumentParser()
     add_cli_args(parser)
@@ -186,7 +186,7 @@ def test_up_forwards_disable_radix_cache_to_every_worker():
 def test_up_passes_the_prefill_policy_to_the_gateway():
     from pdserve.gateway.config import add_cli_args as add_gateway_args
     from pdserve.gateway.config import config_from_args
-    from pdserve.launcher import add_cli_args, gateway_command
+    from pdserve.launch.up import add_cli_args, gateway_command
 
     parser = argparse.ArgumentParser()
     add_cli_args(parser)
@@ -202,7 +202,7 @@ def test_up_passes_the_prefill_policy_to_the_gateway():
 def test_up_binds_internal_sockets_to_loopback_and_hands_the_secret_by_environment(monkeypatch):
     from pdserve.gateway.config import add_cli_args as add_gateway_args
     from pdserve.gateway.config import config_from_args
-    from pdserve.launcher import add_cli_args, gateway_command, secret_env, worker_commands
+    from pdserve.launch.up import add_cli_args, gateway_command, secret_env, worker_commands
 
     monkeypatch.delenv("PDSERVE_CLUSTER_SECRET", raising=False)
     parser = argparse.ArgumentParser()

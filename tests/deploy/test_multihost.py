@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from pdserve.supervisor import die_with
+from pdserve.launch.supervisor import die_with
 
 REPO = Path(__file__).resolve().parents[2]
 SUBNET = "10.213.7"  # only ever inside the namespaces made here

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from pdserve.supervisor import pdserve_command, spawn
+from pdserve.launch.supervisor import pdserve_command, spawn
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -79,7 +79,7 @@ def test_pdserve_started_from_the_root_loads_the_model(tmp_path, monkeypatch):
 def test_every_pdserve_child_is_started_with_P():
     """No place builds a `python -m pdserve.cli` command line of its own (it would lack `-P`)."""
     assert pdserve_command("up")[1:] == ["-P", "-m", "pdserve.cli", "up"]
-    own = {REPO / "pdserve" / "supervisor.py", Path(__file__).resolve()}
+    own = {REPO / "pdserve" / "launch" / "supervisor.py", Path(__file__).resolve()}
     folders = (
         "pdserve",
         "runtime",

@@ -1,4 +1,4 @@
-"""pdserve.supervisor with real (tiny) processes: restart with backoff, crash loops retried at the
+"""pdserve.launch.supervisor with real (tiny) processes: restart with backoff, crash loops retried at the
 longest backoff (never given up on), drained workers let go, and a stop that leaves nothing behind."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ import time
 
 import pytest
 
-from pdserve.supervisor import Child, ChildState, RestartPolicy, Supervisor
+from pdserve.launch.supervisor import Child, ChildState, RestartPolicy, Supervisor
 
 FAST = RestartPolicy(backoff_initial_s=0.2, backoff_max_s=0.8, max_restarts=3, window_s=60)
 

@@ -48,7 +48,7 @@ import time  # noqa: E402
 from collections.abc import Callable  # noqa: E402
 
 from pdserve.protocol import gateway as m  # noqa: E402
-from pdserve.worker_link import WorkerLink  # noqa: E402
+from pdserve.worker.link import WorkerLink  # noqa: E402
 
 FINGERPRINT = {"architecture": "llama", "num_layers": 30, "page_size": 16, "dtype": "bfloat16"}
 

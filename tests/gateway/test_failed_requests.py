@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from pdserve.gateway.failed_requests import FailedRequests, request_fingerprint
-from pdserve.protocol import gateway as m
+from pdserve.protocol.vocabulary import FailCode
 from pdserve.sampling_params import SamplingParams
 
 pytestmark = pytest.mark.timeout(60)
@@ -26,8 +26,11 @@ def test_the_record_counts_per_fingerprint_and_forgets_the_oldest() -> None:
 
 
 def test_an_internal_failure_is_a_500_then_the_request_is_refused_everywhere(cluster) -> None:
-    cluster.prefill.fail_code = m.FAIL_INTERNAL
-    cluster.add("p1", "prefill", fail_code=m.FAIL_INTERNAL)
+    cluster.prefill.fail_code = FailCode.INTERNAL
+    cluster.add("p1", "prefill", fail_code=FailCode.INTERNAL)
+    # The stand-in decode does not wait for KV: hold its first step until the prefill's failure is in, as a
+    # real decode node would (else, on a slow machine, its whole reply can beat the RequestFailed).
+    cluster.decode.kv_wait_s = 30.0
     body = {"text": "poison", "sampling_params": {"max_new_tokens": 4, "temperature": 0}}
     tried = []
     for _ in range(2):
@@ -38,6 +41,7 @@ def test_an_internal_failure_is_a_500_then_the_request_is_refused_everywhere(clu
         tried.append(sum(len(w.requests()) for w in cluster.workers if w.role == "prefill"))
     assert tried == [1, 2]  # one attempt each: no retry on the other prefill
     cluster.prefill.fail_code = None
+    cluster.decode.kv_wait_s = 0.0
     for w in cluster.workers:
         w.fail_code = None
     r = cluster.client.post("/generate", json=body)

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from pdserve.supervisor import die_with
+from pdserve.launch.supervisor import die_with
 
 PEER_SCRIPT = Path(__file__).with_name("peer.py")
 

@@ -28,7 +28,7 @@ from pdserve.kv_transfer.mailbox import Close
 from pdserve.protocol import gateway as gw
 from pdserve.protocol import kv_control as kc
 from pdserve.protocol.records import PrefillEvents
-from pdserve.worker_link import WorkerLink
+from pdserve.worker.link import WorkerLink
 
 pytestmark = pytest.mark.timeout(90)
 

@@ -24,8 +24,9 @@ from pdserve.protocol import gateway as gw
 from pdserve.protocol import kv_control as kc
 from pdserve.protocol.kv_trailer import FirstToken, Trailer, decode_trailer, encode_trailer
 from pdserve.protocol.records import DecodeEvents, PrefillEvents, RequestStats
+from pdserve.protocol.vocabulary import AbortReason
 from pdserve.sampling_params import SamplingParams
-from pdserve.worker_link import RegistrationRefused, WorkerLink
+from pdserve.worker.link import RegistrationRefused, WorkerLink
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -79,7 +80,7 @@ GATEWAY_SAMPLES: list[BaseModel] = [
         decode_worker="d0",
         deadline_s=9.5,
     ),
-    gw.AbortRequest(room="r1", reason="client gone"),
+    gw.AbortRequest(room="r1", reason=AbortReason.CANCELLED),
     gw.PrefillDone(room="r1", events=PREFILL_EVENTS, cached_tokens=2),
     gw.RequestFailed(room="r1", role="decode", code="oom", message="out of pages"),
     gw.TokenBatch(

@@ -9,12 +9,12 @@ import subprocess
 
 import pytest
 
+from pdserve.launch.supervisor import pdserve_command
 from pdserve.model_source import ModelSourceError
 from pdserve.runtime.loader import load_model
 from pdserve.runtime.model_config import SUPPORTED_ARCHITECTURES, UnsupportedModelError
 from pdserve.runtime.runner import ContextLengthError
 from pdserve.sampling_params import SamplingParams
-from pdserve.supervisor import pdserve_command
 
 
 def test_unknown_architecture_names_the_supported_ones(tmp_path):

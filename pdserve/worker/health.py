@@ -21,8 +21,8 @@ from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 
-from pdserve.drain import DrainSignal
-from pdserve.worker_link import WorkerLink
+from pdserve.worker.drain import DrainSignal
+from pdserve.worker.link import WorkerLink
 
 Failure = Callable[[], str | None]  # None: healthy; else why not (e.g. KVSender.io_failure)
 

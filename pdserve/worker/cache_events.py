@@ -11,7 +11,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from pdserve.protocol import gateway as m
-from pdserve.worker_link import WorkerLink
+from pdserve.worker.link import WorkerLink
 
 if TYPE_CHECKING:
     from pdserve.runtime.radix_cache import RadixCache

@@ -11,12 +11,12 @@ from typing import TYPE_CHECKING, Protocol
 
 from pdserve.cluster_auth import warn_if_open
 from pdserve.config import WorkerConfig, worker_config_from_args
-from pdserve.drain import DrainSignal
-from pdserve.health import Failure, start_health_server
 from pdserve.model_source import ModelSourceError
 from pdserve.protocol import gateway as m
-from pdserve.step_faults import BLIND_FAILURE_LIMIT, StepFailed
-from pdserve.worker_link import RegistrationRefused, WorkerLink
+from pdserve.worker.drain import DrainSignal
+from pdserve.worker.health import Failure, start_health_server
+from pdserve.worker.link import RegistrationRefused, WorkerLink
+from pdserve.worker.step_faults import BLIND_FAILURE_LIMIT, StepFailed
 
 # How long an idle worker loop sleeps in `WorkerLink.recv`. What needs the loop wakes it sooner (a
 # gateway message, a KV transfer's end); a drain signal or a dead KV engine is noticed within this.

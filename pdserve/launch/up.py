@@ -1,6 +1,6 @@
 """`pdserve up`: a whole cluster on this host (one gateway, P prefill and D decode workers), and the
 gateway start that `deploy/launch.py` shares with it. The children are supervised by
-`pdserve.supervisor`: a crashed one is restarted, and all of them die with the launcher.
+`pdserve.launch.supervisor`: a crashed one is restarted, and all of them die with the launcher.
 
 Every socket binds to a host the user gave: HTTP to --host, the gateway's control socket and every
 worker's sockets (KV bootstrap, gloo, health) to --internal-host (127.0.0.1 by default, so
@@ -22,10 +22,10 @@ import urllib.request
 from pdserve import env
 from pdserve.cluster_auth import add_secret_arg
 from pdserve.config import KV_TRANSPORTS, TRANSFER_TIMEOUT_S, WAITING_TIMEOUT_S, add_runtime_args
-from pdserve.cpu_share import CPU_SHARING, CpuShare, cpu_share
 from pdserve.gateway.config import add_trace_args
+from pdserve.launch.cpu_share import CPU_SHARING, CpuShare, cpu_share
+from pdserve.launch.supervisor import Child, RestartPolicy, Supervisor, pdserve_command, role_of
 from pdserve.port_file import wait_port_file
-from pdserve.supervisor import Child, RestartPolicy, Supervisor, pdserve_command, role_of
 
 
 def _with_flag(argv: list[str], flag: str, value: str) -> list[str]:
@@ -85,7 +85,7 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
         choices=list(CPU_SHARING),
         help="when the workers' threads outnumber the cores: turns (one forward at a time, threads spin "
         "briefly) or passive (forwards overlap, idle prefill threads sleep at once); see "
-        "pdserve/cpu_share.py",
+        "pdserve/launch/cpu_share.py",
     )
     parser.add_argument(
         "--served-model-name", default=None, help="the model name clients send (default: the model's own)"
@@ -242,7 +242,7 @@ def worker_commands(
     args: argparse.Namespace, control_port: int | None = None, lock_path: str = ""
 ) -> list[tuple[str, list[str]]]:
     """(name, argv) of every child, gateway first; workers dial `control_port` (default: the flags')
-    and, when they take turns at the cores, lock `lock_path` (pdserve/cpu_share.py)."""
+    and, when they take turns at the cores, lock `lock_path` (pdserve/launch/cpu_share.py)."""
     exe = pdserve_command()
     control = _control_port(args) if control_port is None else control_port
     dial = "127.0.0.1" if args.internal_host in ("0.0.0.0", "::") else args.internal_host
@@ -310,7 +310,7 @@ def _opened(url: str, args: argparse.Namespace, control: int) -> str:
 
 
 def cpu_plan(args: argparse.Namespace, lock_path: str = "") -> CpuShare:
-    """How this cluster's workers share the host's cores (pdserve/cpu_share.py)."""
+    """How this cluster's workers share the host's cores (pdserve/launch/cpu_share.py)."""
     return cpu_share(args.threads_per_worker, args.num_prefill + args.num_decode, args.cpu_sharing, lock_path)
 
 

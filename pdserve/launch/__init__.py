@@ -1,0 +1,1 @@
+"""Launching a cluster: `pdserve up` (up.py), the supervisor that keeps its children alive, and CPU sharing."""
