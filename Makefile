@@ -3,6 +3,9 @@ PY ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
+# Two test processes, a module each at a time (module fixtures stay in one process): most cluster tests
+# wait on their cluster more than they compute, so two share the 2 cores of a CI machine.
+PARALLEL := -n 2 --dist loadfile
 
 .PHONY: up test test-all browser lint typecheck bench-engine bench-serving gpu-bundle clean
 
@@ -25,13 +28,14 @@ up: $(STAMP)
 test: $(STAMP)
 	$(BIN)/ruff check .
 	$(MAKE) --no-print-directory typecheck
-	$(BIN)/python -P -m pytest -m "not slow" --durations=15
+	$(BIN)/python -P -m pytest $(PARALLEL) -m "not slow and not serial" --durations=15
 
 ## Lint and type-check, then every test, the soak and the long fault tests included (what CI runs)
 test-all: $(STAMP) browser
 	$(BIN)/ruff check .
 	$(MAKE) --no-print-directory typecheck
-	$(BIN)/python -P -m pytest --durations=15
+	$(BIN)/python -P -m pytest $(PARALLEL) -m "not serial" --durations=15
+	$(BIN)/python -P -m pytest -m serial --durations=5
 
 ## Chromium and chromedriver from the system packages, for the dashboard's browser test (as root or with sudo)
 browser:

@@ -11,7 +11,7 @@ from harness import start_up
 
 from pdserve.bench import bench_abuse
 
-pytestmark = [pytest.mark.timeout(1500), pytest.mark.slow]
+pytestmark = [pytest.mark.timeout(1500), pytest.mark.slow, pytest.mark.serial]
 
 # Cases whose normal stream shares the cores with work the abuser is served (a 6k-token prefill, a
 # grammar compile, 40 requests): held to the looser bound.

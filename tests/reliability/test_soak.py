@@ -19,7 +19,7 @@ import pytest
 from harness import start_roles
 from reliability.calls import GATEWAY_FLAGS, WORKER_FLAGS, metric, pool_sizes, wait_pools
 
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
+pytestmark = [pytest.mark.slow, pytest.mark.serial, pytest.mark.timeout(600)]
 
 REQUESTS = int(os.environ.get("PDSERVE_SOAK_REQUESTS", "2000"))
 CONCURRENCY = 64
