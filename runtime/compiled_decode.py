@@ -32,9 +32,7 @@ import time
 from typing import Any
 
 import torch
-import torch.fx.experimental._config as fx_config
 import torch.nn.functional as F
-from torch._dynamo.exc import RecompileError
 
 from pdserve.kernels import cpu_decode_attention
 from pdserve.runtime.batch import ForwardBatch
@@ -166,6 +164,10 @@ class CompiledDecode:
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """One step through the compiled graphs; past warm-up, a step no graph fits runs eagerly (the
         same function, uncompiled) rather than stall the worker for a compilation, and is counted."""
+        # Imported here: torch._dynamo costs seconds at import, and only a compiled worker needs it.
+        import torch.fx.experimental._config as fx_config
+        from torch._dynamo.exc import RecompileError
+
         args = (self.model, ids, pos, self.pool.rows(), key_rows, mask, lens, self.pool)
         out: tuple[torch.Tensor, torch.Tensor, torch.Tensor]
         # No duck sizing: a batch or history that happens to equal one of the pool's dimensions (its
