@@ -5,7 +5,7 @@ and rotary in one pass each), cpu_sampling.cpp (greedy sampling), cpu_quant_line
 weight-only linears) and cpu_decode_layer.cpp (a bf16 decoder layer as one operator), with the shared
 row helpers of cpu_rows.h. `load()` compiles them (11.5 s cold, measured) with the host's compiler and instruction
 set (`-march=native`) into `TORCH_EXTENSIONS_DIR` (default ~/.cache/torch_extensions), under a name that
-hashes the sources, the torch version and the CPU's flags, and later processes reuse the build. Where
+hashes the sources, the torch version, the CPU's flags and both folders, and later processes reuse the build. Where
 it cannot be built (no compiler, a build error), `load()` says why once and returns False, and every
 caller keeps its torch path. Each operator has a fake implementation, so `torch.compile` traces
 through them.
@@ -48,9 +48,12 @@ def _cpu_flags() -> str:
 
 
 def build_dir() -> Path:
-    """Where these sources are built for this torch and CPU: its name hashes all three."""
+    """Where these sources are built for this torch and CPU: its name hashes all three, and where the
+    sources and torch lie (torch's build file names both paths: two checkouts or environments sharing
+    one folder would rebuild it each time the other had loaded it)."""
     key = hashlib.sha256(b"".join(p.read_bytes() for p in _SOURCES + _HEADERS))
     key.update(torch.__version__.encode() + _cpu_flags().encode())
+    key.update(f"{Path(__file__).resolve().parent}|{Path(torch.__file__).resolve().parent}".encode())
     base = os.environ.get("TORCH_EXTENSIONS_DIR") or Path.home() / ".cache" / "torch_extensions"
     return Path(base) / f"pdserve_cpu_{key.hexdigest()[:12]}"
 
