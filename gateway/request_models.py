@@ -30,7 +30,8 @@ def check_rid(rid: str | list[str] | None) -> str | list[str] | None:
 
 
 class LenientModel(BaseModel):
-    """Unknown keys are kept in `model_extra` (checked and logged by `protocol.parse_body`); null is the default."""
+    """Unknown keys are kept in `model_extra` (checked and logged by `protocol.parse_body`); null is the
+    default."""
 
     model_config = ConfigDict(extra="allow", strict=True)
 
