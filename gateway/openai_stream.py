@@ -7,7 +7,6 @@ mid-stream ends every unfinished choice with finish_reason "abort", then an erro
 from __future__ import annotations
 
 from collections.abc import AsyncGenerator
-from typing import Any
 
 from pdserve.gateway.chat_output import ChatDelta, ChatOutput, reasoning_tokens
 from pdserve.gateway.errors import ApiError
@@ -43,7 +42,7 @@ def _chat_delta(d: ChatDelta, first_call: int) -> Json:
 
 
 def _choice(
-    reply: Reply, i: int, delta: Json | str, lp: Json | None, reason: str | None, matched: Any
+    reply: Reply, i: int, delta: Json | str, lp: Json | None, reason: str | None, matched: int | str | None
 ) -> Json:
     body: Json = {"index": i, "delta": delta} if reply.chat else {"index": i, "text": delta}
     return {**body, "logprobs": lp, "finish_reason": reason, "matched_stop": matched}
