@@ -88,7 +88,7 @@ class ApiKeyMiddleware:
     def __init__(self, app: Any, keys: ApiKeys) -> None:
         self.app, self.keys = app, keys
 
-    async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
+    async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return

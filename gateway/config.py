@@ -12,6 +12,7 @@ from pdserve.cluster_auth import add_secret_arg
 from pdserve.config import GRAMMAR_COMPILE_TIMEOUT_S
 from pdserve.gateway.function_call import PARSER_NAMES
 from pdserve.gateway.reasoning import REASONING_PARSERS
+from pdserve.gateway.workers import POLICIES, Policy
 
 # A config field with this metadata is never shown: not in its repr, not in `public_config`.
 SECRET = types.MappingProxyType({"secret": True})
@@ -58,8 +59,8 @@ class GatewayConfig:
     # Once both sockets are bound, their ports are written here as JSON (port 0 = any free port).
     port_file: str | None = None
     # Routing (gateway/workers.py RoutingPolicy): cache_aware | round_robin | least_load, per role.
-    prefill_policy: str = "cache_aware"
-    decode_policy: str = "cache_aware"
+    prefill_policy: Policy = "cache_aware"
+    decode_policy: Policy = "cache_aware"
     cache_weight: float = 1.0
     load_weight: float = 1.0
     # Conditional disaggregation (0: off); see RoutingPolicy.
@@ -88,6 +89,22 @@ class GatewayConfig:
 def add_cli_args(parser: argparse.ArgumentParser) -> None:
     """Gateway flags; names follow SGLang's server where one exists."""
     d = GatewayConfig()
+    _add_serving_args(parser, d)
+    _add_access_args(parser, d)
+    _add_limit_args(parser, d)
+    _add_routing_args(parser, d)
+    _add_grammar_args(parser, d)
+    add_trace_args(parser)
+    parser.add_argument(
+        "--dashboard-requests",
+        type=int,
+        default=d.dashboard_requests,
+        help="finished requests /dashboard keeps and shows",
+    )
+
+
+def _add_serving_args(parser: argparse.ArgumentParser, d: GatewayConfig) -> None:
+    """The model, the sockets, the output parsers, metrics and logging."""
     parser.add_argument(
         "--model-path", default=d.model_path, help="tokenizer source (default: bundled model)"
     )
@@ -126,6 +143,16 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
         help="bind address of the worker (control) socket; 0.0.0.0 when workers run on other hosts",
     )
     parser.add_argument("--control-port", type=int, default=d.control_port)
+    parser.add_argument(
+        "--port-file",
+        default=d.port_file,
+        help='write {"port": HTTP port, "control_port": control port} here once both are bound '
+        "(use with --port 0 / --control-port 0)",
+    )
+
+
+def _add_access_args(parser: argparse.ArgumentParser, d: GatewayConfig) -> None:
+    """The cluster secret and the HTTP API keys."""
     add_secret_arg(parser)
     parser.add_argument(
         "--api-key",
@@ -141,6 +168,10 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--protect-health", action="store_true", help="/health needs the API key too")
     parser.add_argument("--protect-metrics", action="store_true", help="/metrics needs the API key too")
+
+
+def _add_limit_args(parser: argparse.ArgumentParser, d: GatewayConfig) -> None:
+    """Heartbeats, timeouts, and what requests and clients may have in flight."""
     parser.add_argument("--heartbeat-interval", type=float, default=d.heartbeat_interval_s)
     parser.add_argument("--heartbeat-timeout", type=float, default=d.heartbeat_timeout_s)
     parser.add_argument(
@@ -191,23 +222,21 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
         help="prompts x n of one request; more is a 400",
     )
     parser.add_argument("--request-timeout", type=float, default=d.request_timeout_s, help="seconds")
-    parser.add_argument(
-        "--port-file",
-        default=d.port_file,
-        help='write {"port": HTTP port, "control_port": control port} here once both are bound '
-        "(use with --port 0 / --control-port 0)",
-    )
+
+
+def _add_routing_args(parser: argparse.ArgumentParser, d: GatewayConfig) -> None:
+    """How workers are picked, and when a decode worker computes the prompt itself."""
     parser.add_argument(
         "--prefill-policy",
         default=d.prefill_policy,
-        choices=["cache_aware", "round_robin", "least_load"],
+        choices=POLICIES,
         help="how a prefill worker is picked: cache_aware (lowest cache-weight * uncached prompt tokens "
         "+ load-weight * in-flight tokens), round_robin, least_load",
     )
     parser.add_argument(
         "--decode-policy",
         default=d.decode_policy,
-        choices=["cache_aware", "round_robin", "least_load"],
+        choices=POLICIES,
         help="how a decode worker is picked (the same rules; decode workers cache prompts and outputs, "
         "and one that holds a prompt's prefix receives only the pages after it)",
     )
@@ -231,6 +260,10 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--load-weight", type=float, default=d.load_weight, help="cache_aware: cost per in-flight token"
     )
+
+
+def _add_grammar_args(parser: argparse.ArgumentParser, d: GatewayConfig) -> None:
+    """Structured output's validation."""
     parser.add_argument(
         "--grammar-backend",
         default=d.grammar_backend,
@@ -243,13 +276,6 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
         default=d.grammar_compile_timeout_s,
         help="seconds a constraint's grammar may take to compile; a request whose grammar takes longer "
         "is a 400",
-    )
-    add_trace_args(parser)
-    parser.add_argument(
-        "--dashboard-requests",
-        type=int,
-        default=d.dashboard_requests,
-        help="finished requests /dashboard keeps and shows",
     )
 
 

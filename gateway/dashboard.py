@@ -18,6 +18,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import HTMLResponse, Response
 
 from pdserve.gateway.request_trace import PHASES, RequestTrace
+from pdserve.gateway.state import gateway_state
 from pdserve.gateway.workers import WorkerInfo, WorkerRegistry
 
 log = logging.getLogger(__name__)
@@ -100,6 +101,6 @@ def encode_dashboard_data(data: dict[str, Any]) -> bytes:
 
 @router.get("/dashboard/data", include_in_schema=False)
 async def dashboard_json(request: Request) -> Response:
-    gw = request.app.state.gw
+    gw = gateway_state(request)
     data = encode_dashboard_data(dashboard_data(gw.registry, gw.recent))
     return Response(data, media_type="application/json")

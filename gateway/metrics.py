@@ -14,8 +14,15 @@ CONTENT_TYPE = CONTENT_TYPE_LATEST
 
 
 class GatewayMetrics:
+    """The gateway's metric families, by concern: latencies, requests and tokens, load."""
+
     def __init__(self) -> None:
-        r = self.registry = CollectorRegistry()
+        self.registry = CollectorRegistry()
+        self._latencies(self.registry)
+        self._requests(self.registry)
+        self._load(self.registry)
+
+    def _latencies(self, r: CollectorRegistry) -> None:
         self.ttft = Histogram(
             "pdserve_time_to_first_token_seconds",
             "Request received to first token",
@@ -34,6 +41,9 @@ class GatewayMetrics:
             buckets=_LATENCY_BUCKETS,
             registry=r,
         )
+
+    def _requests(self, r: CollectorRegistry) -> None:
+        """What happened to requests and their legs, and the tokens they moved."""
         self.requests = Counter(
             "pdserve_requests", "Finished generations by finish type", ["finish"], registry=r
         )
@@ -90,6 +100,9 @@ class GatewayMetrics:
             "pdserve_spec_correct_drafts", "Speculative draft tokens accepted", registry=r
         )
         self.spec_verify = Counter("pdserve_spec_verify", "Speculative verify forwards", registry=r)
+
+    def _load(self, r: CollectorRegistry) -> None:
+        """What is in flight at the gateway, and each worker's load and clock."""
         self.pending = Gauge("pdserve_pending_requests", "HTTP requests in flight at the gateway", registry=r)
         self.pending_generations = Gauge(
             "pdserve_pending_generations", "Generations (prompts x n) admitted and not finished", registry=r

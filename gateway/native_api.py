@@ -8,18 +8,23 @@ itself stays whole, as SGLang's native API returns it).
 from __future__ import annotations
 
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator
+from typing import Any
 
 from fastapi import APIRouter, Request
 from fastapi.responses import Response
+from typing_extensions import TypeIs
 
 from pdserve.gateway.chat_output import reasoning_tokens
 from pdserve.gateway.errors import ApiError, bad_request
 from pdserve.gateway.generation import Generations, GenInput, GenState
-from pdserve.gateway.protocol import GenerateBody, build_sampling, derive_seed, parse_body, with_seed
+from pdserve.gateway.protocol import build_sampling, derive_seed, parse_body, with_seed
 from pdserve.gateway.reasoning import reasoning_format
+from pdserve.gateway.request_models import GenerateBody
 from pdserve.gateway.serving import SSE_DONE, check_generations, merge_streams, serve_generation, sse
+from pdserve.gateway.state import GatewayState, gateway_state
 from pdserve.gateway.tokenizer import Tokenizer
+from pdserve.protocol.vocabulary import FinishReason, finish_abort
 
 router = APIRouter()
 
@@ -27,14 +32,14 @@ router = APIRouter()
 @router.post("/generate")
 @router.put("/generate", operation_id="generate_put")  # one OpenAPI operation id per method
 async def generate(request: Request) -> Response:
-    gw = request.app.state.gw
+    gw = gateway_state(request)
 
     batched = False  # a list in, a list out: batch prompts or n > 1
     text_in_logprobs = False
 
-    def parse(raw: dict, received: float) -> tuple[list[GenInput], bool, str]:
+    def parse(raw: dict[str, Any], received: float) -> tuple[list[GenInput], bool, str]:
         nonlocal batched, text_in_logprobs
-        body: GenerateBody = parse_body(GenerateBody, raw)
+        body = parse_body(GenerateBody, raw)
         inputs, batched = _inputs(gw, body, received)
         text_in_logprobs = body.return_text_in_logprobs
         return inputs, body.stream, "text" if body.text is not None else "input_ids"
@@ -46,17 +51,17 @@ async def generate(request: Request) -> Response:
                 logprob_texts(o["meta_info"], gw.tokenizer)
         return out if batched else out[0]
 
-    def chunks(inputs: list[GenInput]) -> AsyncIterator[bytes]:
+    def chunks(inputs: list[GenInput]) -> AsyncGenerator[bytes, None]:
         return stream_chunks(gw.generations, inputs, batched, gw.tokenizer, gw.cfg.reasoning_parser)
 
     return await serve_generation(request, gw.admission, gw.generations, parse, full, chunks)
 
 
-def _is_batch_ids(ids: object) -> bool:
+def _is_batch_ids(ids: object) -> TypeIs[list[list[int]]]:
     return isinstance(ids, list) and bool(ids) and isinstance(ids[0], list)
 
 
-def _inputs(gw, body: GenerateBody, received: float) -> tuple[list[GenInput], bool]:
+def _inputs(gw: GatewayState, body: GenerateBody, received: float) -> tuple[list[GenInput], bool]:
     # Counted before any prompt is tokenized: 400 prompts x n = 128 fit in a 16 KB body.
     if isinstance(body.sampling_params, list):
         count = sum(sp.n for sp in body.sampling_params)
@@ -76,9 +81,11 @@ def _inputs(gw, body: GenerateBody, received: float) -> tuple[list[GenInput], bo
         prompts = [gw.tokenizer.encode(t, ctx, "text") for t in texts]
         batched = isinstance(body.text, list)
     else:
-        ids = body.input_ids
-        batched = _is_batch_ids(ids)
-        prompts = ids if batched else [ids]
+        ids = body.input_ids or []  # given: GenerateBody has exactly one of text and input_ids
+        if _is_batch_ids(ids):
+            batched, prompts = True, ids
+        else:
+            batched, prompts = False, [ids]
         if not prompts:
             raise bad_request("input_ids is empty", "input_ids")
     sps = (
@@ -120,7 +127,7 @@ def _inputs(gw, body: GenerateBody, received: float) -> tuple[list[GenInput], bo
     return inputs, batched
 
 
-def result(st: GenState, tok: Tokenizer | None = None, reasoning_parser: str | None = None) -> dict:
+def result(st: GenState, tok: Tokenizer | None = None, reasoning_parser: str | None = None) -> dict[str, Any]:
     fmt = reasoning_format(reasoning_parser, None)
     if tok is not None and fmt is not None and st.meta_info is not None:
         thought, _ = fmt.split(st.text)
@@ -128,12 +135,12 @@ def result(st: GenState, tok: Tokenizer | None = None, reasoning_parser: str | N
     return {"text": st.text, "output_ids": list(st.output_ids), "meta_info": st.meta_info}
 
 
-def logprob_texts(meta: dict | None, tok: Tokenizer) -> None:
+def logprob_texts(meta: dict[str, Any] | None, tok: Tokenizer) -> None:
     """`return_text_in_logprobs`: each [logprob, token id, None] entry gets its token's text."""
     if not meta:
         return
 
-    def fill(entry: list) -> None:
+    def fill(entry: list[Any]) -> None:
         entry[2] = tok.token_text(entry[1])
 
     for key in ("input_token_logprobs", "output_token_logprobs"):
@@ -145,7 +152,7 @@ def logprob_texts(meta: dict | None, tok: Tokenizer) -> None:
                 fill(e)
 
 
-def _partial_meta(st: GenState, finish_reason: dict | None = None) -> dict:
+def _partial_meta(st: GenState, finish_reason: FinishReason | None = None) -> dict[str, Any]:
     return {
         "id": st.rid,
         "finish_reason": finish_reason,
@@ -162,7 +169,7 @@ async def stream_chunks(
     batched: bool,
     tok: Tokenizer | None = None,
     reasoning_parser: str | None = None,
-) -> AsyncIterator[bytes]:
+) -> AsyncGenerator[bytes, None]:
     """Cumulative text and output_ids in every chunk (SGLang's default streaming), then [DONE]."""
     last: dict[int, GenState] = {}
     try:
@@ -177,11 +184,11 @@ async def stream_chunks(
             yield sse(chunk)
     except ApiError as e:
         for i, inp in enumerate(inputs):
-            st = last.get(i)
-            if st is not None and st.finished:
+            seen = last.get(i)
+            if seen is not None and seen.finished:
                 continue
-            st = st or GenState(inp.rid, len(inp.input_ids))
-            chunk = {**result(st), "meta_info": _partial_meta(st, {"type": "abort", "message": e.message})}
+            st = seen or GenState(inp.rid, len(inp.input_ids))
+            chunk = {**result(st), "meta_info": _partial_meta(st, finish_abort(e.message))}
             if batched:
                 chunk["index"] = i
             yield sse(chunk)

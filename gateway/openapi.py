@@ -10,11 +10,12 @@ from typing import Any
 
 from fastapi import FastAPI
 from fastapi.openapi.utils import get_openapi
+from pydantic import BaseModel
 from pydantic.json_schema import models_json_schema
 
-from pdserve.gateway.protocol import ChatCompletionBody, CompletionBody, GenerateBody
+from pdserve.gateway.request_models import ChatCompletionBody, CompletionBody, GenerateBody
 
-_BODIES = {
+_BODIES: dict[str, type[BaseModel]] = {
     "/generate": GenerateBody,
     "/v1/chat/completions": ChatCompletionBody,
     "/v1/completions": CompletionBody,

@@ -16,6 +16,7 @@ chunks is never emitted as text.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 
 @dataclass(frozen=True)
@@ -40,7 +41,7 @@ REASONING_PARSERS: dict[str, ReasoningFormat] = {
 }
 
 
-def reasoning_format(name: str | None, template_kwargs: dict | None) -> ReasoningFormat | None:
+def reasoning_format(name: str | None, template_kwargs: dict[str, Any] | None) -> ReasoningFormat | None:
     """The format for one request; None when reasoning stays in the content.
 
     `enable_thinking: false` (Qwen3's template switch) turns thinking off, so there is nothing to split.

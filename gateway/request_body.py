@@ -15,7 +15,7 @@ import contextlib
 import gc
 import threading
 from collections.abc import Callable, Iterator
-from typing import Protocol, TypeVar
+from typing import Any, Protocol, TypeVar
 
 from fastapi import Request
 
@@ -77,7 +77,7 @@ class _GcPause:
 gc_paused = _GcPause()
 
 
-def parse_off_loop(parse: Callable[[dict, float], T], raw: bytes, received: float) -> T:
+def parse_off_loop(parse: Callable[[dict[str, Any], float], T], raw: bytes, received: float) -> T:
     """`parse(decoded body, received)`, for a worker thread."""
     # The collector stays paused until the decoded body is dropped (when `parse` returns): resumed
     # earlier, its next collections would walk every container of the body again.

@@ -12,22 +12,21 @@ import socket
 import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
-from dataclasses import dataclass
 
-from fastapi import FastAPI, Query, Request
-from fastapi.responses import JSONResponse, Response
+from fastapi import FastAPI
 
-from pdserve.gateway import dashboard, native_api, openai_api, sglang_api, weights_api
+from pdserve.gateway import cluster_api, dashboard, native_api, openai_api, sglang_api, weights_api
 from pdserve.gateway.auth import ApiKeyMiddleware, ApiKeys
 from pdserve.gateway.config import GatewayConfig
 from pdserve.gateway.connections import IdleTimeoutProtocol, raise_open_files_limit
 from pdserve.gateway.control import ControlPlane
 from pdserve.gateway.dashboard import RecentRequests
-from pdserve.gateway.errors import error_body, install_error_handlers
+from pdserve.gateway.errors import install_error_handlers
 from pdserve.gateway.generation import Generations
-from pdserve.gateway.metrics import CONTENT_TYPE, GatewayMetrics
+from pdserve.gateway.metrics import GatewayMetrics
 from pdserve.gateway.openapi import install_openapi
 from pdserve.gateway.serving import Admission
+from pdserve.gateway.state import GatewayState
 from pdserve.gateway.structured import Constraints
 from pdserve.gateway.tokenizer import Tokenizer
 from pdserve.gateway.tracing import Tracing
@@ -39,32 +38,12 @@ from pdserve.port_file import write_port_file
 log = logging.getLogger(__name__)
 
 
-@dataclass
-class GatewayState:
-    """Everything the handlers reach through `request.app.state.gw`."""
-
-    cfg: GatewayConfig
-    tokenizer: Tokenizer
-    registry: WorkerRegistry
-    control: ControlPlane
-    metrics: GatewayMetrics
-    generations: Generations
-    admission: Admission
-    started: int
-    model_name: str  # what clients send as `model` (--served-model-name, else the model's own name)
-    constraints: Constraints  # structured output: validates json_schema / regex / ebnf
-    recent: RecentRequests  # finished requests, for /dashboard
-    tracing: Tracing | None  # OpenTelemetry export (--enable-trace)
-    weights: WeightUpdates  # live weight updates over every worker
-
-
-def create_app(cfg: GatewayConfig, tokenizer: Tokenizer | None = None) -> FastAPI:
-    """Build the gateway app; pass `tokenizer` to reuse one already loaded."""
-    tok = tokenizer or Tokenizer.load(cfg.model_path)
+def _gateway_state(cfg: GatewayConfig, tok: Tokenizer) -> GatewayState:
+    """The gateway's parts, wired together (nothing started yet)."""
     registry = WorkerRegistry(
         RoutingPolicy(
-            prefill=cfg.prefill_policy,  # type: ignore[arg-type]
-            decode=cfg.decode_policy,  # type: ignore[arg-type]
+            prefill=cfg.prefill_policy,
+            decode=cfg.decode_policy,
             cache_weight=cfg.cache_weight,
             load_weight=cfg.load_weight,
             min_prefill_tokens=cfg.disaggregation_min_prefill_tokens,
@@ -79,7 +58,7 @@ def create_app(cfg: GatewayConfig, tokenizer: Tokenizer | None = None) -> FastAP
         if cfg.enable_trace
         else None
     )
-    gw = GatewayState(
+    return GatewayState(
         cfg=cfg,
         tokenizer=tok,
         registry=registry,
@@ -97,18 +76,23 @@ def create_app(cfg: GatewayConfig, tokenizer: Tokenizer | None = None) -> FastAP
         weights=WeightUpdates(control, registry),
     )
 
+
+def create_app(cfg: GatewayConfig, tokenizer: Tokenizer | None = None) -> FastAPI:
+    """Build the gateway app; pass `tokenizer` to reuse one already loaded."""
+    gw = _gateway_state(cfg, tokenizer or Tokenizer.load(cfg.model_path))
+
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
-        await control.start()
+        await gw.control.start()
         if cfg.port_file:
-            write_port_file(cfg.port_file, {"port": cfg.port, "control_port": control.bound_port or 0})
+            write_port_file(cfg.port_file, {"port": cfg.port, "control_port": gw.control.bound_port or 0})
         try:
             yield
         finally:
-            await control.stop()
+            await gw.control.stop()
             gw.constraints.close()
-            if tracing is not None:
-                tracing.shutdown()  # what is queued is exported
+            if gw.tracing is not None:
+                gw.tracing.shutdown()  # what is queued is exported
 
     app = FastAPI(title="pdserve gateway", lifespan=lifespan)
     app.state.gw = gw
@@ -121,61 +105,9 @@ def create_app(cfg: GatewayConfig, tokenizer: Tokenizer | None = None) -> FastAP
     app.include_router(sglang_api.router)
     app.include_router(dashboard.router)
     app.include_router(weights_api.router)
-
-    @app.get("/health")
-    async def health() -> Response:
-        if registry.healthy():
-            return Response(status_code=200)
-        missing = [r for r in ("prefill", "decode") if not registry.in_rotation(r)]
-        return JSONResponse(
-            error_body(503, f"no {' and no '.join(missing)} worker in rotation"), status_code=503
-        )
-
-    @app.post("/flush_cache")
-    @app.get("/flush_cache", operation_id="flush_cache_get")  # one OpenAPI operation id per method
-    async def flush_cache() -> Response:
-        """SGLang's endpoint: empty every worker's prefix cache; refused (400, naming the workers)
-        where requests are in flight."""
-        refused = await control.flush_caches()
-        if refused:
-            msg = "; ".join(f"{wid}: {why}" for wid, why in refused.items())
-            return JSONResponse(error_body(400, f"cache not flushed on: {msg}"), status_code=400)
-        return Response("Cache flushed.\n", status_code=200)
-
-    @app.get("/workers")
-    async def workers(include_down: bool = Query(False, alias="all")) -> dict:
-        """Registered workers (healthy or draining); `?all=1` adds those lost recently (down)."""
-        listed = registry.all() + (registry.down(time.monotonic()) if include_down else [])
-        return {
-            "workers": [
-                {
-                    "worker_id": w.worker_id,
-                    "role": w.role,
-                    "state": w.state,
-                    "restarts": w.restarts,
-                    "registered_at": w.registered_at,
-                    "draining": w.draining,
-                    "weight_version": w.weight_version,
-                    "bootstrap_addr": w.reg.bootstrap_addr,
-                    "clock_offset_s": w.clock.offset,
-                    "queued": w.queued,
-                    "running": w.running,
-                    "free_tokens": w.free_tokens,
-                    "max_total_tokens": w.reg.max_total_tokens,
-                    "inflight_requests": w.inflight_requests,
-                    # Prefill: pages its prefix cache holds, as the gateway's index knows them.
-                    "cached_blocks": len(w.prefix.blocks),
-                }
-                for w in listed
-            ]
-        }
-
+    app.include_router(cluster_api.router)
     if cfg.enable_metrics:
-
-        @app.get("/metrics")
-        async def metrics_endpoint(_: Request) -> Response:
-            return Response(metrics.render(), media_type=CONTENT_TYPE)
-
+        app.include_router(cluster_api.metrics_router)
     return app
 
 
@@ -193,7 +125,11 @@ def run(cfg: GatewayConfig) -> None:
     app = create_app(cfg)
     server = uvicorn.Server(
         uvicorn.Config(
-            app, log_level=cfg.log_level, http=IdleTimeoutProtocol, timeout_keep_alive=cfg.idle_timeout_s
+            app,
+            log_level=cfg.log_level,
+            http=IdleTimeoutProtocol,
+            # Annotated int by uvicorn, which hands it to loop.call_later: a float is kept as it is.
+            timeout_keep_alive=cfg.idle_timeout_s,  # type: ignore[arg-type]
         )
     )
     server.run(sockets=[sock])

@@ -9,7 +9,7 @@ import hashlib
 import json
 import logging
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
 from typing import Any, TypeVar
 
 from fastapi import Request
@@ -153,7 +153,8 @@ async def until_disconnect(request: Request, work: Awaitable[T]) -> T:
 async def collect(generations: Generations, inp: GenInput) -> GenState:
     """Run one generation to its end."""
     final: GenState | None = None
-    async with contextlib.aclosing(generations.generate(inp)) as gen:
+    # (The ignores: Generations.generate, an async generator, is annotated AsyncIterator, which has no aclose.)
+    async with contextlib.aclosing(generations.generate(inp)) as gen:  # type: ignore[type-var]
         async for st in gen:
             final = st
     assert final is not None and final.finished
@@ -183,7 +184,7 @@ async def merge_streams(
     """
     if len(inputs) == 1:
         try:
-            async with contextlib.aclosing(generations.generate(inputs[0])) as gen:
+            async with contextlib.aclosing(generations.generate(inputs[0])) as gen:  # type: ignore[type-var]
                 async for st in gen:
                     yield 0, st
         except Exception as e:
@@ -193,7 +194,7 @@ async def merge_streams(
 
     async def pump(i: int, inp: GenInput) -> None:
         try:
-            async with contextlib.aclosing(generations.generate(inp)) as gen:
+            async with contextlib.aclosing(generations.generate(inp)) as gen:  # type: ignore[type-var]
                 async for st in gen:
                     # The state object is mutated by the next step: hand out a snapshot of the deltas.
                     await q.put((i, _snapshot(st)))
@@ -256,9 +257,9 @@ async def serve_generation(
     request: Request,
     admission: Admission,
     generations: Generations,
-    parse: Callable[[dict, float], tuple[list[GenInput], bool, str]],
+    parse: Callable[[dict[str, Any], float], tuple[list[GenInput], bool, str]],
     full: Callable[[list[GenState]], Any],
-    chunks: Callable[[list[GenInput]], AsyncIterator[bytes]],
+    chunks: Callable[[list[GenInput]], AsyncGenerator[bytes, None]],
 ) -> Response:
     """A generation request's life: the client's slot -> body -> parse/tokenize -> admit its
     generations -> check -> dispatch+collect -> respond.
@@ -299,7 +300,7 @@ async def serve_generation(
         if stream:
             inputs = [dataclasses.replace(i, stream=True) for i in inputs]
 
-            async def body() -> AsyncIterator[bytes]:
+            async def body() -> AsyncGenerator[bytes, None]:
                 try:
                     async with contextlib.aclosing(chunks(inputs)) as it:
                         async for b in it:

@@ -1,5 +1,5 @@
 """SGLang's server endpoints besides /generate: /health_generate, /get_server_info (/server_info),
-/get_model_info and /abort_request. (/flush_cache lives with the prefix cache routing, in server.py.)"""
+/get_model_info and /abort_request. (/flush_cache lives with the cluster's endpoints, in cluster_api.py.)"""
 
 from __future__ import annotations
 
@@ -7,6 +7,7 @@ import asyncio
 import time
 import uuid
 from importlib.metadata import PackageNotFoundError, version
+from typing import Any
 
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
@@ -15,9 +16,11 @@ from pydantic import field_validator
 from pdserve.gateway.config import public_config
 from pdserve.gateway.errors import ApiError, error_body, parse_json_body
 from pdserve.gateway.generation import GenInput
-from pdserve.gateway.protocol import LenientModel, check_rid, parse_body
+from pdserve.gateway.protocol import parse_body
 from pdserve.gateway.request_body import read_body
+from pdserve.gateway.request_models import LenientModel, check_rid
 from pdserve.gateway.serving import collect
+from pdserve.gateway.state import GatewayState, gateway_state
 from pdserve.sampling_params import SamplingParams
 
 router = APIRouter()
@@ -35,14 +38,14 @@ class AbortBody(LenientModel):
     _rid = field_validator("rid")(check_rid)
     abort_all: bool = False
     abort_message: str | None = None
-    finished_reason: dict | None = None
+    finished_reason: dict[str, Any] | None = None
 
 
 @router.get("/health_generate")
 async def health_generate(request: Request) -> Response:
     """Two greedy tokens through a prefill and a decode worker (the first may come from the prefill alone,
     the second comes from the decode): 200 when they come back in time, else 503."""
-    gw = request.app.state.gw
+    gw = gateway_state(request)
     tok = gw.tokenizer
     prompt = tok.encode("Hi") or [tok.eos_token_id or 0]
     inp = GenInput(
@@ -70,7 +73,7 @@ def _version() -> str | None:
         return None
 
 
-def _architecture(gw) -> str | None:
+def _architecture(gw: GatewayState) -> str | None:
     for w in gw.registry.all():
         arch = w.reg.fingerprint.get("architecture")
         if arch:
@@ -79,8 +82,8 @@ def _architecture(gw) -> str | None:
 
 
 @router.get("/get_model_info")
-async def model_info(request: Request) -> dict:
-    gw = request.app.state.gw
+async def model_info(request: Request) -> dict[str, Any]:
+    gw = gateway_state(request)
     arch = _architecture(gw)
     return {
         "model_path": gw.cfg.model_path or gw.model_name,
@@ -98,10 +101,10 @@ async def model_info(request: Request) -> dict:
 
 @router.get("/get_server_info")
 @router.get("/server_info")
-async def server_info(request: Request) -> dict:
+async def server_info(request: Request) -> dict[str, Any]:
     """The gateway's settings (SGLang's server args where they exist, secrets left out) and each
     worker's state."""
-    gw = request.app.state.gw
+    gw = gateway_state(request)
     limits = gw.registry.limits()
     decodes = gw.registry.in_rotation("decode")
     return {
@@ -132,9 +135,9 @@ async def server_info(request: Request) -> dict:
 async def abort_request(request: Request) -> Response:
     """Abort request `rid` (its n samples too), or every request with `abort_all`; their clients get an
     error (a streamed one ends with an `abort` finish reason)."""
-    gw = request.app.state.gw
+    gw = gateway_state(request)
     raw = await read_body(request, ABORT_BODY_BYTES, gw.cfg.request_body_timeout_s)
-    body: AbortBody = parse_body(AbortBody, parse_json_body(raw))
+    body = parse_body(AbortBody, parse_json_body(raw))
     if not body.abort_all and not body.rid:
         raise ApiError(400, "give rid or abort_all", "rid")
     hit = gw.control.abort_rids(None if body.abort_all else body.rid)

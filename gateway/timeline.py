@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Literal
 
 from pdserve.protocol.records import DecodeEvents, PrefillEvents
 
@@ -60,11 +61,11 @@ def clamp(x: float, lo: float, hi: float) -> float:
 
 
 def stitch(t: TimelineInput) -> Timeline:
-    def prefill(name: str) -> float | None:
+    def prefill(name: Literal["forward_entry", "prefill_finished"]) -> float | None:
         v = t.prefill_events.get(name)
         return None if v is None else v - t.prefill_offset
 
-    def decode(name: str) -> float | None:
+    def decode(name: Literal["kv_ready", "finished"]) -> float | None:
         v = t.decode_events.get(name)
         return None if v is None else v - t.decode_offset
 

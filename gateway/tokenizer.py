@@ -14,10 +14,14 @@ import os
 import shutil
 import tempfile
 from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
 
 from pdserve import env
 from pdserve.gateway.errors import bad_request
 from pdserve.model_source import resolve_model_source
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
 
 log = logging.getLogger(__name__)
 
@@ -26,13 +30,14 @@ log = logging.getLogger(__name__)
 class Tokenizer:
     """A thin, typed wrapper over a transformers tokenizer."""
 
-    hf: object  # transformers PreTrainedTokenizerBase
+    hf: PreTrainedTokenizerBase
 
     @classmethod
     def load(cls, model_path: str | None) -> Tokenizer:
         from transformers import AutoTokenizer  # heavy import, kept out of module import time
 
         src = resolve_model_source(model_path)
+        hf: PreTrainedTokenizerBase
         if src.gguf_path is None:
             hf = AutoTokenizer.from_pretrained(src.folder)
         else:
@@ -46,7 +51,8 @@ class Tokenizer:
 
     @property
     def eos_token_id(self) -> int | None:
-        return self.hf.eos_token_id
+        eos = self.hf.eos_token_id
+        return eos if isinstance(eos, int) else None
 
     def encode(self, text: str, max_tokens: int | None = None, param: str = "prompt") -> list[int]:
         """A raw prompt, with whatever special tokens the tokenizer adds by itself (as SGLang).
@@ -72,18 +78,27 @@ class Tokenizer:
             )
 
     def chat_prompt(
-        self, messages: list[dict], tools: list[dict] | None = None, template_kwargs: dict | None = None
+        self,
+        messages: list[dict[str, Any]],
+        tools: list[dict[str, Any]] | None = None,
+        template_kwargs: dict[str, Any] | None = None,
     ) -> str:
         """The prompt text; `template_kwargs` become variables of the template (e.g. enable_thinking)."""
-        return self.hf.apply_chat_template(
-            messages, tools=tools, add_generation_prompt=True, tokenize=False, **(template_kwargs or {})
+        text = self.hf.apply_chat_template(
+            messages,
+            tools=[*tools] if tools is not None else None,
+            add_generation_prompt=True,
+            tokenize=False,
+            **(template_kwargs or {}),
         )
+        assert isinstance(text, str)  # tokenize=False: the rendered text
+        return text
 
     def encode_chat(
         self,
-        messages: list[dict],
-        tools: list[dict] | None = None,
-        template_kwargs: dict | None = None,
+        messages: list[dict[str, Any]],
+        tools: list[dict[str, Any]] | None = None,
+        template_kwargs: dict[str, Any] | None = None,
         max_tokens: int | None = None,
     ) -> list[int]:
         text = self.chat_prompt(messages, tools, template_kwargs)
@@ -117,18 +132,22 @@ class Tokenizer:
         return ids[0] if len(ids) == 1 else None
 
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
-        return self.hf.decode(ids, skip_special_tokens=skip_special_tokens)
+        text = self.hf.decode(ids, skip_special_tokens=skip_special_tokens)
+        assert isinstance(text, str)  # one sequence in, one text out
+        return text
 
     def token_text(self, token_id: int) -> str:
         """One token's text as OpenAI logprobs show it (bytes of a partial character become U+FFFD)."""
-        return self.hf.decode([token_id], skip_special_tokens=False)
+        text = self.hf.decode([token_id], skip_special_tokens=False)
+        assert isinstance(text, str)
+        return text
 
 
 def _cache_root() -> str:
     return os.path.join(env.cache_dir(), "tokenizers")
 
 
-def _load_gguf_cached(gguf_path: str, folder: str, gguf_file: str):  # -> PreTrainedTokenizerBase
+def _load_gguf_cached(gguf_path: str, folder: str, gguf_file: str | None) -> PreTrainedTokenizerBase:
     """Building a tokenizer from GGUF metadata takes seconds; its saved form loads in a fraction.
 
     The cache key covers the file's path, size and mtime; a cache that cannot be written is skipped.

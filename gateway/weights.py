@@ -31,6 +31,7 @@ import logging
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable
+from typing import Any
 
 from pdserve.gateway.control import ControlPlane
 from pdserve.gateway.errors import ApiError
@@ -90,7 +91,7 @@ class WeightUpdates:
 
     async def from_disk(
         self, model_path: str, load_format: str | None, version: str | None, abort_all: bool
-    ) -> dict:
+    ) -> dict[str, Any]:
         async with self._exclusive():
             workers = self._workers()
             ids: dict[str, str] = {}
@@ -107,7 +108,7 @@ class WeightUpdates:
         shapes: list[list[int]],
         version: str | None,
         abort_all: bool,
-    ) -> dict:
+    ) -> dict[str, Any]:
         async with self._exclusive():
             wids = self.groups.get(group_name)
             if wids is None:
@@ -139,7 +140,7 @@ class WeightUpdates:
         abort_all: bool,
         param: str,
         source: tuple[str, str | None] | None,
-    ) -> dict:
+    ) -> dict[str, Any]:
         """`source`: where the new weights can be read again (a restarted worker loads them there)."""
         t0 = time.monotonic()
         aborted = self.control.abort_rids(None) if abort_all else 0
@@ -265,7 +266,7 @@ class WeightUpdates:
         world_size: int,
         group_name: str,
         backend: str,
-    ) -> dict:
+    ) -> dict[str, Any]:
         async with self._exclusive():
             if group_name in self.groups:
                 raise ApiError(400, f"weights group {group_name!r} exists already", "group_name")
@@ -309,7 +310,7 @@ class WeightUpdates:
                 "seconds": round(time.monotonic() - t0, 4),
             }
 
-    async def destroy_group(self, group_name: str) -> dict:
+    async def destroy_group(self, group_name: str) -> dict[str, Any]:
         async with self._exclusive():
             wids = self.groups.pop(group_name, None)
             if wids is None:
@@ -320,17 +321,17 @@ class WeightUpdates:
 
     # ---- pause ------------------------------------------------------------------------------
 
-    async def pause(self, abort: bool) -> dict:
+    async def pause(self, abort: bool) -> dict[str, Any]:
         aborted = self.control.abort_rids(None) if abort else 0
         replies = await self._ask(self._workers(), self._cmd("pause", {}), QUICK_TIMEOUT_S)
         return self._all_ok(replies, "paused", aborted)
 
-    async def resume(self) -> dict:
+    async def resume(self) -> dict[str, Any]:
         replies = await self._ask(self._workers(), self._cmd("resume", {}), QUICK_TIMEOUT_S)
         return self._all_ok(replies, "resumed", 0)
 
     @staticmethod
-    def _all_ok(replies: dict[str, WeightsReply], what: str, aborted: int) -> dict:
+    def _all_ok(replies: dict[str, WeightsReply], what: str, aborted: int) -> dict[str, Any]:
         bad = {wid: r.message for wid, r in replies.items() if not r.ok}
         if bad:
             raise ApiError(503, f"not {what} on: " + "; ".join(f"{k}: {v}" for k, v in bad.items()))

@@ -3,14 +3,16 @@ group, the group's life, the version, and pausing generation. The work is in gat
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Any, Literal, TypeVar
 
 from fastapi import APIRouter, Request
 from pydantic import Field
 
 from pdserve.gateway.errors import ApiError, parse_json_body
-from pdserve.gateway.protocol import LenientModel, parse_body
+from pdserve.gateway.protocol import parse_body
 from pdserve.gateway.request_body import read_body
+from pdserve.gateway.request_models import LenientModel
+from pdserve.gateway.state import gateway_state
 
 router = APIRouter()
 
@@ -57,32 +59,33 @@ class PauseBody(LenientModel):
 WEIGHTS_BODY_BYTES = 64 << 10
 
 
-async def _body(request: Request, model: type[LenientModel]) -> LenientModel:
-    cfg = request.app.state.gw.cfg
+Body = TypeVar("Body", bound=LenientModel)
+
+
+async def _body(request: Request, model: type[Body]) -> Body:
+    cfg = gateway_state(request).cfg
     raw = await read_body(request, WEIGHTS_BODY_BYTES, cfg.request_body_timeout_s)
-    return parse_body(model, parse_json_body(raw) if raw.strip() else {})  # type: ignore[no-any-return]
+    return parse_body(model, parse_json_body(raw) if raw.strip() else {})
 
 
 @router.post("/update_weights_from_disk")
-async def update_weights_from_disk(request: Request) -> dict:
+async def update_weights_from_disk(request: Request) -> dict[str, Any]:
     b = await _body(request, UpdateFromDiskBody)
-    assert isinstance(b, UpdateFromDiskBody)
     if b.load_format not in (None, "auto", "safetensors", "gguf"):
         raise ApiError(
             400, f"load_format {b.load_format!r} is not supported (auto, safetensors, gguf)", "load_format"
         )
     if not b.model_path.strip():
         raise ApiError(400, "model_path is empty", "model_path")
-    updates = request.app.state.gw.weights
-    return await updates.from_disk(b.model_path, b.load_format, b.weight_version, b.abort_all_requests)  # type: ignore[no-any-return]
+    updates = gateway_state(request).weights
+    return await updates.from_disk(b.model_path, b.load_format, b.weight_version, b.abort_all_requests)
 
 
 @router.post("/init_weights_update_group")
-async def init_weights_update_group(request: Request) -> dict:
+async def init_weights_update_group(request: Request) -> dict[str, Any]:
     b = await _body(request, InitGroupBody)
-    assert isinstance(b, InitGroupBody)
-    updates = request.app.state.gw.weights
-    return await updates.init_group(  # type: ignore[no-any-return]
+    updates = gateway_state(request).weights
+    return await updates.init_group(
         b.master_address, b.master_port, b.rank_offset, b.world_size, b.group_name, b.backend
     )
 
@@ -91,9 +94,8 @@ _DTYPES = frozenset({"float32", "float16", "bfloat16", "float64"})
 
 
 @router.post("/update_weights_from_distributed")
-async def update_weights_from_distributed(request: Request) -> dict:
+async def update_weights_from_distributed(request: Request) -> dict[str, Any]:
     b = await _body(request, UpdateFromDistributedBody)
-    assert isinstance(b, UpdateFromDistributedBody)
     if not b.names or not len(b.names) == len(b.dtypes) == len(b.shapes):
         raise ApiError(400, "names, dtypes and shapes must be non-empty and of the same length", "names")
     for d in b.dtypes:
@@ -101,35 +103,33 @@ async def update_weights_from_distributed(request: Request) -> dict:
             raise ApiError(400, f"dtype {d!r} is not one of {', '.join(sorted(_DTYPES))}", "dtypes")
     if any(n < 0 for s in b.shapes for n in s):
         raise ApiError(400, "shapes must be non-negative", "shapes")
-    updates = request.app.state.gw.weights
-    return await updates.from_distributed(  # type: ignore[no-any-return]
+    updates = gateway_state(request).weights
+    return await updates.from_distributed(
         b.group_name, b.names, b.dtypes, b.shapes, b.weight_version, b.abort_all_requests
     )
 
 
 @router.post("/destroy_weights_update_group")
-async def destroy_weights_update_group(request: Request) -> dict:
+async def destroy_weights_update_group(request: Request) -> dict[str, Any]:
     b = await _body(request, DestroyGroupBody)
-    assert isinstance(b, DestroyGroupBody)
-    return await request.app.state.gw.weights.destroy_group(b.group_name)  # type: ignore[no-any-return]
+    return await gateway_state(request).weights.destroy_group(b.group_name)
 
 
 @router.get("/get_weight_version")
-async def get_weight_version(request: Request) -> dict:
-    return {"weight_version": request.app.state.gw.weights.version}
+async def get_weight_version(request: Request) -> dict[str, Any]:
+    return {"weight_version": gateway_state(request).weights.version}
 
 
 @router.post("/pause_generation")
-async def pause_generation(request: Request) -> dict:
+async def pause_generation(request: Request) -> dict[str, Any]:
     """`abort` (SGLang's default) aborts what is in flight, then pauses; `in_place` keeps every request
     where it is (its next step waits for /continue_generation)."""
     b = await _body(request, PauseBody)
-    assert isinstance(b, PauseBody)
     if b.mode == "retract":
         raise ApiError(400, "mode 'retract' is not supported; use 'in_place' or 'abort'", "mode")
-    return await request.app.state.gw.weights.pause(abort=b.mode == "abort")  # type: ignore[no-any-return]
+    return await gateway_state(request).weights.pause(abort=b.mode == "abort")
 
 
 @router.post("/continue_generation")
-async def continue_generation(request: Request) -> dict:
-    return await request.app.state.gw.weights.resume()  # type: ignore[no-any-return]
+async def continue_generation(request: Request) -> dict[str, Any]:
+    return await gateway_state(request).weights.resume()

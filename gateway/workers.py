@@ -26,7 +26,7 @@ from __future__ import annotations
 import time
 from collections.abc import Collection, Sequence
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Any, Literal
 
 from pdserve.gateway.clock import OffsetEstimator
 from pdserve.gateway.prefix_index import PrefixIndex
@@ -114,7 +114,7 @@ class RoutingPolicy:
             raise ValueError("disaggregation thresholds must be >= 0")
 
 
-def fingerprint_mismatch(theirs: dict, ours: dict) -> list[str]:
+def fingerprint_mismatch(theirs: dict[str, Any], ours: dict[str, Any]) -> list[str]:
     keys = sorted(set(theirs) | set(ours))
     return [k for k in keys if theirs.get(k) != ours.get(k)]
 

@@ -24,7 +24,7 @@ class ParsedCall:
     arguments: str  # a JSON object, as OpenAI's `function.arguments`
     id: str = field(default_factory=lambda: f"call_{uuid.uuid4().hex[:24]}")
 
-    def openai(self) -> dict:
+    def openai(self) -> dict[str, Any]:
         return {
             "id": self.id,
             "type": "function",
@@ -86,8 +86,8 @@ class ToolCallFormat(ABC):
         """
 
     @abstractmethod
-    def render_call(self, name: str, arguments: dict) -> str:
+    def render_call(self, name: str, arguments: dict[str, Any]) -> str:
         """One call as the model writes it (for the history and the fallback prompt's example)."""
 
-    def render_calls(self, calls: list[tuple[str, dict]]) -> str:
+    def render_calls(self, calls: list[tuple[str, dict[str, Any]]]) -> str:
         return "\n".join(self.render_call(n, a) for n, a in calls)

@@ -38,6 +38,6 @@ class HermesFormat(ToolCallFormat):
             out.append(obj)
             pos = end
 
-    def render_call(self, name: str, arguments: dict) -> str:
+    def render_call(self, name: str, arguments: dict[str, Any]) -> str:
         body = json.dumps({"name": name, "arguments": arguments}, ensure_ascii=False)
         return f"{_OPEN}\n{body}\n{_CLOSE}"

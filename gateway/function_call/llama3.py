@@ -43,8 +43,8 @@ class Llama3Format(ToolCallFormat):
             obj, pos = got
             out.append(obj)
 
-    def render_call(self, name: str, arguments: dict) -> str:
+    def render_call(self, name: str, arguments: dict[str, Any]) -> str:
         return json.dumps({"name": name, "parameters": arguments}, ensure_ascii=False)
 
-    def render_calls(self, calls: list[tuple[str, dict]]) -> str:
+    def render_calls(self, calls: list[tuple[str, dict[str, Any]]]) -> str:
         return "; ".join(self.render_call(n, a) for n, a in calls)

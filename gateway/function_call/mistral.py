@@ -25,9 +25,9 @@ class MistralFormat(ToolCallFormat):
         value = got[0]
         return value if isinstance(value, list) else [value]
 
-    def render_call(self, name: str, arguments: dict) -> str:
+    def render_call(self, name: str, arguments: dict[str, Any]) -> str:
         return self.render_calls([(name, arguments)])
 
-    def render_calls(self, calls: list[tuple[str, dict]]) -> str:
+    def render_calls(self, calls: list[tuple[str, dict[str, Any]]]) -> str:
         body = [{"name": n, "arguments": a} for n, a in calls]
         return f"{_TAG} {json.dumps(body, ensure_ascii=False)}"

@@ -20,7 +20,7 @@ import json
 from typing import Any
 
 from pdserve.gateway.function_call.base import ToolCallFormat
-from pdserve.gateway.protocol import ChatCompletionBody, ChatMessage, NamedToolChoice, Tool
+from pdserve.gateway.request_models import ChatCompletionBody, ChatMessage, NamedToolChoice, Tool
 
 
 def _arguments(raw: str | dict[str, Any]) -> dict[str, Any]:

@@ -14,12 +14,12 @@ import json
 from typing import Any
 
 from pdserve.gateway.function_call.base import ParsedCall, call_from_json
-from pdserve.gateway.protocol import NamedToolChoice, Tool
+from pdserve.gateway.request_models import NamedToolChoice, Tool
 
 _ANY_OBJECT: dict[str, Any] = {"type": "object"}
 
 
-def tool_call_schema(tools: list[Tool], tool_choice: str | NamedToolChoice) -> dict:
+def tool_call_schema(tools: list[Tool], tool_choice: str | NamedToolChoice) -> dict[str, Any]:
     """The schema of a reply that calls a tool, for a grammar backend to enforce."""
     if isinstance(tool_choice, NamedToolChoice):
         fn = next(t.function for t in tools if t.function.name == tool_choice.function.name)

@@ -15,7 +15,7 @@ import pytest
 
 from pdserve.gateway import generation
 from pdserve.gateway.config import GatewayConfig, public_config
-from pdserve.gateway.protocol import MAX_RID_CHARS
+from pdserve.gateway.request_models import MAX_RID_CHARS
 from pdserve.protocol import gateway as m
 from pdserve.sampling_params import SamplingParams
 

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from pdserve.gateway.generation import GenState, _count_version
-from pdserve.gateway.openai_api import _metadata
+from pdserve.gateway.openai_reply import _metadata
 from pdserve.gateway.workers import WorkerRegistry
 from pdserve.protocol import gateway as m
 

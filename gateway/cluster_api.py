@@ -1,0 +1,76 @@
+"""The cluster's own endpoints: /health, /workers, /flush_cache, and /metrics (`metrics_router`, served
+with --enable-metrics)."""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from fastapi import APIRouter, Query, Request
+from fastapi.responses import JSONResponse, Response
+
+from pdserve.gateway.errors import error_body
+from pdserve.gateway.metrics import CONTENT_TYPE
+from pdserve.gateway.state import gateway_state
+from pdserve.gateway.workers import WorkerInfo
+from pdserve.protocol.gateway import Role
+
+router = APIRouter()
+metrics_router = APIRouter()
+
+_ROLES: tuple[Role, ...] = ("prefill", "decode")
+
+
+@router.get("/health")
+async def health(request: Request) -> Response:
+    registry = gateway_state(request).registry
+    if registry.healthy():
+        return Response(status_code=200)
+    missing = [r for r in _ROLES if not registry.in_rotation(r)]
+    return JSONResponse(error_body(503, f"no {' and no '.join(missing)} worker in rotation"), status_code=503)
+
+
+@router.post("/flush_cache")
+@router.get("/flush_cache", operation_id="flush_cache_get")  # one OpenAPI operation id per method
+async def flush_cache(request: Request) -> Response:
+    """SGLang's endpoint: empty every worker's prefix cache; refused (400, naming the workers)
+    where requests are in flight."""
+    refused = await gateway_state(request).control.flush_caches()
+    if refused:
+        msg = "; ".join(f"{wid}: {why}" for wid, why in refused.items())
+        return JSONResponse(error_body(400, f"cache not flushed on: {msg}"), status_code=400)
+    return Response("Cache flushed.\n", status_code=200)
+
+
+@router.get("/workers")
+async def workers(request: Request, include_down: bool = Query(False, alias="all")) -> dict[str, Any]:
+    """Registered workers (healthy or draining); `?all=1` adds those lost recently (down)."""
+    registry = gateway_state(request).registry
+    listed = registry.all() + (registry.down(time.monotonic()) if include_down else [])
+    return {"workers": [_worker(w) for w in listed]}
+
+
+def _worker(w: WorkerInfo) -> dict[str, Any]:
+    return {
+        "worker_id": w.worker_id,
+        "role": w.role,
+        "state": w.state,
+        "restarts": w.restarts,
+        "registered_at": w.registered_at,
+        "draining": w.draining,
+        "weight_version": w.weight_version,
+        "bootstrap_addr": w.reg.bootstrap_addr,
+        "clock_offset_s": w.clock.offset,
+        "queued": w.queued,
+        "running": w.running,
+        "free_tokens": w.free_tokens,
+        "max_total_tokens": w.reg.max_total_tokens,
+        "inflight_requests": w.inflight_requests,
+        # Prefill: pages its prefix cache holds, as the gateway's index knows them.
+        "cached_blocks": len(w.prefix.blocks),
+    }
+
+
+@metrics_router.get("/metrics")
+async def metrics_endpoint(request: Request) -> Response:
+    return Response(gateway_state(request).metrics.render(), media_type=CONTENT_TYPE)

@@ -1,0 +1,45 @@
+"""What every handler reaches: the gateway's parts, held by the app (`gateway_state(request)`)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, cast
+
+from fastapi import Request
+
+if TYPE_CHECKING:
+    from pdserve.gateway.config import GatewayConfig
+    from pdserve.gateway.control import ControlPlane
+    from pdserve.gateway.dashboard import RecentRequests
+    from pdserve.gateway.generation import Generations
+    from pdserve.gateway.metrics import GatewayMetrics
+    from pdserve.gateway.serving import Admission
+    from pdserve.gateway.structured import Constraints
+    from pdserve.gateway.tokenizer import Tokenizer
+    from pdserve.gateway.tracing import Tracing
+    from pdserve.gateway.weights import WeightUpdates
+    from pdserve.gateway.workers import WorkerRegistry
+
+
+@dataclass
+class GatewayState:
+    """Everything the handlers reach through `gateway_state(request)`; built by `server.create_app`."""
+
+    cfg: GatewayConfig
+    tokenizer: Tokenizer
+    registry: WorkerRegistry
+    control: ControlPlane
+    metrics: GatewayMetrics
+    generations: Generations
+    admission: Admission
+    started: int
+    model_name: str  # what clients send as `model` (--served-model-name, else the model's own name)
+    constraints: Constraints  # structured output: validates json_schema / regex / ebnf
+    recent: RecentRequests  # finished requests, for /dashboard
+    tracing: Tracing | None  # OpenTelemetry export (--enable-trace)
+    weights: WeightUpdates  # live weight updates over every worker
+
+
+def gateway_state(request: Request) -> GatewayState:
+    """The state of the gateway app that `request` came to."""
+    return cast(GatewayState, request.app.state.gw)
