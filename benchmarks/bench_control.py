@@ -21,8 +21,9 @@ import time
 
 from pdserve.cluster_auth import ClusterKeys
 from pdserve.gateway.config import GatewayConfig
-from pdserve.gateway.control import ControlPlane, TokensArrived
+from pdserve.gateway.control import ControlPlane
 from pdserve.gateway.metrics import GatewayMetrics
+from pdserve.gateway.rooms import TokensArrived
 from pdserve.gateway.workers import WorkerRegistry
 from pdserve.protocol import gateway as m
 from pdserve.sampling_params import SamplingParams

@@ -1,13 +1,14 @@
-"""The control plane: one zmq ROUTER socket, the registration/heartbeat protocol, and per-room queues.
+"""The control plane: one zmq ROUTER socket, the registration/heartbeat protocol, and the rooms in flight.
 
 Three asyncio tasks share the socket: `_recv_loop` (every inbound frame), `_send_loop` (the only
 writer, fed by a queue so sends can be issued from `finally` blocks and sync code), and
 `_heartbeat_loop` (Ping every interval; a worker silent for `heartbeat_timeout_s` is removed and the
-requests that still need it fail). Worker outputs are routed to the request's `Room` by room id.
+requests that still need it fail). Worker outputs go to the request's `Room` by room id (rooms.py);
+answers to the commands the gateway sends (cache flushes, weight updates) to their waits (answers.py).
 
 Trust: with a cluster secret the socket runs CurveZMQ and admits only peers holding the secret
 (pdserve/cluster_auth.py). Even among those, a worker speaks only for itself: it is known by the zmq
-identity of the connection that registered it (a per-process `worker_id/random` identity), so
+identity of the connection that registered it (registration.py), so
   - a Register for a worker id held by another live connection is refused (retry later);
   - a Deregister counts only from the connection that registered that id;
   - outputs (TokenBatch, PrefillDone, RequestFailed) for a room count only from the worker the
@@ -25,15 +26,23 @@ import logging
 import time
 import uuid
 from collections.abc import Callable
-from dataclasses import dataclass, field
 
 import zmq
 import zmq.asyncio
-from pydantic import BaseModel
 
 from pdserve.cluster_auth import ClusterKeys, load_keys, secure_server, start_authenticator, warn_if_open
+from pdserve.gateway.answers import Answers
 from pdserve.gateway.config import GatewayConfig
 from pdserve.gateway.metrics import GatewayMetrics
+from pdserve.gateway.registration import refusal
+from pdserve.gateway.rooms import (
+    Room,
+    RoomAborted,
+    deliver_failure,
+    deliver_prefill_done,
+    deliver_tokens,
+    fail_rooms_of,
+)
 from pdserve.gateway.workers import WorkerInfo, WorkerRegistry
 from pdserve.protocol.codec import ProtocolError, VersionMismatch
 from pdserve.protocol.gateway import (
@@ -42,6 +51,7 @@ from pdserve.protocol.gateway import (
     FlushCache,
     FlushCacheDone,
     KVEvents,
+    Message,
     Ping,
     Pong,
     PrefillDone,
@@ -49,62 +59,18 @@ from pdserve.protocol.gateway import (
     RegisterAck,
     RequestFailed,
     TokenBatch,
-    TokenOutput,
     WeightsCommand,
     WeightsReply,
     decode,
     encode,
 )
+from pdserve.protocol.vocabulary import AbortReason, FailCode
 
 log = logging.getLogger(__name__)
 
 # The largest control frame accepted: a KVEvents snapshot of a big prefix cache fits many times over.
 # A bigger frame drops the connection (zmq MAXMSGSIZE) before any of it is buffered.
 MAX_FRAME_BYTES = 16 << 20
-
-
-@dataclass(frozen=True)
-class TokensArrived:
-    output: TokenOutput
-    t_recv: float  # gateway wall clock at receipt
-    # "prefill": the first token, carried by PrefillDone before the KV lands (the decode reports it again).
-    source: str = "decode"
-
-
-@dataclass(frozen=True)
-class LegFailed:
-    role: str  # "prefill" | "decode"
-    code: str  # RequestFailed.code, or "worker_lost"
-    message: str
-    reported: bool  # True: the failing leg told us itself (no need to abort it)
-
-
-RoomEvent = TokensArrived | LegFailed
-
-
-@dataclass
-class Room:
-    """One generation in flight: its two legs and the inbox the request handler reads. `prefill` is
-    None for a local prefill (conditional disaggregation: the decode worker computes the prompt, and
-    its first output carries the prefill events that PrefillDone carries otherwise); `decode` is None
-    for a request with nothing to decode (max_new_tokens 0 or 1: PrefillDone answers it). Never both."""
-
-    room: str
-    prefill: WorkerInfo | None
-    decode: WorkerInfo | None
-    tokens: int  # the work reserved on both legs (for routing)
-    inbox: asyncio.Queue[RoomEvent] = field(default_factory=asyncio.Queue)
-    prefill_done: PrefillDone | None = None
-    prefill_done_at: float | None = None
-    prefill_event: asyncio.Event = field(default_factory=asyncio.Event)
-    rid: str = ""  # the client's request id (for /abort_request)
-
-    def leg(self, role: str) -> WorkerInfo:
-        """The worker that speaks for `role` here: a missing leg's work is the other's (a local
-        prefill's events come from the decode worker, the answer without a decode leg from the prefill)."""
-        w = (self.prefill or self.decode) if role == "prefill" else (self.decode or self.prefill)
-        assert w is not None, "a room has at least one leg"
-        return w
 
 
 class ControlPlane:
@@ -125,12 +91,9 @@ class ControlPlane:
         self._ctx: zmq.asyncio.Context | None = None
         self._sock: zmq.asyncio.Socket | None = None
         self._outbox: asyncio.Queue[tuple[bytes, bytes]] = asyncio.Queue()
-        self._tasks: list[asyncio.Task] = []
+        self._tasks: list[asyncio.Task[None]] = []
         self.bound_port: int | None = None
-        # Answers awaited by `ask` (FlushCacheDone by flush_id, WeightsReply by op_id), and whom each is
-        # from: a worker that is lost or registers again will not answer, so its wait ends then.
-        self._answers: dict[str, asyncio.Future[FlushCacheDone | WeightsReply | str]] = {}
-        self._asked: dict[str, WorkerInfo] = {}
+        self.answers = Answers(registry, self.send)
         # Called with each worker accepted by a Register (gateway/weights.py: bring it to the cluster's weights).
         self.on_registered: list[Callable[[WorkerInfo], None]] = []
 
@@ -174,7 +137,7 @@ class ControlPlane:
                 await t
         self._tasks = []
         for room in list(self.rooms.values()):
-            room.inbox.put_nowait(LegFailed("gateway", "shutdown", "the gateway is shutting down", False))
+            room.inbox.put_nowait(RoomAborted(FailCode.SHUTDOWN, "the gateway is shutting down"))
         if self._sock is not None:
             self._sock.close(linger=0)
         if self._auth is not None:
@@ -186,7 +149,7 @@ class ControlPlane:
 
     # ---- sending -----------------------------------------------------------------------------
 
-    def send(self, worker: WorkerInfo, msg: BaseModel) -> None:
+    def send(self, worker: WorkerInfo, msg: Message) -> None:
         """Queue a message for a worker; never blocks, safe in `finally` blocks."""
         self._outbox.put_nowait((worker.identity, encode(msg)))
 
@@ -214,19 +177,17 @@ class ControlPlane:
         return room
 
     def abort_rids(self, rid: str | None) -> int:
-        """End the rooms of request `rid` (its n samples `rid-k` too), or every room for None, as if a
-        leg had failed with code "client_abort"; the generations abort both legs on their way out."""
+        """End the rooms of request `rid` (its n samples `rid-k` too), or every room for None, with
+        `FailCode.CLIENT_ABORT`; the generations abort both legs on their way out."""
         hit = 0
         for room in list(self.rooms.values()):
             if rid is None or room.rid == rid or room.rid.startswith(f"{rid}-"):
-                room.inbox.put_nowait(
-                    LegFailed("gateway", "client_abort", "aborted by /abort_request", False)
-                )
+                room.inbox.put_nowait(RoomAborted(FailCode.CLIENT_ABORT, "aborted by /abort_request"))
                 hit += 1
         return hit
 
     def close_room(
-        self, room: Room, abort_decode: str | None = None, abort_prefill: str | None = None
+        self, room: Room, abort_decode: AbortReason | None = None, abort_prefill: AbortReason | None = None
     ) -> None:
         """Forget the room, release its reserved work, and abort the legs named with a reason. The
         decode leg has ended here whatever the reason: a prefill leg that never reported PrefillDone
@@ -235,7 +196,7 @@ class ControlPlane:
             return
         if room.prefill_done is None and room.prefill is not None:
             self.registry.release(room.prefill, room.tokens)
-            abort_prefill = abort_prefill or "decode leg ended"
+            abort_prefill = abort_prefill or AbortReason.DECODE_ENDED
         if room.decode is not None:
             self.registry.release(room.decode, room.tokens)
         for worker, reason in ((room.decode, abort_decode), (room.prefill, abort_prefill)):
@@ -280,62 +241,24 @@ class ControlPlane:
             log.warning("%s from unregistered peer %r dropped", msg.kind, identity)
             return
         worker.last_seen = time.monotonic()
+        self._from_worker(worker, msg, t_recv)
+
+    def _from_worker(self, worker: WorkerInfo, msg: Message, t_recv: float) -> None:
+        """A message from a registered worker."""
         if isinstance(msg, Pong):
             self._on_pong(worker, msg, t_recv)
         elif isinstance(msg, TokenBatch):
-            for out in msg.outputs:
-                room = self.rooms.get(out.room)
-                if room is None:
-                    log.debug("tokens for unknown room %s (finished or aborted)", out.room)
-                    continue
-                if room.decode is not worker:
-                    log.warning(
-                        "tokens for room %s from %s, not its decode leg: dropped", out.room, worker.worker_id
-                    )
-                    continue
-                room.inbox.put_nowait(TokensArrived(out, t_recv))
+            deliver_tokens(self.rooms, worker, msg, t_recv)
         elif isinstance(msg, PrefillDone):
-            room = self.rooms.get(msg.room)
-            if room is None:
-                log.debug("prefill_done for unknown room %s", msg.room)
-                return
-            if room.prefill is not worker:
-                log.warning(
-                    "prefill_done for room %s from %s, not its prefill leg: dropped",
-                    msg.room,
-                    worker.worker_id,
-                )
-                return
-            if room.prefill_done is None and room.prefill is not None:
-                room.prefill_done, room.prefill_done_at = msg, t_recv
-                self.registry.release(room.prefill, room.tokens)
-                room.prefill_event.set()
-                if msg.first is not None:
-                    room.inbox.put_nowait(TokensArrived(msg.first, t_recv, source="prefill"))
+            deliver_prefill_done(self.rooms, worker, msg, t_recv, self.registry)
         elif isinstance(msg, RequestFailed):
-            if msg.code == "transfer":
+            if msg.code == FailCode.TRANSFER:
                 self.metrics.transfer_failures.inc()
-            room = self.rooms.get(msg.room)
-            if room is None:
-                log.debug("failure for unknown room %s: %s", msg.room, msg.message)
-                return
-            leg = room.prefill if msg.role == "prefill" else room.decode if msg.role == "decode" else None
-            if leg is not worker:
-                log.warning(
-                    "failure for room %s from %s, not its %s leg: dropped",
-                    msg.room,
-                    worker.worker_id,
-                    msg.role,
-                )
-                return
-            room.inbox.put_nowait(LegFailed(msg.role, msg.code, msg.message, reported=True))
+            deliver_failure(self.rooms, worker, msg)
         elif isinstance(msg, KVEvents):
             worker.prefix.apply(msg)
         elif isinstance(msg, (WeightsReply, FlushCacheDone)):
-            key = msg.op_id if isinstance(msg, WeightsReply) else msg.flush_id
-            fut = self._answers.get(key)
-            if fut is not None and not fut.done() and self._asked.get(key) is worker:
-                fut.set_result(msg)
+            self.answers.answered(worker, msg)
         elif isinstance(msg, Deregister):
             if msg.worker_id != worker.worker_id:
                 log.warning("%s sent a deregister for %s: ignored", worker.worker_id, msg.worker_id)
@@ -346,63 +269,29 @@ class ControlPlane:
         else:
             log.warning("unexpected %s from worker %s", msg.kind, worker.worker_id)
 
-    def _refuse(self, identity: bytes, reason: str, retry: bool = False) -> None:
-        self._outbox.put_nowait((identity, encode(RegisterAck(accepted=False, reason=reason, retry=retry))))
-
     def _on_register(self, identity: bytes, reg: Register, t_recv: float) -> None:
+        refused = refusal(self.cfg, self.registry, identity, reg, time.monotonic(), self._ping)
+        if refused is not None:
+            ack = RegisterAck(accepted=False, reason=refused.reason, retry=refused.retry)
+            self._outbox.put_nowait((identity, encode(ack)))
+            return
         old = self.registry.get(reg.worker_id)
-        now = time.monotonic()
-        if (
-            old is not None
-            and old.identity != identity
-            and now - old.last_seen <= self.cfg.heartbeat_timeout_s
-            and not self._holder_gone(old, now)
-        ):
-            # Held by a live connection: a second process under the same id, or one trying to take
-            # it over. A restarted worker gets in once the old connection has not answered a probe.
-            log.warning("worker id %s is held by another live connection: register refused", reg.worker_id)
-            self._refuse(identity, f"worker id {reg.worker_id} is in use by another connection", retry=True)
-            return
-        other = self.registry.by_identity(identity)
-        if other is not None and other.worker_id != reg.worker_id:
-            self._refuse(identity, f"this connection is registered as {other.worker_id} already")
-            return
-        reason = self.registry.check_fingerprint(reg)
-        if reason is not None:
-            log.error("refusing worker %s: %s", reg.worker_id, reason)
-            self._refuse(identity, reason)
-            return
-        if reg.role == "prefill" and not reg.bootstrap_addr:
-            self._refuse(identity, "a prefill worker must give bootstrap_addr")
-            return
         if old is not None:
             # Same id again: a restarted worker has lost whatever it held.
-            self._fail_rooms_of(old, f"{old.role} worker {old.worker_id} re-registered (restarted)")
-            self._end_waits_on(old, "re-registered (restarted)")
+            fail_rooms_of(self.rooms, old, f"{old.role} worker {old.worker_id} re-registered (restarted)")
+            self.answers.end_waits_on(old, "re-registered (restarted)")
         w = self.registry.add(reg, identity, time.monotonic())
         w.clock.add_one_way(reg.t_send, t_recv)
         log.info("worker %s registered as %s (%s)", reg.worker_id, reg.role, reg.bootstrap_addr or "-")
         self._outbox.put_nowait((identity, encode(RegisterAck(accepted=True))))
         # A first round trip right away so the offset estimate does not wait a heartbeat interval.
-        self.send(w, Ping(t0=time.time()))
+        self._ping(w)
         self._update_worker_gauges()
         for hook in self.on_registered:
             hook(w)
 
-    def _holder_gone(self, old: WorkerInfo, now: float) -> bool:
-        """Another connection claims `old`'s id. The first claim pings the holder; a claim (the claimant
-        retries every second) made when the holder has stayed silent for the probe window since that ping
-        finds it gone: a restart, whose old process died without a word, gets its id back in about a
-        second instead of a heartbeat timeout. A live holder answers, and the claim is refused again."""
-        probe = old.conflict_probe
-        window = min(self.cfg.heartbeat_timeout_s, max(1.0, 2 * self.cfg.heartbeat_interval_s))
-        if probe is not None and old.last_seen < probe and now - probe >= window:
-            log.info("worker %s did not answer a probe: a new connection takes its id", old.worker_id)
-            return True
-        if probe is None or old.last_seen >= probe:
-            old.conflict_probe = now
-            self.send(old, Ping(t0=time.time()))
-        return False
+    def _ping(self, w: WorkerInfo) -> None:
+        self.send(w, Ping(t0=time.time()))
 
     def _on_pong(self, w: WorkerInfo, pong: Pong, t_recv: float) -> None:
         w.clock.add_round_trip(pong.t0, pong.t1, pong.t2, t_recv)
@@ -421,47 +310,11 @@ class ControlPlane:
             w.clock.rtt or 0.0,
         )
 
-    async def ask(
-        self, sends: dict[str, tuple[WorkerInfo, FlushCache | WeightsCommand]], timeout_s: float
-    ) -> dict[str, FlushCacheDone | WeightsReply | str]:
-        """Send each worker (keyed by worker id) its command and wait, at most `timeout_s` in all, for
-        every answer (matched by the command's flush_id / op_id); for a worker that gave none, why:
-        silent until the timeout, or lost or registered again meanwhile (its wait ends then)."""
-        loop = asyncio.get_running_loop()
-        futs: dict[str, asyncio.Future[FlushCacheDone | WeightsReply | str]] = {}
-        for wid, (w, cmd) in sends.items():
-            key = cmd.op_id if isinstance(cmd, WeightsCommand) else cmd.flush_id
-            futs[wid] = self._answers[key] = loop.create_future()
-            self._asked[key] = w
-            if self.registry.get(w.worker_id) is not w:  # lost or replaced before we asked
-                futs[wid].set_result("is no longer registered")
-            else:
-                self.send(w, cmd)
-        try:
-            if futs:
-                await asyncio.wait(futs.values(), timeout=timeout_s)
-            return {
-                wid: f.result() if f.done() and not f.cancelled() else f"no answer within {timeout_s:g} s"
-                for wid, f in futs.items()
-            }
-        finally:
-            for f in futs.values():
-                f.cancel()
-            self._answers = {k: f for k, f in self._answers.items() if not f.done()}
-            self._asked = {k: w for k, w in self._asked.items() if k in self._answers}
-
-    def _end_waits_on(self, w: WorkerInfo, why: str) -> None:
-        """`w` will not answer what it was asked (it is lost, or a new process took its id)."""
-        for key, asked in self._asked.items():
-            fut = self._answers.get(key)
-            if asked is w and fut is not None and not fut.done():
-                fut.set_result(why)
-
     async def flush_caches(self, timeout_s: float = 10.0) -> dict[str, str]:
         """Ask every registered worker (both roles keep a prefix cache) to empty it; returns the
         refusals (worker id -> why). Each worker then publishes the removal in its KVEvents."""
         sends = {w.worker_id: (w, FlushCache(flush_id=uuid.uuid4().hex)) for w in self.registry.all()}
-        answers = await self.ask(dict(sends), timeout_s)
+        answers = await self.answers.ask(dict(sends), timeout_s)
         return {
             wid: a if isinstance(a, str) else a.message
             for wid, a in answers.items()
@@ -473,7 +326,7 @@ class ControlPlane:
     ) -> dict[str, WeightsReply]:
         """`ask` with weights commands (every op_id distinct); a worker that gave no answer gets a
         failed reply saying why."""
-        answers = await self.ask(dict(commands), timeout_s)
+        answers = await self.answers.ask(dict(commands), timeout_s)
         out: dict[str, WeightsReply] = {}
         for wid, a in answers.items():
             if isinstance(a, WeightsReply):
@@ -488,7 +341,7 @@ class ControlPlane:
         while True:
             self.check_liveness()
             for w in self.registry.all():
-                self.send(w, Ping(t0=time.time()))
+                self._ping(w)
             await asyncio.sleep(self.cfg.heartbeat_interval_s)
 
     def check_liveness(self) -> None:
@@ -500,17 +353,12 @@ class ControlPlane:
                 self.cfg.heartbeat_timeout_s,
             )
             self.registry.mark_down(w.worker_id, time.monotonic())  # listed as down in /workers
-            self._end_waits_on(w, f"stopped responding to heartbeats ({self.cfg.heartbeat_timeout_s:g} s)")
+            self.answers.end_waits_on(
+                w, f"stopped responding to heartbeats ({self.cfg.heartbeat_timeout_s:g} s)"
+            )
             self.metrics.worker_gone(w.worker_id, w.role)
             self._update_worker_gauges()
-            self._fail_rooms_of(w, f"{w.role} worker {w.worker_id} stopped responding to heartbeats")
-
-    def _fail_rooms_of(self, w: WorkerInfo, message: str) -> None:
-        for room in list(self.rooms.values()):
-            # A prefill worker is no longer needed once its PrefillDone arrived.
-            needs = room.decode is w or (room.prefill is w and room.prefill_done is None)
-            if needs:
-                room.inbox.put_nowait(LegFailed(w.role, "worker_lost", message, reported=False))
+            fail_rooms_of(self.rooms, w, f"{w.role} worker {w.worker_id} stopped responding to heartbeats")
 
     def workers_changed(self) -> None:
         """A worker entered or left rotation outside the control plane (gateway/weights.py)."""

@@ -19,6 +19,8 @@ from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 
+from pdserve.protocol.vocabulary import FailCode
+
 log = logging.getLogger(__name__)
 
 _TYPES = {
@@ -32,6 +34,22 @@ _TYPES = {
     500: "internal_server_error",
     503: "service_unavailable",
     504: "timeout_error",
+}
+
+# The HTTP status a client gets for a generation that failed with each code.
+FAIL_STATUS: dict[FailCode, int] = {
+    FailCode.BAD_REQUEST: 400,
+    FailCode.DEADLINE: 504,
+    FailCode.DRAINING: 503,
+    FailCode.TRANSFER: 503,
+    FailCode.OOM: 503,
+    # The worker's step raised for this request (it goes on): not run again elsewhere, and refused
+    # before dispatch after two (`FailedRequests`).
+    FailCode.INTERNAL: 500,
+    FailCode.WORKER_LOST: 503,
+    FailCode.SHUTDOWN: 503,
+    FailCode.CLIENT_ABORT: 400,
+    FailCode.ABORTED: 500,
 }
 
 
@@ -53,7 +71,7 @@ class ApiError(Exception):
         self.headers = headers
         self.code = code
 
-    def body(self) -> dict:
+    def body(self) -> dict[str, Any]:
         return error_body(self.status, self.message, self.param, self.code)
 
 
@@ -65,7 +83,9 @@ def model_not_found(model: str) -> ApiError:
     return ApiError(404, f"The model '{model}' does not exist", "model", code="model_not_found")
 
 
-def error_body(status: int, message: str, param: str | None = None, code: str | None = None) -> dict:
+def error_body(
+    status: int, message: str, param: str | None = None, code: str | None = None
+) -> dict[str, Any]:
     return {
         "error": {
             "message": message,
@@ -79,7 +99,7 @@ def error_body(status: int, message: str, param: str | None = None, code: str | 
 _TYPE_TAGS = {"str", "int", "float", "bool", "dict", "list", "none", "is-instance"}
 
 
-def _loc_to_param(loc: tuple) -> str | None:
+def _loc_to_param(loc: tuple[int | str, ...]) -> str | None:
     # ("body", "text", "list[str]", 0) -> "text.0": union member tags are not field names.
     parts = [
         str(p)
@@ -155,7 +175,7 @@ def _bad_text(body: Any) -> ApiError | None:
     return None
 
 
-def parse_json_body(raw: bytes) -> dict:
+def parse_json_body(raw: bytes) -> dict[str, Any]:
     """Decode a request body that must be a JSON object whose every string is valid UTF-8 text (a
     lone surrogate or an undecodable byte is a 400 naming the field, before anything else sees it)."""
     if not raw:
@@ -183,19 +203,23 @@ def parse_json_body(raw: bytes) -> dict:
 
 
 def install_error_handlers(app: FastAPI) -> None:
-    async def on_api_error(_: Request, exc: ApiError) -> JSONResponse:
+    # Starlette calls each handler with the exception class it was registered for.
+    async def on_api_error(_: Request, exc: Exception) -> Response:
+        assert isinstance(exc, ApiError)
         return JSONResponse(exc.body(), status_code=exc.status, headers=exc.headers)
 
-    async def on_validation(_: Request, exc: RequestValidationError) -> JSONResponse:
+    async def on_validation(_: Request, exc: Exception) -> Response:
+        assert isinstance(exc, RequestValidationError)
         api = validation_error_to_api(exc)
         return JSONResponse(api.body(), status_code=400)
 
-    async def on_http(_: Request, exc: StarletteHTTPException) -> JSONResponse:
+    async def on_http(_: Request, exc: Exception) -> Response:
+        assert isinstance(exc, StarletteHTTPException)
         return JSONResponse(
             error_body(exc.status_code, str(exc.detail)), status_code=exc.status_code, headers=exc.headers
         )
 
-    async def on_client_gone(request: Request, _: ClientDisconnect) -> Response:
+    async def on_client_gone(request: Request, _: Exception) -> Response:
         # Nobody is left to read the answer; one line, not a traceback (a client may do it at will).
         client = request.client.host if request.client else "?"
         log.info(
@@ -206,7 +230,7 @@ def install_error_handlers(app: FastAPI) -> None:
         )
         return Response(status_code=499)
 
-    async def on_unexpected(_: Request, exc: Exception) -> JSONResponse:
+    async def on_unexpected(_: Request, exc: Exception) -> Response:
         log.exception("unhandled error in request handler")
         return JSONResponse(error_body(500, f"internal error: {type(exc).__name__}: {exc}"), status_code=500)
 

@@ -43,11 +43,11 @@ def finish_fields(st: GenState, calls: bool = False) -> tuple[str | None, int | 
     """A choice's `finish_reason` and `matched_stop` (a stop that ended in tool calls: "tool_calls")."""
     if st.finish_reason is None:
         return None, None
-    kind = st.finish_reason.get("type")
-    matched = st.finish_reason.get("matched") if kind == "stop" else None
-    if calls and kind == "stop":
+    fr = st.finish_reason
+    matched = fr["matched"] if fr["type"] == "stop" else None
+    if calls and fr["type"] == "stop":
         return "tool_calls", matched
-    return kind, matched
+    return fr["type"], matched
 
 
 def usage(reply: Reply, states: list[GenState], reasoning: list[int] | None = None) -> Json:

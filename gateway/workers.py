@@ -46,7 +46,7 @@ class WorkerInfo:
     identity: bytes  # zmq routing identity of the worker's DEALER socket
     reg: Register
     last_seen: float  # time.monotonic() of the last frame from this worker
-    # time.monotonic() of the Ping sent when another connection claimed this id (`ControlPlane._on_register`).
+    # time.monotonic() of the Ping sent when another connection claimed this id (`registration.refusal`).
     conflict_probe: float | None = None
     clock: OffsetEstimator = field(default_factory=OffsetEstimator)
     draining: bool = False

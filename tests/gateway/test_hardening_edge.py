@@ -13,7 +13,7 @@ import time
 
 import pytest
 
-from pdserve.gateway import generation
+from pdserve.gateway import collector, generation, room_reader
 from pdserve.gateway.config import GatewayConfig, public_config
 from pdserve.gateway.request_models import MAX_RID_CHARS
 from pdserve.protocol import gateway as m
@@ -203,10 +203,10 @@ STEPS = {
     "send_prefill": lambda gw: (gw.control, "send", _fail_on_role("prefill", gw.control.send)),
     "send_decode": lambda gw: (gw.control, "send", _fail_on_role("decode", gw.control.send)),
     "routed_metric": lambda gw: (gw.metrics, "routed", None),
-    "next_event": lambda gw: (gw.generations, "_next_event", _boom),
-    "collect": lambda gw: (generation._Collector, "feed", _boom),
+    "next_event": lambda gw: (room_reader.RoomReader, "next", _boom),
+    "collect": lambda gw: (collector.Collector, "feed", _boom),
     "prefill_done_wait": lambda gw: (gw.generations, "_wait_prefill_done", _boom),
-    "meta_info": lambda gw: (gw.generations, "_meta_info", _boom),
+    "meta_info": lambda gw: (generation, "build_meta_info", _boom),
     "finish": lambda gw: (gw.generations, "on_finish", _boom),
 }
 

@@ -8,7 +8,9 @@ import time
 
 import pytest
 
+from pdserve.gateway.errors import FAIL_STATUS
 from pdserve.protocol import gateway as m
+from pdserve.protocol.vocabulary import FailCode
 
 SEED_META_KEYS = [
     "id",
@@ -535,3 +537,8 @@ def test_a_second_lost_leg_is_an_error_not_another_retry(cluster):
     assert r.status_code == 503
     assert "draining" in r.json()["error"]["message"]
     assert len(cluster.prefill.requests()) == 2  # the first try and exactly one retry
+
+
+def test_every_fail_code_has_its_http_status():
+    assert set(FAIL_STATUS) == set(FailCode)
+    assert FAIL_STATUS[FailCode.DEADLINE] == 504

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from pdserve.gateway.generation import GenState, _count_version
+from pdserve.gateway.collector import count_version
+from pdserve.gateway.generation import GenState
 from pdserve.gateway.openai_reply import _metadata
 from pdserve.gateway.workers import WorkerRegistry
 from pdserve.protocol import gateway as m
@@ -14,7 +15,7 @@ def segments(tags: list[tuple[str, int]]) -> list[dict]:
     for version, count in tags:
         for _ in range(count):
             n += 1
-            _count_version(segs, version, n)
+            count_version(segs, version, n)
     return segs
 
 

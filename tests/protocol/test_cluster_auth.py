@@ -20,8 +20,9 @@ from protocol.test_protocol import FAST, FP, _dealer, _pool, _recv, _register, _
 
 from pdserve.cluster_auth import ClusterKeys, ClusterSecretError, load_keys, secure_client
 from pdserve.gateway.config import GatewayConfig
-from pdserve.gateway.control import ControlPlane, TokensArrived
+from pdserve.gateway.control import ControlPlane
 from pdserve.gateway.metrics import GatewayMetrics
+from pdserve.gateway.rooms import TokensArrived
 from pdserve.gateway.workers import WorkerRegistry
 from pdserve.kv_transfer import KVReceiver, KVSender
 from pdserve.kv_transfer.mailbox import Close
