@@ -39,6 +39,7 @@ from pdserve.kv_transfer.shm import MappedPool, ShmError
 from pdserve.kv_transfer.state import RecvRoom, TransferResult, TransferState
 from pdserve.protocol import kv_control as kc
 from pdserve.protocol.codec import ProtocolError, VersionMismatch
+from pdserve.protocol.kv_trailer import FirstToken
 
 log = logging.getLogger("pdserve.kv_transfer")
 
@@ -227,7 +228,7 @@ class _ReceiverIO(EndpointIO):
         self,
         room: RecvRoom,
         state: TransferState,
-        metadata: dict[str, Any] | None = None,
+        metadata: FirstToken | None = None,
         error: str | None = None,
         num_bytes: int = 0,
         prefix_mismatch: bool = False,

@@ -50,6 +50,7 @@ from pdserve.kv_transfer.shm import SharedSegment
 from pdserve.kv_transfer.state import SendRoom, TransferResult, TransferState
 from pdserve.protocol import kv_control as kc
 from pdserve.protocol.codec import ProtocolError, VersionMismatch
+from pdserve.protocol.kv_trailer import FirstToken
 
 log = logging.getLogger("pdserve.kv_transfer")
 
@@ -110,7 +111,7 @@ class KVSender(Endpoint):
         room: str,
         src_pages: list[int],
         num_tokens: int,
-        metadata: dict[str, Any],
+        metadata: FirstToken,
         block_hashes: list[int] | None = None,
     ) -> None:
         """The prefill of `room` is done: send its pages once the decode's page list is here.
@@ -123,7 +124,7 @@ class KVSender(Endpoint):
                 room,
                 list(src_pages),
                 int(num_tokens),
-                dict(metadata),
+                metadata,
                 time.monotonic(),
                 list(block_hashes or []),
             )

@@ -14,7 +14,6 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import timedelta
-from typing import Any
 
 import torch
 
@@ -25,7 +24,7 @@ from pdserve.kv_transfer.pair_group import MAX_STRAY_CONNECTIONS, SENDER_RANK, P
 from pdserve.kv_transfer.pair_store import PairStores
 from pdserve.kv_transfer.shm import SharedSegment
 from pdserve.protocol import kv_control as kc
-from pdserve.protocol.kv_trailer import encode_trailer
+from pdserve.protocol.kv_trailer import FirstToken, encode_trailer
 
 log = logging.getLogger("pdserve.kv_transfer")
 
@@ -36,7 +35,7 @@ class SendJob:
     src_pages: list[int]  # exactly the pages that travel
     dst_pages: list[int]  # where they land on the decode node, same length
     num_tokens: int
-    metadata: dict[str, Any]
+    metadata: FirstToken
     shm: bool = False  # the decode copies the pages out of this node's shared-memory segment
     # Set by the I/O thread on abort; checked before the transfer starts.
     cancelled: threading.Event = field(default_factory=threading.Event)

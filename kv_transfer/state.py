@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 if TYPE_CHECKING:
     from pdserve.kv_transfer.sender_pair import SendJob
+    from pdserve.protocol.kv_trailer import FirstToken
 
 
 class TransferState(enum.Enum):
@@ -45,13 +46,13 @@ _ALLOWED: dict[TransferState, frozenset[TransferState]] = {
 class TransferResult:
     """What poll() returns once per finished room. On FAILED, `error` says why; free the pages then.
 
-    metadata: the prefill's dict (receiver, SUCCESS only). num_bytes: KV bytes moved. seconds: from
+    metadata: the prefill's first token (receiver, SUCCESS only). num_bytes: KV bytes moved. seconds: from
     send() (sender) or request() (receiver) to the result.
     """
 
     room: str
     state: TransferState
-    metadata: dict[str, Any] | None
+    metadata: FirstToken | None
     error: str | None
     num_bytes: int
     seconds: float
@@ -103,7 +104,7 @@ class TransferRoom:
 
     def result(
         self,
-        metadata: dict[str, Any] | None = None,
+        metadata: FirstToken | None = None,
         error: str | None = None,
         num_bytes: int = 0,
         prefix_mismatch: bool = False,
@@ -130,7 +131,7 @@ class SendRoom(TransferRoom):
 
     src_pages: list[int]
     num_tokens: int
-    metadata: dict[str, Any]
+    metadata: FirstToken
     block_hashes: list[int]  # of the prompt's whole pages: checks a page list's skipped prefix
     peer: bytes | None = None  # the decode node's zmq identity
     job: SendJob | None = None  # queued on the peer's pair thread
