@@ -77,10 +77,9 @@ class Outbound:
 
 @dataclass(frozen=True)
 class Started:
-    """Sender pair: the data of `room` starts moving (`shm`: the decode copies it from shared memory)."""
+    """Sender pair: the data of `room` starts moving (on the room's transport)."""
 
     room: str
-    shm: bool = False
 
 
 @dataclass(frozen=True)
