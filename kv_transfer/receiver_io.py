@@ -51,7 +51,7 @@ class _Peer:
     shm: ShmReceive | None = None  # made with the pair, at the HelloAck
 
 
-class ReceiverIO(RoomBook[RecvRoom]):
+class ReceiverIO(RoomBook[RecvRoom, _Peer]):
     """State owned by the receiver's I/O thread; every room transition happens here."""
 
     def __init__(self, owner: KVReceiver) -> None:

@@ -12,14 +12,14 @@ from typing import Any, Generic, TypeVar
 from typing_extensions import Unpack
 
 from pdserve.kv_transfer.endpoint import Endpoint
-from pdserve.kv_transfer.io_loop import EndpointIO
+from pdserve.kv_transfer.io_loop import EndpointIO, P
 from pdserve.kv_transfer.pair_thread import PairThread
 from pdserve.kv_transfer.state import Outcome, TransferResult, TransferRoom, TransferState
 
 R = TypeVar("R", bound=TransferRoom)
 
 
-class RoomBook(EndpointIO, Generic[R]):
+class RoomBook(EndpointIO[P], Generic[R, P]):
     def __init__(self, owner: Endpoint) -> None:
         super().__init__(owner._mailbox)
         self._owner = owner

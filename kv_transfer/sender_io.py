@@ -50,7 +50,7 @@ class _EarlyPageList:
     arrived: float
 
 
-class SenderIO(RoomBook[SendRoom]):
+class SenderIO(RoomBook[SendRoom, bytes]):
     """State owned by the sender's I/O thread; every room transition happens here."""
 
     def __init__(self, owner: KVSender, router: zmq.Socket[bytes]) -> None:
