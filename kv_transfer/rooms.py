@@ -20,6 +20,8 @@ R = TypeVar("R", bound=TransferRoom)
 
 
 class RoomBook(EndpointIO[P], Generic[R, P]):
+    """An endpoint's I/O state: its rooms of type R, keyed by room id, and its peers named by P."""
+
     def __init__(self, owner: Endpoint) -> None:
         super().__init__(owner._mailbox)
         self._owner = owner
