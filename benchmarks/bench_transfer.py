@@ -25,6 +25,7 @@ import torch
 
 from pdserve.kv_transfer import KVReceiver, KVSender, TransferConfig, TransferState
 from pdserve.kv_transfer.shm import shared_pool
+from pdserve.protocol.kv_trailer import FirstToken
 
 LAYERS, KV_HEADS, HEAD_DIM, PAGE_SIZE = 30, 3, 64, 16
 FINGERPRINT = {
@@ -60,7 +61,7 @@ def _prefill(conn, num_pages: int, config: TransferConfig) -> None:
         if cmd[0] == "send":
             _, room, pages, num_tokens = cmd
             t_send = time.monotonic()
-            sender.send(room, pages, num_tokens, {"first_token": 1})
+            sender.send(room, pages, num_tokens, FirstToken(first_token=1))
             conn.send(t_send)
             while not sender.poll():
                 time.sleep(0.001)

@@ -13,9 +13,6 @@ A request past its deadline (`GenerateRequest.deadline_s`, checked once per step
 from __future__ import annotations
 
 import logging
-from typing import Any
-
-from pydantic import ValidationError
 
 from pdserve.config import WorkerConfig
 from pdserve.decode.scheduler import DecodeScheduler
@@ -340,7 +337,7 @@ class DecodeWorker:
         self,
         room: str,
         state: TransferState,
-        meta: dict[str, Any] | None,
+        first: FirstToken | None,
         error: str | None,
         num_bytes: int,
         direct: bool = False,
@@ -351,13 +348,7 @@ class DecodeWorker:
             self.sched.kv_failed(room)
             self._forget(room)
             return None
-        first = None
-        if state is TransferState.SUCCESS and meta is not None:
-            try:
-                first = FirstToken.model_validate(meta)
-            except ValidationError as e:
-                error = f"unreadable first-token metadata: {str(e).splitlines()[0]}"
-        if first is None:
+        if state is not TransferState.SUCCESS or first is None:
             if self.sched.kv_failed(room) is not None:
                 self._forget(room)
                 self._fail(room, FailCode.TRANSFER, f"KV transfer failed: {error}")

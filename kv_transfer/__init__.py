@@ -3,9 +3,11 @@ shared memory between two nodes of one host.
 
 Prefill: KVSender(kv, fingerprint, host, bootstrap_port, config).start(); send(); poll(); abort().
 Decode:  KVReceiver(kv, fingerprint, config).start(); connect(); request(); poll(); abort().
-Byte layout: layout.py. Wire messages: pdserve/protocol (kv_control.py, kv_trailer.py). Mailbox items:
-mailbox.py. The I/O loop both ends share: io_loop.py. State machine and rooms: state.py.
-Same host: the prefill's pool in shared memory, copied by the decode (shm.py; TransferConfig.transport).
+Rooms, pairs and handshakes: sender_io.py, receiver_io.py (what both keep alike: rooms.py; state machine:
+state.py), on the I/O loop both ends share (io_loop.py). The two transports, behind transport.py: the
+pair group (dist_transport.py) and, on one host, the prefill's pool in shared memory copied by the decode
+(shm_transport.py, shm.py; TransferConfig.transport). Byte layout: layout.py. Wire messages:
+pdserve/protocol (kv_control.py, kv_trailer.py). Mailbox items: mailbox.py.
 """
 
 from pdserve.kv_transfer.config import TransferConfig, default_backend

@@ -22,6 +22,7 @@ import zmq.auth.base
 
 from pdserve.kv_transfer.config import TransferConfig
 from pdserve.kv_transfer.handshake import pair_identity
+from pdserve.kv_transfer.io_loop import EndpointIO
 from pdserve.kv_transfer.layout import geometry_of, pool_tensor
 from pdserve.kv_transfer.mailbox import Close, Mailbox
 from pdserve.kv_transfer.state import TransferResult, TransferState
@@ -82,7 +83,7 @@ class Endpoint:
             return f"the KV transfer I/O thread stopped: {self._io_error or 'exited'}"
         return None
 
-    def _run_io(self, io: Any) -> None:
+    def _run_io(self, io: EndpointIO[Any]) -> None:
         """The I/O thread's body: `io.run()` until Close; an escape is recorded, never silent."""
         try:
             serial_openmp()  # no second OpenMP team beside the forward's (pdserve/side_threads.py)

@@ -13,7 +13,7 @@ from __future__ import annotations
 import logging
 import socket
 import time
-from typing import Any
+from typing import Any, Generic, TypeVar
 
 import zmq
 
@@ -29,7 +29,10 @@ TICK_S = 0.02  # timer resolution of the I/O thread while a timer may come due
 IDLE_TICK_S = 1.0
 
 
-class EndpointIO:
+P = TypeVar("P")  # how a side names a peer: the sender a zmq identity, the receiver its peer record
+
+
+class EndpointIO(Generic[P]):
     def __init__(self, mailbox: Mailbox) -> None:
         self.mailbox = mailbox
         self.poller = zmq.Poller()
@@ -68,14 +71,14 @@ class EndpointIO:
     def owns(self, sock: zmq.Socket[bytes]) -> bool:
         raise NotImplementedError
 
-    def peer_of(self, sock: zmq.Socket[bytes], frames: list[bytes]) -> Any:
+    def peer_of(self, sock: zmq.Socket[bytes], frames: list[bytes]) -> P | None:
         """The peer that sent `frames` on `sock` (None: drop them)."""
         raise NotImplementedError
 
-    def on_peer(self, peer: Any, msg: kc.Message) -> None:
+    def on_peer(self, peer: P, msg: kc.Message) -> None:
         raise NotImplementedError
 
-    def on_refused(self, peer: Any, error: ProtocolError) -> None:
+    def on_refused(self, peer: P, error: ProtocolError) -> None:
         raise NotImplementedError
 
     def on_local(self, item: Item) -> None:
@@ -86,6 +89,10 @@ class EndpointIO:
 
     def in_flight(self) -> bool:
         """Whether a timeout may come due within a tick (rooms, handshakes under way)."""
+        raise NotImplementedError
+
+    def shutdown(self) -> None:
+        """After the loop, however it ended: say Bye to every peer and close the pairs."""
         raise NotImplementedError
 
 

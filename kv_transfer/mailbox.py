@@ -13,9 +13,9 @@ import concurrent.futures
 import os
 import queue
 from dataclasses import dataclass
-from typing import Any
 
 from pdserve.protocol import kv_control as kc
+from pdserve.protocol.kv_trailer import FirstToken
 
 # ---- from the caller's thread -----------------------------------------------------------------
 
@@ -27,7 +27,7 @@ class Send:
     room: str
     src_pages: list[int]
     num_tokens: int
-    metadata: dict[str, Any]
+    metadata: FirstToken
     t0: float  # time.monotonic() of the call
     block_hashes: list[int]  # chained hashes of the prompt's whole pages (incremental transfer)
 
@@ -77,20 +77,20 @@ class Outbound:
 
 @dataclass(frozen=True)
 class Started:
-    """Sender pair: the data of `room` starts moving (`shm`: the decode copies it from shared memory)."""
+    """Sender pair: the data of `room` starts moving (on the room's transport)."""
 
     room: str
-    shm: bool = False
 
 
 @dataclass(frozen=True)
 class Done:
-    """Pair: the transfer of `room` ended; `error` None means success. `metadata`: receiver only."""
+    """Pair: the transfer of `room` ended; `error` None means success. `metadata`: receiver only, the
+    prefill's first token from the trailer."""
 
     room: str
     error: str | None
     num_bytes: int = 0
-    metadata: dict[str, Any] | None = None
+    metadata: FirstToken | None = None
     direct: bool = False  # receiver: pool to pool (page runs), not staged chunks
     shm: bool = False  # receiver: copied out of the sender's shared-memory segment
 

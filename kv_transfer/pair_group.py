@@ -19,11 +19,8 @@ from __future__ import annotations
 
 import collections
 import os
-import queue
-import threading
-import time
 from datetime import timedelta
-from typing import Generic, Protocol, TypeVar, cast
+from typing import Protocol, cast
 
 import torch
 from torch._C._distributed_c10d import PrefixStore, ProcessGroupGloo, Work
@@ -41,14 +38,12 @@ from pdserve.kv_transfer.layout import (
     trailer_tag,
 )
 from pdserve.kv_transfer.pair_store import PairStore
-from pdserve.side_threads import serial_openmp
 
 SENDER_RANK = 0
 RECEIVER_RANK = 1
 # Connections a group's gloo listener may hold beyond its peer's before the pair rebuilds the group.
 MAX_STRAY_CONNECTIONS = 64
 STRAY_CHECK_S = 5.0  # how often a pair thread looks for stray connections on its group's port
-_NO_JOB = object()  # the job queue's wait ended at a check's time
 _TCP_LISTEN = "0A"  # the state column of /proc/net/tcp
 
 
@@ -323,75 +318,3 @@ class PairGroup:
                 scatter_pages(kv, ids[start:end], chunk_view(compute, geometry, end - start))
             pending = following
         return self._recv_trailer(seq, trailer_len)
-
-
-J = TypeVar("J")
-
-
-class PairThread(Generic[J]):
-    """One pair's control thread: a job queue served in order; `None` stops it after the current job.
-
-    Subclasses set `_kv` and `_config`, call `_start(name)` at the end of __init__ and implement
-    `_handle(job)`. The thread owns `_group`: only it builds, uses and closes the pair group.
-    """
-
-    _kv: torch.Tensor
-    _config: TransferConfig
-
-    def _start(self, name: str) -> None:
-        self._group: PairGroup | None = None
-        self._jobs: queue.SimpleQueue[J | None] = queue.SimpleQueue()
-        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
-        self._thread.start()
-
-    def _run(self) -> None:
-        serial_openmp()  # its page copies must not start a second OpenMP team (pdserve/side_threads.py)
-        next_check = time.monotonic() + STRAY_CHECK_S
-        while True:
-            try:
-                job: J | None | object = self._jobs.get(timeout=max(0.0, next_check - time.monotonic()))
-            except queue.Empty:
-                job = _NO_JOB
-            if job is None:
-                break
-            if job is not _NO_JOB:
-                self._handle(job)  # type: ignore[arg-type]  # a J: neither None nor _NO_JOB
-            if time.monotonic() >= next_check:
-                self._shed_strays()
-                next_check = time.monotonic() + STRAY_CHECK_S
-        if self._group is not None:
-            self._group.close()
-
-    def _handle(self, job: J) -> None:
-        raise NotImplementedError
-
-    def _shed_strays(self) -> None:
-        """Every STRAY_CHECK_S, between jobs: a pair whose transfers all go through shared memory (or
-        that is not used) has no gloo transfer that would shed stray connections on its group's port
-        (see `stray_connections`), so this does."""
-
-    def _replace_group(self, *, store: PairStore, pair_id: str, gen: int, rank: int, local_host: str) -> None:
-        """Close the current group, if any, and build a new one; raises what the build raises."""
-        if self._group is not None:
-            self._group.close()
-            self._group = None
-        self._group = PairGroup(
-            store=store,
-            pair_id=pair_id,
-            gen=gen,
-            rank=rank,
-            local_host=local_host,
-            kv=self._kv,
-            config=self._config,
-        )
-
-    def close(self) -> None:
-        """Stop after the current job; the group is dropped on the pair's own thread."""
-        self._jobs.put(None)
-
-    def join(self, timeout_s: float) -> None:
-        self._thread.join(timeout=timeout_s)
-
-    @property
-    def alive(self) -> bool:
-        return self._thread.is_alive()

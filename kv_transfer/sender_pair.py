@@ -1,7 +1,8 @@
-"""The prefill side of one pair: a control thread that owns the pair group and runs its transfers in order.
+"""The prefill side of one pair: a control thread that runs the pair's rooms in order and owns its group.
 
-Transfers of one pair are serialised on this thread (several may be queued). The thread reports to the
-sender's I/O thread through its mailbox (mailbox.py): Outbound to send a control message, Started, Done.
+Rooms of one pair are serialised on this thread (several may be queued), whichever their transport
+(transport.py); the thread also builds the pair group, rebuilds it when it is dead or holds stray
+connections, and reports to the sender's I/O thread through its mailbox (mailbox.py).
 """
 
 from __future__ import annotations
@@ -9,37 +10,22 @@ from __future__ import annotations
 import base64
 import itertools
 import logging
-import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from datetime import timedelta
-from typing import Any
 
 import torch
 
 from pdserve.kv_transfer.config import TransferConfig
-from pdserve.kv_transfer.layout import PoolGeometry, chunk_pages, direct_runs
-from pdserve.kv_transfer.mailbox import Done, Mailbox, Outbound, Started
-from pdserve.kv_transfer.pair_group import MAX_STRAY_CONNECTIONS, SENDER_RANK, PairThread
+from pdserve.kv_transfer.mailbox import Done, Item, Mailbox, Outbound
+from pdserve.kv_transfer.pair_group import MAX_STRAY_CONNECTIONS, SENDER_RANK, PairGroup
 from pdserve.kv_transfer.pair_store import PairStores
-from pdserve.kv_transfer.shm import SharedSegment
+from pdserve.kv_transfer.pair_thread import PairThread
+from pdserve.kv_transfer.transport import SendJob
 from pdserve.protocol import kv_control as kc
-from pdserve.protocol.kv_trailer import encode_trailer
 
 log = logging.getLogger("pdserve.kv_transfer")
-
-
-@dataclass
-class SendJob:
-    room: str
-    src_pages: list[int]  # exactly the pages that travel
-    dst_pages: list[int]  # where they land on the decode node, same length
-    num_tokens: int
-    metadata: dict[str, Any]
-    shm: bool = False  # the decode copies the pages out of this node's shared-memory segment
-    # Set by the I/O thread on abort; checked before the transfer starts.
-    cancelled: threading.Event = field(default_factory=threading.Event)
 
 
 @dataclass
@@ -55,12 +41,10 @@ class SenderPair(PairThread[SendJob | _Build]):
         *,
         identity: bytes,
         kv: torch.Tensor,
-        geometry: PoolGeometry,
         host: str,
         config: TransferConfig,
         mailbox: Mailbox,
         gens: Callable[[], int],
-        segment: SharedSegment | None = None,
     ) -> None:
         self.identity = identity
         self.pair_id = identity.decode()
@@ -70,9 +54,8 @@ class SenderPair(PairThread[SendJob | _Build]):
         self.inflight = 0  # jobs queued or running; I/O thread only
         # A generation the receiver reported dead; the thread drops its group if it matches (atomic write).
         self.discard_gen: int = -1
-        self._kv, self._geometry, self._config, self._mailbox = kv, geometry, config, mailbox
+        self._kv, self._config, self._mailbox = kv, config, mailbox
         self._host = host
-        self._segment = segment
         # The rendezvous keys of this pair's groups travel on the bootstrap channel (pair_store.py).
         self.stores = PairStores(self._publish, timedelta(seconds=config.bootstrap_timeout_s))
         # Generations come from one counter per sender, so a pair re-created for the same decode node
@@ -90,11 +73,51 @@ class SenderPair(PairThread[SendJob | _Build]):
         self.last_used = time.monotonic()
         self._jobs.put(job)
 
-    def _out(self, msg: kc.Message) -> None:
+    # ---- for the transports, on this pair's thread -------------------------------------------------
+
+    def out(self, msg: kc.Message) -> None:
+        """Send `msg` to the decode peer (through the I/O thread, which owns the socket)."""
         self._mailbox.post(Outbound(self.identity, msg))
 
+    def post(self, item: Item) -> None:
+        self._mailbox.post(item)
+
+    def next_seq(self) -> int:
+        """A transfer number never used before on this pair (selects the tags of its data)."""
+        return next(self._seq)
+
+    def live_group(self) -> PairGroup | str:
+        """The group to transfer on: the current one, or a new generation where the receiver reported
+        it dead, its gloo port holds stray connections, or there is none; why not if the build failed."""
+        if self._group is not None and self._group.gen == self.discard_gen:
+            self.drop_group()
+        if self._group is not None and (strays := self._group.stray_connections()) > MAX_STRAY_CONNECTIONS:
+            # Connections that are not the peer's, which gloo never closes: only a new group sheds them.
+            log.warning(
+                "kv_transfer: pair gen %d's gloo port holds %d stray connections: rebuilding the group",
+                self._group.gen,
+                strays,
+            )
+            self.drop_group()
+        if self._group is None:
+            gen = self.new_gen()
+            self.out(kc.Build(gen=gen))
+            error = self._build(gen)
+            if error is not None:
+                return error
+        assert self._group is not None
+        return self._group
+
+    def drop_group(self) -> None:
+        """Close the current group (a timeout or a peer failure killed it); the next transfer builds anew."""
+        if self._group is not None:
+            self._group.close()
+            self._group = None
+
+    # ---- the thread ---------------------------------------------------------------------------------
+
     def _publish(self, gen: int, key: str, value: bytes) -> None:
-        self._out(kc.StoreSet(gen=gen, key=key, value=base64.b64encode(value).decode()))
+        self.out(kc.StoreSet(gen=gen, key=key, value=base64.b64encode(value).decode()))
 
     def _build(self, gen: int) -> str | None:
         try:
@@ -113,8 +136,10 @@ class SenderPair(PairThread[SendJob | _Build]):
     def _handle(self, job: SendJob | _Build) -> None:
         if isinstance(job, _Build):
             self._build(job.gen)
+        elif job.cancelled.is_set():
+            self.post(Done(job.room, "aborted before the transfer started"))
         else:
-            self._transfer(job)
+            job.transport.transfer(self, job)
 
     def _shed_strays(self) -> None:
         """Rebuild a group whose gloo port holds stray connections, on this side or (reported dead by
@@ -133,99 +158,7 @@ class SenderPair(PairThread[SendJob | _Build]):
             if strays > MAX_STRAY_CONNECTIONS
             else "receiver's report",
         )
-        group.close()
-        self._group = None
+        self.drop_group()
         gen = self.new_gen()
-        self._out(kc.Build(gen=gen))
+        self.out(kc.Build(gen=gen))
         self._build(gen)
-
-    def _announce_shm(self, job: SendJob) -> None:
-        """Same host: announce the pages for the decode to copy; its Copied (to the I/O thread) ends
-        the room. The fence is read before Started: any bump for this room comes after it."""
-        assert self._segment is not None
-        fence = self._segment.fence
-        self._mailbox.post(Started(job.room, shm=True))
-        if self._config.stall_data_s > 0:
-            time.sleep(self._config.stall_data_s)  # test hook: the sender's copy timeout must fire
-        trailer = encode_trailer(job.room, job.num_tokens, job.metadata)
-        self._out(
-            kc.Announce(
-                room=job.room,
-                seq=next(self._seq),
-                gen=-1,
-                num_pages=len(job.src_pages),
-                chunk_pages=0,
-                trailer_len=len(trailer),
-                num_tokens=job.num_tokens,
-                shm_pages=job.src_pages,
-                shm_fence=fence,
-                trailer=base64.b64encode(trailer).decode(),
-            )
-        )
-
-    def _transfer(self, job: SendJob) -> None:
-        if job.cancelled.is_set():
-            self._mailbox.post(Done(job.room, "aborted before the transfer started"))
-            return
-        if job.shm:
-            self._announce_shm(job)
-            return
-        if self._group is not None and self._group.gen == self.discard_gen:
-            self._group.close()
-            self._group = None
-        if self._group is not None and (strays := self._group.stray_connections()) > MAX_STRAY_CONNECTIONS:
-            # Connections that are not the peer's, which gloo never closes: only a new group sheds them.
-            log.warning(
-                "kv_transfer: pair gen %d's gloo port holds %d stray connections: rebuilding the group",
-                self._group.gen,
-                strays,
-            )
-            self._group.close()
-            self._group = None
-        if self._group is None:
-            gen = self.new_gen()
-            self._out(kc.Build(gen=gen))
-            error = self._build(gen)
-            if error is not None:
-                self._mailbox.post(Done(job.room, error))
-                return
-        group = self._group
-        assert group is not None
-        self._mailbox.post(Started(job.room))
-        seq = next(self._seq)
-        per_chunk = chunk_pages(self._geometry, len(job.src_pages), self._config.chunk_bytes)
-        runs = None
-        if group.can_send_direct:
-            runs = direct_runs(
-                job.src_pages,
-                job.dst_pages,
-                per_chunk,
-                self._config.direct_min_bytes,
-                self._geometry.page_bytes,
-            )
-        trailer = encode_trailer(job.room, job.num_tokens, job.metadata)
-        self._out(
-            kc.Announce(
-                room=job.room,
-                seq=seq,
-                gen=group.gen,
-                num_pages=len(job.src_pages),
-                chunk_pages=per_chunk,
-                runs=runs,
-                trailer_len=len(trailer),
-                num_tokens=job.num_tokens,
-            )
-        )
-        if self._config.stall_data_s > 0:
-            time.sleep(self._config.stall_data_s)  # test hook: the receiver's per-operation timeout must fire
-        try:
-            if runs is not None:
-                num_bytes = group.send_direct(self._kv, job.src_pages, runs, seq, trailer)
-            else:
-                num_bytes = group.send_pages(self._kv, self._geometry, job.src_pages, per_chunk, seq, trailer)
-        except Exception as exc:  # noqa: BLE001 - timeout or peer failure: this generation is dead
-            group.close()
-            self._group = None
-            self._mailbox.post(Done(job.room, f"sending KV failed (pair gen {group.gen} discarded): {exc}"))
-            return
-        self._mailbox.post(Done(job.room, None, num_bytes))

@@ -15,8 +15,12 @@ import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, TypeVar
 
+from typing_extensions import TypedDict, Unpack
+
+from pdserve.protocol.kv_trailer import FirstToken
+
 if TYPE_CHECKING:
-    from pdserve.kv_transfer.sender_pair import SendJob
+    from pdserve.kv_transfer.transport import SendJob, SendTransport
 
 
 class TransferState(enum.Enum):
@@ -45,13 +49,13 @@ _ALLOWED: dict[TransferState, frozenset[TransferState]] = {
 class TransferResult:
     """What poll() returns once per finished room. On FAILED, `error` says why; free the pages then.
 
-    metadata: the prefill's dict (receiver, SUCCESS only). num_bytes: KV bytes moved. seconds: from
+    metadata: the prefill's first token (receiver, SUCCESS only). num_bytes: KV bytes moved. seconds: from
     send() (sender) or request() (receiver) to the result.
     """
 
     room: str
     state: TransferState
-    metadata: dict[str, Any] | None
+    metadata: FirstToken | None
     error: str | None
     num_bytes: int
     seconds: float
@@ -62,6 +66,16 @@ class TransferResult:
     direct: bool = False
     # Receiver, SUCCESS: the pages were copied out of the prefill node's shared memory (same host).
     shm: bool = False
+
+
+class Outcome(TypedDict, total=False):
+    """What a finished room reports beside its state and error (the fields of TransferResult)."""
+
+    metadata: FirstToken | None
+    num_bytes: int
+    prefix_mismatch: bool
+    direct: bool
+    shm: bool
 
 
 R = TypeVar("R", bound="TransferRoom")
@@ -101,26 +115,18 @@ class TransferRoom:
     def expired(self, now: float) -> bool:
         return self.deadline is not None and now >= self.deadline
 
-    def result(
-        self,
-        metadata: dict[str, Any] | None = None,
-        error: str | None = None,
-        num_bytes: int = 0,
-        prefix_mismatch: bool = False,
-        direct: bool = False,
-        shm: bool = False,
-    ) -> TransferResult:
+    def result(self, error: str | None = None, **outcome: Unpack[Outcome]) -> TransferResult:
         assert self.terminal, self.state
         return TransferResult(
             room=self.room,
             state=self.state,
-            metadata=metadata,
+            metadata=outcome.get("metadata"),
             error=error,
-            num_bytes=num_bytes,
+            num_bytes=outcome.get("num_bytes", 0),
             seconds=time.monotonic() - self.started,
-            prefix_mismatch=prefix_mismatch,
-            direct=direct,
-            shm=shm,
+            prefix_mismatch=outcome.get("prefix_mismatch", False),
+            direct=outcome.get("direct", False),
+            shm=outcome.get("shm", False),
         )
 
 
@@ -130,14 +136,15 @@ class SendRoom(TransferRoom):
 
     src_pages: list[int]
     num_tokens: int
-    metadata: dict[str, Any]
+    metadata: FirstToken
     block_hashes: list[int]  # of the prompt's whole pages: checks a page list's skipped prefix
     peer: bytes | None = None  # the decode node's zmq identity
-    job: SendJob | None = None  # queued on the peer's pair thread
+    job: SendJob | None = None  # queued on the peer's pair thread, on `job.transport`
     abort_reason: str = ""
-    # Announced for the decode to copy out of shared memory: the pages stay put until its Copied,
-    # and whoever gives up on the room first fences the segment (shm.py).
-    shm: bool = False
+
+    @property
+    def transport(self) -> SendTransport | None:
+        return None if self.job is None else self.job.transport
 
 
 @dataclass(kw_only=True)

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import Any
 
 import torch
 
@@ -51,7 +50,7 @@ class PrefillWorker:
         # handed to the sender, as a stuck transfer path would.
         self.stall_kv_send_s = cfg.stall_kv_send_s
         # Sends held back by the stall hook: (due time.monotonic(), room, pages, tokens, metadata, hashes).
-        self.stalled: list[tuple[float, str, list[int], int, dict[str, Any], list[int]]] = []
+        self.stalled: list[tuple[float, str, list[int], int, FirstToken, list[int]]] = []
         self.clock = make_clock(cfg)
         self.signals = signals or DrainSignal()
         self.runner = ModelRunner(cfg.runtime)
@@ -331,7 +330,7 @@ class PrefillWorker:
                 top_logprobs=r.output_top_logprobs[0] if r.output_top_logprobs else None,
                 cached_tokens=r.cached_tokens,
                 weight_version=self.weights.version,
-            ).model_dump()
+            )
             # The names of the prompt's whole pages: a decode node that holds a prefix of them
             # receives only the pages after it (incremental transfer).
             hashes = block_hashes(r.prompt_ids, self.runner.page_size)

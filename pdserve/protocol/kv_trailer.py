@@ -4,22 +4,14 @@ The trailer is UTF-8 JSON sent as raw bytes after a room's pages (kv_transfer.la
 commits the pages only if its room equals the room announced on the control channel. It travels on a
 pair that already passed the versioned handshake, so it carries no version of its own.
 
-`metadata` is opaque to kv_transfer; between pdserve's workers it is a `FirstToken`.
+`metadata`: the prefill node's `FirstToken`.
 """
 
 from __future__ import annotations
 
-from typing import Any
-
 from pydantic import ValidationError
 
 from pdserve.protocol.codec import MalformedFrame, Msg
-
-
-class Trailer(Msg):
-    room: str
-    num_tokens: int
-    metadata: dict[str, Any]
 
 
 class FirstToken(Msg):
@@ -34,11 +26,17 @@ class FirstToken(Msg):
     weight_version: str = "default"
 
 
-def encode_trailer(room: str, num_tokens: int, metadata: dict[str, Any]) -> bytes:
+class Trailer(Msg):
+    room: str
+    num_tokens: int
+    metadata: FirstToken
+
+
+def encode_trailer(room: str, num_tokens: int, metadata: FirstToken) -> bytes:
     return Trailer(room=room, num_tokens=num_tokens, metadata=metadata).model_dump_json().encode()
 
 
-def decode_trailer(data: bytes) -> tuple[str, int, dict[str, Any]]:
+def decode_trailer(data: bytes) -> tuple[str, int, FirstToken]:
     try:
         t = Trailer.model_validate_json(data)
     except ValidationError as e:

@@ -16,6 +16,7 @@ import torch
 
 from pdserve.kv_transfer import FingerprintMismatch, KVReceiver, KVSender, TransferConfig, TransferState
 from pdserve.kv_transfer.shm import shared_pool
+from pdserve.protocol.kv_trailer import FirstToken
 
 
 def _reply(obj: dict) -> None:
@@ -27,7 +28,7 @@ def _result_dict(result) -> dict:
     return {
         "state": result.state.name,
         "error": result.error,
-        "metadata": result.metadata,
+        "metadata": None if result.metadata is None else result.metadata.model_dump(exclude_defaults=True),
         "num_bytes": result.num_bytes,
         "seconds": result.seconds,
         "prefix_mismatch": result.prefix_mismatch,
@@ -96,7 +97,11 @@ def main() -> None:
         op = cmd["op"]
         if op == "send":
             engine.send(
-                cmd["room"], cmd["pages"], cmd["num_tokens"], cmd["metadata"], cmd.get("block_hashes")
+                cmd["room"],
+                cmd["pages"],
+                cmd["num_tokens"],
+                FirstToken.model_validate(cmd["metadata"]),
+                cmd.get("block_hashes"),
             )
             _reply({"ok": True})
         elif op == "request":

@@ -12,6 +12,7 @@ from kv_engines import random_pool as _pool
 from kv_engines import wait_results as _wait
 
 from pdserve.kv_transfer import KVReceiver, KVSender, TransferConfig, TransferState
+from pdserve.protocol.kv_trailer import FirstToken
 
 FAST = TransferConfig(bootstrap_timeout_s=5, waiting_timeout_s=0.5, transfer_timeout_s=5, chunk_bytes=1024)
 
@@ -37,7 +38,7 @@ def nodes():
 @pytest.mark.timeout(60)
 def test_sender_times_out_waiting_for_the_page_list(nodes):
     sender, _ = nodes()
-    sender.send("lonely", [1, 2], 5, {})
+    sender.send("lonely", [1, 2], 5, FirstToken(first_token=0))
     start = time.monotonic()
     result = _wait(sender, {"lonely"})["lonely"]
     assert result.state == TransferState.FAILED and "waiting for the decode's page list" in result.error
@@ -51,7 +52,7 @@ def test_receiver_times_out_waiting_for_data_and_tells_the_sender(nodes):
     result = _wait(receiver, {"slow-prefill"})["slow-prefill"]
     assert result.state == TransferState.FAILED and "waiting for KV data" in result.error
     # The prefill node dropped the page list: a late send() waits, then fails, instead of transferring.
-    sender.send("slow-prefill", [1], 2, {})
+    sender.send("slow-prefill", [1], 2, FirstToken(first_token=0))
     late = _wait(sender, {"slow-prefill"})["slow-prefill"]
     assert late.state == TransferState.FAILED
 
@@ -66,7 +67,7 @@ def test_decode_abort_fails_the_room_on_both_sides(nodes):
     receiver.abort("cancelled")
     got = _wait(receiver, {"cancelled"})["cancelled"]
     assert got.state == TransferState.FAILED and got.error == "aborted by decode"
-    sender.send("cancelled", [1, 2], 6, {})
+    sender.send("cancelled", [1, 2], 6, FirstToken(first_token=0))
     sent = _wait(sender, {"cancelled"})["cancelled"]
     assert sent.state == TransferState.FAILED and "aborted by decode" in sent.error, sent
     assert sent.seconds < 1  # refused at once, not after waiting for a page list that never comes
@@ -75,7 +76,7 @@ def test_decode_abort_fails_the_room_on_both_sides(nodes):
 @pytest.mark.timeout(60)
 def test_prefill_abort_fails_the_room_on_both_sides(nodes):
     sender, receiver = nodes(TransferConfig(waiting_timeout_s=30, chunk_bytes=1024))
-    sender.send("dropped", [1, 2], 6, {})
+    sender.send("dropped", [1, 2], 6, FirstToken(first_token=0))
     sender.abort("dropped")
     sent = _wait(sender, {"dropped"})["dropped"]
     assert sent.state == TransferState.FAILED and sent.error == "aborted by prefill"
@@ -88,7 +89,7 @@ def test_prefill_abort_fails_the_room_on_both_sides(nodes):
 def test_token_count_mismatch_fails_both_sides_with_both_counts(nodes):
     sender, receiver = nodes(TransferConfig(waiting_timeout_s=30, chunk_bytes=1024))
     receiver.request("r", sender.addr, [3, 4], 6)
-    sender.send("r", [1, 2, 5], 9, {})
+    sender.send("r", [1, 2, 5], 9, FirstToken(first_token=0))
     sent = _wait(sender, {"r"})["r"]
     got = _wait(receiver, {"r"})["r"]
     assert sent.state == got.state == TransferState.FAILED
@@ -117,7 +118,7 @@ def test_pairs_beyond_max_pairs_evict_the_least_recently_used_idle_pair(nodes):
         second.connect(sender.addr)  # evicts `first`, which is idle
         # `first` handshakes again on its next request (evicting `second`) and still transfers.
         first.request("r", sender.addr, [7], 3)
-        sender.send("r", [2], 3, {"k": 1})
+        sender.send("r", [2], 3, FirstToken(first_token=1))
         assert _wait(first, {"r"})["r"].state == TransferState.SUCCESS
         assert _wait(sender, {"r"})["r"].state == TransferState.SUCCESS
         # A busy pair is never evicted: with `first` waiting on a room, `second` is refused.
@@ -147,7 +148,7 @@ def test_cuda_pools_over_gloo_are_staged_through_host_memory():
     receiver.start()
     try:
         receiver.request("gpu", sender.addr, [5, 0, 9], 10)
-        sender.send("gpu", [1, 30, 7], 10, {"t": 1})
+        sender.send("gpu", [1, 30, 7], 10, FirstToken(first_token=1))
         assert _wait(receiver, {"gpu"})["gpu"].state == TransferState.SUCCESS
         assert torch.equal(dst, expected)
     finally:

@@ -20,7 +20,7 @@ from pdserve.kv_transfer.layout import (
 )
 from pdserve.kv_transfer.state import TransferRoom as Room
 from pdserve.kv_transfer.state import TransferState
-from pdserve.protocol.kv_trailer import decode_trailer, encode_trailer
+from pdserve.protocol.kv_trailer import FirstToken, decode_trailer, encode_trailer
 
 
 def test_gather_chunks_then_scatter_reproduces_pages_exactly():
@@ -62,8 +62,9 @@ def test_geometry_rejects_non_pool_tensors():
 
 
 def test_trailer_round_trip():
-    blob = encode_trailer("room-1", 17, {"first_token": 5, "logprob": -0.25, "times": [1.5, 2.0]})
-    assert decode_trailer(blob) == ("room-1", 17, {"first_token": 5, "logprob": -0.25, "times": [1.5, 2.0]})
+    first = FirstToken(first_token=5, logprob=-0.25, top_logprobs=[(5, -0.25), (9, -1.5)])
+    blob = encode_trailer("room-1", 17, first)
+    assert decode_trailer(blob) == ("room-1", 17, first)
 
 
 def test_state_machine_allows_only_forward_transitions():

@@ -87,7 +87,7 @@ def test_transfer_across_namespaces_then_link_down_fails_within_the_timeout(two_
     assert decode.call("wait_state", room="cut", state="WAITING_FOR_INPUT", timeout=30)["ok"]
     time.sleep(0.3)  # let the page list leave the decode node
     decode.signal(signal.SIGSTOP)
-    prefill.call("send", room="cut", pages=pages, num_tokens=1200 * PAGE, metadata={})
+    prefill.call("send", room="cut", pages=pages, num_tokens=1200 * PAGE, metadata={"first_token": 0})
     assert prefill.call("wait_state", room="cut", state="TRANSFERRING", timeout=30)["ok"]
     time.sleep(0.3)
     _ip("-n", ns_d, "link", "set", if_d, "down")

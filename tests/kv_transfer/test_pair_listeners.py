@@ -45,7 +45,7 @@ def open_files(pid: int) -> int:
 
 def _transfer(prefill, decode, room: str) -> None:
     decode.call("request", room=room, addr=prefill.addr, pages=[5, 6], num_tokens=20)
-    prefill.call("send", room=room, pages=[8, 9], num_tokens=20, metadata={})
+    prefill.call("send", room=room, pages=[8, 9], num_tokens=20, metadata={"first_token": 0})
     assert decode.call("wait", rooms=[room], timeout=30)["results"][room]["state"] == "SUCCESS"
     assert prefill.call("wait", rooms=[room], timeout=30)["results"][room]["state"] == "SUCCESS"
 
@@ -63,7 +63,9 @@ def test_a_replaced_groups_listener_is_closed(spawn):
     assert decode.call("wait_state", room="stalled", state="WAITING_FOR_INPUT", timeout=30)["ok"]
     time.sleep(0.2)
     decode.signal(signal.SIGSTOP)
-    prefill.call("send", room="stalled", pages=list(range(1200)), num_tokens=1200 * PAGE, metadata={})
+    prefill.call(
+        "send", room="stalled", pages=list(range(1200)), num_tokens=1200 * PAGE, metadata={"first_token": 0}
+    )
     result = prefill.call("wait", rooms=["stalled"], timeout=30)["results"]["stalled"]
     assert result["state"] == "FAILED", result
     decode.signal(signal.SIGCONT)

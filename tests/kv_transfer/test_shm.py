@@ -23,6 +23,7 @@ from pdserve.kv_transfer.shm import (
     remove_stale,
     shared_pool,
 )
+from pdserve.protocol.kv_trailer import FirstToken
 
 PAGE = 16
 GEOM = ["--layers", "2", "--heads", "2", "--head-dim", "8", "--page-size", str(PAGE)]
@@ -79,17 +80,17 @@ def test_shm_transfers_are_byte_exact_between_processes_and_touch_only_destinati
     # send() before the page list (runs, r1) and after it (r17, r1000).
     for name in ["runs", "r1"]:
         tokens, src, _ = rooms[name]
-        prefill.call("send", room=name, pages=src, num_tokens=tokens, metadata={"n": tokens})
+        prefill.call("send", room=name, pages=src, num_tokens=tokens, metadata={"first_token": tokens})
     for name, (tokens, _, dst) in rooms.items():
         decode.call("request", room=name, addr=prefill.addr, pages=dst, num_tokens=tokens)
     for name in ["r17", "r1000"]:
         tokens, src, _ = rooms[name]
-        prefill.call("send", room=name, pages=src, num_tokens=tokens, metadata={"n": tokens})
+        prefill.call("send", room=name, pages=src, num_tokens=tokens, metadata={"first_token": tokens})
     got = decode.call("wait", rooms=list(rooms), timeout=30)["results"]
     sent = prefill.call("wait", rooms=list(rooms), timeout=30)["results"]
     for name, (tokens, _, _) in rooms.items():
         assert got[name]["state"] == "SUCCESS" and got[name]["shm"], got[name]
-        assert got[name]["metadata"] == {"n": tokens}
+        assert got[name]["metadata"] == {"first_token": tokens}
         assert sent[name]["state"] == "SUCCESS", sent[name]
         assert got[name]["num_bytes"] == sent[name]["num_bytes"] > 0
 
@@ -116,9 +117,9 @@ def test_copy_pages_refuses_page_ids_out_of_range():
 def test_out_of_range_pages_fail_the_room_on_both_sides(nodes):
     sender, receiver, _ = nodes()
     receiver.request("bad-src", sender.addr, [1, 2], 8)
-    sender.send("bad-src", [3, 32], 8, {"x": 1})  # the sender's pool has 32 pages
+    sender.send("bad-src", [3, 32], 8, FirstToken(first_token=1))  # the sender's pool has 32 pages
     receiver.request("bad-dst", sender.addr, [5, 99], 8)
-    sender.send("bad-dst", [3, 4], 8, {"x": 1})
+    sender.send("bad-dst", [3, 4], 8, FirstToken(first_token=1))
     got = _wait(receiver, {"bad-src", "bad-dst"})
     sent = _wait(sender, {"bad-src", "bad-dst"})
     for name in ("bad-src", "bad-dst"):
@@ -126,7 +127,7 @@ def test_out_of_range_pages_fail_the_room_on_both_sides(nodes):
         assert sent[name].state == TransferState.FAILED and "out of range" in sent[name].error, sent[name]
     # The pair still works.
     receiver.request("ok", sender.addr, [6, 7], 8)
-    sender.send("ok", [8, 9], 8, {"x": 2})
+    sender.send("ok", [8, 9], 8, FirstToken(first_token=2))
     assert _wait(receiver, {"ok"})["ok"].shm and _wait(sender, {"ok"})["ok"].state == TransferState.SUCCESS
 
 
@@ -137,9 +138,9 @@ def test_a_token_that_does_not_read_back_falls_back_to_the_pair_group(nodes):
         f.seek(8)
         f.write(bytes(32))
     receiver.request("r", sender.addr, [4, 5], 8)
-    sender.send("r", [10, 11], 8, {"first_token": 3})
+    sender.send("r", [10, 11], 8, FirstToken(first_token=3))
     got = _wait(receiver, {"r"})["r"]
-    assert got.state == TransferState.SUCCESS and not got.shm and got.metadata == {"first_token": 3}
+    assert got.state == TransferState.SUCCESS and not got.shm and got.metadata == FirstToken(first_token=3)
     assert _wait(sender, {"r"})["r"].state == TransferState.SUCCESS
     assert torch.equal(receiver._kv[[4, 5]], sender._kv[[10, 11]])
 
@@ -149,11 +150,11 @@ def test_transport_dist_never_uses_shared_memory(nodes):
     dist = TransferConfig(bootstrap_timeout_s=5, waiting_timeout_s=2, transfer_timeout_s=5, transport="dist")
     sender, receiver, _ = nodes(FAST, dist)  # the sender does not offer its segment
     receiver.request("r", sender.addr, [1], 3)
-    sender.send("r", [2], 3, {})
+    sender.send("r", [2], 3, FirstToken(first_token=0))
     assert not _wait(receiver, {"r"})["r"].shm
     sender2, receiver2, _ = nodes(dist, FAST)  # the receiver does not map the one offered
     receiver2.request("r", sender2.addr, [1], 3)
-    sender2.send("r", [2], 3, {})
+    sender2.send("r", [2], 3, FirstToken(first_token=0))
     got = _wait(receiver2, {"r"})["r"]
     assert got.state == TransferState.SUCCESS and not got.shm
 
@@ -168,7 +169,7 @@ def test_sender_gives_up_on_a_copy_that_never_ends_and_the_late_copy_is_refused(
     sender, receiver, segment = nodes(FAST, stalled)
     fence = segment.fence
     receiver.request("slow", sender.addr, [1, 2], 8)
-    sender.send("slow", [3, 4], 8, {})
+    sender.send("slow", [3, 4], 8, FirstToken(first_token=0))
     start = time.monotonic()
     sent = _wait(sender, {"slow"})["slow"]
     assert sent.state == TransferState.FAILED and "waiting for the decode to copy" in sent.error, sent
@@ -188,14 +189,14 @@ def test_aborts_and_waiting_timeouts_behave_as_on_the_pair_group(nodes):
     receiver.abort("gone")
     assert _wait(receiver, {"gone"})["gone"].state == TransferState.FAILED
     time.sleep(0.1)
-    sender.send("gone", [2], 3, {})
+    sender.send("gone", [2], 3, FirstToken(first_token=0))
     assert _wait(sender, {"gone"})["gone"].state == TransferState.FAILED
     # No send() ever: the decode's wait times out (waiting_timeout_s = 2).
     receiver.request("late", sender.addr, [1], 3)
     got = _wait(receiver, {"late"}, timeout=10)["late"]
     assert got.state == TransferState.FAILED and "waiting for KV data" in got.error
     # Prefill aborts before the page list: the decode's room fails when its list arrives.
-    sender.send("nope", [5], 3, {})
+    sender.send("nope", [5], 3, FirstToken(first_token=0))
     sender.abort("nope")
     assert _wait(sender, {"nope"})["nope"].state == TransferState.FAILED
     receiver.request("nope", sender.addr, [1], 3)
@@ -212,7 +213,7 @@ def test_an_abort_after_the_announcement_waits_for_the_copy_and_never_fences(nod
     )
     sender, receiver, segment = nodes(FAST, stalled)
     receiver.request("left", sender.addr, [1, 2], 8)
-    sender.send("left", [3, 4], 8, {})
+    sender.send("left", [3, 4], 8, FirstToken(first_token=0))
     assert _wait_state(sender, "left", TransferState.TRANSFERRING)  # Started: the announcement is under way
     sender.abort("left")
     time.sleep(0.2)
@@ -223,7 +224,7 @@ def test_an_abort_after_the_announcement_waits_for_the_copy_and_never_fences(nod
     assert segment.fence == 0
     # The next room on the same pair copies as usual.
     receiver.request("next", sender.addr, [5], 3)
-    sender.send("next", [6], 3, {})
+    sender.send("next", [6], 3, FirstToken(first_token=0))
     assert _wait(sender, {"next"})["next"].state == TransferState.SUCCESS
     assert torch.equal(receiver._kv[5], sender._kv[6])
 

@@ -51,7 +51,11 @@ def test_transfers_are_byte_exact_and_touch_only_destination_pages(spawn, tmp_pa
     for name in ["r480", "r1", "r33"]:
         tokens, src, _ = rooms[name]
         prefill.call(
-            "send", room=name, pages=src, num_tokens=tokens, metadata={"first_token": tokens, "room": name}
+            "send",
+            room=name,
+            pages=src,
+            num_tokens=tokens,
+            metadata={"first_token": tokens, "weight_version": name},
         )
     for name in ["r17", "r1000", "r1", "r33", "r480"]:
         tokens, _, dst = rooms[name]
@@ -59,14 +63,18 @@ def test_transfers_are_byte_exact_and_touch_only_destination_pages(spawn, tmp_pa
     for name in ["r1000", "r17"]:
         tokens, src, _ = rooms[name]
         prefill.call(
-            "send", room=name, pages=src, num_tokens=tokens, metadata={"first_token": tokens, "room": name}
+            "send",
+            room=name,
+            pages=src,
+            num_tokens=tokens,
+            metadata={"first_token": tokens, "weight_version": name},
         )
 
     got = decode.call("wait", rooms=list(rooms), timeout=60)["results"]
     sent = prefill.call("wait", rooms=list(rooms), timeout=30)["results"]
     for name, (tokens, _src, _dst) in rooms.items():
         assert got[name]["state"] == "SUCCESS", got[name]
-        assert got[name]["metadata"] == {"first_token": tokens, "room": name}
+        assert got[name]["metadata"] == {"first_token": tokens, "weight_version": name}
         assert sent[name]["state"] == "SUCCESS", sent[name]
         assert got[name]["num_bytes"] == sent[name]["num_bytes"] > 0
         assert got[name]["direct"] == (name == "r480"), (name, got[name])  # the path reported (traces)
@@ -108,7 +116,9 @@ def _stall_transfer(prefill, decode, room: str, pages: int) -> None:
     assert decode.call("wait_state", room=room, state="WAITING_FOR_INPUT", timeout=30)["ok"]
     time.sleep(0.2)  # let zmq's I/O thread flush the page list before the freeze
     decode.signal(signal.SIGSTOP)
-    prefill.call("send", room=room, pages=list(range(pages)), num_tokens=pages * PAGE, metadata={})
+    prefill.call(
+        "send", room=room, pages=list(range(pages)), num_tokens=pages * PAGE, metadata={"first_token": 0}
+    )
     assert prefill.call("wait_state", room=room, state="TRANSFERRING", timeout=30)["ok"]
     time.sleep(0.2)
     assert prefill.call("wait", rooms=[room], timeout=0)["results"] == {}  # still sending
@@ -131,7 +141,7 @@ def test_decode_killed_mid_transfer_fails_the_sender_then_a_new_pair_works(spawn
 
     fresh = spawn("decode", "--seed", "5", *BIG)
     fresh.call("request", room="after", addr=prefill.addr, pages=[3, 4], num_tokens=20)
-    prefill.call("send", room="after", pages=[10, 11], num_tokens=20, metadata={"ok": 1})
+    prefill.call("send", room="after", pages=[10, 11], num_tokens=20, metadata={"first_token": 1})
     assert fresh.call("wait", rooms=["after"], timeout=30)["results"]["after"]["state"] == "SUCCESS"
     assert prefill.call("wait", rooms=["after"], timeout=30)["results"]["after"]["state"] == "SUCCESS"
 
@@ -169,9 +179,9 @@ def test_timed_out_pair_is_rebuilt_under_a_new_generation(spawn):
 
     # Same two processes: the next transfer builds generation 1 and succeeds.
     decode.call("request", room="again", addr=prefill.addr, pages=[5, 6, 7], num_tokens=40)
-    prefill.call("send", room="again", pages=[8, 9, 10], num_tokens=40, metadata={"n": 40})
+    prefill.call("send", room="again", pages=[8, 9, 10], num_tokens=40, metadata={"first_token": 40})
     result = decode.call("wait", rooms=["again"], timeout=30)["results"]["again"]
-    assert result["state"] == "SUCCESS" and result["metadata"] == {"n": 40}, result
+    assert result["state"] == "SUCCESS" and result["metadata"] == {"first_token": 40}, result
 
 
 @pytest.mark.timeout(120)

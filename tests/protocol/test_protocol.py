@@ -181,10 +181,10 @@ def test_kv_control_message_round_trip(msg):
 
 def test_trailer_and_first_token_round_trip():
     first = FirstToken(first_token=42, logprob=-0.5, top_logprobs=[(42, -0.5), (7, -2.0)], cached_tokens=3)
-    room, tokens, meta = decode_trailer(encode_trailer("r1", 40, first.model_dump()))
+    room, tokens, meta = decode_trailer(encode_trailer("r1", 40, first))
     assert (room, tokens) == ("r1", 40)
-    assert FirstToken.model_validate(meta) == first
-    t = Trailer(room="r1", num_tokens=40, metadata={"x": [1, 2]})
+    assert meta == first
+    t = Trailer(room="r1", num_tokens=40, metadata=first)
     assert Trailer.model_validate_json(t.model_dump_json()) == t
 
 
@@ -439,10 +439,10 @@ def _result(engine, room: str, timeout_s: float = 15.0):
 
 def _transfer(sender: KVSender, receiver: KVReceiver, room: str) -> None:
     """One real transfer: proves both ends still serve; the pages and the metadata arrive intact."""
-    sender.send(room, [1, 2], 6, {"first_token": 9})
+    sender.send(room, [1, 2], 6, FirstToken(first_token=9))
     receiver.request(room, sender.addr, [3, 4], 6)
     got = _result(receiver, room)
-    assert got.state == TransferState.SUCCESS and got.metadata == {"first_token": 9}, got
+    assert got.state == TransferState.SUCCESS and got.metadata == FirstToken(first_token=9), got
     assert _result(sender, room).state == TransferState.SUCCESS
     assert torch.equal(receiver._kv[[3, 4]], sender._kv[[1, 2]])
 

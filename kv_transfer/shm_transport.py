@@ -1,0 +1,172 @@
+"""The KV transport between two nodes of one host: the decode node copies a room's pages out of the
+prefill node's pool, which lives in a shared-memory segment (shm.py) that it mapped at the handshake.
+
+The prefill node announces the room with its page ids and the segment's fence (kc.Announce.shm_pages)
+and keeps the pages until the decode's Copied, for at most `transfer_timeout_s`; giving up on the room
+first (timeout, shutdown) fences the segment, so that a copy still under way is refused. The decode
+copies on its pair thread, checks the fence before and after, and answers every announcement with
+Copied, the room failed or not. An abort (the prefill node's, or the decode's) therefore does not give
+up on an announced room: it fails when its Copied comes, so that a fence bump does not fail the other
+rooms' copies running at that moment (the timeout still bounds the wait).
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import logging
+import time
+from dataclasses import dataclass
+
+import torch
+
+from pdserve.kv_transfer.config import TransferConfig
+from pdserve.kv_transfer.layout import PoolGeometry
+from pdserve.kv_transfer.mailbox import Done, Mailbox, Started, ToSender
+from pdserve.kv_transfer.receiver_pair import ReceiverPair
+from pdserve.kv_transfer.sender_pair import SenderPair
+from pdserve.kv_transfer.shm import MappedPool, SharedSegment, ShmError, copy_pages
+from pdserve.kv_transfer.state import RecvRoom, SendRoom, TransferState
+from pdserve.kv_transfer.transport import ReceiveTransport, SendJob, SendTransport
+from pdserve.protocol import kv_control as kc
+from pdserve.protocol.codec import ProtocolError
+from pdserve.protocol.kv_trailer import decode_trailer, encode_trailer
+
+log = logging.getLogger("pdserve.kv_transfer")
+
+
+class ShmSend(SendTransport):
+    """The prefill node's side: announce the pages; the decode's Copied (or the timer) ends the room."""
+
+    def __init__(self, segment: SharedSegment, geometry: PoolGeometry, config: TransferConfig) -> None:
+        self.segment, self._geometry, self._config = segment, geometry, config
+        self.started_timeout_s = config.transfer_timeout_s
+
+    def offer(self) -> kc.ShmOffer:
+        """What HelloAck offers every decode peer: a decode node on this host maps it."""
+        seg = self.segment
+        return kc.ShmOffer(path=seg.path, token=seg.token.hex(), num_pages=self._geometry.num_pages)
+
+    def transfer(self, pair: SenderPair, job: SendJob) -> None:
+        """The fence is read before Started: any bump for this room comes after it."""
+        fence = self.segment.fence
+        pair.post(Started(job.room))
+        if self._config.stall_data_s > 0:
+            time.sleep(self._config.stall_data_s)  # test hook: the sender's copy timeout must fire
+        trailer = encode_trailer(job.room, job.num_tokens, job.metadata)
+        pair.out(
+            kc.Announce(
+                room=job.room,
+                seq=pair.next_seq(),
+                gen=-1,
+                num_pages=len(job.src_pages),
+                chunk_pages=0,
+                trailer_len=len(trailer),
+                num_tokens=job.num_tokens,
+                shm_pages=job.src_pages,
+                shm_fence=fence,
+                trailer=base64.b64encode(trailer).decode(),
+            )
+        )
+
+    def give_up(self, room: SendRoom) -> str:
+        """Fence first, so that a copy still under way is refused, then the pages may be freed."""
+        self.segment.bump_fence()
+        return f"timed out after {self.started_timeout_s}s waiting for the decode to copy the pages"
+
+    def copied(self, room: SendRoom, msg: kc.Copied) -> Done | None:
+        """The decode's Copied for `room` as the room's Done; None if the room is not waiting for it
+        (given up already, and fenced)."""
+        if room.state != TransferState.TRANSFERRING or room.transport is not self or room.job is None:
+            return None
+        if msg.error:
+            return Done(room.room, msg.error)
+        return Done(room.room, None, len(room.job.src_pages) * self._geometry.page_bytes)
+
+
+@dataclass
+class ShmJob:
+    """Copy a room's pages out of the prefill node's shared-memory segment."""
+
+    room: str
+    seq: int
+    src_pages: list[int]  # the prefill node's: bounds-checked against its pool before any copy
+    dst_pages: list[int]
+    fence: int  # the segment's fence when the room was announced
+    trailer: bytes
+
+
+class ShmReceive(ReceiveTransport[ShmJob]):
+    """The decode node's side for one prefill peer: its pool mapped (None: not mapped, every
+    shared-memory announcement is refused)."""
+
+    def __init__(self, addr: str, kv: torch.Tensor, mailbox: Mailbox, src: MappedPool | None) -> None:
+        self.src = src
+        self._addr, self._kv, self._mailbox = addr, kv, mailbox
+
+    def accept(self, live: RecvRoom | None, msg: kc.Announce) -> tuple[ShmJob | None, str | None]:
+        """A room gone here, or a segment never mapped, is answered at once with a failed Copied."""
+        error = ""
+        if self.src is None:
+            error = "shared-memory pages announced to a decode node that did not map the segment"
+        elif live is None:
+            error = f"room {msg.room} is gone on the decode node"
+        elif msg.num_pages > len(live.pages):
+            error = f"{msg.num_pages} pages announced for a page list of {len(live.pages)}"
+        try:
+            trailer = base64.b64decode(msg.trailer or "", validate=True)
+        except (binascii.Error, ValueError):
+            error = error or "unreadable shared-memory trailer"
+        if error:
+            self._mailbox.post(ToSender(self._addr, kc.Copied(room=msg.room, seq=msg.seq, error=error)))
+            return None, error
+        assert live is not None
+        dst = live.pages[: msg.num_pages]
+        return ShmJob(msg.room, msg.seq, msg.shm_pages or [], dst, msg.shm_fence, trailer), None
+
+    def receive(self, pair: ReceiverPair, job: ShmJob) -> None:
+        """Copy, then check the fence: pages the prefill node gave up on (and may have reused) during
+        the copy are never committed. The prefill node learns the outcome from Copied either way."""
+        assert self.src is not None  # accept() made no job otherwise
+        error: str | None = None
+        metadata = None
+        nbytes = 0
+        try:
+            if self.src.fence != job.fence:
+                raise RuntimeError("the prefill node gave up on the room before the copy")
+            nbytes = copy_pages(self.src.pool, job.src_pages, self._kv, job.dst_pages)
+            if self.src.fence != job.fence:
+                raise RuntimeError("the prefill node gave up on the room during the copy")
+            room, _num_tokens, metadata = decode_trailer(job.trailer)
+            if room != job.room:
+                raise RuntimeError(f"room id mismatch: expected {job.room}, data is for {room}")
+        except (RuntimeError, ValueError, ProtocolError) as exc:
+            error = f"shared-memory copy failed: {exc}"
+        pair.post(ToSender(self._addr, kc.Copied(room=job.room, seq=job.seq, error=error or "")))
+        if error is not None:
+            pair.post(Done(job.room, error))
+        else:
+            pair.post(Done(job.room, None, nbytes, metadata, shm=True))
+
+
+def map_segment(
+    addr: str, offer: kc.ShmOffer | None, geometry: PoolGeometry, config: TransferConfig, logged: set[str]
+) -> MappedPool | None:
+    """The prefill node's pool at `addr` mapped from shared memory, or None: its rooms use the pair
+    group. `logged`: fall-back reasons logged already (transport "auto" logs each once)."""
+    if offer is None or config.transport == "dist":
+        return None
+    try:
+        mapped = MappedPool.open(
+            offer.path, bytes.fromhex(offer.token), offer.num_pages, geometry, config.shm_dir
+        )
+        log.info("kv_transfer: prefill %s: KV through shared memory (%s)", addr, offer.path)
+        return mapped
+    except ShmError as exc:
+        reason = str(exc)
+        if config.transport == "shm":
+            log.warning("kv_transfer: prefill %s: no shared memory, using the pair group: %s", addr, reason)
+        elif reason not in logged and len(logged) < 64:
+            logged.add(reason)
+            log.info("kv_transfer: prefill %s: no shared memory, using the pair group: %s", addr, reason)
+        return None
