@@ -28,7 +28,8 @@ import torch
 
 from pdserve.protocol import gateway as m
 from pdserve.runtime.request import Request
-from pdserve.runtime.sampler import Sampler, SamplingBatch
+from pdserve.runtime.sampler import Sampler
+from pdserve.runtime.sampling_batch import SamplingBatch
 
 log = logging.getLogger(__name__)
 
