@@ -47,8 +47,8 @@ class DecodeScheduler:
         self.pages = pages
         self.cache = cache
         self.matches: dict[str, PrefixMatch] = {}  # room -> its cached prefix, locked while it lives
-        self.local: set[str] = set()  # rids whose prompt this node computes (local prefill)
-        self.no_cache: set[str] = set()  # rids whose cached prefix the prefill node refused
+        self.local: set[str] = set()  # rooms whose prompt this node computes (local prefill)
+        self.no_cache: set[str] = set()  # rooms whose cached prefix the prefill node refused
         self.max_running = max_running
         # Tokens one step may append per request (1, or 1 + drafts when speculating).
         self.lookahead = lookahead

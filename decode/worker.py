@@ -35,7 +35,7 @@ from pdserve.runtime.runner import ModelRunner, append_samples
 from pdserve.runtime.weight_update import WeightUpdater
 from pdserve.worker.admission import Admission
 from pdserve.worker.cache_events import CacheEvents
-from pdserve.worker.common import loop_wait, make_clock, register_factory, serve_until_drained
+from pdserve.worker.common import connect_link, loop_wait, make_clock, paused_for_weights, serve_until_drained
 from pdserve.worker.drain import DrainSignal
 from pdserve.worker.link import WorkerLink
 from pdserve.worker.step_faults import Progress, StepFaults
@@ -74,14 +74,7 @@ class DecodeWorker:
         if self.runner.compiled is not None:  # compile before taking requests, not at the first one
             self.runner.compiled.warm_up()
         self.receiver.start()
-        self.link = WorkerLink(
-            self.cfg.gateway_addr,
-            register_factory(self.cfg, self.runner, self.clock, None, lambda: self.weights.version),
-            self.clock,
-            keys=self.cfg.keys,
-        )
-        self.link.start()
-        self.link.wait_registered(self.cfg.register_timeout_s, cancel=self.signals.draining)
+        self.link = connect_link(self.cfg, self.runner, self.clock, self.signals, self.weights)
         log.info("decode worker %s registered", self.cfg.worker_id)
         try:
             serve_until_drained(
@@ -104,10 +97,7 @@ class DecodeWorker:
     def step(self) -> None:
         self._receive()
         assert self.link is not None
-        for reply in self.weights.poll():
-            self.link.send(reply)
-        if self.weights.paused:  # /pause_generation: no forward until resumed
-            self.cache_events.publish(self.link)
+        if paused_for_weights(self.link, self.weights, self.cache_events):
             return
         self._expire()
         # First tokens go out before the step that follows them (their TTFT does not wait for it).

@@ -37,7 +37,7 @@ from pdserve.runtime.runner import ModelRunner, sample_first_tokens
 from pdserve.runtime.weight_update import WeightUpdater
 from pdserve.worker.admission import Admission
 from pdserve.worker.cache_events import CacheEvents
-from pdserve.worker.common import loop_wait, make_clock, register_factory, serve_until_drained
+from pdserve.worker.common import connect_link, loop_wait, make_clock, paused_for_weights, serve_until_drained
 from pdserve.worker.drain import DrainSignal
 from pdserve.worker.link import WorkerLink
 from pdserve.worker.step_faults import Progress, StepFaults
@@ -98,16 +98,9 @@ class PrefillWorker:
 
     def serve(self) -> None:
         self.sender.start()
-        self.link = WorkerLink(
-            self.cfg.gateway_addr,
-            register_factory(
-                self.cfg, self.runner, self.clock, self.sender.addr, lambda: self.weights.version
-            ),
-            self.clock,
-            keys=self.cfg.keys,
+        self.link = connect_link(
+            self.cfg, self.runner, self.clock, self.signals, self.weights, self.sender.addr
         )
-        self.link.start()
-        self.link.wait_registered(self.cfg.register_timeout_s, cancel=self.signals.draining)
         log.info("prefill worker %s registered; KV bootstrap at %s", self.cfg.worker_id, self.sender.addr)
         try:
             serve_until_drained(
@@ -126,10 +119,7 @@ class PrefillWorker:
     def step(self) -> None:
         self._receive()
         assert self.link is not None
-        for reply in self.weights.poll():
-            self.link.send(reply)
-        if self.weights.paused:  # /pause_generation: no forward until resumed
-            self.cache_events.publish(self.link)
+        if paused_for_weights(self.link, self.weights, self.cache_events):
             return
         self._expire()
         reqs, chunks = self.sched.schedule()
