@@ -17,5 +17,5 @@ class DecodeRoom:
     transfer_bytes: int = 0  # KV bytes its transfer moved
     # How its KV came: "gloo/direct", "nccl/staged", "shm"... or "local" (RequestStats.kv_path).
     kv_path: str = "local"
-    # Aborted, or failed for its deadline, while its transfer is being stopped: dropped at its end.
-    expired: bool = False
+    # Aborted or failed while its transfer is being stopped: dropped at its end, whatever that is.
+    dropped: bool = False

@@ -279,7 +279,7 @@ class DecodeWorker:
         shm: bool = False,
     ) -> m.TokenOutput | None:
         rec = self.rooms.get(room)
-        if rec is not None and rec.expired:  # aborted or failed: dropped whatever the transfer did
+        if rec is not None and rec.dropped:  # aborted or failed: dropped whatever the transfer did
             self.sched.kv_failed(room)
             self._forget(room)
             return None
@@ -358,7 +358,7 @@ class DecodeWorker:
         scheduler let it go already (`expire`)."""
         if self.sched.is_transferring(room):
             if (rec := self.rooms.get(room)) is not None:
-                rec.expired = True
+                rec.dropped = True
             self.receiver.abort(room)
             return
         removed = self.sched.remove(room) or left

@@ -29,6 +29,7 @@ class PrefillRoom:
     # No decode leg (the request asks at most one token): PrefillDone alone answers it.
     alone: bool
     chunks: list[tuple[float, float]] = field(default_factory=list)  # each forward's (start, end)
-    # Failed (deadline, internal error) and already reported while its transfer is being stopped.
-    expired: bool = False
+    # Failed (deadline, internal error) and reported while its transfer is being stopped: the end of
+    # that transfer retires it without a second report.
+    reported: bool = False
     held: HeldSend | None = None  # its KV send, while the stall test hook holds it back

@@ -214,7 +214,8 @@ class PrefillWorker:
         self.faults.ok()
         end = self.clock()
         for r in reqs:
-            self.rooms[r.rid].chunks.append((now, end))
+            if (rec := self.rooms.get(r.rid)) is not None:  # one whose first token failed has left
+                rec.chunks.append((now, end))
         for r in done:
             self.rooms[r.rid].events["prefill_finished"] = end
         return done
@@ -325,7 +326,7 @@ class PrefillWorker:
         if rec is not None:
             ok = state is TransferState.SUCCESS
             self.sched.retire(rec.request, RequestState.FINISHED if ok else RequestState.FAILED)
-            if rec.expired:  # stopped after its failure was reported
+            if rec.reported:  # stopped after its failure was reported
                 return
         if state is TransferState.FAILED:
             log.warning("KV transfer of %s failed: %s", room, error)
@@ -344,7 +345,7 @@ class PrefillWorker:
         """`r`, held here, fails at once; its pages are freed now or, with its transfer in flight,
         when that transfer ends (whose end then needs no second report)."""
         if self._stop(r) and (rec := self.rooms.get(r.rid)) is not None:
-            rec.expired = True
+            rec.reported = True
         self._report(r.rid, code, message)
 
     def _fail(self, room: str, code: FailCode, message: str) -> None:
