@@ -28,7 +28,7 @@ from pdserve.runtime.batch import ForwardMode
 from pdserve.runtime.loader import LoadedModel, load_model
 from pdserve.runtime.request import Request
 from pdserve.runtime.runner import ModelRunner
-from pdserve.runtime.sampler import SamplingBatch
+from pdserve.runtime.sampling_batch import SamplingBatch
 
 log = logging.getLogger(__name__)
 

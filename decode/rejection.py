@@ -33,7 +33,8 @@ import torch
 from pdserve.decode.drafters import Drafts
 from pdserve.runtime.grammar import fill_verify_masks
 from pdserve.runtime.request import Request
-from pdserve.runtime.sampler import Sampler, SamplingBatch
+from pdserve.runtime.sampler import Sampler
+from pdserve.runtime.sampling_batch import SamplingBatch
 
 ACCEPT_SALT = 0xACCE_97ED
 RESAMPLE_SALT = 0x4E5A_3B1E

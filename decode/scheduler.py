@@ -46,9 +46,9 @@ class DecodeScheduler:
     ):
         self.pages = pages
         self.cache = cache
-        self.matches: dict[str, PrefixMatch] = {}  # rid -> its cached prefix, locked while it lives
-        self.local: set[str] = set()  # rids whose prompt this node computes (local prefill)
-        self.no_cache: set[str] = set()  # rids whose cached prefix the prefill node refused
+        self.matches: dict[str, PrefixMatch] = {}  # room -> its cached prefix, locked while it lives
+        self.local: set[str] = set()  # rooms whose prompt this node computes (local prefill)
+        self.no_cache: set[str] = set()  # rooms whose cached prefix the prefill node refused
         self.max_running = max_running
         # Tokens one step may append per request (1, or 1 + drafts when speculating).
         self.lookahead = lookahead
@@ -89,8 +89,8 @@ class DecodeScheduler:
                 self.remove(r.rid)
         return due
 
-    def is_transferring(self, rid: str) -> bool:
-        return rid in self.transferring
+    def is_transferring(self, room: str) -> bool:
+        return room in self.transferring
 
     def _initial_tokens(self, r: Request) -> int:
         return min(r.max_total_tokens, r.num_tokens + ADMISSION_HEADROOM)
@@ -184,16 +184,16 @@ class DecodeScheduler:
         r.transition(RequestState.RUNNING)
         self.running.append(r)
 
-    def prefix_refused(self, rid: str) -> Request | None:
+    def prefix_refused(self, room: str) -> Request | None:
         """The prefill node refused the cached prefix of a transfer: the request goes back to the
         front of pending, its pages freed, to be admitted again without the cache (a full transfer)."""
-        r = self.transferring.pop(rid, None)
+        r = self.transferring.pop(room, None)
         if r is None:
             return None
         self._unmatch(r)
         self.pages.release(r)
         r.cached_tokens = 0
-        self.no_cache.add(rid)
+        self.no_cache.add(room)
         r.transition(RequestState.QUEUED)
         self.pending.appendleft(r)
         return r
@@ -215,10 +215,10 @@ class DecodeScheduler:
             retracted.append(victim)
         return retracted
 
-    def kv_arrived(self, rid: str) -> Request | None:
+    def kv_arrived(self, room: str) -> Request | None:
         """A transfer succeeded: the request's prompt KV is in its pages and it joins running (the
         caller appends the first token the prefill node sampled). None when the room is not here."""
-        r = self.transferring.pop(rid, None)
+        r = self.transferring.pop(room, None)
         if r is None:
             return None
         r.num_computed = len(r.prompt_ids)
@@ -226,9 +226,9 @@ class DecodeScheduler:
         self.running.append(r)
         return r
 
-    def kv_failed(self, rid: str) -> Request | None:
+    def kv_failed(self, room: str) -> Request | None:
         """A transfer failed (or was aborted): the request fails and its pages are freed."""
-        r = self.transferring.pop(rid, None)
+        r = self.transferring.pop(room, None)
         if r is not None:
             self._drop(r)
         return r
@@ -272,13 +272,13 @@ class DecodeScheduler:
         sets = (self.pending, self.transferring.values(), self.prefilling, self.running, self.retracted)
         return [r for s in sets for r in s]
 
-    def remove(self, rid: str) -> Request | None:
+    def remove(self, room: str) -> Request | None:
         """Drop a request from whichever set holds it (abort); it fails and its pages are freed.
         Transferring ones are left to the receiver: the caller aborts the transfer and calls
         `kv_failed` when it reports Failed."""
         for q in (self.pending, self.retracted, self.running, self.prefilling):
             for r in q:
-                if r.rid == rid:
+                if r.rid == room:
                     q.remove(r)
                     self._drop(r)
                     return r

@@ -15,6 +15,7 @@ from __future__ import annotations
 import logging
 
 from pdserve.config import WorkerConfig
+from pdserve.decode.room import DecodeRoom
 from pdserve.decode.scheduler import DecodeScheduler
 from pdserve.decode.stepper import make_stepper
 from pdserve.kv_transfer import KVReceiver, TransferState
@@ -24,13 +25,14 @@ from pdserve.protocol.kv_trailer import FirstToken
 from pdserve.protocol.records import DecodeEvents, PrefillEvents, RequestStats
 from pdserve.protocol.vocabulary import FailCode
 from pdserve.runtime.batch import ForwardMode
-from pdserve.runtime.grammar import GrammarMatcher, GrammarWaits
+from pdserve.runtime.grammar import GrammarMatcher
 from pdserve.runtime.radix_cache import RadixCache
 from pdserve.runtime.request import Request, RequestState
 from pdserve.runtime.runner import ModelRunner, append_samples
 from pdserve.runtime.weight_update import WeightUpdater
+from pdserve.worker.admission import Admission
 from pdserve.worker.cache_events import CacheEvents
-from pdserve.worker.common import loop_wait, make_clock, register_factory, serve_until_drained
+from pdserve.worker.common import connect_link, loop_wait, make_clock, paused_for_weights, serve_until_drained
 from pdserve.worker.drain import DrainSignal
 from pdserve.worker.link import WorkerLink
 from pdserve.worker.step_faults import Progress, StepFaults
@@ -56,37 +58,20 @@ class DecodeWorker:
         self.receiver = KVReceiver(self.runner.pool.kv, self.runner.fingerprint(), transfer_cfg)
         self.receiver.on_result = self._transfer_ended  # a waiting loop wakes for the first token
         self.kv_backend = transfer_cfg.backend
-        self.prefill_addr: dict[str, str] = {}  # room -> its prefill node's bootstrap address
-        self.events: dict[str, DecodeEvents] = {}
-        self.prefill_events: dict[str, PrefillEvents] = {}  # local prefills', until the first output
-        self.transfer_bytes: dict[str, int] = {}  # KV bytes each transfer moved, until the final output
-        self.transfer_path: dict[str, str] = {}  # how: "gloo/direct", "nccl/staged"... (RequestStats.kv_path)
-        # Rooms aborted, or failed for their deadline, whose transfer is being stopped: dropped at its end.
-        self.expired: set[str] = set()
+        self.rooms: dict[str, DecodeRoom] = {}  # admitted until they leave
         self.link: WorkerLink | None = None
         self.weights = WeightUpdater.for_runner(self.runner, cache, cfg.host, self._weights_changed)
         # An exception in one request's work fails that request (code internal), not the worker.
         self.faults = StepFaults(cfg.worker_id, "decode", self.runner.spec.vocab_size)
-        # Requests whose grammar compiles in the background: not admitted until it is ready.
-        self.compiling: GrammarWaits[m.GenerateRequest] = GrammarWaits(
-            self.runner.spec.vocab_size,
-            rc.grammar_compile_timeout_s,
-            self.clock,
-            wake=self._transfer_ended,  # link.wake(): a compile's end wakes a sleeping loop
+        self.admission = Admission(
+            "decode", self.runner, self.signals, self.clock, self._enter, self._fail, self._transfer_ended
         )
 
     def serve(self) -> None:
         if self.runner.compiled is not None:  # compile before taking requests, not at the first one
             self.runner.compiled.warm_up()
         self.receiver.start()
-        self.link = WorkerLink(
-            self.cfg.gateway_addr,
-            register_factory(self.cfg, self.runner, self.clock, None, lambda: self.weights.version),
-            self.clock,
-            keys=self.cfg.keys,
-        )
-        self.link.start()
-        self.link.wait_registered(self.cfg.register_timeout_s, cancel=self.signals.draining)
+        self.link = connect_link(self.cfg, self.runner, self.clock, self.signals, self.weights)
         log.info("decode worker %s registered", self.cfg.worker_id)
         try:
             serve_until_drained(
@@ -94,7 +79,7 @@ class DecodeWorker:
                 self.link,
                 self.signals,
                 self.step,
-                lambda: len(self.sched) + len(self.compiling),
+                lambda: len(self.sched) + len(self.admission),
                 self.receiver.io_failure,
             )
         finally:
@@ -109,10 +94,7 @@ class DecodeWorker:
     def step(self) -> None:
         self._receive()
         assert self.link is not None
-        for reply in self.weights.poll():
-            self.link.send(reply)
-        if self.weights.paused:  # /pause_generation: no forward until resumed
-            self.cache_events.publish(self.link)
+        if paused_for_weights(self.link, self.weights, self.cache_events):
             return
         self._expire()
         # First tokens go out before the step that follows them (their TTFT does not wait for it).
@@ -130,8 +112,8 @@ class DecodeWorker:
         # request waiting for its KV needs no polling: the receiver wakes the loop when it lands (a
         # poll every few ms cost the prefill's forward on the same cores ~4 ms at 128 tokens).
         for msg in self.link.recv(loop_wait(bool(s.running), self.weights)):
-            self._on_message_guarded(msg)
-        self._admit_compiled()
+            self.faults.guard_message(self._on_message, msg, self._fail_internal)
+        self.admission.poll()
 
     def _schedule(self) -> list[m.TokenOutput]:
         """Resume, admit, collect finished transfers (their first tokens), then grow or retract."""
@@ -151,8 +133,9 @@ class DecodeWorker:
             n = len(r.prompt_ids)
             skip, prefix_hash = s.skip(r)
             dst = r.pages[skip : s.pages.pages_for(n)]
-            self.receiver.request(r.rid, self.prefill_addr[r.rid], dst, n, skip, prefix_hash)
-            self.events[r.rid]["kv_requested"] = self.clock()
+            rec = self.rooms[r.rid]
+            self.receiver.request(r.rid, rec.prefill_addr, dst, n, skip, prefix_hash)
+            rec.events["kv_requested"] = self.clock()
         outputs = self._prefill_locally(local)
         for res in self.receiver.poll():
             if res.prefix_mismatch and s.prefix_refused(res.room) is not None:
@@ -210,12 +193,11 @@ class DecodeWorker:
 
     def _prefilled(self, r: Request, start: float, now: float) -> m.TokenOutput:
         """A local prefill's request, first token sampled, joins the running batch."""
-        entry = self.events[r.rid].get("decode_entry", start)
-        self.events[r.rid]["kv_requested"] = start
-        self.prefill_events[r.rid] = PrefillEvents(
-            queue_entry=entry, forward_entry=start, prefill_finished=now
-        )
-        self.events[r.rid]["kv_ready"] = now
+        rec = self.rooms[r.rid]
+        entry = rec.events.get("decode_entry", start)
+        rec.events["kv_requested"] = start
+        rec.prefill_events = PrefillEvents(queue_entry=entry, forward_entry=start, prefill_finished=now)
+        rec.events["kv_ready"] = now
         self.sched.prefilled(r)
         return self._output(r, r.output_ids[:1], first=True)
 
@@ -243,7 +225,7 @@ class DecodeWorker:
         """Finished requests leave: their pages are freed, their stepper state dropped."""
         for r in self.sched.retire_finished():
             self.stepper.forget(r)
-            self.prefill_addr.pop(r.rid, None)
+            self._forget(r.rid)
 
     def _reply(self, outputs: list[m.TokenOutput]) -> None:
         assert self.link is not None
@@ -254,36 +236,9 @@ class DecodeWorker:
         ld.queued, ld.running = len(s) - len(s.running), len(s.running)
         ld.free_tokens = s.free_tokens
 
-    def _on_message_guarded(self, msg: m.Message) -> None:
-        """`_on_message`; an exception while admitting a request fails that request alone."""
-        try:
-            self._on_message(msg)
-        except Exception as exc:  # noqa: BLE001 - a request fails, never the worker
-            if not isinstance(msg, m.GenerateRequest):
-                log.error("handling a %s message failed", msg.kind, exc_info=exc)
-                return
-            self.faults.lone(exc, msg.room, "admitting a request")
-            self._fail_internal(msg.room, exc)
-
     def _on_message(self, msg: m.Message) -> None:
         if isinstance(msg, m.GenerateRequest):
-            if msg.traceparent is not None:
-                log.debug("room %s: traceparent %s", msg.room, msg.traceparent)
-            if self.signals.draining.is_set():
-                self._fail(msg.room, FailCode.DRAINING, "the decode worker is draining")
-                return
-            try:
-                self.runner.check_fits(len(msg.input_ids), msg.sampling.max_new_tokens)
-                # Its matcher accepts the prefill's first token first (`_on_transfer_end`).
-                compiling = self.runner.grammar_future(msg.sampling)
-            except ValueError as e:
-                self._fail(msg.room, FailCode.BAD_REQUEST, str(e))
-                return
-            constraint = msg.sampling.constraint
-            if compiling is not None and constraint is not None:  # enters from `_admit_compiled`
-                self.compiling.add(msg.room, msg, constraint[0], compiling, msg.deadline_s)
-                return
-            self._enter(msg, None)
+            self.admission.admit(msg)
         elif isinstance(msg, m.WeightsCommand):
             assert self.link is not None
             reply = self.weights.on_command(msg)
@@ -293,30 +248,12 @@ class DecodeWorker:
             assert self.link is not None
             self.link.send(self.cache_events.flush(msg.flush_id, len(self.sched)))
         elif isinstance(msg, m.AbortRequest):
-            self.compiling.remove(msg.room)
-            if self.sched.is_transferring(msg.room):
-                # The transfer may still end well (a shared-memory copy already done): whatever poll()
-                # reports, the room is dropped there and its pages freed, never run.
-                self.expired.add(msg.room)
-                self.receiver.abort(msg.room)
-                return
-            removed = self.sched.remove(msg.room)
-            if removed is not None:
-                self.stepper.forget(removed)
-            self._forget(msg.room)
-
-    def _admit_compiled(self) -> None:
-        """Requests whose grammar is ready are admitted; a failed or slow compile fails its own."""
-        ready, failed = self.compiling.poll()
-        for f in failed:
-            self._fail(f.item.room, f.code, f.message)
-        for msg, grammar in ready:
-            self._enter(msg, grammar)
+            self.admission.remove(msg.room)
+            self._stop(msg.room)
 
     def _enter(self, msg: m.GenerateRequest, grammar: GrammarMatcher | None) -> None:
-        self.events[msg.room] = DecodeEvents(decode_entry=self.clock())
-        if not msg.local_prefill:
-            self.prefill_addr[msg.room] = msg.prefill_bootstrap_addr
+        addr = "" if msg.local_prefill else msg.prefill_bootstrap_addr
+        self.rooms[msg.room] = DecodeRoom(DecodeEvents(decode_entry=self.clock()), addr)
         r = Request(msg.room, msg.input_ids, msg.sampling, self.runner.spec.eos_token_ids, grammar=grammar)
         self.sched.add(r, msg.deadline_s, local_prefill=msg.local_prefill)
 
@@ -324,12 +261,7 @@ class DecodeWorker:
         """Requests past their deadline fail: the gateway is told at once, the pages follow."""
         for r in self.sched.expire(self.clock()):
             state = r.state.value
-            if r.state is RequestState.TRANSFERRING:
-                self.expired.add(r.rid)
-                self.receiver.abort(r.rid)  # poll() reports it; `_on_transfer_end` frees the pages
-            else:
-                self.stepper.forget(r)
-                self._forget(r.rid)
+            self._stop(r.rid, r)
             msg = f"the request passed its deadline on decode worker {self.cfg.worker_id} ({state})"
             self._fail(r.rid, FailCode.DEADLINE, msg)
 
@@ -343,8 +275,8 @@ class DecodeWorker:
         direct: bool = False,
         shm: bool = False,
     ) -> m.TokenOutput | None:
-        if room in self.expired:  # aborted, or failed for its deadline: dropped whatever the transfer did
-            self.expired.discard(room)
+        rec = self.rooms.get(room)
+        if rec is not None and rec.dropped:  # aborted or failed: dropped whatever the transfer did
             self.sched.kv_failed(room)
             self._forget(room)
             return None
@@ -359,9 +291,10 @@ class DecodeWorker:
         r.append_token(first.first_token, first.logprob, first.top_logprobs or None)
         if first.weight_version != self.weights.version:
             r.kv_cacheable = False  # its prompt's KV is another version's
-        self.events[room]["kv_ready"] = self.clock()
-        self.transfer_bytes[room] = num_bytes
-        self.transfer_path[room] = "shm" if shm else f"{self.kv_backend}/{'direct' if direct else 'staged'}"
+        rec = self.rooms[room]
+        rec.events["kv_ready"] = self.clock()
+        rec.transfer_bytes = num_bytes
+        rec.kv_path = "shm" if shm else f"{self.kv_backend}/{'direct' if direct else 'staged'}"
         return self._output(r, r.output_ids[:1], first=True, version=first.weight_version)
 
     def _output(
@@ -378,18 +311,18 @@ class DecodeWorker:
             finish_reason=r.finish_reason,
             weight_version=self.weights.version if version is None else version,
         )
+        rec = self.rooms[r.rid]
         if first:
-            out.events = self.events[r.rid].copy()
-            out.prefill_events = self.prefill_events.pop(r.rid, None)
+            out.events = rec.events.copy()
+            out.prefill_events, rec.prefill_events = rec.prefill_events, None
         if r.finished:
-            ev = self.events.pop(r.rid, {})
-            ev["finished"] = self.clock()
-            out.events = {**(out.events or {}), **ev}
+            rec.events["finished"] = self.clock()
+            out.events = {**(out.events or {}), **rec.events}
             out.stats = RequestStats(
                 cached_tokens=0,
                 num_retractions=r.num_retractions,
-                kv_path=self.transfer_path.pop(r.rid, "local"),
-                transfer_bytes=self.transfer_bytes.pop(r.rid, 0),
+                kv_path=rec.kv_path,
+                transfer_bytes=rec.transfer_bytes,
                 decode_cached_tokens=r.cached_tokens,
                 **self.stepper.stats(r),
             )
@@ -397,14 +330,7 @@ class DecodeWorker:
 
     def _fail_internal(self, room: str, exc: BaseException) -> None:
         """`room` fails with code `internal` through the abort path: its pages are freed, never cached."""
-        if self.sched.is_transferring(room):
-            self.expired.add(room)  # its transfer's end needs no second report
-            self.receiver.abort(room)
-        else:
-            removed = self.sched.remove(room)
-            if removed is not None:
-                self.stepper.forget(removed)
-            self._forget(room)
+        self._stop(room)
         self._fail(room, FailCode.INTERNAL, self.faults.message(exc))
 
     def _fail(self, room: str, code: FailCode, message: str) -> None:
@@ -416,9 +342,20 @@ class DecodeWorker:
         for r in self.sched.live():
             r.kv_cacheable = False
 
+    def _stop(self, room: str, left: Request | None = None) -> None:
+        """`room` leaves (aborted or failed). With its transfer in flight, the transfer is aborted and
+        the room dropped when poll() reports its end, whatever that is (a shared-memory copy may be
+        done already): no second report. Else its pages are freed now. `left`: its request, when the
+        scheduler let it go already (`expire`)."""
+        if self.sched.is_transferring(room):
+            if (rec := self.rooms.get(room)) is not None:
+                rec.dropped = True
+            self.receiver.abort(room)
+            return
+        removed = self.sched.remove(room) or left
+        if removed is not None:
+            self.stepper.forget(removed)
+        self._forget(room)
+
     def _forget(self, room: str) -> None:
-        self.events.pop(room, None)
-        self.prefill_addr.pop(room, None)
-        self.prefill_events.pop(room, None)
-        self.transfer_bytes.pop(room, None)
-        self.transfer_path.pop(room, None)
+        self.rooms.pop(room, None)

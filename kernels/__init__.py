@@ -25,7 +25,7 @@ conversions):
 - cpu_decode_layer: one decoder layer of a decode step in one call, making the eager layer's calls.
 
 Who calls them: the Triton attention backend (runtime/attention_triton.py) runs the attention kernels
-and the KV store, and the model (runtime/models/llama.py) runs rmsnorm and rotary on CUDA; on CPU the
+and the KV store, and the model (runtime/models/) runs rmsnorm and rotary on CUDA; on CPU the
 `cpu` attention backend (runtime/attention_cpu.py) runs the C++ attention, the model the fused ops and
 the decoder layer, the quantized linears (runtime/quant.py) the int4/int8 kernels, and the sampler the
 greedy kernel.

@@ -4,7 +4,7 @@ In bf16 and fp16 torch's eager ops make one pass over the data per op: RMSNorm i
 two, the rotary embedding four. These read the input once, compute in float and write once, rounding
 their intermediate values to the dtype where the eager ops store them, so they give the eager path's
 values (to an ulp of the exp in SiLU): bf16 greedy output is sensitive to where it rounds. The eager CPU forward uses them for bf16 / fp16 activations
-(runtime/models/llama.py, `cpu_fused`); fp32, the exactness reference, and the compiled
+(runtime/models/norm_rope.py, `cpu_fused`); fp32, the exactness reference, and the compiled
 decode step (inductor fuses the torch ops itself) keep torch's ops. They live in the `pdserve_cpu`
 library (kernels/cpu_library.py).
 

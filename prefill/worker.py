@@ -20,6 +20,7 @@ from pdserve.config import WorkerConfig
 from pdserve.kv_transfer import KVSender, TransferState
 from pdserve.kv_transfer.config import worker_transfer_config
 from pdserve.kv_transfer.shm import ShmError, shared_pool
+from pdserve.prefill.room import HeldSend, PrefillRoom
 from pdserve.protocol import gateway as m
 from pdserve.protocol.block_hash import block_hashes
 from pdserve.protocol.kv_trailer import FirstToken
@@ -27,15 +28,16 @@ from pdserve.protocol.records import PrefillEvents
 from pdserve.protocol.vocabulary import FailCode
 from pdserve.runtime.batch import ForwardMode
 from pdserve.runtime.extend_scheduler import ExtendScheduler
-from pdserve.runtime.grammar import GrammarMatcher, GrammarWaits
+from pdserve.runtime.grammar import GrammarMatcher
 from pdserve.runtime.prompt_logprobs import take_prompt_logprobs
 from pdserve.runtime.radix_cache import RadixCache
 from pdserve.runtime.request import Request, RequestState
 from pdserve.runtime.request_state import TERMINAL
 from pdserve.runtime.runner import ModelRunner, sample_first_tokens
 from pdserve.runtime.weight_update import WeightUpdater
+from pdserve.worker.admission import Admission
 from pdserve.worker.cache_events import CacheEvents
-from pdserve.worker.common import loop_wait, make_clock, register_factory, serve_until_drained
+from pdserve.worker.common import connect_link, loop_wait, make_clock, paused_for_weights, serve_until_drained
 from pdserve.worker.drain import DrainSignal
 from pdserve.worker.link import WorkerLink
 from pdserve.worker.step_faults import Progress, StepFaults
@@ -49,8 +51,6 @@ class PrefillWorker:
         # Test hook (--test-stall-kv-send): hold each finished prefill this long before its KV is
         # handed to the sender, as a stuck transfer path would.
         self.stall_kv_send_s = cfg.stall_kv_send_s
-        # Sends held back by the stall hook: (due time.monotonic(), room, pages, tokens, metadata, hashes).
-        self.stalled: list[tuple[float, str, list[int], int, FirstToken, list[int]]] = []
         self.clock = make_clock(cfg)
         self.signals = signals or DrainSignal()
         self.runner = ModelRunner(cfg.runtime)
@@ -86,37 +86,21 @@ class PrefillWorker:
             segment=segment,
         )
         self.sender.on_result = self._transfer_ended  # a sleeping loop wakes to free the pages
-        self.rooms: dict[str, Request] = {}  # queued, prefilling or transferring
-        # Requests whose grammar compiles in the background: not queued until it is ready.
-        self.compiling: GrammarWaits[m.GenerateRequest] = GrammarWaits(
-            self.runner.spec.vocab_size,
-            rc.grammar_compile_timeout_s,
-            self.clock,
-            wake=self._transfer_ended,  # link.wake(): a compile's end wakes a sleeping loop
+        self.rooms: dict[str, PrefillRoom] = {}  # queued, prefilling or transferring
+        self.admission = Admission(
+            "prefill", self.runner, self.signals, self.clock, self._enter, self._fail, self._transfer_ended
         )
-        self.events: dict[str, PrefillEvents] = {}
-        self.chunks: dict[str, list[tuple[float, float]]] = {}  # each forward's (start, end), per room
-        # Rooms failed for their deadline whose transfer is being stopped: already reported.
-        self.expired: set[str] = set()
         self.link: WorkerLink | None = None
         self.weights = WeightUpdater.for_runner(self.runner, cache, cfg.host, self._weights_changed)
         self.blocked = False  # the last schedule() gave nothing to run
-        self.alone: set[str] = set()  # rooms without a decode leg: answered by PrefillDone alone
         # An exception in one request's work fails that request (code internal), not the worker.
         self.faults = StepFaults(cfg.worker_id, "prefill", self.runner.spec.vocab_size)
 
     def serve(self) -> None:
         self.sender.start()
-        self.link = WorkerLink(
-            self.cfg.gateway_addr,
-            register_factory(
-                self.cfg, self.runner, self.clock, self.sender.addr, lambda: self.weights.version
-            ),
-            self.clock,
-            keys=self.cfg.keys,
+        self.link = connect_link(
+            self.cfg, self.runner, self.clock, self.signals, self.weights, self.sender.addr
         )
-        self.link.start()
-        self.link.wait_registered(self.cfg.register_timeout_s, cancel=self.signals.draining)
         log.info("prefill worker %s registered; KV bootstrap at %s", self.cfg.worker_id, self.sender.addr)
         try:
             serve_until_drained(
@@ -124,7 +108,7 @@ class PrefillWorker:
                 self.link,
                 self.signals,
                 self.step,
-                lambda: len(self.rooms) + len(self.compiling),
+                lambda: len(self.rooms) + len(self.admission),
                 self.sender.io_failure,
             )
         finally:
@@ -135,10 +119,7 @@ class PrefillWorker:
     def step(self) -> None:
         self._receive()
         assert self.link is not None
-        for reply in self.weights.poll():
-            self.link.send(reply)
-        if self.weights.paused:  # /pause_generation: no forward until resumed
-            self.cache_events.publish(self.link)
+        if paused_for_weights(self.link, self.weights, self.cache_events):
             return
         self._expire()
         reqs, chunks = self.sched.schedule()
@@ -159,11 +140,12 @@ class PrefillWorker:
             self.blocked = False  # pages came back: waiting prompts may fit now
         # No prompt it can compute (or paused): sleep until a message or a transfer's end wakes the loop.
         wait = loop_wait(len(self.sched) > 0 and not self.blocked, self.weights)
-        if self.stalled:  # test hook: the held-back sends are due at their time
-            wait = min(wait, max(0.0, min(x[0] for x in self.stalled) - time.monotonic()))
+        due = [rec.held.due for rec in self.rooms.values() if rec.held is not None]
+        if due:  # test hook: the held-back sends are due at their time
+            wait = min(wait, max(0.0, min(due) - time.monotonic()))
         for msg in self.link.recv(wait):
-            self._on_message_guarded(msg)
-        self._admit_compiled()
+            self.faults.guard_message(self._on_message, msg, self._fail_internal)
+        self.admission.poll()
 
     def _transfer_ended(self) -> None:
         if self.link is not None:
@@ -172,41 +154,26 @@ class PrefillWorker:
     def _on_message(self, msg: m.Message) -> None:
         assert self.link is not None
         if isinstance(msg, m.GenerateRequest):
-            self._admit(msg)
+            self.admission.admit(msg)
         elif isinstance(msg, m.AbortRequest):
-            self.compiling.remove(msg.room)
-            r = self.rooms.get(msg.room)
-            if r is not None:
-                self._stop(r)
+            self.admission.remove(msg.room)
+            rec = self.rooms.get(msg.room)
+            if rec is not None:
+                self._stop(rec.request)
         elif isinstance(msg, m.WeightsCommand):
             reply = self.weights.on_command(msg)
             if reply is not None:
                 self.link.send(reply)
         elif isinstance(msg, m.FlushCache):
-            self.link.send(self.cache_events.flush(msg.flush_id, len(self.rooms) + len(self.stalled)))
-
-    def _on_message_guarded(self, msg: m.Message) -> None:
-        """`_on_message`; an exception while admitting a request fails that request alone."""
-        try:
-            self._on_message(msg)
-        except Exception as exc:  # noqa: BLE001 - a request fails, never the worker
-            if not isinstance(msg, m.GenerateRequest):
-                log.error("handling a %s message failed", msg.kind, exc_info=exc)
-                return
-            self.faults.lone(exc, msg.room, "admitting a request")
-            r = self.rooms.get(msg.room)
-            if r is not None and r.state not in TERMINAL:
-                self._fail_internal(r, exc)
-            else:
-                self._fail(msg.room, FailCode.INTERNAL, self.faults.message(exc))
+            self.link.send(self.cache_events.flush(msg.flush_id, len(self.rooms)))
 
     def _stop(self, r: Request) -> bool:
         """End `r` on this node: its pages are freed now (False), or, with its transfer in flight,
         once the sender reports that transfer Failed (True; `_on_transfer_end`)."""
-        if r.state is RequestState.TRANSFERRING and all(x[1] != r.rid for x in self.stalled):
+        rec = self.rooms.get(r.rid)
+        if r.state is RequestState.TRANSFERRING and (rec is None or rec.held is None):
             self.sender.abort(r.rid)
             return True
-        self.stalled = [x for x in self.stalled if x[1] != r.rid]
         if r.state not in TERMINAL:
             self.sched.retire(r, RequestState.FAILED)
         self._forget(r.rid)
@@ -216,52 +183,20 @@ class PrefillWorker:
         """Requests past their deadline fail: the gateway is told at once, the pages follow."""
         assert self.link is not None
         for r in self.sched.expire(self.clock()):
-            state = r.state.value
-            if self._stop(r):
-                self.expired.add(r.rid)
-            msg = f"the request passed its deadline on prefill worker {self.cfg.worker_id} ({state})"
-            self.link.send(m.RequestFailed(room=r.rid, role="prefill", code=FailCode.DEADLINE, message=msg))
-
-    def _admit(self, req: m.GenerateRequest) -> None:
-        assert self.link is not None
-        if req.traceparent is not None:
-            log.debug("room %s: traceparent %s", req.room, req.traceparent)
-        if self.signals.draining.is_set():
-            self._fail(req.room, FailCode.DRAINING, "the prefill worker is draining")
-            return
-        try:
-            self.runner.check_fits(len(req.input_ids), req.sampling.max_new_tokens)
-            compiling = self.runner.grammar_future(req.sampling)  # the first token is sampled here
-        except ValueError as e:
-            self._fail(req.room, FailCode.BAD_REQUEST, str(e))
-            return
-        constraint = req.sampling.constraint
-        if compiling is not None and constraint is not None:  # enters from `_admit_compiled`
-            self.compiling.add(req.room, req, constraint[0], compiling, req.deadline_s)
-            return
-        self._enter(req, None)
-
-    def _admit_compiled(self) -> None:
-        """Requests whose grammar is ready enter the scheduler; a failed or slow compile fails its own."""
-        ready, failed = self.compiling.poll()
-        for f in failed:
-            self._fail(f.item.room, f.code, f.message)
-        for req, grammar in ready:
-            self._enter(req, grammar)
+            msg = f"the request passed its deadline on prefill worker {self.cfg.worker_id} ({r.state.value})"
+            self._fail_held(r, FailCode.DEADLINE, msg)
 
     def _enter(self, req: m.GenerateRequest, grammar: GrammarMatcher | None) -> None:
         r = Request(req.room, req.input_ids, req.sampling, self.runner.spec.eos_token_ids, grammar=grammar)
-        self.rooms[req.room] = r
-        if not req.decode_worker:
-            self.alone.add(req.room)
-        self.events[req.room] = PrefillEvents(queue_entry=self.clock())
+        events = PrefillEvents(queue_entry=self.clock())
+        self.rooms[req.room] = PrefillRoom(r, events, alone=not req.decode_worker)
         self.sched.add(r, req.deadline_s)
 
     def _run(self, reqs: list[Request], chunks: list[list[int]]) -> list[Request]:
         """One extend forward; returns the requests whose prompt it completed, first token sampled."""
         now = self.clock()
         for r in reqs:
-            self.events[r.rid].setdefault("forward_entry", now)
+            self.rooms[r.rid].events.setdefault("forward_entry", now)
         progress = Progress.of(reqs)
         try:
             logits = self._forward(reqs, chunks)
@@ -269,7 +204,7 @@ class PrefillWorker:
             bad = {r.rid for r in self.faults.triage(exc, reqs, "a prefill forward")}
             for r in reqs:
                 if r.rid in bad:
-                    self._fail_internal(r, exc)
+                    self._fail_internal(r.rid, exc)
                 else:  # scheduled again from where it was
                     progress[r.rid].restore(r)
             return []
@@ -279,9 +214,10 @@ class PrefillWorker:
         self.faults.ok()
         end = self.clock()
         for r in reqs:
-            self.chunks.setdefault(r.rid, []).append((now, end))
+            if (rec := self.rooms.get(r.rid)) is not None:  # one whose first token failed has left
+                rec.chunks.append((now, end))
         for r in done:
-            self.events[r.rid]["prefill_finished"] = end
+            self.rooms[r.rid].events["prefill_finished"] = end
         return done
 
     def _forward(self, reqs: list[Request], chunks: list[list[int]]) -> torch.Tensor:
@@ -312,14 +248,15 @@ class PrefillWorker:
                 kept.append(r)
             except Exception as exc:  # noqa: BLE001
                 self.faults.lone(exc, r.rid, "sampling the first token")
-                self._fail_internal(r, exc)
+                self._fail_internal(r.rid, exc)
         return kept
 
     def _hand_off(self, done: list[Request]) -> None:
         """Completed prefills' KV goes to the sender (held back by the stall hook). A request without
         a decode leg (it asks at most one token) ends here, its prompt's pages cached."""
         for r in done:
-            if r.rid in self.alone:
+            rec = self.rooms[r.rid]
+            if rec.alone:
                 self.sched.retire(r, RequestState.FINISHED)
                 self._forget(r.rid)
                 continue
@@ -336,23 +273,24 @@ class PrefillWorker:
             hashes = block_hashes(r.prompt_ids, self.runner.page_size)
             if self.stall_kv_send_s > 0:
                 due = time.monotonic() + self.stall_kv_send_s
-                self.stalled.append((due, r.rid, r.pages, len(r.prompt_ids), meta, hashes))
+                rec.held = HeldSend(due, r.pages, len(r.prompt_ids), meta, hashes)
             else:
                 self.sender.send(r.rid, r.pages, len(r.prompt_ids), meta, hashes)
-        if self.stalled:
-            self._release_stalled(time.monotonic())
+        if self.stall_kv_send_s > 0:
+            self._release_held(time.monotonic())
 
     def _reply(self, done: list[Request]) -> None:
         assert self.link is not None
         for r in done:
+            rec = self.rooms[r.rid]
             lps = r.params.logprob_start_len >= 0
             self.link.send(
                 m.PrefillDone(
                     room=r.rid,
-                    events=self.events.pop(r.rid),
+                    events=rec.events,
                     first=self._first_output(r),
                     cached_tokens=r.cached_tokens,
-                    forward_chunks=self.chunks.pop(r.rid, []),
+                    forward_chunks=rec.chunks,
                     input_logprobs=r.input_logprobs if lps else None,
                     input_top_logprobs=r.input_top_logprobs if lps and r.params.top_logprobs_num else None,
                 )
@@ -375,44 +313,53 @@ class PrefillWorker:
             weight_version=self.weights.version,
         )
 
-    def _release_stalled(self, now: float) -> None:
-        due = [x for x in self.stalled if x[0] <= now]
-        self.stalled = [x for x in self.stalled if x[0] > now]
-        for _, room, pages, tokens, meta, hashes in due:
-            # An aborted room was remembered by the sender: this send fails at once and frees the pages.
-            self.sender.send(room, pages, tokens, meta, hashes)
+    def _release_held(self, now: float) -> None:
+        """The sends the stall hook held back whose time has come go to the sender."""
+        for room, rec in list(self.rooms.items()):
+            held = rec.held
+            if held is not None and held.due <= now:
+                rec.held = None
+                self.sender.send(room, held.pages, held.num_tokens, held.meta, held.hashes)
 
     def _on_transfer_end(self, room: str, state: TransferState, error: str | None) -> None:
-        r = self.rooms.pop(room, None)
-        if r is not None:
+        rec = self.rooms.pop(room, None)
+        if rec is not None:
             ok = state is TransferState.SUCCESS
-            self.sched.retire(r, RequestState.FINISHED if ok else RequestState.FAILED)
-        if room in self.expired:  # stopped for its deadline, failure already reported
-            self.expired.discard(room)
-            self._forget(room)
-        elif state is TransferState.FAILED:
+            self.sched.retire(rec.request, RequestState.FINISHED if ok else RequestState.FAILED)
+            if rec.reported:  # stopped after its failure was reported
+                return
+        if state is TransferState.FAILED:
             log.warning("KV transfer of %s failed: %s", room, error)
-            self._fail(room, FailCode.TRANSFER, f"KV transfer failed: {error}")
+            self._report(room, FailCode.TRANSFER, f"KV transfer failed: {error}")
 
-    def _fail_internal(self, r: Request, exc: BaseException) -> None:
-        """`r` fails with code `internal` through the abort path: its pages are freed, never cached."""
-        r.kv_cacheable = False
-        if self._stop(r):
-            self.expired.add(r.rid)  # its transfer's end needs no second report
-        self._fail(r.rid, FailCode.INTERNAL, self.faults.message(exc))
+    def _fail_internal(self, room: str, exc: BaseException) -> None:
+        """`room` fails with code `internal` through the abort path: its pages are freed, never cached."""
+        rec = self.rooms.get(room)
+        if rec is None or rec.request.state in TERMINAL:
+            self._fail(room, FailCode.INTERNAL, self.faults.message(exc))
+            return
+        rec.request.kv_cacheable = False
+        self._fail_held(rec.request, FailCode.INTERNAL, self.faults.message(exc))
+
+    def _fail_held(self, r: Request, code: FailCode, message: str) -> None:
+        """`r`, held here, fails at once; its pages are freed now or, with its transfer in flight,
+        when that transfer ends (whose end then needs no second report)."""
+        if self._stop(r) and (rec := self.rooms.get(r.rid)) is not None:
+            rec.reported = True
+        self._report(r.rid, code, message)
 
     def _fail(self, room: str, code: FailCode, message: str) -> None:
-        assert self.link is not None
         self._forget(room)
+        self._report(room, code, message)
+
+    def _report(self, room: str, code: FailCode, message: str) -> None:
+        assert self.link is not None
         self.link.send(m.RequestFailed(room=room, role="prefill", code=code, message=message))
 
     def _weights_changed(self) -> None:
         """A weight update committed: the KV of every request here may mix versions; never cache it."""
-        for r in self.rooms.values():
-            r.kv_cacheable = False
+        for rec in self.rooms.values():
+            rec.request.kv_cacheable = False
 
     def _forget(self, room: str) -> None:
-        self.alone.discard(room)
         self.rooms.pop(room, None)
-        self.events.pop(room, None)
-        self.chunks.pop(room, None)

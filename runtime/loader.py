@@ -27,7 +27,8 @@ from pdserve.model_source import ModelSource, ModelSourceError, resolve_model_so
 from pdserve.progress import progress
 from pdserve.runtime.host import cpu_has_bf16
 from pdserve.runtime.model_config import ModelSpec, rope_inv_freq
-from pdserve.runtime.models.llama import CausalLM, Rotary
+from pdserve.runtime.models.llama import CausalLM
+from pdserve.runtime.models.norm_rope import Rotary
 from pdserve.runtime.quant import check_quantization, quantize_model
 
 if TYPE_CHECKING:

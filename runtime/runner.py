@@ -33,7 +33,8 @@ from pdserve.runtime.host import startup_line
 from pdserve.runtime.kv_pool import KVGeometry, KVPool, PageAllocator, RequestPages
 from pdserve.runtime.loader import LoadedModel, load_model
 from pdserve.runtime.request import Request
-from pdserve.runtime.sampler import SampleOutput, Sampler, SamplingBatch
+from pdserve.runtime.sampler import SampleOutput, Sampler
+from pdserve.runtime.sampling_batch import SamplingBatch
 from pdserve.sampling_params import SamplingParams
 
 log = logging.getLogger(__name__)

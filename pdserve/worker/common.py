@@ -33,9 +33,21 @@ def loop_wait(can_compute: bool, weights: WeightUpdater) -> float:
     return min(wait, BACKGROUND_WAIT_S) if weights.busy else wait
 
 
+def paused_for_weights(link: WorkerLink, weights: WeightUpdater, cache_events: CacheEvents) -> bool:
+    """A step's weight-update part: the replies of finished weight jobs go out. True while generation
+    is paused (/pause_generation): that step runs no forward and only publishes its cache events."""
+    for reply in weights.poll():
+        link.send(reply)
+    if weights.paused:
+        cache_events.publish(link)
+        return True
+    return False
+
+
 if TYPE_CHECKING:
     from pdserve.runtime.runner import ModelRunner
     from pdserve.runtime.weight_update import WeightUpdater
+    from pdserve.worker.cache_events import CacheEvents
 
 
 class _Worker(Protocol):
@@ -52,8 +64,8 @@ def register_factory(
     cfg: WorkerConfig,
     runner: ModelRunner,
     clock: Callable[[], float],
-    bootstrap_addr: str | None = None,
-    weight_version: Callable[[], str] = lambda: "default",
+    bootstrap_addr: str | None,
+    weight_version: Callable[[], str],
 ) -> Callable[[], m.Register]:
     spec = runner.spec
 
@@ -73,6 +85,22 @@ def register_factory(
         )
 
     return make
+
+
+def connect_link(
+    cfg: WorkerConfig,
+    runner: ModelRunner,
+    clock: Callable[[], float],
+    signals: DrainSignal,
+    weights: WeightUpdater,
+    bootstrap_addr: str | None = None,
+) -> WorkerLink:
+    """The worker's control link to the gateway, started and registered (a drain cancels the wait)."""
+    register = register_factory(cfg, runner, clock, bootstrap_addr, lambda: weights.version)
+    link = WorkerLink(cfg.gateway_addr, register, clock, keys=cfg.keys)
+    link.start()
+    link.wait_registered(cfg.register_timeout_s, cancel=signals.draining)
+    return link
 
 
 def run_worker(

@@ -13,19 +13,23 @@ worker raises `StepFailed`, exits non-zero and its supervisor restarts it, as it
 engine. A probe runs on the CPU so that a broken device cannot make every request look guilty.
 
 `Progress` snapshots what a step advances on each request, so that the requests that were not
-failed go on from where they were (their KV is computed again).
+failed go on from where they were (their KV is computed again). An exception while a worker handles
+a gateway message fails the request it admits, or is logged (`StepFaults.guard_message`).
 """
 
 from __future__ import annotations
 
 import copy
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 
+from pdserve.protocol import gateway as m
 from pdserve.runtime.request import Request
-from pdserve.runtime.sampler import Sampler, SamplingBatch
+from pdserve.runtime.sampler import Sampler
+from pdserve.runtime.sampling_batch import SamplingBatch
 
 log = logging.getLogger(__name__)
 
@@ -128,3 +132,17 @@ class StepFaults:
     def lone(self, exc: BaseException, room: str, what: str) -> None:
         """Log the failure of work for one request (its culprit is known)."""
         log.error("%s for %s failed (%s); failing it", what, room, type(exc).__name__, exc_info=exc)
+
+    def guard_message(
+        self, handle: Callable[[m.Message], None], msg: m.Message, fail: Callable[[str, Exception], None]
+    ) -> None:
+        """`handle(msg)`; an exception while admitting a request fails that request alone
+        (`fail(room, exc)`), one while handling any other message is logged."""
+        try:
+            handle(msg)
+        except Exception as exc:  # noqa: BLE001 - a request fails, never the worker
+            if not isinstance(msg, m.GenerateRequest):
+                log.error("handling a %s message failed", msg.kind, exc_info=exc)
+                return
+            self.lone(exc, msg.room, "admitting a request")
+            fail(msg.room, exc)

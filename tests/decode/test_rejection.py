@@ -20,7 +20,7 @@ from pdserve.runtime.batch import ForwardMode
 from pdserve.runtime.loader import load_model
 from pdserve.runtime.request import Request, RequestState
 from pdserve.runtime.runner import ModelRunner
-from pdserve.runtime.sampler import SamplingBatch
+from pdserve.runtime.sampling_batch import SamplingBatch
 from pdserve.sampling_params import SamplingParams
 
 VOCAB = 16

@@ -4,60 +4,111 @@ from __future__ import annotations
 
 import pytest
 
-from pdserve.config import RuntimeConfig
+from pdserve.config import RuntimeConfig, WorkerConfig
+from pdserve.decode import worker as decode_worker
 from pdserve.decode.scheduler import ADMISSION_HEADROOM, DecodeScheduler
-from pdserve.decode.stepper import PlainStepper
-from pdserve.runtime.batch import ForwardMode
+from pdserve.protocol import gateway as m
 from pdserve.runtime.kv_pool import PageAllocator, RequestPages
 from pdserve.runtime.request import Request, RequestState
-from pdserve.runtime.runner import ModelRunner, append_samples
+from pdserve.runtime.runner import ModelRunner
 from pdserve.sampling_params import SamplingParams
+from pdserve.worker.link import LoadReport
 
 PROMPTS = [[504, 3575, 282, 4649, 314], [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11], [9999, 123, 77], [42] * 20]
 
 
-def run_to_completion(runner: ModelRunner, sched: DecodeScheduler, reqs: list[Request]) -> int:
-    """Drive the scheduler like the decode worker, with the prompt KV computed locally instead of
-    received (the transfer is not what this test is about). Returns how many retractions happened."""
-    stepper = PlainStepper(runner)
-    for r in reqs:
-        sched.add(r)
+class GatewayStub:
+    """The decode worker's link to the gateway, reduced to what `DecodeWorker.step` uses: the
+    messages it is handed, the messages it sends."""
+
+    def __init__(self, inbox: list[m.Message]) -> None:
+        self.inbox, self.sent = inbox, []
+        self.load = LoadReport()
+
+    def recv(self, wait: float) -> list[m.Message]:
+        msgs, self.inbox = self.inbox, []
+        return msgs
+
+    def send(self, msg: m.Message) -> None:
+        self.sent.append(msg)
+
+    def wake(self) -> None:
+        pass
+
+
+def run_to_completion(worker: decode_worker.DecodeWorker, reqs: list[m.GenerateRequest]):
+    """Step the real decode worker until it has served `reqs`, each a local prefill (its prompt's KV
+    computed on the worker in place of a transfer, which is not what this test is about). Returns
+    each room's output tokens, its final stats, and how many retractions happened."""
     retractions = 0
+    grow_or_retract = worker.sched.grow_or_retract
+
+    def counted() -> list[Request]:
+        nonlocal retractions
+        retracted = grow_or_retract()
+        retractions += len(retracted)
+        return retracted
+
+    worker.sched.grow_or_retract = counted  # type: ignore[method-assign]
+    link = worker.link = GatewayStub(list(reqs))  # type: ignore[assignment]
     for _ in range(2000):
-        runner.recompute(sched.resume_retracted())
-        for r in sched.admit():
-            # Stands in for the KV transfer: the prompt's KV is computed here, into the pages admitted.
-            logits = runner.forward(ForwardMode.EXTEND, [r], [r.prompt_ids])
-            assert sched.kv_arrived(r.rid) is r
-            append_samples([r], runner.sample([r], logits))
-        retractions += len(sched.grow_or_retract())
-        if sched.running:
-            stepper.step(sched.running)
-        sched.retire_finished()
-        runner.allocator.check_invariants()
-        if not len(sched):
-            return retractions
-    raise AssertionError("the scheduler did not finish the work")
+        worker.step()
+        worker.runner.allocator.check_invariants()
+        if not len(worker.sched) and not link.inbox:
+            break
+    else:
+        raise AssertionError("the worker did not finish the work")
+    tokens: dict[str, list[int]] = {r.room: [] for r in reqs}
+    stats = {}
+    for msg in link.sent:
+        assert isinstance(msg, m.TokenBatch), msg
+        for out in msg.outputs:
+            tokens[out.room] += out.token_ids
+            if out.finished:
+                stats[out.room] = out.stats
+    return tokens, stats, retractions
 
 
 @pytest.mark.timeout(900)
-def test_small_pool_retracts_resumes_and_matches_engine(bundled, make_engine):
+def test_small_pool_retracts_resumes_and_matches_engine(bundled, make_engine, monkeypatch):
     params = SamplingParams(temperature=0, max_new_tokens=60, ignore_eos=True)
     ref = [o.output_ids for o in make_engine(bundled).generate(PROMPTS, params)]
 
     # 14 pages of 16 tokens: each request needs 5 pages over its life; the four together need 20.
-    runner = ModelRunner(
-        RuntimeConfig(device="cpu", max_total_tokens=224, page_size=16, attention_backend="torch"), bundled
+    runtime = RuntimeConfig(
+        device="cpu",
+        max_total_tokens=224,
+        page_size=16,
+        attention_backend="torch",
+        max_running_requests=8,
+        disable_radix_cache=True,
     )
-    sched = DecodeScheduler(runner.pages, max_running=8, lookahead=1)
-    reqs = [Request(f"r{i}", p, params, runner.spec.eos_token_ids) for i, p in enumerate(PROMPTS)]
-    retractions = run_to_completion(runner, sched, reqs)
+    monkeypatch.setattr(decode_worker, "ModelRunner", lambda cfg: ModelRunner(cfg, bundled))
+    worker = decode_worker.DecodeWorker(WorkerConfig(role="decode", runtime=runtime, worker_id="decode-0"))
+    reqs = [
+        m.GenerateRequest(
+            room=f"r{i}",
+            input_ids=p,
+            sampling=params,
+            prefill_worker="",
+            prefill_bootstrap_addr="",
+            decode_worker="decode-0",
+            local_prefill=True,
+        )
+        for i, p in enumerate(PROMPTS)
+    ]
+    try:
+        tokens, stats, retractions = run_to_completion(worker, reqs)
+    finally:
+        worker.weights.close()
+        worker.receiver.close()
 
     assert retractions > 0
-    assert sum(r.num_retractions for r in reqs) == retractions
+    assert sum(stats[r.room]["num_retractions"] for r in reqs) == retractions
     for r, expected in zip(reqs, ref):
-        assert r.output_ids == expected, r.rid
-    assert runner.allocator.num_free == runner.allocator.num_pages
+        assert tokens[r.room] == expected, r.room
+    allocator = worker.runner.allocator
+    assert allocator.num_free == allocator.num_pages
 
 
 # The page policy alone: an allocator and requests, no model. A "step" appends a token the way a

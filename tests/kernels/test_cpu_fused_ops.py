@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from pdserve.kernels import cpu_fused_ops as ops
-from pdserve.runtime.models import llama
+from pdserve.runtime.models import llama, norm_rope
 
 BF16, F16, F32 = torch.bfloat16, torch.float16, torch.float32
 # The eager ops' values, to an ulp of the exp (SiLU) or of the summation order (RMSNorm's mean)
@@ -114,10 +114,11 @@ def test_the_eager_bf16_forward_takes_them_and_stays_close(tiny_folders, name, m
         "pdserve_cpu::silu_and_mul",
         "pdserve_cpu::rotary_",
     } <= ran
-    monkeypatch.setattr(llama, "cpu_fused", lambda x: False)
+    for module in (llama, norm_rope):  # the layers and the norms both ask
+        monkeypatch.setattr(module, "cpu_fused", lambda x: False)
     plain = torch.cat(extend_logits(loaded, prompts, page_size=4))
     # bf16 rounding differs by an ulp here and there: logits agree to bf16 precision, argmax nearly always
     torch.testing.assert_close(fused, plain, rtol=0.05, atol=0.05)
     assert (fused.argmax(-1) == plain.argmax(-1)).float().mean() >= 0.9
     monkeypatch.undo()
-    assert not llama.cpu_fused(torch.zeros(2, dtype=F32)), "fp32 is the exactness reference"
+    assert not norm_rope.cpu_fused(torch.zeros(2, dtype=F32)), "fp32 is the exactness reference"

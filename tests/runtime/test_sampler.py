@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import torch
 
-from pdserve.runtime.sampler import Sampler, SamplingBatch
+from pdserve.runtime.sampler import Sampler
+from pdserve.runtime.sampling_batch import SamplingBatch
 from pdserve.sampling_params import SamplingParams
 
 VOCAB = 64

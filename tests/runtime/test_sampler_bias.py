@@ -6,7 +6,8 @@ from __future__ import annotations
 import torch
 from transformers import LogitsProcessor, LogitsProcessorList
 
-from pdserve.runtime.sampler import Sampler, SamplingBatch
+from pdserve.runtime.sampler import Sampler
+from pdserve.runtime.sampling_batch import SamplingBatch
 from pdserve.sampling_params import SamplingParams
 
 VOCAB = 50

@@ -13,7 +13,8 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from pdserve.runtime.sampler import SEED_MODULUS, Sampler, SamplingBatch
+from pdserve.runtime.sampler import Sampler
+from pdserve.runtime.sampling_batch import SEED_MODULUS, SamplingBatch
 from pdserve.sampling_params import SamplingParams
 
 VOCAB = 50
