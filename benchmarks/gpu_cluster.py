@@ -85,7 +85,7 @@ def _parse_only(up: list[str], bench: list[str]) -> None:
     from pdserve.launch import up as launcher
 
     parser = argparse.ArgumentParser()
-    launcher.addcli_args(parser)
+    launcher.add_cli_args(parser)
     _, rest = parser.parse_known_args(cli_args(up)[1:])  # after "up"
     if rest and rest[0] != "--":
         raise ValueError(f"pdserve up does not take {rest}")
