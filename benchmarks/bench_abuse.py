@@ -208,7 +208,7 @@ def main(argv: list[str] | None = None) -> None:
         t = Target(args.url, args.api_key, args.admin_api_key, pids)
         baseline, rows = run_all(t, not args.no_destructive)
     else:
-        from pdserve.bench.bench_serving import launch, pdserve_up_argv, wait_healthy
+        from pdserve.bench.launch_servers import launch, pdserve_up_argv, wait_healthy
 
         log_dir = tempfile.mkdtemp(prefix="pdserve-abuse-")
         port = 31700

@@ -20,7 +20,9 @@ from __future__ import annotations
 import argparse
 import statistics
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 from pdserve.config import RuntimeConfig
 from pdserve.sampling_params import SamplingParams
@@ -146,7 +148,7 @@ def run(engine, prompts: list[list[int]], sp: SamplingParams) -> RunResult:
     )
 
 
-def main(argv: list[str] | None = None) -> int:
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(prog="pdserve bench spec", description=__doc__.split("\n")[0])
     ap.add_argument("--model-path", default=None)
     ap.add_argument("--algorithm", default="NGRAM", choices=["NGRAM", "STANDALONE"])
@@ -159,8 +161,19 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--num-threads", type=int, default=None)
     ap.add_argument("--attention-backend", default="auto")
     ap.add_argument("--repeats", type=int, default=2, help="alternating runs per mode; the best counts")
-    args = ap.parse_args(argv)
+    return ap.parse_args(argv)
 
+
+@dataclass
+class Engines:
+    device: str
+    plain: Any
+    spec: Any
+    encode: Callable[[str], list[int]]  # a user message, chat template applied, as token ids
+
+
+def make_engines(args: argparse.Namespace) -> Engines:
+    """One model loaded once, served by an engine without speculation and one with it."""
     from transformers import AutoTokenizer
 
     from pdserve.decode.stepper import make_stepper
@@ -184,9 +197,6 @@ def main(argv: list[str] | None = None) -> int:
     )
     loaded = load_model(args.model_path, base.dtype, base.resolved_device())
     tok = AutoTokenizer.from_pretrained(loaded.folder)
-    plain = Engine(base, loaded)
-    spec = Engine(spec_cfg, loaded, make_stepper)
-    sp = SamplingParams(max_new_tokens=args.max_new_tokens, temperature=0.0)
 
     def encode(text: str) -> list[int]:
         msgs = [{"role": "user", "content": text}]
@@ -194,12 +204,32 @@ def main(argv: list[str] | None = None) -> int:
             tok.apply_chat_template(msgs, add_generation_prompt=True, tokenize=True, return_dict=False)
         )
 
-    warm = [encode("Hello")]
-    run(plain, warm, sp.model_copy(update={"max_new_tokens": 8}))
-    run(spec, warm, sp.model_copy(update={"max_new_tokens": 8}))
+    plain, spec = Engine(base, loaded), Engine(spec_cfg, loaded, make_stepper)
+    return Engines(base.resolved_device(), plain, spec, encode)
+
+
+def best_runs(
+    e: Engines, prompts: list[list[int]], sp: SamplingParams, repeats: int
+) -> tuple[RunResult, RunResult]:
+    """(plain, speculative), `repeats` alternating runs each, the best kept: a shared machine's noise
+    only ever slows a run."""
+    runs_a, runs_b = [], []
+    for _ in range(repeats):
+        runs_a.append(run(e.plain, prompts, sp))
+        runs_b.append(run(e.spec, prompts, sp))
+    return max(runs_a, key=lambda x: x.decode_tok_s), max(runs_b, key=lambda x: x.decode_tok_s)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    e = make_engines(args)
+    sp = SamplingParams(max_new_tokens=args.max_new_tokens, temperature=0.0)
+    warm = [e.encode("Hello")]
+    run(e.plain, warm, sp.model_copy(update={"max_new_tokens": 8}))
+    run(e.spec, warm, sp.model_copy(update={"max_new_tokens": 8}))
 
     print(
-        f"device={base.resolved_device()} algorithm={args.algorithm} k={args.num_draft_tokens} "
+        f"device={e.device} algorithm={args.algorithm} k={args.num_draft_tokens} "
         f"max_new_tokens={args.max_new_tokens}"
     )
     header = (
@@ -210,14 +240,7 @@ def main(argv: list[str] | None = None) -> int:
     worst, repeat_c1 = float("inf"), None
     for wl in args.workloads:
         for c in args.concurrency:
-            prompts = [encode(m) for m in workload_messages(wl, c)]
-            # Alternate the modes and keep each one's best run: a shared machine's noise only slows.
-            runs_a, runs_b = [], []
-            for _ in range(args.repeats):
-                runs_a.append(run(plain, prompts, sp))
-                runs_b.append(run(spec, prompts, sp))
-            a = max(runs_a, key=lambda x: x.decode_tok_s)
-            b = max(runs_b, key=lambda x: x.decode_tok_s)
+            a, b = best_runs(e, [e.encode(m) for m in workload_messages(wl, c)], sp, args.repeats)
             ratio = b.decode_tok_s / a.decode_tok_s
             worst = min(worst, ratio)
             if wl == "repeat" and c == 1:

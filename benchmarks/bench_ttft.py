@@ -29,7 +29,7 @@ import time
 import httpx
 import torch
 
-from pdserve.bench.bench_serving import Launched, launch, pdserve_up_argv, wait_healthy
+from pdserve.bench.launch_servers import Launched, launch, pdserve_up_argv, wait_healthy
 from pdserve.config import RuntimeConfig
 from pdserve.progress import Counter, stderr
 from pdserve.runtime.engine import Engine

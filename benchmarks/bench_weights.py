@@ -21,6 +21,7 @@ import shutil
 import signal
 import socket
 import statistics
+import subprocess
 import tempfile
 import threading
 import time
@@ -91,6 +92,119 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
+Row = tuple[float, float, float, float]  # (total s, commit s, longest inter-token gap s, in worker s)
+
+
+def spawn_cluster(tmp: str) -> subprocess.Popen[bytes]:
+    """`pdserve up` on a free port (written to tmp/ports), its logs in `tmp`."""
+    argv_up = pdserve_command("up", "--port", "0", "--port-file", os.path.join(tmp, "ports"))
+    argv_up += ["--max-total-tokens", "8192", "--log-dir", tmp]
+    return spawn(argv_up, os.path.join(tmp, "up.log"))
+
+
+def wait_healthy(proc: subprocess.Popen[bytes], tmp: str) -> str:
+    """The URL of the cluster `spawn_cluster(tmp)` started, once it is healthy."""
+    url = f"http://127.0.0.1:{wait_port_file(os.path.join(tmp, 'ports'), proc, 300)['port']}"
+    deadline = time.monotonic() + 300
+    while httpx.get(url + "/health", timeout=5).status_code != 200:
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"cluster not healthy; logs in {tmp}")
+        time.sleep(0.5)
+    return url
+
+
+def post(url: str, path: str, body: dict) -> dict:
+    r = httpx.post(url + path, json=body, timeout=600)
+    if r.status_code != 200:
+        raise RuntimeError(f"{path}: {r.status_code} {r.text}")
+    return dict(r.json())
+
+
+def join_as_trainer(url: str) -> WeightsGroup:
+    """This process as rank 0 of a gloo group "bench" with every worker of the cluster."""
+    n_workers = len(httpx.get(url + "/workers", timeout=5).json()["workers"])
+    mport = free_port()
+    joined: dict = {}
+    group = {
+        "master_address": "127.0.0.1",
+        "master_port": mport,
+        "world_size": 1 + n_workers,
+        "group_name": "bench",
+        "backend": "gloo",
+    }
+    t = threading.Thread(target=lambda: joined.update(g=WeightsGroup(rank=0, **group)))
+    t.start()
+    post(url, "/init_weights_update_group", {**group, "rank_offset": 1})
+    t.join()
+    trainer: WeightsGroup = joined["g"]
+    return trainer
+
+
+def _row(res: dict | None, gap: float) -> Row:
+    assert res is not None
+    return res["seconds"], res["commit_seconds"], gap, max(res["worker_commit_seconds"].values())
+
+
+def measure(
+    url: str, args: argparse.Namespace, checkpoints: tuple[str, str], group: WeightsGroup, tensors: dict
+) -> dict[str, list[Row]]:
+    """Per round: a baseline, an update from disk (alternating between `checkpoints`) and one broadcast."""
+    base, second = checkpoints
+    rows: dict[str, list[Row]] = {"none": [], "disk": [], "distributed": []}
+    k = 0
+    for r in range(args.rounds):
+        _, gap = stream_round(url, args.streams, args.max_new_tokens, None)
+        rows["none"].append((0.0, 0.0, gap, 0.0))
+        k += 1
+        path = second if k % 2 else base
+        res, gap = stream_round(
+            url,
+            args.streams,
+            args.max_new_tokens,
+            lambda path=path, k=k: post(
+                url, "/update_weights_from_disk", {"model_path": path, "weight_version": f"disk-{k}"}
+            ),
+        )
+        rows["disk"].append(_row(res, gap))
+
+        def distributed(r: int = r) -> dict:
+            sender = threading.Thread(target=lambda: [group.broadcast(v) for v in tensors.values()])
+            sender.start()
+            out = post(
+                url,
+                "/update_weights_from_distributed",
+                {
+                    "names": list(tensors),
+                    "dtypes": ["float32"] * len(tensors),
+                    "shapes": [list(v.shape) for v in tensors.values()],
+                    "group_name": "bench",
+                    "weight_version": f"dist-{r}",
+                },
+            )
+            sender.join()
+            return out
+
+        res, gap = stream_round(url, args.streams, args.max_new_tokens, distributed)
+        rows["distributed"].append(_row(res, gap))
+    return rows
+
+
+def report(rows: dict[str, list[Row]], tensors: dict, args: argparse.Namespace) -> None:
+    nbytes = sum(v.numel() * 4 for v in tensors.values())
+    print(
+        f"bundled model, {len(tensors)} tensors, {nbytes / 2**20:.0f} MiB float32; {args.streams} streams "
+        f"x {args.max_new_tokens} tokens; median of {args.rounds} rounds"
+    )
+    print(
+        f"{'update':<12} {'total s':>8} {'commit s':>9} {'in worker s':>12} {'longest inter-token gap s':>26}"
+    )
+    for name, xs in rows.items():
+        tot, com, gap, wk = (statistics.median(x[i] for x in xs) for i in range(4))
+        label = "(none)" if name == "none" else name
+        print(f"{label:<12} {tot:>8.2f} {com:>9.3f} {wk:>12.3f} {gap:>26.3f}")
+    print(json.dumps({k: [list(x) for x in v] for k, v in rows.items()}))
+
+
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--rounds", type=int, default=3)
@@ -101,112 +215,17 @@ def main(argv: list[str] | None = None) -> None:
     tmp = tempfile.mkdtemp(prefix="pdserve-bench-weights-")
     second = os.path.join(tmp, "rescaled")
     make_second_checkpoint(base, second)
-    port_file = os.path.join(tmp, "ports")
-    argv_up = pdserve_command("up", "--port", "0", "--port-file", port_file)
-    argv_up += ["--max-total-tokens", "8192", "--log-dir", tmp]
-    proc = spawn(argv_up, os.path.join(tmp, "up.log"))
+    proc = spawn_cluster(tmp)
     try:
-        url = f"http://127.0.0.1:{wait_port_file(port_file, proc, 300)['port']}"
-        deadline = time.monotonic() + 300
-        while httpx.get(url + "/health", timeout=5).status_code != 200:
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"cluster not healthy; logs in {tmp}")
-            time.sleep(0.5)
+        url = wait_healthy(proc, tmp)
         stream_round(url, 1, 8, None)  # warm-up
-        rows: dict[str, list[tuple[float, float, float, float]]] = {"none": [], "disk": [], "distributed": []}
-
-        def post(path: str, body: dict) -> dict:
-            r = httpx.post(url + path, json=body, timeout=600)
-            if r.status_code != 200:
-                raise RuntimeError(f"{path}: {r.status_code} {r.text}")
-            return dict(r.json())
-
-        n_workers = len(httpx.get(url + "/workers", timeout=5).json()["workers"])
-        mport = free_port()
-        joined: dict = {}
-        t = threading.Thread(
-            target=lambda: joined.update(
-                g=WeightsGroup(
-                    master_address="127.0.0.1",
-                    master_port=mport,
-                    rank=0,
-                    world_size=1 + n_workers,
-                    group_name="bench",
-                    backend="gloo",
-                )
-            )
-        )
-        t.start()
-        post(
-            "/init_weights_update_group",
-            {
-                "master_address": "127.0.0.1",
-                "master_port": mport,
-                "rank_offset": 1,
-                "world_size": 1 + n_workers,
-                "group_name": "bench",
-                "backend": "gloo",
-            },
-        )
-        t.join()
-        group: WeightsGroup = joined["g"]
+        group = join_as_trainer(url)
         tensors = {
             k: v.float().contiguous() for k, v in load_file(os.path.join(base, "model.safetensors")).items()
         }
-        k = 0
-        for r in range(args.rounds):
-            _, gap = stream_round(url, args.streams, args.max_new_tokens, None)
-            rows["none"].append((0.0, 0.0, gap, 0.0))
-            k += 1
-            path = second if k % 2 else base
-            res, gap = stream_round(
-                url,
-                args.streams,
-                args.max_new_tokens,
-                lambda path=path, k=k: post(
-                    "/update_weights_from_disk", {"model_path": path, "weight_version": f"disk-{k}"}
-                ),
-            )
-            assert res is not None
-            rows["disk"].append(
-                (res["seconds"], res["commit_seconds"], gap, max(res["worker_commit_seconds"].values()))
-            )
-
-            def distributed(r: int = r) -> dict:
-                sender = threading.Thread(target=lambda: [group.broadcast(v) for v in tensors.values()])
-                sender.start()
-                out = post(
-                    "/update_weights_from_distributed",
-                    {
-                        "names": list(tensors),
-                        "dtypes": ["float32"] * len(tensors),
-                        "shapes": [list(v.shape) for v in tensors.values()],
-                        "group_name": "bench",
-                        "weight_version": f"dist-{r}",
-                    },
-                )
-                sender.join()
-                return out
-
-            res, gap = stream_round(url, args.streams, args.max_new_tokens, distributed)
-            assert res is not None
-            rows["distributed"].append(
-                (res["seconds"], res["commit_seconds"], gap, max(res["worker_commit_seconds"].values()))
-            )
-        post("/destroy_weights_update_group", {"group_name": "bench"})
-        nbytes = sum(v.numel() * 4 for v in tensors.values())
-        print(
-            f"bundled model, {len(tensors)} tensors, {nbytes / 2**20:.0f} MiB float32; {args.streams} streams "
-            f"x {args.max_new_tokens} tokens; median of {args.rounds} rounds"
-        )
-        print(
-            f"{'update':<12} {'total s':>8} {'commit s':>9} {'in worker s':>12} {'longest inter-token gap s':>26}"
-        )
-        for name, xs in rows.items():
-            tot, com, gap, wk = (statistics.median(x[i] for x in xs) for i in range(4))
-            label = "(none)" if name == "none" else name
-            print(f"{label:<12} {tot:>8.2f} {com:>9.3f} {wk:>12.3f} {gap:>26.3f}")
-        print(json.dumps({k: [list(x) for x in v] for k, v in rows.items()}))
+        rows = measure(url, args, (base, second), group, tensors)
+        post(url, "/destroy_weights_update_group", {"group_name": "bench"})
+        report(rows, tensors, args)
     finally:
         signal_group(proc, signal.SIGTERM)
         try:

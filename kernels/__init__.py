@@ -11,7 +11,8 @@ Triton, one concern per module:
 - rmsnorm: RMSNorm with an optional fused residual add.
 - rotary: rotary embedding applied in place to q and k.
 - int8_gemm: weight-only int8 GEMM (the CUDA side of `w8a16_int8`); tested, not yet called by the runtime.
-- _online_softmax (the paged tile loop the attention kernels share) and _checks (argument checks).
+- _online_softmax (the paged K/V loop and online softmax both attention kernels run) and _checks
+  (argument checks, the paged attention wrappers' shared ones among them).
 
 C++ for CPUs (not Triton), one `.cpp` and its Python module each, compiled together into one operator
 library at first use (cpu_library.py, `torch.ops.pdserve_cpu`; cpu_rows.h holds the shared row

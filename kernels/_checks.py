@@ -60,3 +60,40 @@ def check_launchable(kernel: object, device: torch.device) -> None:
             "Triton kernels got CPU tensors but are compiled for a GPU; set TRITON_INTERPRET=1 "
             "before importing pdserve.kernels to run them on CPU (slow, for tests)"
         )
+
+
+def check_paged_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    page_table: torch.Tensor,
+    seq_lens: torch.Tensor,
+) -> tuple[int, int]:
+    """The checks the paged attention wrappers share: q [rows, Hq, D] in a float dtype; k_cache and v_cache
+    [num_pages, page_size, Hkv, D] of q's dtype, Hkv dividing Hq; page_table [B, max_pages] int32,
+    contiguous in its last dim; seq_lens [B] int32; all on q's device. Returns (page_size, Hkv)."""
+    check_tensor("q", q, 3, FLOAT_DTYPES)
+    dev = q.device
+    check_tensor("k_cache", k_cache, 4, (q.dtype,), dev)
+    check_tensor("v_cache", v_cache, 4, (q.dtype,), dev)
+    check_tensor("page_table", page_table, 2, (torch.int32,), dev)
+    check_tensor("seq_lens", seq_lens, 1, (torch.int32,), dev)
+    _, Hq, D = q.shape
+    _, page_size, Hkv, Dk = k_cache.shape
+    check_shape("v_cache", v_cache, tuple(k_cache.shape))
+    if Dk != D:
+        raise ValueError(f"q head_dim {D} != cache head_dim {Dk}")
+    if Hq % Hkv:
+        raise ValueError(f"query heads {Hq} must be a multiple of kv heads {Hkv}")
+    if page_table.shape[1] > 1 and page_table.stride(1) != 1:
+        raise ValueError("page_table must be contiguous in its last dim")
+    return page_size, Hkv
+
+
+def output_like(q: torch.Tensor, out: torch.Tensor | None) -> torch.Tensor:
+    """`out` checked to have q's shape, dtype and device, or a new tensor like q."""
+    if out is None:
+        return torch.empty_like(q)
+    check_tensor("out", out, 3, (q.dtype,), q.device)
+    check_shape("out", out, tuple(q.shape))
+    return out

@@ -16,15 +16,14 @@ import triton
 import triton.language as tl
 
 from pdserve.kernels._checks import (
-    FLOAT_DTYPES,
     cdiv,
     check_launchable,
-    check_shape,
-    check_tensor,
+    check_paged_attention,
     interpreted,
     next_pow2,
+    output_like,
 )
-from pdserve.kernels._online_softmax import load_kv_tile, online_softmax_step
+from pdserve.kernels._online_softmax import attend_pages
 
 _LOG2E = 1.4426950408889634
 # A split shorter than this costs more in the merge than it wins in parallelism.
@@ -74,7 +73,6 @@ def _decode_partial_kernel(
     end = tl.minimum(start + split_len, seq_len)
 
     offs_h = tl.arange(0, BLOCK_H)
-    offs_n = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, BLOCK_D)
     mask_h = offs_h < GROUP
     mask_d = offs_d < HEAD_DIM
@@ -87,21 +85,12 @@ def _decode_partial_kernel(
     if UPCAST:
         q = q.to(tl.float32)
 
-    m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
-    l_i = tl.zeros([BLOCK_H], tl.float32)
-    acc = tl.zeros([BLOCK_H, BLOCK_D], tl.float32)
     pt_row = PageTable + b.to(tl.int64) * stride_pt
-    for n0 in range(start, end, BLOCK_N):
-        tok = n0 + offs_n  # [BLOCK_N] positions in the request's context
-        mask_n = tok < end
-        page = tl.load(pt_row + tok // PAGE_SIZE, mask=mask_n, other=0).to(tl.int64)
-        in_page = tok % PAGE_SIZE
-        kv_mask = mask_n[:, None] & mask_d[None, :]
-        k = load_kv_tile(K, page, in_page, stride_kp, stride_ks, kvh * stride_kh, offs_d, kv_mask, UPCAST)
-        v = load_kv_tile(V, page, in_page, stride_vp, stride_vs, kvh * stride_vh, offs_d, kv_mask, UPCAST)
-        m_i, l_i, acc = online_softmax_step(
-            q, k, v, mask_n[None, :], m_i, l_i, acc, sm_scale_log2, DOT_PRECISION
-        )
+    m_i, l_i, acc = attend_pages(
+        q, heads, K, V, pt_row, start, end,
+        stride_kp, stride_ks, kvh * stride_kh, stride_vp, stride_vs, kvh * stride_vh, sm_scale_log2,
+        BLOCK_H, HEAD_DIM, PAGE_SIZE, BLOCK_N, BLOCK_D, False, DOT_PRECISION, UPCAST,
+    )  # fmt: skip
 
     # An empty split (context shorter than start) contributes weight 0 to the merge.
     has = l_i > 0
@@ -184,34 +173,18 @@ def decode_attention(
     seq_lens [B] int32 (context length per request, >= 1); `max_seq_len` is a host-side upper bound
     of seq_lens (sizes the splits without reading the device). Returns out [B, Hq, D].
     """
-    check_tensor("q", q, 3, FLOAT_DTYPES)
-    dev = q.device
-    check_tensor("k_cache", k_cache, 4, (q.dtype,), dev)
-    check_tensor("v_cache", v_cache, 4, (q.dtype,), dev)
-    check_tensor("page_table", page_table, 2, (torch.int32,), dev)
-    check_tensor("seq_lens", seq_lens, 1, (torch.int32,), dev)
+    page_size, Hkv = check_paged_attention(q, k_cache, v_cache, page_table, seq_lens)
     B, Hq, D = q.shape
-    num_pages, page_size, Hkv, Dk = k_cache.shape
-    check_shape("v_cache", v_cache, tuple(k_cache.shape))
-    if Dk != D:
-        raise ValueError(f"q head_dim {D} != cache head_dim {Dk}")
-    if Hq % Hkv:
-        raise ValueError(f"query heads {Hq} must be a multiple of kv heads {Hkv}")
     if page_table.shape[0] != B or seq_lens.shape[0] != B:
         raise ValueError(
             f"page_table {tuple(page_table.shape)} and seq_lens {tuple(seq_lens.shape)} need batch {B}"
         )
     if page_table.shape[1] * page_size < max_seq_len:
         raise ValueError(f"page_table of {page_table.shape[1]} pages cannot hold max_seq_len {max_seq_len}")
-    if page_table.shape[1] > 1 and page_table.stride(1) != 1:
-        raise ValueError("page_table must be contiguous in its last dim")
-    if out is None:
-        out = torch.empty_like(q)
-    else:
-        check_tensor("out", out, 3, (q.dtype,), dev)
-        check_shape("out", out, (B, Hq, D))
+    out = output_like(q, out)
     if B == 0:
         return out
+    dev = q.device
     check_launchable(_decode_partial_kernel, dev)
     max_seq_len = max(1, int(max_seq_len))
     if num_splits is None:

@@ -16,15 +16,15 @@ import triton
 import triton.language as tl
 
 from pdserve.kernels._checks import (
-    FLOAT_DTYPES,
     cdiv,
     check_launchable,
-    check_shape,
+    check_paged_attention,
     check_tensor,
     interpreted,
     next_pow2,
+    output_like,
 )
-from pdserve.kernels._online_softmax import load_kv_tile, online_softmax_step
+from pdserve.kernels._online_softmax import attend_pages
 
 _LOG2E = 1.4426950408889634
 
@@ -71,7 +71,6 @@ def _extend_kernel(
     tok = rows // GROUP  # [BLOCK_M] index among this request's new tokens
     head = kvh * GROUP + rows % GROUP  # [BLOCK_M] query head
     mask_m = tok < ext
-    offs_n = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, BLOCK_D)
     mask_d = offs_d < HEAD_DIM
     q_rows = (q_start + tok).to(tl.int64)
@@ -88,22 +87,12 @@ def _extend_kernel(
     # request's rows run no iterations and store nothing.
     last_tok = tl.minimum((mblock * BLOCK_M + BLOCK_M - 1) // GROUP, ext - 1)
     kv_end = tl.where(mblock * BLOCK_M < ext * GROUP, prefix + last_tok + 1, 0)
-
-    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
-    l_i = tl.zeros([BLOCK_M], tl.float32)
-    acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
     pt_row = PageTable + b.to(tl.int64) * stride_pt
-    for n0 in range(0, kv_end, BLOCK_N):
-        kpos = n0 + offs_n  # [BLOCK_N]
-        mask_n = kpos < kv_end
-        page = tl.load(pt_row + kpos // PAGE_SIZE, mask=mask_n, other=0).to(tl.int64)
-        in_page = kpos % PAGE_SIZE
-        kv_mask = mask_n[:, None] & mask_d[None, :]
-        k = load_kv_tile(K, page, in_page, stride_kp, stride_ks, kvh * stride_kh, offs_d, kv_mask, UPCAST)
-        v = load_kv_tile(V, page, in_page, stride_vp, stride_vs, kvh * stride_vh, offs_d, kv_mask, UPCAST)
-        # Key 0 is in the first block and visible to every row, so the running max is finite from then on.
-        visible = (kpos[None, :] <= q_pos[:, None]) & mask_n[None, :]
-        m_i, l_i, acc = online_softmax_step(q, k, v, visible, m_i, l_i, acc, sm_scale_log2, DOT_PRECISION)
+    m_i, l_i, acc = attend_pages(
+        q, q_pos, K, V, pt_row, 0, kv_end,
+        stride_kp, stride_ks, kvh * stride_kh, stride_vp, stride_vs, kvh * stride_vh, sm_scale_log2,
+        BLOCK_M, HEAD_DIM, PAGE_SIZE, BLOCK_N, BLOCK_D, True, DOT_PRECISION, UPCAST,
+    )  # fmt: skip
 
     out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
     tl.store(
@@ -133,36 +122,19 @@ def extend_attention(
     `max_extend_len` is a host-side upper bound of the new tokens per request (sizes the grid).
     Returns out [T, Hq, D].
     """
-    check_tensor("q", q, 3, FLOAT_DTYPES)
-    dev = q.device
-    check_tensor("k_cache", k_cache, 4, (q.dtype,), dev)
-    check_tensor("v_cache", v_cache, 4, (q.dtype,), dev)
-    check_tensor("page_table", page_table, 2, (torch.int32,), dev)
-    check_tensor("qo_indptr", qo_indptr, 1, (torch.int32,), dev)
-    check_tensor("seq_lens", seq_lens, 1, (torch.int32,), dev)
+    page_size, Hkv = check_paged_attention(q, k_cache, v_cache, page_table, seq_lens)
+    check_tensor("qo_indptr", qo_indptr, 1, (torch.int32,), q.device)
     T, Hq, D = q.shape
-    _, page_size, Hkv, Dk = k_cache.shape
-    check_shape("v_cache", v_cache, tuple(k_cache.shape))
-    if Dk != D:
-        raise ValueError(f"q head_dim {D} != cache head_dim {Dk}")
-    if Hq % Hkv:
-        raise ValueError(f"query heads {Hq} must be a multiple of kv heads {Hkv}")
     B = seq_lens.shape[0]
     if qo_indptr.shape[0] != B + 1 or page_table.shape[0] != B:
         raise ValueError(
             f"qo_indptr {tuple(qo_indptr.shape)} must be [B + 1] and page_table {tuple(page_table.shape)} "
             f"[B, max_pages] for B = {B}"
         )
-    if page_table.shape[1] > 1 and page_table.stride(1) != 1:
-        raise ValueError("page_table must be contiguous in its last dim")
-    if out is None:
-        out = torch.empty_like(q)
-    else:
-        check_tensor("out", out, 3, (q.dtype,), dev)
-        check_shape("out", out, (T, Hq, D))
+    out = output_like(q, out)
     if B == 0 or T == 0:
         return out
-    check_launchable(_extend_kernel, dev)
+    check_launchable(_extend_kernel, q.device)
     group = Hq // Hkv
     rows = max(1, int(max_extend_len)) * group
     if block_m is None:

@@ -9,14 +9,10 @@ import socket
 
 import pytest
 
-from pdserve.bench.bench_serving import (
-    RequestResult,
-    flat_text,
-    main,
-    multiturn_conversations,
-    shared_prefix_prompts,
-    summarize_turns,
-)
+from pdserve.bench.bench_serving import main
+from pdserve.bench.serving_report import summarize_turns
+from pdserve.bench.serving_requests import RequestResult
+from pdserve.bench.serving_workload import flat_text, multiturn_conversations, shared_prefix_prompts
 
 
 def test_conversations_are_seeded_with_a_long_first_turn():

@@ -9,14 +9,11 @@ import os
 import pytest
 from harness import start_up
 
-from pdserve.bench.bench_serving import (
-    RequestResult,
-    chat_prompts,
-    llama_server_argv,
-    main,
-    parse_args,
-    summarize,
-)
+from pdserve.bench.bench_serving import main, parse_args
+from pdserve.bench.launch_servers import llama_server_argv
+from pdserve.bench.serving_report import summarize
+from pdserve.bench.serving_requests import RequestResult
+from pdserve.bench.serving_workload import chat_prompts
 
 
 def test_llama_server_launch_line(tmp_path):

@@ -10,7 +10,7 @@ import subprocess
 
 import pytest
 
-from pdserve.bench import gpu_check
+from pdserve.bench import gpu_install
 from pdserve.launch.supervisor import pdserve_command
 
 
@@ -39,11 +39,11 @@ def test_dry_run(tmp_path):
 
 
 def test_wheel_check_names_what_the_list_lacks(tmp_path, monkeypatch):
-    original = gpu_check.WHEELS_FILE.read_text()
+    original = gpu_install.WHEELS_FILE.read_text()
     listed = tmp_path / "wheels.txt"
-    monkeypatch.setattr(gpu_check, "WHEELS_FILE", listed)
+    monkeypatch.setattr(gpu_install, "WHEELS_FILE", listed)
     listed.write_text("\n".join(line for line in original.splitlines() if not line.startswith("fastapi")))
-    assert gpu_check.missing_on_gpu() == (["fastapi"], [])
+    assert gpu_install.missing_on_gpu() == (["fastapi"], [])
     listed.write_text(original.replace("fastapi==", "fastapi==0.0.1 # "))
-    missing, stale = gpu_check.missing_on_gpu()
+    missing, stale = gpu_install.missing_on_gpu()
     assert missing == [] and len(stale) == 1 and stale[0].startswith("fastapi 0.0.1 (here ")
