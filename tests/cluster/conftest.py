@@ -40,3 +40,20 @@ def engine_reference():
         return ours, theirs
 
     return run
+
+
+@pytest.fixture(scope="module")
+def ckpts(tmp_path_factory):
+    """The weight-update checkpoints: (bundled folder, B: final norm rescaled, bad: that norm one element
+    longer) as HF folders (cluster/weights_ckpts.py)."""
+    from cluster.weights_ckpts import make_ckpts
+
+    return make_ckpts(tmp_path_factory.mktemp("ckpts"))
+
+
+@pytest.fixture(scope="module")
+def ref_engine():
+    """The offline engine on the bundled weights or on checkpoint B (cluster/weights_ckpts.Reference)."""
+    from cluster.weights_ckpts import Reference
+
+    return Reference()

@@ -16,7 +16,7 @@ import time
 
 import httpx
 import pytest
-from cluster.weights_ckpts import PROMPTS, Reference, greedy_via_cluster, make_ckpts, tokenize
+from cluster.weights_ckpts import PROMPTS, greedy_via_cluster, tokenize
 from harness import start_up
 from reliability.calls import wait_for
 
@@ -25,16 +25,6 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 
 ADMIN = "restart-admin-key"
 AUTH = {"Authorization": f"Bearer {ADMIN}"}
-
-
-@pytest.fixture(scope="module")
-def ckpts(tmp_path_factory):
-    return make_ckpts(tmp_path_factory.mktemp("ckpts"))
-
-
-@pytest.fixture(scope="module")
-def engine() -> Reference:
-    return Reference()
 
 
 @pytest.fixture(scope="module")
@@ -82,7 +72,7 @@ def update(c, path: str, version: str, timeout: float = 300) -> httpx.Response:
     return httpx.post(c.url + "/update_weights_from_disk", json=body, headers=AUTH, timeout=timeout)
 
 
-def test_a_worker_restarted_after_an_update_loads_the_current_weights(up, ckpts, engine):
+def test_a_worker_restarted_after_an_update_loads_the_current_weights(up, ckpts, ref_engine):
     _, b, _ = ckpts
     [p] = tokenize([PROMPTS[0]])
     r = update(up, b, "B")
@@ -95,10 +85,10 @@ def test_a_worker_restarted_after_an_update_loads_the_current_weights(up, ckpts,
     assert "prefill-0 loaded the cluster's weights B: back in rotation" in gateway_log
     out = greedy_via_cluster(up, p)
     assert out["meta_info"]["weight_versions"] == [{"version": "B", "start": 0, "end": 24}]
-    assert out["output_ids"] == engine.greedy(p, 24, True)
+    assert out["output_ids"] == ref_engine.greedy(p, 24, True)
 
 
-def test_an_update_right_after_a_kill_fails_naming_the_worker_within_seconds(up, ckpts, engine):
+def test_an_update_right_after_a_kill_fails_naming_the_worker_within_seconds(up, ckpts, ref_engine):
     base, _, _ = ckpts
     [p] = tokenize([PROMPTS[1]])
     assert workers(up)["decode-0"]["weight_version"] == "B"  # after the test above
@@ -116,8 +106,8 @@ def test_an_update_right_after_a_kill_fails_naming_the_worker_within_seconds(up,
     back_on(up, "decode-0", "B", restarts=1)
     out = greedy_via_cluster(up, p)
     assert out["meta_info"]["weight_versions"] == [{"version": "B", "start": 0, "end": 24}]
-    assert out["output_ids"] == engine.greedy(p, 24, True)
+    assert out["output_ids"] == ref_engine.greedy(p, 24, True)
     # And the next update reaches every worker.
     r = update(up, base, "C")
     assert r.status_code == 200 and sorted(r.json()["updated_workers"]) == ["decode-0", "prefill-0"], r.text
-    assert greedy_via_cluster(up, p)["output_ids"] == engine.greedy(p, 24, False)
+    assert greedy_via_cluster(up, p)["output_ids"] == ref_engine.greedy(p, 24, False)

@@ -19,7 +19,7 @@ import time
 
 import httpx
 import pytest
-from cluster.weights_ckpts import NORM, PROMPTS, Reference, greedy_via_cluster, make_ckpts, tokenize
+from cluster.weights_ckpts import NORM, PROMPTS, greedy_via_cluster, tokenize
 from harness import start_roles
 
 # A cluster of its own and streams of 128 tokens: about 4 minutes on two shared cores.
@@ -30,17 +30,6 @@ AUTH = {"Authorization": f"Bearer {ADMIN}"}
 MAX_NEW = 128
 # Which weights each version label the tests set holds: True for checkpoint B.
 IS_B = {"default": False, "B": True, "C": False, "E": True}
-
-
-@pytest.fixture(scope="module")
-def ckpts(tmp_path_factory):
-    """(bundled folder, B: final norm rescaled, bad: that norm one element longer) as HF folders."""
-    return make_ckpts(tmp_path_factory.mktemp("ckpts"))
-
-
-@pytest.fixture(scope="module")
-def engine() -> Reference:
-    return Reference()
 
 
 @pytest.fixture(scope="module")
@@ -106,7 +95,7 @@ def start_streams(c, prompts: list[list[int]], at_least: int = 4) -> list[Stream
 
 
 def check_straddled(
-    streams: list[Stream], engine, prompts, old: str, new: str, old_b: bool, new_b: bool
+    streams: list[Stream], ref_engine, prompts, old: str, new: str, old_b: bool, new_b: bool
 ) -> float:
     """Each stream finished with two segments [old, new] split at k; tokens before k are the old weights'
     greedy output, after k the new weights' from that prefix. Returns the longest gap between chunks."""
@@ -126,17 +115,17 @@ def check_straddled(
         outs.append(out)
         ks.append(k)
         gap = max(gap, max(b[0] - a[0] for a, b in zip(s.arrivals, s.arrivals[1:])))
-    before = engine.greedy_many([(p, k) for p, k in zip(prompts, ks)], old_b)
-    after = engine.greedy_many([(p + o[:k], MAX_NEW - k) for p, o, k in zip(prompts, outs, ks)], new_b)
+    before = ref_engine.greedy_many([(p, k) for p, k in zip(prompts, ks)], old_b)
+    after = ref_engine.greedy_many([(p + o[:k], MAX_NEW - k) for p, o, k in zip(prompts, outs, ks)], new_b)
     for o, k, b, a in zip(outs, ks, before, after):
         assert o[:k] == b
         assert o[k:] == a
     return gap
 
 
-def test_the_second_checkpoint_changes_greedy_output(engine):
+def test_the_second_checkpoint_changes_greedy_output(ref_engine):
     [p] = tokenize([PROMPTS[0]])
-    assert engine.greedy(p, 24, False) != engine.greedy(p, 24, True)
+    assert ref_engine.greedy(p, 24, False) != ref_engine.greedy(p, 24, True)
 
 
 def test_admin_key_and_bad_bodies(cluster, ckpts):
@@ -151,7 +140,7 @@ def test_admin_key_and_bad_bodies(cluster, ckpts):
     assert version(cluster) == "default"
 
 
-def test_update_from_disk_while_four_requests_stream(cluster, ckpts, engine):
+def test_update_from_disk_while_four_requests_stream(cluster, ckpts, ref_engine):
     _, b, _ = ckpts
     prompts = tokenize(PROMPTS)
     streams = start_streams(cluster, prompts)
@@ -160,7 +149,7 @@ def test_update_from_disk_while_four_requests_stream(cluster, ckpts, engine):
     res = r.json()
     assert res["success"] and res["weight_version"] == "B"
     assert sorted(res["updated_workers"]) == ["decode-1", "prefill-0"]
-    gap = check_straddled(streams, engine, prompts, "default", "B", False, True)
+    gap = check_straddled(streams, ref_engine, prompts, "default", "B", False, True)
     print(
         f"\nupdate from disk: {res['seconds']:.2f} s (prepare {res['prepare_seconds']:.2f} s, "
         f"commit {res['commit_seconds']:.3f} s); longest inter-token gap {gap:.3f} s"
@@ -176,7 +165,7 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def test_update_from_distributed_while_four_requests_stream(cluster, ckpts, engine):
+def test_update_from_distributed_while_four_requests_stream(cluster, ckpts, ref_engine):
     """Back to the bundled weights, broadcast by a trainer process: its norm, and one fused shard (k_proj)."""
     base, _, _ = ckpts
     assert version(cluster) == "B"  # after the update from disk
@@ -219,7 +208,7 @@ def test_update_from_distributed_while_four_requests_stream(cluster, ckpts, engi
         assert r.status_code == 200, r.text
         assert trainer.stdout.readline().strip() == "done"
         res = r.json()
-        gap = check_straddled(streams, engine, prompts, "B", "C", True, False)
+        gap = check_straddled(streams, ref_engine, prompts, "B", "C", True, False)
         print(
             f"\nupdate from distributed: {res['seconds']:.2f} s (commit {res['commit_seconds']:.3f} s); "
             f"longest inter-token gap {gap:.3f} s"
@@ -244,7 +233,7 @@ def tensor_shapes(folder: str, names: list[str]) -> list[list[int]]:
         return [list(f.get_slice(n).get_shape()) for n in names]
 
 
-def test_refused_updates_change_nothing(cluster, ckpts, engine, tmp_path):
+def test_refused_updates_change_nothing(cluster, ckpts, ref_engine, tmp_path):
     """A shape mismatch, a missing path, another architecture: 400 naming it; an update during another: 409.
     The cluster keeps serving the weights it had."""
     base, b, bad = ckpts
@@ -268,7 +257,7 @@ def test_refused_updates_change_nothing(cluster, ckpts, engine, tmp_path):
         assert "nothing changed" in msg, msg
         assert {"shape": "shape", "missing": "does not exist", "arch": "num_layers"}[what] in msg, msg
         assert version(cluster) == before
-    assert greedy_via_cluster(cluster, p)["output_ids"] == engine.greedy(p, 24, IS_B[before])
+    assert greedy_via_cluster(cluster, p)["output_ids"] == ref_engine.greedy(p, 24, IS_B[before])
     # One update at a time: two sent together, one is refused with 409. A tiny checkpoint's update can
     # end before the second arrives (then both succeed, in turn): try again, up to 5 times.
     for _ in range(5):
@@ -296,10 +285,10 @@ def test_refused_updates_change_nothing(cluster, ckpts, engine, tmp_path):
     assert version(cluster) == "E"
     workers = httpx.get(cluster.url + "/workers", headers=AUTH, timeout=10).json()["workers"]
     assert {w["weight_version"] for w in workers} == {"E"} and {w["state"] for w in workers} == {"healthy"}
-    assert greedy_via_cluster(cluster, p)["output_ids"] == engine.greedy(p, 24, True)
+    assert greedy_via_cluster(cluster, p)["output_ids"] == ref_engine.greedy(p, 24, True)
 
 
-def test_a_prompt_cached_under_one_version_is_recomputed_under_the_next(cluster, ckpts, engine):
+def test_a_prompt_cached_under_one_version_is_recomputed_under_the_next(cluster, ckpts, ref_engine):
     base, b, _ = ckpts
     # A long prompt: several whole pages to cache.
     [p] = tokenize([" ".join(PROMPTS) * 3])
@@ -307,7 +296,7 @@ def test_a_prompt_cached_under_one_version_is_recomputed_under_the_next(cluster,
     greedy_via_cluster(cluster, p)
     again = greedy_via_cluster(cluster, p)
     assert again["meta_info"]["cached_tokens"] > 0
-    assert again["output_ids"] == engine.greedy(p, 24, cur_b)
+    assert again["output_ids"] == ref_engine.greedy(p, 24, cur_b)
     r = admin(
         cluster, "/update_weights_from_disk", {"model_path": base if cur_b else b, "weight_version": "G"}
     )
@@ -316,11 +305,11 @@ def test_a_prompt_cached_under_one_version_is_recomputed_under_the_next(cluster,
     after = greedy_via_cluster(cluster, p)
     assert after["meta_info"]["cached_tokens"] == 0
     assert after["meta_info"]["weight_versions"] == [{"version": "G", "start": 0, "end": 24}]
-    assert after["output_ids"] == engine.greedy(p, 24, not cur_b)
+    assert after["output_ids"] == ref_engine.greedy(p, 24, not cur_b)
     assert greedy_via_cluster(cluster, p)["meta_info"]["cached_tokens"] > 0  # cached again, under G
 
 
-def test_pause_and_continue_generation(cluster, engine):
+def test_pause_and_continue_generation(cluster, ref_engine):
     [p] = tokenize([PROMPTS[2]])
     s = Stream(cluster.url, p, max_new=40)
     s.start()
@@ -336,4 +325,4 @@ def test_pause_and_continue_generation(cluster, engine):
     assert admin(cluster, "/continue_generation").status_code == 200
     s.join(300)
     assert s.final is not None and len(s.final["output_ids"]) == 40
-    assert s.final["output_ids"] == engine.greedy(p, 40, IS_B[version(cluster)])
+    assert s.final["output_ids"] == ref_engine.greedy(p, 40, IS_B[version(cluster)])
