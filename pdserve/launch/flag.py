@@ -7,6 +7,8 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from pdserve import env
+
 # The programs that take flags: the two workers, the offline engine (`pdserve generate`), `pdserve up`
 # and deploy/launch.py.
 PREFILL, DECODE, GENERATE, UP, LAUNCH = "prefill", "decode", "generate", "up", "launch"
@@ -54,3 +56,8 @@ class Flag:
         if self.switch:
             return bool(value)
         return value() if callable(value) else value
+
+
+def launch_env(name: str, default: str | None = None) -> Callable[[], str | None]:
+    """A default read from one of deploy/launch.sh's variables (env.LAUNCH_VARS) when a parser is built."""
+    return lambda: env.launch_default(name, default)

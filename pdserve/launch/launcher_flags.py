@@ -5,21 +5,16 @@ from __future__ import annotations
 
 import socket
 import sys
-from collections.abc import Callable
 
 from pdserve import env
 from pdserve.launch.cpu_share import CPU_SHARING
-from pdserve.launch.flag import LAUNCH, LAUNCHERS, TO_GATEWAY, UP, Flag
+from pdserve.launch.flag import LAUNCH, LAUNCHERS, TO_GATEWAY, UP, Flag, launch_env
 from pdserve.launch.supervisor import RestartPolicy
 
 _UP = frozenset({UP})
 _LAUNCH = frozenset({LAUNCH})
 _POLICIES = ("cache_aware", "round_robin", "least_load")
 _RESTART = RestartPolicy()
-
-
-def _launch_env(name: str, default: str | None = None) -> Callable[[], str | None]:
-    return lambda: env.launch_default(name, default)
 
 
 def _launch_port() -> int:
@@ -83,7 +78,7 @@ _SHARED = [
         "--log-dir",
         LAUNCHERS,
         "write each child's output to <dir>/<name>.log (deploy/launch.sh: env PDSERVE_LOG_DIR)",
-        role_default={LAUNCH: _launch_env("PDSERVE_LOG_DIR", "pdserve-logs")},
+        role_default={LAUNCH: launch_env("PDSERVE_LOG_DIR", "pdserve-logs")},
     ),
     Flag("--startup-timeout", LAUNCHERS, "seconds to wait for health", type=float, default=600.0),
     Flag(
@@ -186,13 +181,13 @@ _LAUNCH_ONLY = [
         "--prefill-gpus",
         _LAUNCH,
         "e.g. 0,1: one prefill per GPU (env PDSERVE_PREFILL_GPUS)",
-        default=_launch_env("PDSERVE_PREFILL_GPUS"),
+        default=launch_env("PDSERVE_PREFILL_GPUS"),
     ),
     Flag(
         "--decode-gpus",
         _LAUNCH,
         "e.g. 2,3: one decode per GPU (env PDSERVE_DECODE_GPUS)",
-        default=_launch_env("PDSERVE_DECODE_GPUS"),
+        default=launch_env("PDSERVE_DECODE_GPUS"),
     ),
     Flag("--no-gateway", _LAUNCH, "start workers only; they join --gateway on another host", switch=True),
     Flag(

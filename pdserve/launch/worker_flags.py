@@ -3,8 +3,6 @@ workers: rows of the flag table (pdserve/launch/flags.py). SGLang's names, so it
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
 from pdserve import env
 from pdserve.cluster_auth import SECRET_FILE_HELP
 from pdserve.config import (
@@ -14,16 +12,24 @@ from pdserve.config import (
     RuntimeConfig,
     WorkerConfig,
 )
-from pdserve.launch.flag import GENERATE, LAUNCH, PREFILL, RUNTIME, TO_BOTH, TO_WORKERS, UP, WORKERS, Flag
+from pdserve.launch.flag import (
+    GENERATE,
+    LAUNCH,
+    PREFILL,
+    RUNTIME,
+    TO_BOTH,
+    TO_WORKERS,
+    UP,
+    WORKERS,
+    Flag,
+    launch_env,
+)
 
+# The dataclasses' defaults are the flags' defaults.
 _R = RuntimeConfig()
 _W = WorkerConfig(role=PREFILL, runtime=_R)
 
-
-def _launch_env(name: str, default: str | None = None) -> Callable[[], str | None]:
-    return lambda: env.launch_default(name, default)
-
-
+# The model runtime: every worker and the offline engine; `pdserve up` forwards them to its workers.
 RUNTIME_FLAGS = [
     Flag(
         "--model-path",
@@ -58,7 +64,7 @@ RUNTIME_FLAGS = [
         "auto (cuda if available, else cpu) | cuda | cpu; deploy/launch.sh: cuda pins one worker per "
         "listed GPU (env PDSERVE_DEVICE)",
         default=_R.device,
-        role_default={LAUNCH: _launch_env("PDSERVE_DEVICE", "cuda")},
+        role_default={LAUNCH: launch_env("PDSERVE_DEVICE", "cuda")},
         passed_to=TO_WORKERS,
     ),
     Flag("--page-size", RUNTIME, type=int, default=_R.page_size, passed_to=TO_WORKERS),
@@ -142,7 +148,7 @@ WORKER_FLAGS = [
         "host:port of the gateway's control socket (env PDSERVE_GATEWAY; deploy/launch.sh: default the "
         "gateway it starts)",
         default=env.gateway_addr,
-        role_default={LAUNCH: _launch_env("PDSERVE_GATEWAY")},
+        role_default={LAUNCH: launch_env("PDSERVE_GATEWAY")},
         dest="gateway_addr",
     ),
     Flag("--worker-id", WORKERS, "(env PDSERVE_WORKER_ID)", default=env.worker_id),
@@ -201,7 +207,8 @@ WORKER_FLAGS = [
     Flag(
         "--log-level",
         WORKERS | {UP, LAUNCH},
-        "(workers: env PDSERVE_LOG_LEVEL)",
+        "debug | info | warning | error (a worker: default env PDSERVE_LOG_LEVEL); the launchers "
+        "give it to their children",
         default=env.log_level,
         role_default={UP: "info", LAUNCH: "info"},
         passed_to=TO_BOTH,
