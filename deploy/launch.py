@@ -22,14 +22,12 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
 import sys
 import urllib.request
 
-from pdserve import env as pdserve_env
-from pdserve.cluster_auth import add_secret_arg
-from pdserve.config import GRAMMAR_COMPILE_TIMEOUT_S
-from pdserve.launch.cpu_share import CPU_SHARING, cpu_share
+from pdserve.launch.cpu_share import cpu_share
+from pdserve.launch.flag import GATEWAY_CHILD, LAUNCH, WORKER_CHILD
+from pdserve.launch.flags import add_flags, passed_on
 from pdserve.launch.supervisor import Child, Supervisor, pdserve_command
 from pdserve.launch.up import start_gateway
 
@@ -39,100 +37,17 @@ def _gpu_list(text: str | None) -> list[str]:
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
-    env = pdserve_env.launch_default
     worker_flags: list[str] = []
     if "--" in argv:
         i = argv.index("--")
         argv, worker_flags = argv[:i], argv[i + 1 :]
     p = argparse.ArgumentParser(prog="launch.sh", description=__doc__.split("\n")[0])
-    p.add_argument("--device", default=env("PDSERVE_DEVICE", "cuda"), help="cuda | cpu")
-    p.add_argument(
-        "--prefill-gpus", default=env("PDSERVE_PREFILL_GPUS"), help="e.g. 0,1: one prefill per GPU"
-    )
-    p.add_argument("--decode-gpus", default=env("PDSERVE_DECODE_GPUS"), help="e.g. 2,3: one decode per GPU")
-    p.add_argument("--num-prefill", type=int, default=None, help="without GPU lists (CPU): how many")
-    p.add_argument("--num-decode", type=int, default=None)
-    p.add_argument("--model-path", default=env("PDSERVE_MODEL_PATH"))
-    p.add_argument(
-        "--no-gateway", action="store_true", help="start workers only; they join --gateway on another host"
-    )
-    p.add_argument(
-        "--gateway-only", action="store_true", help="start the gateway only (the head of a multi-host setup)"
-    )
-    p.add_argument("--gateway-host", default="0.0.0.0", help="bind address of the gateway (HTTP and control)")
-    p.add_argument(
-        "--port",
-        type=int,
-        default=int(env("PDSERVE_PORT", "30000") or 30000),
-        help="gateway HTTP port (0: any free)",
-    )
-    p.add_argument(
-        "--control-port", type=int, default=None, help="gateway control port (default port+1; 0: any free)"
-    )
-    p.add_argument(
-        "--port-file",
-        default=None,
-        help='the gateway writes {"port": ..., "control_port": ...} here once bound (default: in --log-dir)',
-    )
-    p.add_argument(
-        "--gateway",
-        default=env("PDSERVE_GATEWAY"),
-        help="host:port of the gateway's control socket (default: the local one)",
-    )
-    p.add_argument(
-        "--gateway-url",
-        default=None,
-        help="gateway HTTP URL to wait on (default: the local one; with --no-gateway: "
-        "wait until this host's workers are listed on <url>/workers, or not at all if unset)",
-    )
-    p.add_argument(
-        "--host",
-        default=env("PDSERVE_HOST", "127.0.0.1"),
-        help="address other hosts reach this host's workers at",
-    )
-    p.add_argument(
-        "--bootstrap-port-base", type=int, default=8998, help="prefill i listens on base+i (0: any free port)"
-    )
-    p.add_argument(
-        "--health-port-base",
-        type=int,
-        default=0,
-        help="worker k (prefill first, then decode) serves /livez, /readyz, /metrics on base+k (0: off)",
-    )
-    p.add_argument(
-        "--worker-id-prefix",
-        default=env("PDSERVE_WORKER_ID_PREFIX", socket.gethostname() + "-"),
-        help="worker ids are <prefix>prefill-<i>; must differ between hosts",
-    )
-    p.add_argument(
-        "--threads-per-worker",
-        type=int,
-        default=None,
-        help="CPU: torch threads per worker (default: every core)",
-    )
-    p.add_argument(
-        "--cpu-sharing",
-        default="turns",
-        choices=list(CPU_SHARING),
-        help="CPU workers sharing cores: turns or passive (see `pdserve up --help`)",
-    )
-    p.add_argument(
-        "--grammar-compile-timeout",
-        type=float,
-        default=GRAMMAR_COMPILE_TIMEOUT_S,
-        help="seconds a constraint's grammar may take to compile, at the gateway and each worker (400 past it)",
-    )
-    p.add_argument("--log-dir", default=env("PDSERVE_LOG_DIR", "pdserve-logs"))
-    p.add_argument("--log-level", default="info")
-    add_secret_arg(p)
-    p.add_argument("--startup-timeout", type=float, default=600.0, help="seconds to wait for health")
-    p.add_argument("--stop-timeout", type=float, default=60.0, help="seconds to let workers drain on stop")
-    p.add_argument("--python", default=sys.executable, help="interpreter that has pdserve installed")
+    add_flags(p, LAUNCH)
     args = p.parse_args(argv)
     args.worker_flags = worker_flags
     if args.no_gateway and args.gateway_only:
         p.error("--no-gateway and --gateway-only exclude each other")
-    if args.no_gateway and not args.gateway:
+    if args.no_gateway and not args.gateway_addr:
         p.error("--no-gateway needs --gateway HOST:PORT (or env PDSERVE_GATEWAY)")
     if args.control_port is None:
         args.control_port = 0 if args.port == 0 else args.port + 1
@@ -154,39 +69,25 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
 
 
 def plan(args: argparse.Namespace, control_port: int | None = None) -> list[Child]:
-    """Every process to start, gateway first; local workers dial `control_port` (default: the flags')."""
+    """Every process to start, gateway first; local workers dial `control_port` (default: the flags').
+    The cluster secret's path only goes on a command line, never the secret (env PDSERVE_CLUSTER_SECRET
+    passes through)."""
     exe = pdserve_command(python=args.python)
-    model = ["--model-path", args.model_path] if args.model_path else []
-    # The path only: the secret itself never goes on a command line (env PDSERVE_CLUSTER_SECRET passes through).
-    model += ["--cluster-secret-file", args.cluster_secret_file] if args.cluster_secret_file else []
     children = []
     if not args.no_gateway:
         gw = exe + ["gateway", "--host", args.gateway_host, "--port", str(args.port)]
         gw += ["--control-host", args.gateway_host, "--control-port", str(args.control_port)]
-        gw += ["--port-file", args.port_file]
-        gw += ["--grammar-compile-timeout", str(args.grammar_compile_timeout)]
-        children.append(Child("gateway", gw + model + ["--log-level", args.log_level], {}))
+        gw += ["--port-file", args.port_file] + passed_on(args, LAUNCH, GATEWAY_CHILD)
+        children.append(Child("gateway", gw, {}))
     if args.gateway_only:
         return children
-    gateway = args.gateway or f"127.0.0.1:{args.control_port if control_port is None else control_port}"
+    gateway = args.gateway_addr or f"127.0.0.1:{args.control_port if control_port is None else control_port}"
     n_workers = len(args.prefill_slots) + len(args.decode_slots)
     # Every core for each worker; when they share cores, their forwards take turns (as `pdserve up`;
     # pdserve/launch/cpu_share.py).
     lock = os.path.abspath(os.path.join(args.log_dir, "cpu-forward.lock"))
     cpu = cpu_share(args.threads_per_worker, n_workers, args.cpu_sharing, lock)
-    common = [
-        "--device",
-        args.device,
-        "--gateway",
-        gateway,
-        "--host",
-        args.host,
-        "--log-level",
-        args.log_level,
-        "--grammar-compile-timeout",
-        str(args.grammar_compile_timeout),
-    ]
-    common += model
+    common = passed_on(args, LAUNCH, WORKER_CHILD) + ["--gateway", gateway]
     if args.device == "cpu":
         common += cpu.flags(threads="--num-threads" not in args.worker_flags)
     k = 0
@@ -263,7 +164,7 @@ def run(args: argparse.Namespace) -> int:
         if why:
             sup.say(f"startup failed: {why}; logs in {args.log_dir}", error=True)
             return 1
-        sup.say(f"ready ({len(children)} processes, {url or f'gateway {args.gateway}'})")
+        sup.say(f"ready ({len(children)} processes, {url or f'gateway {args.gateway_addr}'})")
         return sup.watch()
     finally:
         sup.stop()

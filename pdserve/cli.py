@@ -65,7 +65,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="pdserve", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
 
-    from pdserve.config import add_runtime_args
+    from pdserve.launch.flag import GENERATE
+    from pdserve.launch.flags import add_flags
 
     gen = sub.add_parser("generate", help="generate offline with the engine (no servers)")
     gen.add_argument("prompt", nargs="+")
@@ -73,7 +74,7 @@ def main(argv: list[str] | None = None) -> int:
     gen.add_argument("--temperature", type=float, default=0.0)
     gen.add_argument("--seed", type=int, default=None)
     gen.add_argument("--log-level", default="warning")
-    add_runtime_args(gen)
+    add_flags(gen, GENERATE)
 
     bench = sub.add_parser("bench", help="benchmarks: " + ", ".join(BENCHMARKS))
     bench.add_argument("which", choices=sorted(BENCHMARKS))

@@ -5,8 +5,7 @@ from __future__ import annotations
 import argparse
 from dataclasses import dataclass, fields
 
-from pdserve import env
-from pdserve.cluster_auth import ClusterKeys, add_secret_arg, load_keys
+from pdserve.cluster_auth import ClusterKeys, load_keys
 
 # Mirrors runtime/quant.py's QUANT_MODES (config must not import torch).
 QUANT_MODES = ("none", "w8a16_int8", "w8a8_int8", "w4a16")
@@ -96,82 +95,6 @@ class RuntimeConfig:
         return "cuda" if torch.cuda.is_available() else "cpu"
 
 
-def add_runtime_args(parser: argparse.ArgumentParser) -> None:
-    """SGLang's flag names, so its users feel at home."""
-    d = RuntimeConfig()
-    parser.add_argument(
-        "--model-path",
-        default=env.model_path(),
-        help="HF folder, .gguf file, or empty for the bundled SmolLM2-135M-Instruct (env PDSERVE_MODEL_PATH)",
-    )
-    parser.add_argument(
-        "--dtype",
-        default=d.dtype,
-        choices=["auto", "float32", "bfloat16", "float16"],
-        help="auto: bfloat16 on CUDA and on CPUs with BF16 instructions, else float32; float32 is the "
-        "exactness reference (unquantized weights)",
-    )
-    parser.add_argument(
-        "--quantization",
-        default=d.quantization,
-        choices=list(QUANT_CHOICES),
-        help="quantize the weights at load time (CPU): int8 weight-only, int8 weights and activations, "
-        "or int4 weight-only in groups of 32 (a Q4_1 GGUF's own blocks); auto: a GGUF model keeps its "
-        "own quantization on CPU, anything else and --dtype float32 none",
-    )
-    parser.add_argument("--device", default=d.device)
-    parser.add_argument("--page-size", type=int, default=d.page_size)
-    parser.add_argument("--max-total-tokens", type=int, default=None)
-    parser.add_argument("--mem-fraction-static", type=float, default=d.mem_fraction_static)
-    parser.add_argument("--max-running-requests", type=int, default=d.max_running_requests)
-    parser.add_argument("--chunked-prefill-size", type=int, default=d.chunked_prefill_size)
-    parser.add_argument(
-        "--attention-backend",
-        default=d.attention_backend,
-        choices=["auto", "torch", "cpu", "triton"],
-        help="auto: triton on CUDA; on CPU, cpu (decode attention in C++, reading the KV pool in place; "
-        "built at first use) where it builds, else torch (the reference)",
-    )
-    parser.add_argument("--num-threads", type=int, default=None, help="torch threads for this process")
-    parser.add_argument("--context-length", type=int, default=None)
-    parser.add_argument(
-        "--cpu-forward-lock",
-        default=None,
-        metavar="PATH",
-        help="take an exclusive lock on this file around every forward, so that workers sharing one "
-        "host's cores compute in turns (`pdserve up` sets it for co-located CPU workers)",
-    )
-    parser.add_argument("--speculative-algorithm", default=None, choices=["NGRAM", "STANDALONE"])
-    parser.add_argument("--speculative-num-draft-tokens", type=int, default=d.speculative_num_draft_tokens)
-    parser.add_argument("--speculative-draft-model-path", default=None)
-    parser.add_argument(
-        "--disable-radix-cache",
-        action="store_true",
-        help="no prefix cache: every prompt is computed in full",
-    )
-    parser.add_argument(
-        "--grammar-backend",
-        default=d.grammar_backend,
-        choices=["xgrammar", "none"],
-        help="structured output (json_schema, regex, ebnf, response_format); none: refuse them",
-    )
-    parser.add_argument(
-        "--grammar-compile-timeout",
-        dest="grammar_compile_timeout_s",
-        type=float,
-        default=d.grammar_compile_timeout_s,
-        help="seconds a constraint's grammar may take to compile (in the background); a request whose "
-        "grammar takes longer fails with a 400",
-    )
-    parser.add_argument(
-        "--enable-torch-compile",
-        action="store_true",
-        help="run decode steps through torch.compile (CPU): fused small ops, ~1.4-1.6x faster steps at "
-        "small batches (measured offline); compiles at the decode worker's start (~1.5 minutes from inductor's disk cache, "
-        "2-5 minutes cold)",
-    )
-
-
 def runtime_config_from_args(args: argparse.Namespace) -> RuntimeConfig:
     names = {f.name for f in fields(RuntimeConfig)}
     return RuntimeConfig(**{k: v for k, v in vars(args).items() if k in names})
@@ -213,76 +136,6 @@ class WorkerConfig:
     clock_skew_s: float = 0.0
     stall_kv_send_s: float = 0.0
     stall_kv_data_s: float = 0.0
-
-
-def add_worker_args(parser: argparse.ArgumentParser, role: str) -> None:
-    add_runtime_args(parser)
-    d = WorkerConfig(role=role, runtime=RuntimeConfig())
-    parser.add_argument(
-        "--gateway",
-        dest="gateway_addr",
-        default=env.gateway_addr(),
-        help="host:port of the gateway's control socket (env PDSERVE_GATEWAY)",
-    )
-    parser.add_argument("--worker-id", default=env.worker_id(), help="(env PDSERVE_WORKER_ID)")
-    parser.add_argument(
-        "--host",
-        default=env.host(),
-        help="address peers reach this worker at (env PDSERVE_HOST, e.g. the pod IP)",
-    )
-    if role == "prefill":
-        parser.add_argument(
-            "--disaggregation-bootstrap-port",
-            dest="bootstrap_port",
-            type=int,
-            default=env.bootstrap_port(),
-            help="(env PDSERVE_BOOTSTRAP_PORT)",
-        )
-    parser.add_argument(
-        "--kv-transfer-backend", default=d.kv_transfer_backend, choices=["auto", "gloo", "nccl"]
-    )
-    parser.add_argument(
-        "--kv-transport",
-        default=d.kv_transport,
-        choices=list(KV_TRANSPORTS),
-        help="auto: KV pages go through shared memory when prefill and decode share a host (CPU pools), "
-        "else over --kv-transfer-backend; shm: the same, warning at each fall-back; dist: never shared memory",
-    )
-    parser.add_argument(
-        "--transfer-timeout",
-        dest="transfer_timeout_s",
-        type=float,
-        default=d.transfer_timeout_s,
-        help="seconds one KV send/recv may take once data flows",
-    )
-    parser.add_argument(
-        "--waiting-timeout",
-        "--kv-wait-timeout",
-        dest="waiting_timeout_s",
-        type=float,
-        default=d.waiting_timeout_s,
-        help="seconds a KV transfer may wait for its peer (prefill queue + forward included)",
-    )
-    parser.add_argument("--drain-timeout", dest="drain_timeout_s", type=float, default=d.drain_timeout_s)
-    parser.add_argument(
-        "--health-port",
-        type=int,
-        default=env.health_port(),
-        help="serve /livez, /readyz and /metrics here, on --host (env PDSERVE_HEALTH_PORT; 0: off)",
-    )
-    parser.add_argument("--log-level", default=env.log_level(), help="(env PDSERVE_LOG_LEVEL)")
-    add_secret_arg(parser)
-    # Test hooks: hidden, so that no deployment sets them by accident.
-    parser.add_argument(
-        "--test-clock-skew", dest="clock_skew_s", type=float, default=0.0, help=argparse.SUPPRESS
-    )
-    if role == "prefill":
-        parser.add_argument(
-            "--test-stall-kv-send", dest="stall_kv_send_s", type=float, default=0.0, help=argparse.SUPPRESS
-        )
-        parser.add_argument(
-            "--test-stall-kv-data", dest="stall_kv_data_s", type=float, default=0.0, help=argparse.SUPPRESS
-        )
 
 
 def worker_config_from_args(args: argparse.Namespace, role: str) -> WorkerConfig:

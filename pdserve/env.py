@@ -25,7 +25,7 @@ deploy/launch.sh reads defaults for its flags of the same meaning (`launch_defau
   PDSERVE_DEVICE, PDSERVE_PREFILL_GPUS, PDSERVE_DECODE_GPUS, PDSERVE_MODEL_PATH, PDSERVE_PORT,
   PDSERVE_GATEWAY, PDSERVE_HOST, PDSERVE_WORKER_ID_PREFIX, PDSERVE_LOG_DIR
 
-Test hooks are not read from the environment: they are hidden worker flags (pdserve/config.py).
+Test hooks are not read from the environment: they are hidden worker flags (pdserve/launch/worker_flags.py).
 """
 
 from __future__ import annotations

@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import argparse
 
-from pdserve.config import add_worker_args
+from pdserve.launch.flag import PREFILL
+from pdserve.launch.flags import add_flags
 
 
 def add_cli_args(parser: argparse.ArgumentParser) -> None:
-    add_worker_args(parser, "prefill")
+    add_flags(parser, PREFILL)
 
 
 def main(args: argparse.Namespace) -> int:

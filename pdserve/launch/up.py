@@ -20,10 +20,10 @@ import tempfile
 import urllib.request
 
 from pdserve import env
-from pdserve.cluster_auth import add_secret_arg
-from pdserve.config import KV_TRANSPORTS, TRANSFER_TIMEOUT_S, WAITING_TIMEOUT_S, add_runtime_args
 from pdserve.gateway.config import add_trace_args
-from pdserve.launch.cpu_share import CPU_SHARING, CpuShare, cpu_share
+from pdserve.launch.cpu_share import CpuShare, cpu_share
+from pdserve.launch.flag import GATEWAY_CHILD, UP, WORKER_CHILD
+from pdserve.launch.flags import add_flags, passed_on
 from pdserve.launch.supervisor import Child, RestartPolicy, Supervisor, pdserve_command, role_of
 from pdserve.port_file import wait_port_file
 
@@ -52,155 +52,8 @@ def start_gateway(sup: Supervisor, gateway: Child, port_file: str) -> tuple[int,
 
 
 def add_cli_args(parser: argparse.ArgumentParser) -> None:
-    add_runtime_args(parser)
-    parser.add_argument("--host", default="127.0.0.1", help="HTTP address of the gateway")
-    parser.add_argument(
-        "--internal-host",
-        default="127.0.0.1",
-        help="bind address of the gateway's control socket and of every worker socket (KV bootstrap, "
-        "gloo, health); 0.0.0.0 only if other hosts must reach them",
-    )
-    add_secret_arg(parser)
-    parser.add_argument("--port", type=int, default=30000, help="gateway HTTP port (0: any free port)")
-    parser.add_argument(
-        "--control-port", type=int, default=None, help="gateway control socket (default port+1; 0: any)"
-    )
-    parser.add_argument(
-        "--port-file",
-        default=None,
-        help='the gateway writes {"port": ..., "control_port": ...} here once bound',
-    )
-    parser.add_argument("--num-prefill", type=int, default=1)
-    parser.add_argument("--num-decode", type=int, default=1)
-    parser.add_argument(
-        "--threads-per-worker",
-        type=int,
-        default=None,
-        help="torch threads per worker (default: every core; co-located workers share the cores, "
-        "see --cpu-sharing)",
-    )
-    parser.add_argument(
-        "--cpu-sharing",
-        default="turns",
-        choices=list(CPU_SHARING),
-        help="when the workers' threads outnumber the cores: turns (one forward at a time, threads spin "
-        "briefly) or passive (forwards overlap, idle prefill threads sleep at once); see "
-        "pdserve/launch/cpu_share.py",
-    )
-    parser.add_argument(
-        "--served-model-name", default=None, help="the model name clients send (default: the model's own)"
-    )
-    parser.add_argument("--tool-call-parser", default=None, help="see `pdserve gateway --help`")
-    parser.add_argument("--reasoning-parser", default=None, help="see `pdserve gateway --help`")
-    parser.add_argument(
-        "--prefill-policy",
-        default="cache_aware",
-        choices=["cache_aware", "round_robin", "least_load"],
-        help="how the gateway picks a prefill worker (see `pdserve gateway --help`)",
-    )
-    parser.add_argument(
-        "--decode-policy",
-        default="cache_aware",
-        choices=["cache_aware", "round_robin", "least_load"],
-        help="how the gateway picks a decode worker (see `pdserve gateway --help`)",
-    )
-    parser.add_argument(
-        "--disaggregation-min-prefill-tokens",
-        type=int,
-        default=0,
-        help="prompts with fewer uncached tokens are computed on the decode worker (0: off)",
-    )
-    parser.add_argument(
-        "--disaggregation-max-prefill-queue",
-        type=int,
-        default=0,
-        help="past this many requests in flight on every prefill worker, decode computes the prompt (0: off)",
-    )
-    limits = parser.add_argument_group(
-        "the gateway's limits (see `pdserve gateway --help`; default: its own)"
-    )
-    for flag, kind in _GATEWAY_LIMITS:
-        limits.add_argument(flag, type=kind, default=None)
+    add_flags(parser, UP)
     add_trace_args(parser)
-    parser.add_argument("--log-level", default="info")
-    parser.add_argument("--log-dir", default=None, help="write each role's output to <dir>/<role>.log")
-    parser.add_argument("--startup-timeout", type=float, default=600.0)
-    parser.add_argument("--stop-timeout", type=float, default=15.0, help="seconds to let workers drain")
-    policy = RestartPolicy()
-    parser.add_argument(
-        "--max-restarts",
-        type=int,
-        default=policy.max_restarts,
-        help=f"restarts of a crashing child within {policy.window_s:.0f} s after which it is crash-looping: "
-        f"retried every {policy.backoff_max_s:.0f} s (never given up on; the launcher goes on)",
-    )
-    parser.add_argument(
-        "--restart-backoff",
-        type=float,
-        default=policy.backoff_initial_s,
-        help=f"seconds before the first restart of a crashed child; doubles each time, up to "
-        f"{policy.backoff_max_s:.0f} s",
-    )
-    parser.add_argument("--transfer-timeout", type=float, default=TRANSFER_TIMEOUT_S)
-    parser.add_argument(
-        "--waiting-timeout",
-        "--kv-wait-timeout",
-        dest="waiting_timeout",
-        type=float,
-        default=WAITING_TIMEOUT_S,
-    )
-    parser.add_argument(
-        "--kv-transport",
-        default="auto",
-        choices=list(KV_TRANSPORTS),
-        help="how KV pages go from prefill to decode workers: auto = shared memory between these "
-        "same-host workers (CPU pools), else the torch.distributed pair group; dist: the pair group only",
-    )
-
-
-# The gateway's limit flags `pdserve up` takes and forwards when given.
-_GATEWAY_LIMITS: list[tuple[str, type]] = [
-    ("--max-pending-generations", int),
-    ("--max-requests-per-client", int),
-    ("--max-request-bytes", int),
-    ("--max-inflight-body-bytes", int),
-    ("--max-generations-per-request", int),
-    ("--request-body-timeout", float),
-    ("--idle-timeout", float),
-    ("--request-timeout", float),
-]
-
-# Runtime flags forwarded verbatim to every worker.
-_FORWARDED = [
-    "model_path",
-    "dtype",
-    "quantization",
-    "device",
-    "page_size",
-    "max_total_tokens",
-    "mem_fraction_static",
-    "max_running_requests",
-    "chunked_prefill_size",
-    "attention_backend",
-    "context_length",
-    "speculative_algorithm",
-    "speculative_num_draft_tokens",
-    "speculative_draft_model_path",
-    "disable_radix_cache",
-    "grammar_backend",
-    "enable_torch_compile",
-]
-
-
-def _flags(args: argparse.Namespace, names: list[str]) -> list[str]:
-    out = []
-    for n in names:
-        v = getattr(args, n)
-        if v is True:  # a store_true flag
-            out.append(f"--{n.replace('_', '-')}")
-        elif v is not None and v is not False:
-            out += [f"--{n.replace('_', '-')}", str(v)]
-    return out
 
 
 def _control_port(args: argparse.Namespace) -> int:
@@ -212,29 +65,19 @@ def _control_port(args: argparse.Namespace) -> int:
 def gateway_command(args: argparse.Namespace, port_file: str | None = None) -> list[str]:
     argv = pdserve_command("gateway", "--host", args.host, "--port", str(args.port))
     argv += ["--control-host", args.internal_host, "--control-port", str(_control_port(args))]
-    argv += _secret_flag(args)
-    argv += ["--log-level", args.log_level]
-    argv += ["--prefill-policy", args.prefill_policy, "--decode-policy", args.decode_policy]
-    argv += ["--disaggregation-min-prefill-tokens", str(args.disaggregation_min_prefill_tokens)]
-    argv += ["--disaggregation-max-prefill-queue", str(args.disaggregation_max_prefill_queue)]
-    for flag, value in (
-        ("--served-model-name", args.served_model_name),
-        ("--tool-call-parser", args.tool_call_parser),
-        ("--reasoning-parser", args.reasoning_parser),
-    ):
-        if value:
-            argv += [flag, value]
-    argv += ["--grammar-backend", args.grammar_backend]
-    argv += ["--grammar-compile-timeout", str(args.grammar_compile_timeout_s)]
-    argv += _flags(args, [flag[2:].replace("-", "_") for flag, _ in _GATEWAY_LIMITS])
-    if getattr(args, "enable_trace", False):
-        argv += ["--enable-trace", "--otlp-traces-endpoint", args.otlp_traces_endpoint]
-        if args.otlp_traces_protocol:
-            argv += ["--otlp-traces-protocol", args.otlp_traces_protocol]
-    if args.model_path:
-        argv += ["--model-path", args.model_path]
+    argv += passed_on(args, UP, GATEWAY_CHILD) + _trace_flags(args)
     if port_file:
         argv += ["--port-file", port_file]
+    return argv
+
+
+def _trace_flags(args: argparse.Namespace) -> list[str]:
+    """The gateway's tracing flags (gateway/config.py's add_trace_args), when tracing is on."""
+    if not args.enable_trace:
+        return []
+    argv = ["--enable-trace", "--otlp-traces-endpoint", args.otlp_traces_endpoint]
+    if args.otlp_traces_protocol:
+        argv += ["--otlp-traces-protocol", args.otlp_traces_protocol]
     return argv
 
 
@@ -246,27 +89,8 @@ def worker_commands(
     exe = pdserve_command()
     control = _control_port(args) if control_port is None else control_port
     dial = "127.0.0.1" if args.internal_host in ("0.0.0.0", "::") else args.internal_host
-    common = (
-        _flags(args, _FORWARDED)
-        + [
-            "--gateway",
-            f"{dial}:{control}",
-            "--host",
-            dial,
-            "--log-level",
-            args.log_level,
-            "--transfer-timeout",
-            str(args.transfer_timeout),
-            "--waiting-timeout",
-            str(args.waiting_timeout),
-            "--kv-transport",
-            args.kv_transport,
-            "--grammar-compile-timeout",
-            str(args.grammar_compile_timeout_s),
-        ]
-        + _secret_flag(args)
-        + cpu_plan(args, lock_path).flags()
-    )
+    common = passed_on(args, UP, WORKER_CHILD) + ["--gateway", f"{dial}:{control}", "--host", dial]
+    common += cpu_plan(args, lock_path).flags()
     cmds = [("gateway", gateway_command(args))]
     for i in range(args.num_prefill):
         name = f"prefill-{i}"
@@ -277,10 +101,6 @@ def worker_commands(
         name = f"decode-{i}"
         cmds.append((name, exe + ["decode", "--worker-id", name] + common))
     return cmds
-
-
-def _secret_flag(args: argparse.Namespace) -> list[str]:
-    return ["--cluster-secret-file", args.cluster_secret_file] if args.cluster_secret_file else []
 
 
 def secret_env(args: argparse.Namespace) -> dict[str, str]:

@@ -217,7 +217,8 @@ def test_workers_get_what_they_read_and_drain_in_time(built, monkeypatch, tmp_pa
 
 
 def _worker_config(role: str, argv: list[str], tmp_path):
-    from pdserve.config import add_worker_args, worker_config_from_args
+    from pdserve.config import worker_config_from_args
+    from pdserve.launch.flags import add_flags
 
     assert argv[0] == role
     # The secret file is the kubelet's to write (checked in the cluster secret test): one like it here.
@@ -226,7 +227,7 @@ def _worker_config(role: str, argv: list[str], tmp_path):
     secret.write_text(secrets.token_hex(32))
     argv = argv[:at] + [str(secret)] + argv[at + 1 :]
     p = argparse.ArgumentParser(exit_on_error=False)
-    add_worker_args(p, role)
+    add_flags(p, role)
     return worker_config_from_args(p.parse_args(argv[1:]), role)
 
 

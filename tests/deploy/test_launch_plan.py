@@ -46,11 +46,12 @@ def _role_args(argv: list[str]) -> list[str]:
 
 
 def _parse_worker(argv: list[str]):
-    from pdserve.config import add_worker_args, worker_config_from_args
+    from pdserve.config import worker_config_from_args
+    from pdserve.launch.flags import add_flags
 
     role, *flags = _role_args(argv)
     p = argparse.ArgumentParser(exit_on_error=False)
-    add_worker_args(p, role)
+    add_flags(p, role)
     args, unknown = p.parse_known_args(flags)
     return worker_config_from_args(args, role), unknown
 

@@ -6,7 +6,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from pdserve.config import RuntimeConfig, add_runtime_args
+from pdserve.config import RuntimeConfig
+from pdserve.launch.flag import GENERATE
+from pdserve.launch.flags import add_flags
 from pdserve.runtime.loader import load_model
 from pdserve.runtime.quant import (
     DENSE_MIN_ROWS,
@@ -91,7 +93,7 @@ def test_bad_values_refused() -> None:
     import argparse
 
     parser = argparse.ArgumentParser()
-    add_runtime_args(parser)
+    add_flags(parser, GENERATE)
     assert parser.parse_args(["--quantization", "w4a16"]).quantization == "w4a16"
     with pytest.raises(SystemExit):
         parser.parse_args(["--quantization", "q4_0"])

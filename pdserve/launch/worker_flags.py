@@ -1,0 +1,240 @@
+"""The flags of the model runtime (every worker and the offline engine) and of the prefill and decode
+workers: rows of the flag table (pdserve/launch/flags.py). SGLang's names, so its users feel at home."""
+
+from __future__ import annotations
+
+from pdserve import env
+from pdserve.cluster_auth import SECRET_FILE_HELP
+from pdserve.config import (
+    GRAMMAR_COMPILE_TIMEOUT_S,
+    KV_TRANSPORTS,
+    QUANT_CHOICES,
+    RuntimeConfig,
+    WorkerConfig,
+)
+from pdserve.launch.flag import (
+    GENERATE,
+    LAUNCH,
+    PREFILL,
+    RUNTIME,
+    TO_BOTH,
+    TO_WORKERS,
+    UP,
+    WORKERS,
+    Flag,
+    launch_env,
+)
+
+# The dataclasses' defaults are the flags' defaults.
+_R = RuntimeConfig()
+_W = WorkerConfig(role=PREFILL, runtime=_R)
+
+# The model runtime: every worker and the offline engine; `pdserve up` forwards them to its workers.
+RUNTIME_FLAGS = [
+    Flag(
+        "--model-path",
+        RUNTIME | {LAUNCH},
+        "HF folder, .gguf file, or empty for the bundled SmolLM2-135M-Instruct (env PDSERVE_MODEL_PATH); "
+        "the launchers give it to the gateway too (its tokenizer)",
+        default=env.model_path,
+        passed_to=TO_BOTH,
+    ),
+    Flag(
+        "--dtype",
+        RUNTIME,
+        "auto: bfloat16 on CUDA and on CPUs with BF16 instructions, else float32; float32 is the "
+        "exactness reference (unquantized weights)",
+        default=_R.dtype,
+        choices=("auto", "float32", "bfloat16", "float16"),
+        passed_to=TO_WORKERS,
+    ),
+    Flag(
+        "--quantization",
+        RUNTIME,
+        "quantize the weights at load time (CPU): int8 weight-only, int8 weights and activations, "
+        "or int4 weight-only in groups of 32 (a Q4_1 GGUF's own blocks); auto: a GGUF model keeps its "
+        "own quantization on CPU, anything else and --dtype float32 none",
+        default=_R.quantization,
+        choices=QUANT_CHOICES,
+        passed_to=TO_WORKERS,
+    ),
+    Flag(
+        "--device",
+        RUNTIME | {LAUNCH},
+        "auto (cuda if available, else cpu) | cuda | cpu; deploy/launch.sh: cuda pins one worker per "
+        "listed GPU (env PDSERVE_DEVICE)",
+        default=_R.device,
+        role_default={LAUNCH: launch_env("PDSERVE_DEVICE", "cuda")},
+        passed_to=TO_WORKERS,
+    ),
+    Flag("--page-size", RUNTIME, type=int, default=_R.page_size, passed_to=TO_WORKERS),
+    Flag("--max-total-tokens", RUNTIME, type=int, passed_to=TO_WORKERS),
+    Flag("--mem-fraction-static", RUNTIME, type=float, default=_R.mem_fraction_static, passed_to=TO_WORKERS),
+    Flag("--max-running-requests", RUNTIME, type=int, default=_R.max_running_requests, passed_to=TO_WORKERS),
+    Flag("--chunked-prefill-size", RUNTIME, type=int, default=_R.chunked_prefill_size, passed_to=TO_WORKERS),
+    Flag(
+        "--attention-backend",
+        RUNTIME,
+        "auto: triton on CUDA; on CPU, cpu (decode attention in C++, reading the KV pool in place; "
+        "built at first use) where it builds, else torch (the reference)",
+        default=_R.attention_backend,
+        choices=("auto", "torch", "cpu", "triton"),
+        passed_to=TO_WORKERS,
+    ),
+    Flag(
+        "--num-threads",
+        WORKERS | {GENERATE},
+        "torch threads for this process (the launchers set it from --threads-per-worker)",
+        type=int,
+    ),
+    Flag("--context-length", RUNTIME, type=int, passed_to=TO_WORKERS),
+    Flag(
+        "--cpu-forward-lock",
+        WORKERS | {GENERATE},
+        "take an exclusive lock on this file around every forward, so that workers sharing one "
+        "host's cores compute in turns (the launchers set it for co-located CPU workers)",
+        metavar="PATH",
+    ),
+    Flag("--speculative-algorithm", RUNTIME, choices=("NGRAM", "STANDALONE"), passed_to=TO_WORKERS),
+    Flag(
+        "--speculative-num-draft-tokens",
+        RUNTIME,
+        type=int,
+        default=_R.speculative_num_draft_tokens,
+        passed_to=TO_WORKERS,
+    ),
+    Flag("--speculative-draft-model-path", RUNTIME, passed_to=TO_WORKERS),
+    Flag(
+        "--disable-radix-cache",
+        RUNTIME,
+        "no prefix cache: every prompt is computed in full",
+        switch=True,
+        passed_to=TO_WORKERS,
+    ),
+    Flag(
+        "--grammar-backend",
+        RUNTIME,
+        "structured output (json_schema, regex, ebnf, response_format); none: refuse them",
+        default=_R.grammar_backend,
+        choices=("xgrammar", "none"),
+        passed_to=TO_BOTH,
+    ),
+    Flag(
+        "--grammar-compile-timeout",
+        RUNTIME | {LAUNCH},
+        "seconds a constraint's grammar may take to compile (in the background), at the gateway and "
+        "each worker; a request whose grammar takes longer fails with a 400",
+        type=float,
+        default=GRAMMAR_COMPILE_TIMEOUT_S,
+        dest="grammar_compile_timeout_s",
+        passed_to=TO_BOTH,
+    ),
+    Flag(
+        "--enable-torch-compile",
+        RUNTIME,
+        "run decode steps through torch.compile (CPU): fused small ops, ~1.4-1.6x faster steps at "
+        "small batches (measured offline); compiles at the decode worker's start (~1.5 minutes from "
+        "inductor's disk cache, 2-5 minutes cold)",
+        switch=True,
+        passed_to=TO_WORKERS,
+    ),
+]
+
+# How a worker reaches the gateway and its peers, its KV transfers, health and drain.
+WORKER_FLAGS = [
+    Flag(
+        "--gateway",
+        WORKERS | {LAUNCH},
+        "host:port of the gateway's control socket (env PDSERVE_GATEWAY; deploy/launch.sh: default the "
+        "gateway it starts)",
+        default=env.gateway_addr,
+        role_default={LAUNCH: launch_env("PDSERVE_GATEWAY")},
+        dest="gateway_addr",
+    ),
+    Flag("--worker-id", WORKERS, "(env PDSERVE_WORKER_ID)", default=env.worker_id),
+    Flag(
+        "--host",
+        WORKERS | {LAUNCH},
+        "address peers reach the worker at (env PDSERVE_HOST; Kubernetes: the pod IP)",
+        default=env.host,
+        passed_to=TO_WORKERS,
+    ),
+    Flag(
+        "--disaggregation-bootstrap-port",
+        frozenset({PREFILL}),
+        "the KV bootstrap port decode workers connect to (env PDSERVE_BOOTSTRAP_PORT; 0: any free port)",
+        type=int,
+        default=env.bootstrap_port,
+        dest="bootstrap_port",
+    ),
+    Flag("--kv-transfer-backend", WORKERS, default=_W.kv_transfer_backend, choices=("auto", "gloo", "nccl")),
+    Flag(
+        "--kv-transport",
+        WORKERS | {UP},
+        "auto: KV pages go through shared memory when prefill and decode share a host (CPU pools), "
+        "else over --kv-transfer-backend; shm: the same, warning at each fall-back; dist: never shared memory",
+        default=_W.kv_transport,
+        choices=KV_TRANSPORTS,
+        passed_to=TO_WORKERS,
+    ),
+    Flag(
+        "--transfer-timeout",
+        WORKERS | {UP},
+        "seconds one KV send/recv may take once data flows",
+        type=float,
+        default=_W.transfer_timeout_s,
+        dest="transfer_timeout_s",
+        passed_to=TO_WORKERS,
+    ),
+    Flag(
+        "--waiting-timeout",
+        WORKERS | {UP},
+        "seconds a KV transfer may wait for its peer (prefill queue + forward included)",
+        type=float,
+        default=_W.waiting_timeout_s,
+        dest="waiting_timeout_s",
+        aliases=("--kv-wait-timeout",),
+        passed_to=TO_WORKERS,
+    ),
+    Flag("--drain-timeout", WORKERS, type=float, default=_W.drain_timeout_s, dest="drain_timeout_s"),
+    Flag(
+        "--health-port",
+        WORKERS,
+        "serve /livez, /readyz and /metrics here, on --host (env PDSERVE_HEALTH_PORT; 0: off)",
+        type=int,
+        default=env.health_port,
+    ),
+    Flag(
+        "--log-level",
+        WORKERS | {UP, LAUNCH},
+        "debug | info | warning | error (a worker: default env PDSERVE_LOG_LEVEL); the launchers "
+        "give it to their children",
+        default=env.log_level,
+        role_default={UP: "info", LAUNCH: "info"},
+        passed_to=TO_BOTH,
+    ),
+    Flag(
+        "--cluster-secret-file",
+        WORKERS | {UP, LAUNCH},
+        SECRET_FILE_HELP,
+        passed_to=TO_BOTH,
+    ),
+    # Test hooks.
+    Flag("--test-clock-skew", WORKERS, type=float, default=0.0, dest="clock_skew_s", hidden=True),
+    Flag(
+        "--test-stall-kv-send",
+        frozenset({PREFILL}),
+        type=float,
+        default=0.0,
+        dest="stall_kv_send_s",
+        hidden=True,
+    ),
+    Flag(
+        "--test-stall-kv-data",
+        frozenset({PREFILL}),
+        type=float,
+        default=0.0,
+        dest="stall_kv_data_s",
+        hidden=True,
+    ),
+]
