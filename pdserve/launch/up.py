@@ -150,6 +150,13 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
         default=WAITING_TIMEOUT_S,
     )
     parser.add_argument(
+        "--kv-transfer-backend",
+        default="auto",
+        choices=["auto", "gloo", "nccl"],
+        help="the pair group's backend (see `pdserve decode --help`); gloo where prefill and decode share "
+        "one GPU, since NCCL cannot pair two ranks on the same device",
+    )
+    parser.add_argument(
         "--kv-transport",
         default="auto",
         choices=list(KV_TRANSPORTS),
@@ -261,6 +268,8 @@ def worker_commands(
             str(args.waiting_timeout),
             "--kv-transport",
             args.kv_transport,
+            "--kv-transfer-backend",
+            args.kv_transfer_backend,
             "--grammar-compile-timeout",
             str(args.grammar_compile_timeout_s),
         ]
