@@ -1,16 +1,21 @@
 """`pdserve bench gpu`: one prepared run that builds, checks and times pdserve on one GPU.
 
-    pdserve bench gpu --out DIR [--model-path GGUF_OR_FOLDER] [--budget-s 480]
+    pdserve bench gpu --out DIR [--model-path GGUF_OR_FOLDER | --random-weights-like FOLDER] [--budget-s 480]
     pdserve bench gpu --dry-run --out DIR      # on a CPU machine: everything that needs no CUDA
 
 Stages, in order, each with its own log under DIR/logs and a line in DIR/summary.json:
-  env         the device, torch, triton, CUDA and the CPU
+  env         the device, torch, triton, CUDA, the CPU and which CPU kernel paths its instructions take
+  model       with --random-weights-like: a checkpoint of that folder's config and tokenizer with random
+              weights, which the later stages serve (the summary names the weights each used)
   wheels      (dry run) every package pdserve needs is on the GPU image or in benchmarks/gpu_wheels.txt
   packaging   pdserve builds as a wheel offline and the wheel holds every package and kernel
-  kernel_tests  tests/kernels on CUDA, compiled (on CPU: collected only)
+  kernel_tests  tests/kernels on CUDA, compiled, the C++ CPU kernels on the host's CPU, and the CUDA
+              KV pool's hand-off over gloo (on CPU: the GPU tests collected only)
   kernel_bench  `pdserve bench kernels`: each kernel's bandwidth against the device copy
   parity      engine vs transformers in bf16 on the device: logits and greedy output, for tiny random
-              Llama/Qwen2/Qwen3 checkpoints and the bundled model when its file is there
+              Llama/Qwen2/Qwen3 checkpoints and the served model
+  profiles    what a capacity planner reads: prefill time per prompt length, decode step time per batch
+              size and context (profiles.json)
   engine_bench  `pdserve bench engine` in bf16 at batch 1, 16, 64
   cluster     `pdserve up` on the one GPU (prefill and decode as separate processes) and
               `pdserve bench serving` at concurrency 64: zero errors expected
@@ -45,6 +50,10 @@ from pdserve.bench.gpu_install import stage_packaging, stage_wheels
 from pdserve.bench.gpu_run import ROOT, Run, StageResult, cli_args
 from pdserve.launch.supervisor import pdserve_command
 
+CUDA_KV_POOL_TEST = (
+    "tests/kv_transfer/test_engine.py::test_cuda_pools_over_gloo_are_staged_through_host_memory"
+)
+
 # ---- stages -------------------------------------------------------------------------------------------
 
 
@@ -58,6 +67,13 @@ def stage_env(run: Run) -> StageResult:
         "cuda": torch.version.cuda,
         "device": torch.cuda.get_device_name() if run.cuda else "none",
     }
+    from pdserve.runtime.host import cpu_has_amx, cpu_has_bf16, cpu_has_int8_dot
+
+    # Without these instructions the C++ CPU kernels take their fallback paths (kernel_tests runs them).
+    numbers["cpu_isa"] = torch.backends.cpu.get_cpu_capability()
+    numbers["cpu_bf16"], numbers["cpu_amx"], numbers["cpu_int8_dot"] = (
+        cpu_has_bf16(), cpu_has_amx(), cpu_has_int8_dot()
+    )  # fmt: skip
     try:
         import triton
 
@@ -68,7 +84,7 @@ def stage_env(run: Run) -> StageResult:
         free, total = torch.cuda.mem_get_info()
         numbers["gpu_memory_gib"] = round(total / 2**30, 1)
         numbers["capability"] = ".".join(map(str, torch.cuda.get_device_capability()))
-    detail = f"{numbers['device']}, torch {numbers['torch']}, triton {numbers['triton']}, {numbers['cpu']}"
+    detail = f"{numbers['device']}, torch {numbers['torch']}, triton {numbers['triton']}, {numbers['cpu']} ({numbers['cpu_isa']})"
     return StageResult("env", "ok", 0.0, detail, numbers)
 
 
@@ -85,13 +101,24 @@ def _cpu_name() -> str:
 def stage_kernel_tests(run: Run) -> StageResult:
     if run.cuda:
         env = {"TRITON_INTERPRET": "0"}
-        rc, tail = run.cmd(
-            "kernel_tests", [sys.executable, "-P", "-m", "pytest", "-q", "tests/kernels"], 300, env
-        )
+        tests = ["tests/kernels", CUDA_KV_POOL_TEST]
+        argv = [sys.executable, "-P", "-m", "pytest", "-q", "-n", "12", "-p", "no:cacheprovider", *tests]
+        rc, tail = run.cmd("kernel_tests", argv, 100, env)
     else:  # the GPU-only tests must at least still be collected
         rc, tail = run.cmd(
             "kernel_tests",
-            [sys.executable, "-P", "-m", "pytest", "-q", "--collect-only", "-m", "gpu", "tests/kernels"],
+            [
+                sys.executable,
+                "-P",
+                "-m",
+                "pytest",
+                "-q",
+                "--collect-only",
+                "-m",
+                "gpu",
+                "tests/kernels",
+                CUDA_KV_POOL_TEST,
+            ],
             120,
         )
     summary = tail.strip().splitlines()[-1] if tail.strip() else ""
@@ -99,14 +126,14 @@ def stage_kernel_tests(run: Run) -> StageResult:
 
 
 def stage_kernel_bench(run: Run) -> StageResult:
-    rc, tail = run.cmd("kernel_bench", pdserve_command("bench", "kernels"), 240)
+    rc, tail = run.cmd("kernel_bench", pdserve_command("bench", "kernels"), 90)
     verdicts = re.findall(r"(WRONG|MISSED)", tail)
     status = "ok" if rc == 0 and "WRONG" not in verdicts else "failed"
     note = "" if run.cuda else " (no CUDA: the interpreted smoke check only)"
     return StageResult("kernel_bench", status, 0.0, f"targets missed: {verdicts.count('MISSED')}{note}")
 
 
-def stage_parity(run: Run, model_path: str | None) -> StageResult:
+def stage_parity(run: Run, model_path: str | None, label: str) -> StageResult:
     from pdserve.bench.gpu_parity import check_parity
     from pdserve.bench.tiny_models import TINY_CONFIGS, write_tiny_checkpoint
 
@@ -118,7 +145,7 @@ def stage_parity(run: Run, model_path: str | None) -> StageResult:
             results.append(check_parity(folder, device, dtype, model_name=name).as_dict())
     bundled = model_path or (None if run.dry_run else _bundled_model())
     if bundled:
-        results.append(check_parity(bundled, device, dtype, model_name="bundled").as_dict())
+        results.append(check_parity(bundled, device, dtype, model_name=label).as_dict())
     (run.out / "parity.json").write_text(json.dumps(results, indent=1))
     bad = [r["model"] for r in results if not r["ok"]]
     worst = max(r["logits_rel_diff"] for r in results)
@@ -147,10 +174,46 @@ def stage_engine_bench(run: Run, model_path: str | None) -> StageResult | None:
     argv += ["--model-path", model_path] if model_path else []
     if not run.cuda:
         return StageResult("engine_bench", "skipped", 0.0, "needs CUDA: " + shlex.join(cli_args(argv)))
-    rc, tail = run.cmd("engine_bench", argv, 300)
+    rc, tail = run.cmd("engine_bench", argv, 90)
     return StageResult(
         "engine_bench", "ok" if rc == 0 else "failed", 0.0, tail.strip().splitlines()[-1][:200]
     )
+
+
+def stage_model(run: Run, like: str | None, served: dict) -> StageResult:
+    """With `like`: write a random-weight checkpoint of its shape and serve it in the later stages."""
+    if not like:
+        return StageResult("model", "skipped", 0.0, f"serving {served['label']}")
+    from pdserve.bench.tiny_models import write_shaped_checkpoint
+
+    folder = write_shaped_checkpoint(like, tempfile.mkdtemp(prefix="pdserve-shaped-"))
+    config = json.loads((Path(folder) / "config.json").read_text())
+    name = config.get("_model_name_or_path") or config.get("model_type", "model")
+    served.update(path=folder, label=f"random weights shaped like {name}")
+    return StageResult("model", "ok", 0.0, served["label"], {"config": config})
+
+
+def stage_profiles(run: Run, model_path: str | None, label: str) -> StageResult:
+    """Prefill and decode-step times for the planner (profiles.json); on CPU a small tiny-model smoke."""
+    from pdserve.bench.gpu_profiles import measure_profiles
+
+    if run.cuda:
+        folder = model_path or _bundled_model()
+        if folder is None:
+            return StageResult("profiles", "skipped", 0.0, "no model here (pass --model-path)")
+        profiles = measure_profiles(folder, "cuda", "bfloat16")
+    else:
+        from pdserve.bench.tiny_models import write_tiny_checkpoint
+
+        label = "llama-untied (tiny, random)"
+        with tempfile.TemporaryDirectory() as tmp:
+            folder = write_tiny_checkpoint("llama-untied", tmp)
+            profiles = measure_profiles(folder, "cpu", "float32", (16, 64), (1, 4), (32,), repeats=1)
+    profiles["weights"] = label
+    (run.out / "profiles.json").write_text(json.dumps(profiles, indent=1))
+    pre, dec = profiles["prefill_ms"], profiles["decode_step_ms"]
+    detail = f"prefill ms {pre}; decode step ms {dec}"
+    return StageResult("profiles", "ok", 0.0, detail, profiles)
 
 
 # ---- the run ----------------------------------------------------------------------------------------
@@ -163,6 +226,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument(
         "--model-path", default=None, help="the bundled model's GGUF (or another checkpoint) there"
     )
+    ap.add_argument(
+        "--random-weights-like",
+        default=None,
+        help="a model folder: serve a random-weight checkpoint of its config and tokenizer instead",
+    )
     ap.add_argument("--budget-s", type=float, default=480.0, help="no stage starts after this many seconds")
     ap.add_argument("--skip", default="", help="comma-separated stage names to leave out")
     args = ap.parse_args(argv)
@@ -171,15 +239,19 @@ def main(argv: list[str] | None = None) -> int:
     run = Run(Path(args.out), args.dry_run, args.budget_s)
     if run.cuda and args.dry_run:
         print("note: --dry-run on a CUDA machine still runs the CUDA stages")
+    # What the model-serving stages serve; the model stage may replace it with random weights.
+    served = {"path": args.model_path, "label": args.model_path or "the bundled model"}
     stages: list[tuple[str, Callable[[Run], StageResult | None]]] = [
         ("env", stage_env),
+        ("model", lambda r: stage_model(r, args.random_weights_like, served)),
         ("wheels", stage_wheels),
         ("packaging", stage_packaging),
         ("kernel_tests", stage_kernel_tests),
         ("kernel_bench", stage_kernel_bench),
-        ("parity", lambda r: stage_parity(r, args.model_path)),
-        ("engine_bench", lambda r: stage_engine_bench(r, args.model_path)),
-        ("cluster", lambda r: stage_cluster(r, args.model_path)),
+        ("parity", lambda r: stage_parity(r, served["path"], served["label"])),
+        ("profiles", lambda r: stage_profiles(r, served["path"], served["label"])),
+        ("engine_bench", lambda r: stage_engine_bench(r, served["path"])),
+        ("cluster", lambda r: stage_cluster(r, served["path"])),
     ]
     skip = {s.strip() for s in args.skip.split(",") if s.strip()}
     for name, fn in stages:

@@ -18,7 +18,7 @@ def cluster_commands(port: int, model_path: str | None, log_dir: str) -> tuple[l
     up = pdserve_command("up", "--device", "cuda", "--port", str(port), "--log-dir", log_dir)
     up += ["--model-path", model_path] if model_path else []
     # Two processes share the device: each gets a KV pool of its own, staged hand-off through the host.
-    up += ["--", "--kv-transfer-backend", "gloo", "--mem-fraction-static", "0.3"]
+    up += ["--kv-transfer-backend", "gloo", "--mem-fraction-static", "0.3"]
     bench = pdserve_command(
         "bench", "serving", "--base-url", f"http://127.0.0.1:{port}", "--max-concurrency", "64"
     )
@@ -71,12 +71,19 @@ def stage_cluster(run: Run, model_path: str | None) -> StageResult:
         )
         return StageResult("cluster", "ok" if rc == 0 else "failed", 0.0, detail, numbers)
     finally:
-        os.killpg(server.pid, 15)
-        try:
-            server.wait(30)
-        except subprocess.TimeoutExpired:
-            os.killpg(server.pid, 9)
+        _stop(server)
         log.close()
+
+
+def _stop(server: subprocess.Popen) -> None:
+    """SIGTERM to `pdserve up`'s process group, SIGKILL after 30 s; nothing when it has exited already."""
+    try:
+        os.killpg(server.pid, 15)
+        server.wait(30)
+    except ProcessLookupError:
+        return
+    except subprocess.TimeoutExpired:
+        os.killpg(server.pid, 9)
 
 
 def _parse_only(up: list[str], bench: list[str]) -> None:
@@ -84,9 +91,9 @@ def _parse_only(up: list[str], bench: list[str]) -> None:
     from pdserve.bench import bench_serving
     from pdserve.launch import up as launcher
 
-    parser = argparse.ArgumentParser()
+    parser = argparse.ArgumentParser(exit_on_error=False)
     launcher.add_cli_args(parser)
     _, rest = parser.parse_known_args(cli_args(up)[1:])  # after "up"
-    if rest and rest[0] != "--":
+    if rest:
         raise ValueError(f"pdserve up does not take {rest}")
     bench_serving.parse_args(cli_args(bench)[2:])  # after "bench serving"

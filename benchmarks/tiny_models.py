@@ -76,3 +76,25 @@ def write_tiny_checkpoint(name: str, folder: str, seed: int = 0) -> str:
     _randomize(model, seed)
     model.save_pretrained(folder, safe_serialization=True)
     return folder
+
+
+SHAPED_FILES = ("config.json", "tokenizer.json", "tokenizer_config.json", "chat_template.jinja")
+
+
+def write_shaped_checkpoint(like: str, folder: str, seed: int = 0) -> str:
+    """A checkpoint of `like`'s architecture and tokenizer with transformers' random initialisation,
+    in bf16: what the GPU check serves where the real weights cannot travel. Only `like`'s config and
+    tokenizer files (SHAPED_FILES) are read."""
+    import shutil
+    from pathlib import Path
+
+    import transformers
+
+    torch.manual_seed(seed)
+    config = transformers.AutoConfig.from_pretrained(like)
+    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
+    model.save_pretrained(folder, safe_serialization=True)
+    for name in SHAPED_FILES[1:]:
+        if (Path(like) / name).is_file():
+            shutil.copy(Path(like) / name, Path(folder) / name)
+    return folder

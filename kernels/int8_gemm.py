@@ -37,7 +37,7 @@ def _int8_gemm_kernel(
     stride_qn,
     stride_ym,
     HAS_BIAS: tl.constexpr,
-    UPCAST: tl.constexpr,  # dot in fp32 (the interpreter's bf16/fp16 dot is wrong)
+    UPCAST: tl.constexpr,  # dot in full fp32 (fp32 inputs; the interpreter's bf16/fp16 dot is wrong)
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
@@ -61,7 +61,8 @@ def _int8_gemm_kernel(
             other=0,
         )  # [BLOCK_K, BLOCK_N]
         if UPCAST:
-            acc += tl.dot(x.to(tl.float32), q.to(tl.float32))
+            # ieee: an fp32 dot on CUDA is otherwise TF32 (10-bit mantissa), ~1e-3 off the fp32 reference
+            acc += tl.dot(x.to(tl.float32), q.to(tl.float32), input_precision="ieee")
         else:
             acc += tl.dot(x, q.to(X.dtype.element_ty))
     s = tl.load(S + rn, mask=rn < N, other=0.0).to(tl.float32)

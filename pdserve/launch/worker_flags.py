@@ -167,7 +167,13 @@ WORKER_FLAGS = [
         default=env.bootstrap_port,
         dest="bootstrap_port",
     ),
-    Flag("--kv-transfer-backend", WORKERS, default=_W.kv_transfer_backend, choices=("auto", "gloo", "nccl")),
+    Flag(
+        "--kv-transfer-backend",
+        WORKERS | {UP},
+        default=_W.kv_transfer_backend,
+        choices=("auto", "gloo", "nccl"),
+        passed_to=TO_WORKERS,
+    ),
     Flag(
         "--kv-transport",
         WORKERS | {UP},

@@ -26,16 +26,20 @@ def test_dry_run(tmp_path):
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     stages = {s["name"]: s for s in json.loads((out / "summary.json").read_text())["stages"]}
     assert list(stages) == [
-        "env", "wheels", "packaging", "kernel_tests", "kernel_bench", "parity", "engine_bench", "cluster"
+        "env", "model", "wheels", "packaging", "kernel_tests", "kernel_bench", "parity", "profiles",
+        "engine_bench", "cluster",
     ]  # fmt: skip
-    for name in ("env", "wheels", "packaging", "kernel_tests", "kernel_bench", "parity"):
+    for name in ("env", "wheels", "packaging", "kernel_tests", "kernel_bench", "parity", "profiles"):
         assert stages[name]["status"] == "ok", stages[name]
+    assert stages["model"]["status"] == "skipped"
+    profiles = json.loads((out / "profiles.json").read_text())
+    assert set(profiles["prefill_ms"]) == {"16", "64"} and set(profiles["decode_step_ms"]) == {"1x32", "4x32"}
     for name in ("engine_bench", "cluster"):
         assert stages[name]["status"] == "skipped" and "needs CUDA" in stages[name]["detail"]
     parity = stages["parity"]["numbers"]["models"]
     assert len(parity) == 4 and all(m["greedy_equal"] == m["prompts"] == 10 for m in parity)
     assert max(m["logits_rel_diff"] for m in parity) < 1e-4
-    assert (out / "summary.txt").read_text().count("\n") == 8
+    assert (out / "summary.txt").read_text().count("\n") == 10
 
 
 def test_wheel_check_names_what_the_list_lacks(tmp_path, monkeypatch):
@@ -47,3 +51,14 @@ def test_wheel_check_names_what_the_list_lacks(tmp_path, monkeypatch):
     listed.write_text(original.replace("fastapi==", "fastapi==0.0.1 # "))
     missing, stale = gpu_install.missing_on_gpu()
     assert missing == [] and len(stale) == 1 and stale[0].startswith("fastapi 0.0.1 (here ")
+
+
+def test_random_weights_like_keeps_the_shape_and_tokenizer(tmp_path):
+    from pdserve.bench.tiny_models import write_shaped_checkpoint, write_tiny_checkpoint
+    from pdserve.runtime.loader import load_model
+
+    like = write_tiny_checkpoint("qwen3-qknorm", str(tmp_path / "like"))
+    (tmp_path / "like" / "tokenizer_config.json").write_text("{}")
+    folder = write_shaped_checkpoint(like, str(tmp_path / "shaped"))
+    assert (tmp_path / "shaped" / "tokenizer_config.json").read_text() == "{}"
+    assert load_model(folder, dtype="float32", device="cpu").spec == load_model(like, "float32", "cpu").spec

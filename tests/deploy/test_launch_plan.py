@@ -184,6 +184,19 @@ def test_up_forwards_disable_radix_cache_to_every_worker():
             assert cfg.runtime.disable_radix_cache is disabled and unknown == []
 
 
+def test_up_forwards_the_kv_transfer_backend_to_every_worker():
+    from pdserve.launch.up import add_cli_args, worker_commands
+
+    parser = argparse.ArgumentParser()
+    add_cli_args(parser)
+    for flags, backend in (([], "auto"), (["--kv-transfer-backend", "gloo"], "gloo")):
+        workers = [argv for name, argv in worker_commands(parser.parse_args(flags)) if name != "gateway"]
+        assert len(workers) == 2
+        for argv in workers:
+            cfg, unknown = _parse_worker(argv)
+            assert cfg.kv_transfer_backend == backend and unknown == []
+
+
 def test_up_passes_the_prefill_policy_to_the_gateway():
     from pdserve.gateway.config import add_cli_args as add_gateway_args
     from pdserve.gateway.config import config_from_args

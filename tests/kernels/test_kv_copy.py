@@ -43,7 +43,11 @@ def test_store_kv_matches_index_copy(device, page, heads, dim, dtype, locs):
 
 def test_wrappers_reject_bad_arguments(device):
     kv = _pool(2, 4, 16, 2, 64, F32, device)
+
+    def rand(*shape: int) -> torch.Tensor:
+        return torch.randn(*shape, device=device)
+
     with pytest.raises(TypeError, match="out_cache_loc"):
-        store_kv(kv[0, 0], kv[0, 1], torch.randn(2, 2, 64), torch.randn(2, 2, 64), torch.tensor([0.0, 1.0]))
+        store_kv(kv[0, 0], kv[0, 1], rand(2, 2, 64), rand(2, 2, 64), torch.tensor([0.0, 1.0], device=device))
     with pytest.raises(ValueError, match="heads"):
-        store_kv(kv[0, 0], kv[0, 1], torch.randn(2, 3, 64), torch.randn(2, 3, 64), torch.tensor([0, 1]))
+        store_kv(kv[0, 0], kv[0, 1], rand(2, 3, 64), rand(2, 3, 64), torch.tensor([0, 1], device=device))
