@@ -23,6 +23,8 @@ def cluster_commands(port: int, model_path: str | None, log_dir: str) -> tuple[l
         "bench", "serving", "--base-url", f"http://127.0.0.1:{port}", "--max-concurrency", "64"
     )
     bench += ["--num-prompts", "256", "--dataset", "random", "--random-input-len", "512"]
+    # The random prompts are made with the served model's tokenizer (a random-weight checkpoint has one).
+    bench += ["--tokenizer", model_path] if model_path else []
     bench += [
         "--random-output-len",
         "128",

@@ -118,9 +118,10 @@ def shared_prefix_prompts(n: int, prefix_len: int, output_len: int, seed: int) -
 def load_tokenizer(path: str | None):
     from transformers import AutoTokenizer
 
-    if path is None:
-        from pdserve.model_source import resolve_model_source
-        from pdserve.runtime.loader import model_folder
+    from pdserve.model_source import resolve_model_source
+    from pdserve.runtime.loader import model_folder
 
-        path = model_folder(resolve_model_source(None))
+    # A tokenizer folder, or a model path as the servers take it (a .gguf; None: the bundled model).
+    if path is None or path.endswith(".gguf"):
+        path = model_folder(resolve_model_source(path))
     return AutoTokenizer.from_pretrained(path)
