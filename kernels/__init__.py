@@ -16,12 +16,14 @@ Triton, one concern per module:
 
 C++ for CPUs (not Triton), one `.cpp` and its Python module each, compiled together into one operator
 library at first use (cpu_library.py, `torch.ops.pdserve_cpu`; cpu_rows.h holds the shared row
-conversions):
+conversions, cpu_simd.h the AVX-512 and AVX2 registers the kernels are written over; cpu_isa.py picks
+the instruction set at run time, from the CPU's flags or the PDSERVE_CPU_ISA cap):
 
 - cpu_decode_attention: paged decode attention reading the KV pool in place, and its storing form
   that writes the step's new K/V first.
 - cpu_fused_ops: RMSNorm (with a fused residual add), SiLU-and-mul and rotary, one pass each.
-- cpu_quant_linear: weight-only int4 (GGUF Q4_1 groups) and int8 linears for few rows, with packers.
+- cpu_quant_linear: weight-only int4 (GGUF Q4_1 groups) and int8 linears, with packers, and the int4
+  weights dequantized into a scratch for many-row products.
 - cpu_sampling: greedy sampling.
 - cpu_decode_layer: one decoder layer of a decode step in one call, making the eager layer's calls.
 

@@ -5,7 +5,8 @@
 //   pass 1: s[j][t] = scale * q[j] . K[t][j / G]  over the request's lens[b] pool rows (and the new
 //           key, when given), then a softmax per query head;
 //   pass 2: out[j] = sum_t p[j][t] * V[t][j / G].
-// A pool row holds every KV head of one position, contiguous. The AVX-512 path (head sizes 32, 64, 128)
+// A pool row holds every KV head of one position, contiguous. The vector path (head sizes 32, 64, 128;
+// AVX-512 or AVX2 registers, cpu_simd.h)
 // walks the request's rows once per KV head and block of its query heads, with the queries (pass 1) or
 // the accumulators (pass 2) in registers; the rows stay in L2 between walks, since a request's K or V of
 // one layer is its length x 384 bytes for the bundled model. The plain path converts each row whole and
@@ -13,7 +14,7 @@
 //
 // Memory: a decode batch reads every cached row of every request once per layer, from pages scattered
 // over the pool, and the walks above leave the core little room to have many cache misses in flight.
-// So the AVX-512 path splits the two: while it computes request b from the cache, it asks for request
+// So the vector path splits the two: while it computes request b from the cache, it asks for request
 // b + 1's rows, one cache line of K and one of V per step of its walks (Stager); a request that no
 // previous one staged (a thread's first) prefetches its own rows a few positions ahead, as the plain
 // path does. Batch 64 of the bundled model's shapes: 1.6-1.7x faster than prefetching each request's own
@@ -32,11 +33,8 @@
 #include <optional>
 #include <vector>
 
-#if defined(__AVX512F__)
-#include <immintrin.h>
-#endif
-
 #include "cpu_rows.h"
+#include "cpu_simd.h"
 
 namespace {
 
@@ -156,42 +154,34 @@ void attend_request(const Request<T>& r, const float* qf, float* s, float* kv, f
   }
 }
 
-#if defined(__AVX512F__)
-inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
-inline __m512 load16(const c10::BFloat16* p) {
-  const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
-}
-inline __m512 load16(const c10::Half* p) {
-  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
-}
-
-// Head size NC * 16, AVX-512: for each KV head and block of GB of its query heads, the queries (pass 1)
-// or the accumulators (pass 2) stay in registers while the request's rows stream past; each row is
-// converted to float in registers, never stored.
-template <typename T, int NC>
-void attend_request_avx512(const Request<T>& r, const float* qf, float* s, float* acc, int64_t Hq,
-                           int64_t Hkv, bool staged, Stager<T>& next) {
-  constexpr int64_t D = NC * 16;
+#if defined(PDSERVE_SIMD)
+// Head size D, a multiple of the register width: for each KV head and block of GB of its query heads,
+// the queries (pass 1) or the accumulators (pass 2) stay in registers while the request's rows stream
+// past; each row is converted to float in registers, never stored.
+template <typename V, typename T, int D>
+void attend_request_simd(const Request<T>& r, const float* qf, float* s, float* acc, int64_t Hq, int64_t Hkv,
+                         bool staged, Stager<T>& next) {
+  using Reg = typename V::Reg;
+  constexpr int NC = D / V::W;
   constexpr int64_t GB = NC <= 4 ? 12 / NC : 1;  // query heads per block: <= 12 registers of state
   const int64_t G = Hq / Hkv, total = r.total;
   for (int64_t h = 0; h < Hkv; ++h) {
     for (int64_t g0 = 0; g0 < G; g0 += GB) {
       const int64_t gb = std::min<int64_t>(GB, G - g0);
       const int64_t j0 = h * G + g0;
-      __m512 qv[GB][NC];
+      Reg qv[GB][NC];
       for (int64_t g = 0; g < GB; ++g)
-        for (int c = 0; c < NC; ++c) qv[g][c] = g < gb ? _mm512_loadu_ps(qf + (j0 + g) * D + c * 16) : _mm512_setzero_ps();
+        for (int c = 0; c < NC; ++c) qv[g][c] = g < gb ? V::load(qf + (j0 + g) * D + c * V::W) : V::zero();
       for (int64_t t = 0; t < total; ++t) {
         next.step();
         if (!staged) r.prefetch_key(t + kPrefetchAhead);
         const T* k = r.key(t) + h * D;
-        __m512 kv[NC];
-        for (int c = 0; c < NC; ++c) kv[c] = load16(k + c * 16);
+        Reg kv[NC];
+        for (int c = 0; c < NC; ++c) kv[c] = V::load(k + c * V::W);
         for (int64_t g = 0; g < GB; ++g) {
-          __m512 a = _mm512_mul_ps(qv[g][0], kv[0]);
-          for (int c = 1; c < NC; ++c) a = _mm512_fmadd_ps(qv[g][c], kv[c], a);
-          if (g < gb) s[(j0 + g) * total + t] = _mm512_reduce_add_ps(a);
+          Reg a = V::mul(qv[g][0], kv[0]);
+          for (int c = 1; c < NC; ++c) a = V::fmadd(qv[g][c], kv[c], a);
+          if (g < gb) s[(j0 + g) * total + t] = V::sum(a);
         }
       }
     }
@@ -201,22 +191,22 @@ void attend_request_avx512(const Request<T>& r, const float* qf, float* s, float
     for (int64_t g0 = 0; g0 < G; g0 += GB) {
       const int64_t gb = std::min<int64_t>(GB, G - g0);
       const int64_t j0 = h * G + g0;
-      __m512 av[GB][NC];
+      Reg av[GB][NC];
       for (int64_t g = 0; g < GB; ++g)
-        for (int c = 0; c < NC; ++c) av[g][c] = _mm512_setzero_ps();
+        for (int c = 0; c < NC; ++c) av[g][c] = V::zero();
       for (int64_t t = 0; t < total; ++t) {
         next.step();
         if (!staged) r.prefetch_value(t + kPrefetchAhead);
         const T* v = r.value(t) + h * D;
-        __m512 vv[NC];
-        for (int c = 0; c < NC; ++c) vv[c] = load16(v + c * 16);
+        Reg vv[NC];
+        for (int c = 0; c < NC; ++c) vv[c] = V::load(v + c * V::W);
         for (int64_t g = 0; g < GB; ++g) {
-          const __m512 p = _mm512_set1_ps(g < gb ? s[(j0 + g) * total + t] : 0.f);
-          for (int c = 0; c < NC; ++c) av[g][c] = _mm512_fmadd_ps(p, vv[c], av[g][c]);
+          const Reg p = V::set1(g < gb ? s[(j0 + g) * total + t] : 0.f);
+          for (int c = 0; c < NC; ++c) av[g][c] = V::fmadd(p, vv[c], av[g][c]);
         }
       }
       for (int64_t g = 0; g < gb; ++g)
-        for (int c = 0; c < NC; ++c) _mm512_storeu_ps(acc + (j0 + g) * D + c * 16, av[g][c]);
+        for (int c = 0; c < NC; ++c) V::store(acc + (j0 + g) * D + c * V::W, av[g][c]);
     }
   }
 }
@@ -249,17 +239,18 @@ void attend(const T* q, const T* rows, const int64_t* key_rows, const int64_t* l
       s.resize(Hq * r.total);
       load_row(q + b * Hq * D, qf.data(), Hq * D);
       for (int64_t i = 0; i < Hq * D; ++i) qf[i] *= scale;
-#if defined(__AVX512F__)
+#if defined(PDSERVE_SIMD)
       if (D == 64 || D == 128 || D == 32) {
+        using V = pdserve_simd::Simd;
         Stager<T> next;
         const Request<T> after = request(b + 1 < end ? b + 1 : b);
         if (b + 1 < end) {
           next.start(&after);
           staged = true;
         }
-        if (D == 64) attend_request_avx512<T, 4>(r, qf.data(), s.data(), acc.data(), Hq, Hkv, was_staged, next);
-        if (D == 128) attend_request_avx512<T, 8>(r, qf.data(), s.data(), acc.data(), Hq, Hkv, was_staged, next);
-        if (D == 32) attend_request_avx512<T, 2>(r, qf.data(), s.data(), acc.data(), Hq, Hkv, was_staged, next);
+        if (D == 64) attend_request_simd<V, T, 64>(r, qf.data(), s.data(), acc.data(), Hq, Hkv, was_staged, next);
+        if (D == 128) attend_request_simd<V, T, 128>(r, qf.data(), s.data(), acc.data(), Hq, Hkv, was_staged, next);
+        if (D == 32) attend_request_simd<V, T, 32>(r, qf.data(), s.data(), acc.data(), Hq, Hkv, was_staged, next);
       } else
 #endif
       {

@@ -1,5 +1,6 @@
 // One decoder layer of a CPU decode step as one operator call: the model's eager layer (runtime/models/
-// llama.py, `DecoderLayer.forward` on its bf16 / fp16 CPU path) op for op, called from C++.
+// llama.py, `DecoderLayer.forward` on its fused CPU path: bf16 / fp16, or a quantized fp32 model) op for
+// op, called from C++.
 //
 // Why: at batch 1 a layer is ~16 small operator calls, and each one made from Python costs a few
 // microseconds of argument parsing and dispatch; over 30 layers that was about a third of the bundled
@@ -13,7 +14,8 @@
 //                positions [T], cos, sin_signed, rows, key_rows, lens, k_offset, v_offset, scale, new_rows)
 //       -> (mlp_out [T, H], residual [T, H])
 // Each projection is [weight] (a plain linear: at::linear) or [dense, packed] (w4a16: pdserve's
-// int4_linear below dense_min_rows rows, else at::linear on the dense copy, as Int4WeightOnlyLinear does).
+// int4_linear below dense_min_rows rows, else at::linear on the dense copy, or where the dense tensor is
+// empty (no copy kept) the weights dequantized into a scratch and multiplied, as Int4WeightOnlyLinear does).
 // The attention is paged_decode_attention_store: this layer's new K and V stored, then attended.
 #include <ATen/ATen.h>
 #include <ATen/core/dispatch/Dispatcher.h>
@@ -35,9 +37,16 @@ using Opt = c10::optional<at::Tensor>;
 at::Tensor project(const at::Tensor& x, at::TensorList w, const Opt& bias, int64_t dense_min_rows) {
   static const auto int4 = op<at::Tensor(const at::Tensor&, const at::Tensor&, int64_t, const Opt&)>(
       "pdserve_cpu::int4_linear");
+  static const auto unpack = op<void(const at::Tensor&, at::Tensor&)>("pdserve_cpu::int4_unpack_t_");
   TORCH_CHECK(w.size() == 1 || w.size() == 2, "decode_layer: a projection is [weight] or [dense, packed]");
-  if (w.size() == 1 || x.size(0) >= dense_min_rows) return at::linear(x, w[0], bias);
-  return int4.call(x, w[1], w[0].size(0), bias);
+  if (w.size() == 1) return at::linear(x, w[0], bias);
+  const int64_t n = w[1].size(0) * 16, k = w[1].size(1) * 32;  // packed [N/16, K/32, 320]
+  if (x.size(0) < dense_min_rows) return int4.call(x, w[1], n, bias);
+  if (w[0].numel() > 0) return at::linear(x, w[0], bias);
+  at::Tensor w_t = at::empty({k, n}, x.options().dtype(at::kFloat));
+  unpack.call(w[1], w_t);
+  at::Tensor y = at::matmul(x.to(at::kFloat), w_t).to(x.scalar_type());
+  return bias.has_value() && bias->defined() ? y.add_(*bias) : y;
 }
 
 std::tuple<at::Tensor, at::Tensor> decode_layer(

@@ -2,10 +2,14 @@
 
 Sources: cpu_decode_attention.cpp (paged decode attention), cpu_fused_ops.cpp (RMSNorm, SiLU-and-mul
 and rotary in one pass each), cpu_sampling.cpp (greedy sampling), cpu_quant_linear.cpp (int8 / int4
-weight-only linears) and cpu_decode_layer.cpp (a bf16 decoder layer as one operator), with the shared
-row helpers of cpu_rows.h. `load()` compiles them (11.5 s cold, measured) with the host's compiler and instruction
-set (`-march=native`) into `TORCH_EXTENSIONS_DIR` (default ~/.cache/torch_extensions), under a name that
-hashes the sources, the torch version, the CPU's flags and both folders, and later processes reuse the build. Where
+weight-only linears) and cpu_decode_layer.cpp (a decoder layer as one operator), with the shared
+row helpers of cpu_rows.h and the vector registers of cpu_simd.h. `load()` compiles them (11.5 s cold,
+measured) with the host's compiler for the instruction set kernels/cpu_isa.py picks at run time (the
+host's own, `-march=native`, or the level `PDSERVE_CPU_ISA` caps it to) into `TORCH_EXTENSIONS_DIR`
+(default ~/.cache/torch_extensions), under a name that hashes the sources, the torch version, the CPU's
+flags, the target flags and both folders, and later processes reuse the build. Each kernel has an
+AVX-512 and an AVX2 (+ FMA, F16C) form where it has a vector form at all; `instruction_set()` says
+which this build runs. Where
 it cannot be built (no compiler, a build error), `load()` says why once and returns False, and every
 caller keeps its torch path. Each operator has a fake implementation, so `torch.compile` traces
 through them.
@@ -22,6 +26,8 @@ from pathlib import Path
 
 import torch
 
+from pdserve.kernels import cpu_isa
+
 log = logging.getLogger(__name__)
 
 _SOURCES = [
@@ -34,17 +40,13 @@ _SOURCES = [
         "cpu_decode_layer.cpp",
     )
 ]
-_HEADERS = [Path(__file__).with_name("cpu_rows.h")]
+_HEADERS = [Path(__file__).with_name(n) for n in ("cpu_rows.h", "cpu_simd.h")]
 
 
-def _cpu_flags() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("flags"):
-                return line
-    except OSError:
-        pass
-    return ""
+def _cflags() -> list[str]:
+    # -fopenmp: at::parallel_for is OpenMP code inlined from the headers; the library then uses the
+    # libgomp torch has loaded (same soname), not a second thread pool.
+    return ["-O3", *cpu_isa.compile_flags(), "-ffast-math", "-fopenmp"]
 
 
 def build_dir() -> Path:
@@ -52,7 +54,8 @@ def build_dir() -> Path:
     sources and torch lie (torch's build file names both paths: two checkouts or environments sharing
     one folder would rebuild it each time the other had loaded it)."""
     key = hashlib.sha256(b"".join(p.read_bytes() for p in _SOURCES + _HEADERS))
-    key.update(torch.__version__.encode() + _cpu_flags().encode())
+    key.update(torch.__version__.encode() + " ".join(sorted(cpu_isa.host_flags())).encode())
+    key.update(" ".join(_cflags()).encode())
     key.update(f"{Path(__file__).resolve().parent}|{Path(torch.__file__).resolve().parent}".encode())
     base = os.environ.get("TORCH_EXTENSIONS_DIR") or Path.home() / ".cache" / "torch_extensions"
     return Path(base) / f"pdserve_cpu_{key.hexdigest()[:12]}"
@@ -75,9 +78,7 @@ def load() -> bool:
             cpp_extension.load(
                 name=build.name,
                 sources=[str(p) for p in _SOURCES],
-                # -fopenmp: at::parallel_for is OpenMP code inlined from the headers; the library then
-                # uses the libgomp torch has loaded (same soname), not a second thread pool.
-                extra_cflags=["-O3", "-march=native", "-mprefer-vector-width=512", "-ffast-math", "-fopenmp"],
+                extra_cflags=_cflags(),
                 extra_ldflags=["-fopenmp"],
                 build_directory=str(build),
                 is_python_module=False,
@@ -96,6 +97,14 @@ def load() -> bool:
     torch.library.register_fake("pdserve_cpu::int4_linear")(_int4_linear_fake)
     torch.library.register_fake("pdserve_cpu::int8_linear")(_int8_linear_fake)
     return True
+
+
+def instruction_set() -> str:
+    """The vector registers the loaded build's kernels use: 'avx512', 'avx2', or 'none' (plain loops,
+    or no build at all)."""
+    if not load():
+        return "none"
+    return {512: "avx512", 256: "avx2"}.get(int(torch.ops.pdserve_cpu.simd_width()), "none")
 
 
 def _attention_fake(q, rows, key_rows, lens, k_offset, v_offset, scale, k_new=None, v_new=None):  # type: ignore[no-untyped-def]

@@ -2,7 +2,8 @@
 // 8-bit codes. A decode step at batch 1 is a stream of weight reads; these kernels keep that stream
 // fed, where torch's packed kernels reached ~10 GB/s on a machine whose caches give ~47 (measured, see
 // cpu_quant_linear.py). Both lay the weights out by blocks of 16 output rows, so that the 16 lanes of
-// an AVX-512 register are 16 output rows and each input value is broadcast: no horizontal sums.
+// an AVX-512 register (or two AVX2 registers of 8) are 16 output rows and each input value is
+// broadcast: no horizontal sums. One packed layout for every instruction set.
 //
 //   int4_linear(x [..., K], packed [N/16, K/32, 320] uint8, N, bias?) -> [..., N] in x's dtype: x is
 //       multiplied as bf16 and the result rounded to bf16 (as torch's int4 kernel takes and gives)
@@ -13,11 +14,17 @@
 //       one `vpternlogd` decodes 32 codes; AVX512-BF16's `vdpbf16ps` multiplies them by pairs of inputs
 //       (products exact in fp32, fp32 sums), and per group
 //           y += scale * sum((128 + q) x) + (minimum - 128 scale) * sum(x).
+//       Without AVX512-BF16 (AVX2 + FMA + F16C, or AVX-512 without BF16), x is multiplied as fp32 and the
+//       result kept in fp32 until it is returned in x's dtype: each nibble is shifted, masked and
+//       converted to fp32 (8 rows a register), y += scale * sum(q x) + minimum * sum(x) per group.
 //   int8_linear(x [..., K], packed [N/16, K, 16] int8, scale [N] fp32, bias?) -> [..., N] in x's dtype
 //       w = q * scale per output row (w8a16); codes widened to fp32 and multiplied by fp32 inputs.
+//   int4_unpack_t_(packed [N/16, K/32, 320], out [K, N] fp32): the dequantized weights, transposed
+//       (each input's 16 rows are contiguous there), for the many-row steps of a model that keeps no
+//       dense copy: out is a scratch the caller owns, and x @ out is torch's GEMM.
 //
-// Built only where the compiler targets AVX512-BF16 (int4) or AVX-512 (int8); `quant_linear_support()`
-// says which, and cpu_quant_linear.py keeps torch's kernels elsewhere.
+// The kernels need AVX2 + FMA + F16C at least (the build's target, cpu_isa.py); `quant_linear_support()`
+// says which this build has, and cpu_quant_linear.py keeps torch's kernels elsewhere.
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
@@ -26,11 +33,23 @@
 #include <c10/util/Optional.h>
 
 #include <cstdint>
+#include <cstring>
 #include <type_traits>
 #include <vector>
 
-#if defined(__AVX512F__)
+#if defined(__AVX512F__) || defined(__AVX2__)
 #include <immintrin.h>
+#endif
+
+#if defined(__AVX512F__)
+#define PDSERVE_QUANT_512 1  // int8 (and int4 with BF16) in 16-lane registers
+#elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+#define PDSERVE_QUANT_256 1  // both in two 8-lane registers per block
+#endif
+#if defined(__AVX512BF16__)
+#define PDSERVE_INT4_BF16 1
+#elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+#define PDSERVE_INT4_FP32 1
 #endif
 
 #include "cpu_rows.h"
@@ -52,10 +71,18 @@ inline const uint8_t* int4_group(const uint8_t* packed, int64_t block, int64_t g
 // 2-8 blocks (fewer rows, more blocks), so that enough independent sums and weight streams are in
 // flight. tile(MR, NB, m0, b0) computes rows m0 .. m0 + MR against blocks b0 .. b0 + NB; MR and NB
 // arrive as std::integral_constant, for the kernels' templates.
+// Sixteen AVX2 registers hold half the sums of 32 AVX-512 ones: half the blocks per tile there.
 template <typename Tile>
-void for_tiles(int64_t rows, int64_t begin, int64_t end, const Tile& tile) {
+void for_tiles(int64_t rows, int64_t begin, int64_t end, const Tile& tile, bool narrow) {
   auto blocks = [&](auto mr, int64_t m0) {
     constexpr int NB = mr() == 1 ? 8 : mr() == 2 ? 4 : 2;
+    if (narrow) {
+      constexpr int NN = NB / 2;
+      int64_t b = begin;
+      for (; b + NN <= end; b += NN) tile(mr, std::integral_constant<int, NN>{}, m0, b);
+      for (; b < end; ++b) tile(mr, std::integral_constant<int, 1>{}, m0, b);
+      return;
+    }
     int64_t b = begin;
     for (; b + NB <= end; b += NB) tile(mr, std::integral_constant<int, NB>{}, m0, b);
     for (; b < end; ++b) tile(mr, std::integral_constant<int, 1>{}, m0, b);
@@ -70,7 +97,7 @@ void for_tiles(int64_t rows, int64_t begin, int64_t end, const Tile& tile) {
   }
 }
 
-#if defined(__AVX512BF16__)
+#if defined(PDSERVE_INT4_BF16)
 // Rows m0 .. m0 + MR of x times blocks b0 .. b0 + NB of the packed int4 weights.
 template <int MR, int NB>
 void int4_tile(const uint16_t* x, const float* xsum, const uint8_t* packed, uint16_t* out, int64_t K,
@@ -129,6 +156,63 @@ void int4_tile(const uint16_t* x, const float* xsum, const uint8_t* packed, uint
 
 #endif
 
+#if defined(PDSERVE_INT4_FP32)
+// The fp32 form of int4_tile: rows m0 .. m0 + MR of x (fp32) times blocks b0 .. b0 + NB. A block's chunk
+// c is two 32-byte halves (rows 0-7, rows 8-15); in a half, lane l's 32 bits hold row l's codes of the
+// chunk's 8 inputs, input 8c + 2s + h at bit 4s + 16h. Per group, dot = sum(q x) in one register per
+// row, half and block (independent FMA chains), then acc += scale * dot + minimum * sum(x).
+template <int MR, int NB>
+void int4_tile_fp32(const float* x, const float* xsum, const uint8_t* packed, float* out, int64_t K, int64_t N,
+                    int64_t m0, int64_t b0) {
+  const int64_t groups = K / kGroup;
+  const __m256i nibble = _mm256_set1_epi32(0xf);
+  __m256 acc[MR][NB][2];
+  for (int m = 0; m < MR; ++m)
+    for (int b = 0; b < NB; ++b) acc[m][b][0] = acc[m][b][1] = _mm256_setzero_ps();
+  for (int64_t g = 0; g < groups; ++g) {
+    if (g + kPrefetchGroups < groups)
+      for (int b = 0; b < NB; ++b) {
+        const char* ahead = reinterpret_cast<const char*>(int4_group(packed, b0 + b, g + kPrefetchGroups, groups));
+        for (int64_t line = 0; line < kGroupBytes; line += 64) _mm_prefetch(ahead + line, _MM_HINT_T0);
+      }
+    __m256 dot[MR][NB][2];
+    for (int m = 0; m < MR; ++m)
+      for (int b = 0; b < NB; ++b) dot[m][b][0] = dot[m][b][1] = _mm256_setzero_ps();
+    const float* xg = x + g * kGroup;
+    for (int c = 0; c < 4; ++c) {
+#pragma GCC unroll 8
+      for (int i = 0; i < 8; ++i) {  // input 8c + i = 8c + 2s + h
+        const int shift = 4 * (i >> 1) + 16 * (i & 1);
+        __m256 xb[MR];
+        for (int m = 0; m < MR; ++m) xb[m] = _mm256_broadcast_ss(xg + (m0 + m) * K + 8 * c + i);
+        for (int b = 0; b < NB; ++b) {
+          const uint8_t* p = int4_group(packed, b0 + b, g, groups) + 64 * c;
+          for (int hh = 0; hh < 2; ++hh) {
+            const __m256i w = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 32 * hh));
+            const __m256 q = _mm256_cvtepi32_ps(_mm256_and_si256(_mm256_srli_epi32(w, shift), nibble));
+            for (int m = 0; m < MR; ++m) dot[m][b][hh] = _mm256_fmadd_ps(q, xb[m], dot[m][b][hh]);
+          }
+        }
+      }
+    }
+    for (int b = 0; b < NB; ++b) {
+      const uint8_t* sp = int4_group(packed, b0 + b, g, groups) + 256;
+      for (int hh = 0; hh < 2; ++hh) {
+        const __m256 scale = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(sp + 16 * hh)));
+        const __m256 minimum = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(sp + 32 + 16 * hh)));
+        for (int m = 0; m < MR; ++m) {
+          acc[m][b][hh] = _mm256_fmadd_ps(dot[m][b][hh], scale, acc[m][b][hh]);
+          acc[m][b][hh] = _mm256_fmadd_ps(_mm256_set1_ps(xsum[(m0 + m) * groups + g]), minimum, acc[m][b][hh]);
+        }
+      }
+    }
+  }
+  for (int m = 0; m < MR; ++m)
+    for (int b = 0; b < NB; ++b)
+      for (int hh = 0; hh < 2; ++hh) _mm256_storeu_ps(out + (m0 + m) * N + (b0 + b) * kRows + 8 * hh, acc[m][b][hh]);
+}
+#endif
+
 // x [..., K] as rows of K contiguous values in `dtype` (converted where it is another dtype).
 at::Tensor input_rows(const at::Tensor& x, const at::Tensor& packed, int64_t k, at::ScalarType dtype) {
   TORCH_CHECK(x.dim() >= 1 && x.size(-1) == k, "x has ", x.size(-1), " inputs, the weights take ", k);
@@ -147,41 +231,112 @@ at::Tensor output(at::Tensor out, const at::Tensor& x, int64_t n, const c10::opt
   return out;
 }
 
-at::Tensor int4_linear(const at::Tensor& x_in, const at::Tensor& packed, int64_t n,
-                       const c10::optional<at::Tensor>& bias) {
-#if defined(__AVX512BF16__)
+// sum(x) per row and group of 32 inputs, in float: the minimums' share of each group.
+std::vector<float> group_sums(const float* x, int64_t rows, int64_t k) {
+  const int64_t groups = k / kGroup;
+  std::vector<float> xsum(rows * groups);
+  for (int64_t m = 0; m < rows; ++m)
+    for (int64_t g = 0; g < groups; ++g) {
+      float s = 0.f;
+      for (int64_t i = 0; i < kGroup; ++i) s += x[m * k + g * kGroup + i];
+      xsum[m * groups + g] = s;
+    }
+  return xsum;
+}
+
+void check_int4(const at::Tensor& packed, int64_t n) {
   TORCH_CHECK(packed.dim() == 3 && packed.scalar_type() == at::kByte && packed.size(2) == kGroupBytes,
               "packed int4 weights must be [N/16, K/32, 320] uint8");
   TORCH_CHECK(packed.size(0) * kRows == n, "packed int4 weights have ", packed.size(0) * kRows, " rows, not ", n);
+}
+
+at::Tensor int4_linear(const at::Tensor& x_in, const at::Tensor& packed, int64_t n,
+                       const c10::optional<at::Tensor>& bias) {
+#if defined(PDSERVE_INT4_BF16)
+  check_int4(packed, n);
   const int64_t k = packed.size(1) * kGroup;
   const at::Tensor x = input_rows(x_in, packed, k, at::kBFloat16);
-  const int64_t rows = x.size(0), groups = k / kGroup, blocks = n / kRows;
+  const int64_t rows = x.size(0), blocks = n / kRows;
   at::Tensor out = at::empty({rows, n}, x.options());
   if (rows == 0) return output(out, x_in, n, bias);
   const uint16_t* xp = reinterpret_cast<const uint16_t*>(x.data_ptr());
-  std::vector<float> xsum(rows * groups), xf(k);  // sum(x) per row and group, in float
-  for (int64_t m = 0; m < rows; ++m) {
-    pdserve_rows::load_row(x.data_ptr<c10::BFloat16>() + m * k, xf.data(), k);
-    for (int64_t g = 0; g < groups; ++g) {
-      float s = 0.f;
-      for (int64_t i = 0; i < kGroup; ++i) s += xf[g * kGroup + i];
-      xsum[m * groups + g] = s;
-    }
-  }
+  std::vector<float> xf(rows * k);
+  for (int64_t m = 0; m < rows; ++m) pdserve_rows::load_row(x.data_ptr<c10::BFloat16>() + m * k, xf.data() + m * k, k);
+  const std::vector<float> xsum = group_sums(xf.data(), rows, k);
   const uint8_t* wp = packed.data_ptr<uint8_t>();
   uint16_t* op = reinterpret_cast<uint16_t*>(out.data_ptr());
   at::parallel_for(0, blocks, 8, [&](int64_t begin, int64_t end) {
     for_tiles(rows, begin, end, [&](auto mr, auto nb, int64_t m0, int64_t b0) {
       int4_tile<mr(), nb()>(xp, xsum.data(), wp, op, k, n, m0, b0);
-    });
+    }, false);
+  });
+  return output(out, x_in, n, bias);
+#elif defined(PDSERVE_INT4_FP32)
+  check_int4(packed, n);
+  const int64_t k = packed.size(1) * kGroup;
+  const at::Tensor x = input_rows(x_in, packed, k, at::kFloat);
+  const int64_t rows = x.size(0), blocks = n / kRows;
+  at::Tensor out = at::empty({rows, n}, x.options());
+  if (rows == 0) return output(out, x_in, n, bias);
+  const float* xp = x.data_ptr<float>();
+  const std::vector<float> xsum = group_sums(xp, rows, k);
+  const uint8_t* wp = packed.data_ptr<uint8_t>();
+  float* op = out.data_ptr<float>();
+  at::parallel_for(0, blocks, 4, [&](int64_t begin, int64_t end) {
+    for_tiles(rows, begin, end, [&](auto mr, auto nb, int64_t m0, int64_t b0) {
+      int4_tile_fp32<mr(), nb()>(xp, xsum.data(), wp, op, k, n, m0, b0);
+    }, true);
   });
   return output(out, x_in, n, bias);
 #else
-  TORCH_CHECK(false, "int4_linear needs AVX512-BF16, which this build does not target");
+  TORCH_CHECK(false, "int4_linear needs AVX2 + FMA + F16C, which this build does not target");
 #endif
 }
 
-#if defined(__AVX512F__)
+void int4_unpack_t_(const at::Tensor& packed, at::Tensor& out) {
+  TORCH_CHECK(packed.dim() == 3 && packed.scalar_type() == at::kByte && packed.size(2) == kGroupBytes &&
+                  packed.is_contiguous(),
+              "packed int4 weights must be contiguous [N/16, K/32, 320] uint8");
+  const int64_t blocks = packed.size(0), groups = packed.size(1), n = blocks * kRows, k = groups * kGroup;
+  TORCH_CHECK(out.dim() == 2 && out.size(0) == k && out.size(1) == n && out.scalar_type() == at::kFloat &&
+                  out.is_contiguous(),
+              "int4_unpack_t_: out must be contiguous float32 [K, N] = [", k, ", ", n, "]");
+  const uint8_t* wp = packed.data_ptr<uint8_t>();
+  float* op = out.data_ptr<float>();
+  at::parallel_for(0, blocks, 8, [&](int64_t begin, int64_t end) {
+    for (int64_t blk = begin; blk < end; ++blk)
+      for (int64_t g = 0; g < groups; ++g) {
+        const uint8_t* p = int4_group(wp, blk, g, groups);
+        const c10::Half* scale = reinterpret_cast<const c10::Half*>(p + 256);
+        const c10::Half* minimum = reinterpret_cast<const c10::Half*>(p + 288);
+        for (int64_t c = 0; c < 4; ++c)
+          for (int64_t i = 0; i < 8; ++i) {  // input 8c + i: nibble i / 2 of word 2l + i % 2
+            float* row = op + (g * kGroup + 8 * c + i) * n + blk * kRows;
+            const int shift = 4 * (i >> 1) + 16 * (i & 1);
+#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+            for (int hh = 0; hh < 2; ++hh) {
+              const __m256i w = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 64 * c + 32 * hh));
+              const __m256 q = _mm256_cvtepi32_ps(_mm256_and_si256(_mm256_srli_epi32(w, shift), _mm256_set1_epi32(0xf)));
+              const __m256 s = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 256 + 16 * hh)));
+              const __m256 lo = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 288 + 16 * hh)));
+              _mm256_storeu_ps(row + 8 * hh, _mm256_fmadd_ps(q, s, lo));
+            }
+#else
+            for (int64_t l = 0; l < kRows; ++l) {
+              uint32_t word;
+              std::memcpy(&word, p + 64 * c + 4 * l, 4);
+              const float q = static_cast<float>((word >> shift) & 0xfu);
+              row[l] = q * static_cast<float>(scale[l]) + static_cast<float>(minimum[l]);
+            }
+#endif
+          }
+        (void)scale;
+        (void)minimum;
+      }
+  });
+}
+
+#if defined(PDSERVE_QUANT_512)
 template <int MR, int NB>
 void int8_tile(const float* xf, const int8_t* packed, const float* scale, float* out, int64_t K, int64_t N,
                int64_t m0, int64_t b0) {
@@ -206,12 +361,41 @@ void int8_tile(const float* xf, const int8_t* packed, const float* scale, float*
                        _mm512_mul_ps(_mm512_add_ps(acc[m][b][0], acc[m][b][1]), s));
   }
 }
-
+constexpr bool kNarrowTiles = false;
+#elif defined(PDSERVE_QUANT_256)
+// AVX2: a block's 16 codes of one input widened in two halves of 8 rows; one FMA chain per half.
+template <int MR, int NB>
+void int8_tile(const float* xf, const int8_t* packed, const float* scale, float* out, int64_t K, int64_t N,
+               int64_t m0, int64_t b0) {
+  __m256 acc[MR][NB][2];
+  for (int m = 0; m < MR; ++m)
+    for (int b = 0; b < NB; ++b) acc[m][b][0] = acc[m][b][1] = _mm256_setzero_ps();
+  for (int64_t k = 0; k < K; ++k) {
+    __m256 xb[MR];
+    for (int m = 0; m < MR; ++m) xb[m] = _mm256_broadcast_ss(xf + (m0 + m) * K + k);
+    for (int b = 0; b < NB; ++b) {
+      const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(packed + ((b0 + b) * K + k) * kRows));
+      const __m256 w0 = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(raw));
+      const __m256 w1 = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_unpackhi_epi64(raw, raw)));
+      for (int m = 0; m < MR; ++m) {
+        acc[m][b][0] = _mm256_fmadd_ps(w0, xb[m], acc[m][b][0]);
+        acc[m][b][1] = _mm256_fmadd_ps(w1, xb[m], acc[m][b][1]);
+      }
+    }
+  }
+  for (int b = 0; b < NB; ++b)
+    for (int hh = 0; hh < 2; ++hh) {
+      const __m256 s = _mm256_loadu_ps(scale + (b0 + b) * kRows + 8 * hh);
+      for (int m = 0; m < MR; ++m)
+        _mm256_storeu_ps(out + (m0 + m) * N + (b0 + b) * kRows + 8 * hh, _mm256_mul_ps(acc[m][b][hh], s));
+    }
+}
+constexpr bool kNarrowTiles = true;
 #endif
 
 at::Tensor int8_linear(const at::Tensor& x_in, const at::Tensor& packed, const at::Tensor& scale,
                        const c10::optional<at::Tensor>& bias) {
-#if defined(__AVX512F__)
+#if defined(PDSERVE_QUANT_512) || defined(PDSERVE_QUANT_256)
   TORCH_CHECK(packed.dim() == 3 && packed.scalar_type() == at::kChar && packed.size(2) == kRows,
               "packed int8 weights must be [N/16, K, 16] int8");
   const int64_t k = packed.size(1), n = packed.size(0) * kRows;
@@ -228,22 +412,26 @@ at::Tensor int8_linear(const at::Tensor& x_in, const at::Tensor& packed, const a
   at::parallel_for(0, blocks, 8, [&](int64_t begin, int64_t end) {
     for_tiles(rows, begin, end, [&](auto mr, auto nb, int64_t m0, int64_t b0) {
       int8_tile<mr(), nb()>(xp, wp, sp, op, k, n, m0, b0);
-    });
+    }, kNarrowTiles);
   });
   return output(outf, x_in, n, bias);
 #else
-  TORCH_CHECK(false, "int8_linear needs AVX-512, which this build does not target");
+  TORCH_CHECK(false, "int8_linear needs AVX2 + FMA + F16C, which this build does not target");
 #endif
 }
 
-// Bit 0: int4_linear is built; bit 1: int8_linear is built.
+// Bit 0: int4_linear is built; bit 1: int8_linear is built; bit 2: int4_linear multiplies in bf16
+// (AVX512-BF16) rather than fp32.
 int64_t quant_linear_support() {
   int64_t bits = 0;
-#if defined(__AVX512BF16__)
+#if defined(PDSERVE_INT4_BF16) || defined(PDSERVE_INT4_FP32)
   bits |= 1;
 #endif
-#if defined(__AVX512F__)
+#if defined(PDSERVE_QUANT_512) || defined(PDSERVE_QUANT_256)
   bits |= 2;
+#endif
+#if defined(PDSERVE_INT4_BF16)
+  bits |= 4;
 #endif
   return bits;
 }
@@ -253,12 +441,14 @@ int64_t quant_linear_support() {
 TORCH_LIBRARY_FRAGMENT(pdserve_cpu, m) {
   m.def("int4_linear(Tensor x, Tensor packed, int n, Tensor? bias=None) -> Tensor");
   m.def("int8_linear(Tensor x, Tensor packed, Tensor scale, Tensor? bias=None) -> Tensor");
+  m.def("int4_unpack_t_(Tensor packed, Tensor(a!) out) -> ()");
   m.def("quant_linear_support() -> int");
 }
 
 TORCH_LIBRARY_IMPL(pdserve_cpu, CPU, m) {
   m.impl("int4_linear", &int4_linear);
   m.impl("int8_linear", &int8_linear);
+  m.impl("int4_unpack_t_", &int4_unpack_t_);
 }
 
 TORCH_LIBRARY_IMPL(pdserve_cpu, CompositeExplicitAutograd, m) { m.impl("quant_linear_support", &quant_linear_support); }

@@ -1,10 +1,13 @@
 """Weight-only quantized linears for few rows on CPU (cpu_quant_linear.cpp), with their packers and
 torch references.
 
-- `int4_linear(x [..., K], packed, n, bias=None) -> [..., n]`: x multiplied as bf16, the result
-  rounded to bf16 and returned in x's dtype; 4-bit codes, a scale and a minimum per group
-  of 32 inputs (GGUF's Q4_1), through AVX512-BF16 dot products. `pack_int4(q, scale, minimum)` lays
-  them out (scales and minimums as fp16, as a GGUF file stores them).
+- `int4_linear(x [..., K], packed, n, bias=None) -> [..., n]`: 4-bit codes, a scale and a minimum per
+  group of 32 inputs (GGUF's Q4_1). With AVX512-BF16, x is multiplied as bf16 and the result rounded
+  to bf16 (`int4_in_bf16()`); with AVX2 + FMA + F16C (or AVX-512 without BF16) in fp32. Either way
+  the result comes back in x's dtype. `pack_int4(q, scale, minimum)` lays them out (scales and
+  minimums as fp16, as a GGUF file stores them), one layout for every instruction set.
+- `int4_unpack_t_(packed, out)`: the dequantized weights, transposed, into out [K, N] float32, so that
+  a model without a dense copy multiplies many rows by torch's GEMM (`x @ out`).
 - `int8_linear(x [..., K], packed, scale [N] fp32, bias=None) -> [..., N] in x's dtype`: int8 codes, one scale
   per output row; `pack_int8(q)` lays them out.
 
@@ -26,9 +29,12 @@ from pdserve.kernels.cpu_library import load
 __all__ = [
     "INT4_GROUP",
     "ROWS",
+    "int4_dense_ref",
+    "int4_in_bf16",
     "int4_linear",
     "int4_linear_ref",
     "int4_packable",
+    "int4_unpack_t_",
     "int8_linear",
     "int8_linear_ref",
     "pack_int4",
@@ -47,6 +53,12 @@ def support() -> tuple[bool, bool]:
         return False, False
     bits = int(torch.ops.pdserve_cpu.quant_linear_support())
     return bool(bits & 1), bool(bits & 2)
+
+
+@functools.cache
+def int4_in_bf16() -> bool:
+    """Whether this build's int4_linear multiplies in bf16 (AVX512-BF16) rather than in fp32."""
+    return load() and bool(int(torch.ops.pdserve_cpu.quant_linear_support()) & 4)
 
 
 def int4_packable(n: int, k: int, scale: torch.Tensor, minimum: torch.Tensor) -> bool:
@@ -92,6 +104,11 @@ def int4_linear(
     return out
 
 
+def int4_unpack_t_(packed: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    torch.ops.pdserve_cpu.int4_unpack_t_(packed, out)
+    return out
+
+
 def int8_linear(
     x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None = None
 ) -> torch.Tensor:
@@ -99,15 +116,22 @@ def int8_linear(
     return out
 
 
-def int4_linear_ref(
-    x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, minimum: torch.Tensor
-) -> torch.Tensor:
-    """x @ W^T in float with W = q * scale + minimum per group (scales and minimums as fp16), rounded to bf16."""
-    n, k = q.shape
+def int4_dense_ref(q: torch.Tensor, scale: torch.Tensor, minimum: torch.Tensor) -> torch.Tensor:
+    """W = q * scale + minimum per group in float32, scales and minimums rounded through fp16 as packed."""
     s = scale.to(torch.float16).float().repeat_interleave(INT4_GROUP, dim=1)
     lo = minimum.to(torch.float16).float().repeat_interleave(INT4_GROUP, dim=1)
-    w = q.float() * s + lo
-    return (x.float() @ w.t()).to(torch.bfloat16)
+    return q.float() * s + lo
+
+
+def int4_linear_ref(
+    x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, minimum: torch.Tensor, bf16: bool | None = None
+) -> torch.Tensor:
+    """x @ W^T in float with W as `int4_dense_ref`: with `bf16` (default: as this build's kernel) x
+    rounded to bf16 first and the result rounded to bf16, else in float32."""
+    bf16 = int4_in_bf16() if bf16 is None else bf16
+    xf = x.to(torch.bfloat16).float() if bf16 else x.float()
+    y = xf @ int4_dense_ref(q, scale, minimum).t()
+    return y.to(torch.bfloat16) if bf16 else y
 
 
 def int8_linear_ref(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:

@@ -1,7 +1,7 @@
 // Greedy sampling on CPU: the index of each row's largest logit, the first of equal ones, and the first
 // NaN where a row has one (what `logits.max(dim=-1).indices` returns). One pass over the row with the
-// running maximum and its index in AVX-512 registers; torch's reduction with an index is not vectorized
-// and took ~2 ms for [64, 49152] floats. See cpu_sampling.py.
+// running maximum and its index in vector registers (AVX-512 or AVX2, cpu_simd.h); torch's reduction with
+// an index is not vectorized and took ~2 ms for [64, 49152] floats. See cpu_sampling.py.
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
@@ -12,11 +12,8 @@
 #include <cstring>
 #include <limits>
 
-#if defined(__AVX512F__)
-#include <immintrin.h>
-#endif
-
 #include "cpu_rows.h"
+#include "cpu_simd.h"
 
 namespace {
 
@@ -35,29 +32,28 @@ int64_t first_nan(const float* x, int64_t n) {
 int64_t argmax_row(const float* x, int64_t n) {
   int64_t i = 0, best_i = 0;
   float best = -std::numeric_limits<float>::infinity();
-#if defined(__AVX512F__)
-  if (n >= 16) {
-    __m512 vmax = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
-    __m512i vidx = _mm512_setzero_si512();
-    __m512i idx = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
-    const __m512i step = _mm512_set1_epi32(16);
-    __mmask16 nan = 0;
-    for (; i + 16 <= n; i += 16) {
-      const __m512 v = _mm512_loadu_ps(x + i);
-      nan |= _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
-      const __mmask16 gt = _mm512_cmp_ps_mask(v, vmax, _CMP_GT_OQ);  // strictly greater: a lane keeps its first
-      vmax = _mm512_mask_blend_ps(gt, vmax, v);
-      vidx = _mm512_mask_blend_epi32(gt, vidx, idx);
-      idx = _mm512_add_epi32(idx, step);
+#if defined(PDSERVE_SIMD)
+  using V = pdserve_simd::Simd;
+  if (n >= V::W) {
+    typename V::Reg vmax = V::set1(-std::numeric_limits<float>::infinity());
+    typename V::Idx vidx = V::idx_zero(), idx = V::iota();
+    typename V::Mask nan = V::none();
+    for (; i + V::W <= n; i += V::W) {
+      const typename V::Reg v = V::load(x + i);
+      nan = V::either(nan, V::nan(v));
+      const typename V::Mask gt = V::greater(v, vmax);  // strictly greater: a lane keeps its first
+      vmax = V::blend(gt, vmax, v);
+      vidx = V::blend(gt, vidx, idx);
+      idx = V::advance(idx);
     }
-    if (nan) return first_nan(x, n);
-    alignas(64) float lanes[16];
-    alignas(64) int32_t lane_idx[16];
-    _mm512_store_ps(lanes, vmax);
-    _mm512_store_si512(lane_idx, vidx);
+    if (V::any(nan)) return first_nan(x, n);
+    float lanes[V::W];
+    int32_t lane_idx[V::W];
+    V::store(lanes, vmax);
+    V::store(lane_idx, vidx);
     best_i = lane_idx[0];
     best = lanes[0];
-    for (int l = 1; l < 16; ++l)
+    for (int l = 1; l < V::W; ++l)
       if (lanes[l] > best || (lanes[l] == best && lane_idx[l] < best_i)) {
         best = lanes[l];
         best_i = lane_idx[l];
@@ -96,8 +92,22 @@ at::Tensor greedy(const at::Tensor& logits) {
   return out;
 }
 
+// The register width in bits of this build's vector kernels (cpu_simd.h), 0 where it has none.
+int64_t simd_width() {
+#if defined(PDSERVE_SIMD)
+  return PDSERVE_SIMD;
+#else
+  return 0;
+#endif
+}
+
 }  // namespace
 
-TORCH_LIBRARY_FRAGMENT(pdserve_cpu, m) { m.def("greedy(Tensor logits) -> Tensor"); }
+TORCH_LIBRARY_FRAGMENT(pdserve_cpu, m) {
+  m.def("greedy(Tensor logits) -> Tensor");
+  m.def("simd_width() -> int");
+}
 
 TORCH_LIBRARY_IMPL(pdserve_cpu, CPU, m) { m.impl("greedy", &greedy); }
+
+TORCH_LIBRARY_IMPL(pdserve_cpu, CompositeExplicitAutograd, m) { m.impl("simd_width", &simd_width); }

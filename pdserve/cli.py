@@ -62,6 +62,15 @@ def _generate(args: argparse.Namespace) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
+    from pdserve.kernels import cpu_isa
+
+    # PDSERVE_CPU_ISA: checked before anything runs, and torch's own kernels capped before torch starts
+    # (in this process and, through the environment, in every worker it launches).
+    try:
+        cpu_isa.apply_torch_env()
+    except ValueError as e:
+        print(f"pdserve: {e}", file=sys.stderr)
+        return 2
     parser = argparse.ArgumentParser(prog="pdserve", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
 

@@ -15,14 +15,22 @@ Modes (SGLang's names):
   dequantized on load, quantize back to the very same values (up to float rounding of the scales).
   The LM head takes int8 (as a GGUF file's Q8_0 output table), not int4.
 
-Batched steps and prefill (`dense_min_rows()` rows or more) run a dense copy of the dequantized weights
-in the model dtype, so a quantized model keeps both (memory is not what these modes save here; the
-few-row decode step's weight reads are). The embedding table stays in the model dtype (a row lookup, not a matmul); a tied LM head gets its
-own int8 copy. Norms, rotary and attention are untouched. CPU only: torch's packed kernels here are
-its CPU ones (a CUDA weight-only GEMM is not built yet), so a CUDA device is refused with a message.
+Where the dense path pays, batched steps and prefill (`dense_min_rows()` rows or more) multiply by a
+dense copy of the dequantized weights in the model dtype, so the model keeps both: with AVX512-BF16
+(the bf16 GEMM, AMX's above all, beats the weight-only kernels from a few rows on). Where pdserve's
+int4 kernel multiplies in fp32 (AVX2 + FMA + F16C, or AVX-512 without BF16), it keeps up with torch's
+fp32 GEMM at every batch size measured, so no dense copy is kept: few rows run the int4 kernel, and
+from `UNPACK_MIN_ROWS` rows (prefill) each projection's weights are dequantized into a scratch just
+before torch's GEMM (`int4_unpack_t_`). The int8 modules likewise keep no dense copy there (their
+kernel runs at any row count). `dense_plan()` says which applies on this host. The embedding table
+stays in the model dtype (a row lookup, not a matmul); a tied LM head gets its own int8 copy. Norms,
+rotary and attention are untouched. CPU only: torch's packed kernels here are its CPU ones (a CUDA
+weight-only GEMM is not built yet), so a CUDA device is refused with a message.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -37,24 +45,52 @@ __all__ = ["QUANT_MODES", "QuantizationError", "check_quantization", "quantize_m
 INT4_GROUP_SIZE = 32
 # Below this many rows w8a8 runs the weight-only int8 kernel (see the module docstring).
 W8A8_MIN_ROWS = 8
-# From this many rows every mode multiplies by a dense copy of the dequantized weights in the model
-# dtype: torch's weight-only kernels are built for the memory-bound few-row case, and their time grows
-# with the rows while a bf16 GEMM's hardly does. Measured as whole decode steps of the bundled model
-# (w4a16, bf16, 2 threads, Xeon Sapphire Rapids class with AMX; both thresholds interleaved in one
-# process, best of 3): at 6 rows 36.5 ms int4 against 40.7 dense, at 8 rows 36.5 against 39.3, at 9
-# rows 53.3 against 42.8 (the int4 kernel's time jumps between 8 and 9 rows), at 12 rows 50.3 against 42.0, at
-# 14 rows 61.9 against 49.2. Single projections on a hot cache put the crossover at 5 rows, but a
-# whole step streams 4x more bytes of bf16 weights than of int4 ones. `_int_mm` with its activation
-# quantization (w8a8) loses to the AMX bf16 GEMM too (gate_up 231 against 178 us at 8 rows). Without
-# AMX the bf16 GEMM is several times slower and 16 is kept (a batch-16 step measured on the same Xeon:
-# bf16 58 ms, w8a8 58, w4a16 78, w8a16 86); no AMX-less CPU has measured its own crossover yet.
+# Hosts whose int4 kernel multiplies in bf16 (AVX512-BF16): from this many rows every mode multiplies
+# by a dense copy of the dequantized weights in the model dtype: torch's weight-only kernels are built
+# for the memory-bound few-row case, and their time grows with the rows while a bf16 GEMM's hardly
+# does. Measured as whole decode steps of the bundled model (w4a16, bf16, 2 threads, Xeon Sapphire
+# Rapids class with AMX; both thresholds interleaved in one process, best of 3): at 6 rows 36.5 ms int4
+# against 40.7 dense, at 8 rows 36.5 against 39.3, at 9 rows 53.3 against 42.8 (the int4 kernel's time
+# jumps between 8 and 9 rows), at 12 rows 50.3 against 42.0, at 14 rows 61.9 against 49.2. Single
+# projections on a hot cache put the crossover at 5 rows, but a whole step streams 4x more bytes of
+# bf16 weights than of int4 ones. `_int_mm` with its activation quantization (w8a8) loses to the AMX
+# bf16 GEMM too (gate_up 231 against 178 us at 8 rows). Without AMX the bf16 GEMM is several times
+# slower and 16 is kept (a batch-16 step measured on the same Xeon: bf16 58 ms, w8a8 58, w4a16 78,
+# w8a16 86).
 DENSE_MIN_ROWS_AMX = 9
 DENSE_MIN_ROWS = 16
+# Hosts whose int4 kernel multiplies in fp32 (AVX2): no dense copy. The fp32 int4 kernel against
+# torch's fp32 GEMM on the dequantized weights (576x1536 and 1536x576, 2 threads, AMD EPYC AVX2-only):
+# 37 against 95 us at 1 row, 248 against 330 at 16, 1112 against 1282 at 64 (docs/benchmarks.md).
+# Dequantizing a projection into a scratch costs about a millisecond, so only prefill-sized batches
+# from this many rows take that path.
+UNPACK_MIN_ROWS = 256
+
+
+@dataclass(frozen=True)
+class DensePlan:
+    """How this host's quantized linears multiply many rows: `keep` a dense copy (used from
+    `min_rows` rows), or keep none and dequantize into a scratch from `min_rows` rows; `why` for the
+    start-up line."""
+
+    keep: bool
+    min_rows: int
+    why: str
+
+
+def dense_plan() -> DensePlan:
+    """The plan for this host (its flags under the PDSERVE_CPU_ISA cap, and its kernel build)."""
+    int4, _ = cpu_quant_linear.support()
+    if int4 and not cpu_quant_linear.int4_in_bf16():
+        return DensePlan(False, UNPACK_MIN_ROWS, "the fp32 int4 kernel keeps up with the fp32 GEMM")
+    if cpu_has_amx():
+        return DensePlan(True, DENSE_MIN_ROWS_AMX, "AMX bf16 GEMM from 9 rows")
+    return DensePlan(True, DENSE_MIN_ROWS, "dense GEMM from 16 rows")
 
 
 def dense_min_rows() -> int:
-    """The row count from which this host's quantized linears use their dense copy (see above)."""
-    return DENSE_MIN_ROWS_AMX if cpu_has_amx() else DENSE_MIN_ROWS
+    """The row count from which this host's quantized linears take their dense path (see above)."""
+    return dense_plan().min_rows
 
 
 class QuantizationError(ValueError):
@@ -99,12 +135,15 @@ def int4_grouped(w: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tenso
 class Int8WeightOnlyLinear(nn.Module):
     """y = x @ (q * scale)^T + bias, weights read as int8 (w8a16_int8): few rows through pdserve's
     `int8_linear` where this host's build has it (kernels/cpu_quant_linear.cpp), else
-    `aten._weight_int8pack_mm`; both multiply in float and scale by the scale in the activation dtype."""
+    `aten._weight_int8pack_mm`; both multiply in float and scale by the scale in the activation dtype.
+    Many rows take the dense copy where `dense_plan()` keeps one; where it keeps none, the kernel runs
+    at every row count and the module holds only its packed codes."""
 
-    qweight: torch.Tensor
+    keeps_codes = False  # whether the [N, K] codes stay beside the packed ones (w8a8's _int_mm reads them)
+    qweight: torch.Tensor | None
     scale: torch.Tensor
     bias: torch.Tensor | None
-    dense: torch.Tensor
+    dense: torch.Tensor | None
     packed: torch.Tensor | None
     scale_f32: torch.Tensor
 
@@ -112,25 +151,30 @@ class Int8WeightOnlyLinear(nn.Module):
         super().__init__()
         q, scale = int8_per_channel(weight)
         n = weight.shape[0]
-        self.register_buffer("qweight", q)  # [N, K] int8
+        fast = cpu_quant_linear.support()[1] and n % cpu_quant_linear.ROWS == 0
+        plan = dense_plan()
+        keep_dense = plan.keep or not fast
+        self.register_buffer("qweight", q if self.keeps_codes or not fast else None)  # [N, K] int8
         self.register_buffer("scale", scale.to(dtype))  # [N], the activation dtype (the kernel's rule)
         self.register_buffer("scale_f32", self.scale.float())
         self.register_buffer("bias", None if bias is None else bias.detach().to(dtype))
-        self.register_buffer("dense", (q.float() * scale[:, None]).to(dtype))
-        fast = cpu_quant_linear.support()[1] and n % cpu_quant_linear.ROWS == 0
+        self.register_buffer("dense", (q.float() * scale[:, None]).to(dtype) if keep_dense else None)
         self.register_buffer("packed", cpu_quant_linear.pack_int8(q) if fast else None)
         self.in_features, self.out_features = weight.shape[1], n
-        self.dense_min_rows = dense_min_rows()
+        self.dense_min_rows = plan.min_rows
         # the op looked up once: a decode step calls this ~120 times, and each Python-level step costs
         # a few microseconds
         self.fast_op = torch.ops.pdserve_cpu.int8_linear.default if fast else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.numel() // self.in_features >= self.dense_min_rows:  # rows, without a reshape
+        if (
+            self.dense is not None and x.numel() // self.in_features >= self.dense_min_rows
+        ):  # rows, no reshape
             return F.linear(x, self.dense, self.bias)
         if self.fast_op is not None:
             fast: torch.Tensor = self.fast_op(x, self.packed, self.scale_f32, self.bias)
             return fast
+        assert self.qweight is not None  # kept wherever there is no fast op
         x2 = x.reshape(-1, x.shape[-1])
         y: torch.Tensor = torch.ops.aten._weight_int8pack_mm(x2, self.qweight, self.scale)
         if self.bias is not None:
@@ -141,10 +185,12 @@ class Int8WeightOnlyLinear(nn.Module):
 class Int8DynamicLinear(Int8WeightOnlyLinear):
     """w8a8_int8: per-token dynamic int8 activations times int8 weights, int32 accumulation."""
 
+    keeps_codes = True
     qweight_t: torch.Tensor
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, dtype: torch.dtype):
         super().__init__(weight, bias, dtype)
+        assert self.qweight is not None
         self.register_buffer("qweight_t", self.qweight.t())  # [K, N] view, as _int_mm takes it
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -165,12 +211,13 @@ class Int4WeightOnlyLinear(nn.Module):
     """w4a16: w = q * scale + minimum per group of 32 along K. Few rows run pdserve's `int4_linear`
     (kernels/cpu_quant_linear.cpp: fp16 scales and minimums, as GGUF stores them) where this host's
     build has it, else tinygemm's packed int4 (`aten._weight_int4pack_mm_for_cpu`, bf16 scales and
-    zero points, w = (q - 8) * scale + zero)."""
+    zero points, w = (q - 8) * scale + zero). Many rows take the dense copy where `dense_plan()` keeps
+    one, else the weights dequantized into a scratch for that call (`int4_unpack_t_`)."""
 
     packed: torch.Tensor
     scales_zeros: torch.Tensor | None
     bias: torch.Tensor | None
-    dense: torch.Tensor
+    dense: torch.Tensor | None
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, dtype: torch.dtype, group: int):
         super().__init__()
@@ -183,6 +230,7 @@ class Int4WeightOnlyLinear(nn.Module):
             and group == cpu_quant_linear.INT4_GROUP
             and cpu_quant_linear.int4_packable(n, k, scale, lo)
         )
+        plan = dense_plan()
         if fast:
             self.register_buffer("packed", cpu_quant_linear.pack_int4(q, scale, lo))
             self.register_buffer("scales_zeros", None)
@@ -195,20 +243,28 @@ class Int4WeightOnlyLinear(nn.Module):
             self.register_buffer("scales_zeros", sz.transpose(0, 1).contiguous().to(torch.bfloat16))
         self.register_buffer("bias", None if bias is None else bias.detach().to(dtype))
         self.fast_op = torch.ops.pdserve_cpu.int4_linear.default if fast else None
-        dense = q.reshape(n, k // group, group).float() * scale[..., None] + lo[..., None]
-        self.register_buffer("dense", dense.reshape(n, k).to(dtype))
+        dense = None
+        if plan.keep or not fast:
+            dense = (q.reshape(n, k // group, group).float() * scale[..., None] + lo[..., None]).reshape(n, k)
+        self.register_buffer("dense", None if dense is None else dense.to(dtype))
         self.group = group
         self.in_features, self.out_features = k, n
-        self.dense_min_rows = dense_min_rows()
+        self.dense_min_rows = plan.min_rows
 
     def decode_weights(self) -> tuple[list[torch.Tensor], torch.Tensor | None] | None:
         """([dense, packed], bias) for the one-call CPU decode layer (kernels/cpu_decode_layer.py), which
-        makes forward's calls itself; None where forward runs torch's kernel instead."""
-        return ([self.dense, self.packed], self.bias) if self.fast_op is not None else None
+        makes forward's calls itself (an empty dense: none kept, the packed weights dequantized there);
+        None where forward runs torch's kernel instead."""
+        if self.fast_op is None:
+            return None
+        dense = self.dense if self.dense is not None else self.packed.new_empty(0, dtype=torch.float32)
+        return [dense, self.packed], self.bias
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.numel() // self.in_features >= self.dense_min_rows:  # rows, without a reshape
-            return F.linear(x, self.dense, self.bias)
+            if self.dense is not None:
+                return F.linear(x, self.dense, self.bias)
+            return self._unpacked(x)
         if self.fast_op is not None:
             fast: torch.Tensor = self.fast_op(x, self.packed, self.out_features, self.bias)
             return fast
@@ -219,6 +275,15 @@ class Int4WeightOnlyLinear(nn.Module):
         if self.bias is not None:
             y = y + self.bias
         return y.view(*x.shape[:-1], self.out_features)
+
+    def _unpacked(self, x: torch.Tensor) -> torch.Tensor:
+        """x @ W^T with W dequantized (fp32, transposed) into a scratch for this call only."""
+        w_t = x.new_empty(self.in_features, self.out_features, dtype=torch.float32)
+        cpu_quant_linear.int4_unpack_t_(self.packed, w_t)
+        y = (x.float() @ w_t).to(x.dtype)
+        if self.bias is not None:
+            y = y + self.bias
+        return y
 
 
 def quantized_linear(
@@ -256,4 +321,9 @@ def quantize_model(model: CausalLM, mode: str, dtype: torch.dtype) -> int:
                 count += 1
     head_weight = model.lm_head_weight
     model.lm_head_quant = quantized_linear(head_weight.data, None, head_mode(mode), dtype)
+    # A quantized model is no exactness reference: its fp32 forwards take the C++ fused ops and the
+    # one-call decode layer too (runtime/models/norm_rope.py, `cpu_fused`).
+    for m in model.modules():
+        if hasattr(m, "fused_fp32"):
+            setattr(m, "fused_fp32", True)  # noqa: B010 (any module that has the attribute)
     return count

@@ -32,6 +32,7 @@ from pdserve.runtime.grammar import make_grammar_backend as _make_grammar_backen
 from pdserve.runtime.host import startup_line
 from pdserve.runtime.kv_pool import KVGeometry, KVPool, PageAllocator, RequestPages
 from pdserve.runtime.loader import LoadedModel, load_model
+from pdserve.runtime.quant import dense_plan
 from pdserve.runtime.request import Request
 from pdserve.runtime.sampler import SampleOutput, Sampler
 from pdserve.runtime.sampling_batch import SamplingBatch
@@ -57,7 +58,9 @@ class ModelRunner:
             torch.set_num_threads(cfg.num_threads)
         self.loaded = loaded or load_model(cfg.model_path, cfg.dtype, str(self.device), cfg.quantization)
         self.model = self.loaded.model
-        log.info("runtime: %s", startup_line(self.device, self.loaded.dtype, self.loaded.quantization))
+        plan = dense_plan()
+        dense = f"{'dense copy' if plan.keep else 'no dense copy, dequantized'} from {plan.min_rows} rows: {plan.why}"
+        log.info("runtime: %s", startup_line(self.device, self.loaded.dtype, self.loaded.quantization, dense))
         self.spec = spec = self.loaded.spec
         self.context_length = cfg.context_length or spec.context_length
         self.geometry = KVGeometry(

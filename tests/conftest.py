@@ -15,7 +15,13 @@ import uuid
 from collections.abc import Callable
 
 import pytest
-import torch
+
+from pdserve.kernels import cpu_isa
+
+# PDSERVE_CPU_ISA=avx2 caps torch's own kernels too, which read their variables when torch starts.
+cpu_isa.apply_torch_env()
+
+import torch  # noqa: E402
 
 # Triton reads this when first imported: set it before any test module can import triton, so the
 # kernel tests run in the interpreter on machines without a GPU whatever the collection order.

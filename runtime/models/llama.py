@@ -44,6 +44,7 @@ class Attention(nn.Module):
             self.q_norm = RMSNorm(self.hd, spec.rms_norm_eps)
             self.k_norm = RMSNorm(self.hd, spec.rms_norm_eps)
         self.scale = self.hd**-0.5
+        self.fused_fp32 = False  # set by runtime/quant.py on a quantized model (norm_rope.cpu_fused)
 
     def forward(
         self,
@@ -63,7 +64,7 @@ class Attention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         if self.qk_norm or fused_kernels(x.device):
             q, k = rotary(positions, q, k)
-        elif cpu_fused(x):
+        elif cpu_fused(x, self.fused_fp32):
             # q and k lie side by side in qkv, a fresh tensor: one rotation in place covers both
             rotary.rotate_(positions, qkv[:, : (self.nq + self.nkv) * self.hd].view(T, -1, self.hd))
         else:
@@ -80,10 +81,11 @@ class MLP(nn.Module):
         super().__init__()
         self.gate_up_proj = nn.Linear(spec.hidden_size, 2 * spec.intermediate_size, bias=False)
         self.down_proj = nn.Linear(spec.intermediate_size, spec.hidden_size, bias=False)
+        self.fused_fp32 = False  # set by runtime/quant.py on a quantized model (norm_rope.cpu_fused)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate_up = self.gate_up_proj(x)
-        if cpu_fused(gate_up):
+        if cpu_fused(gate_up, self.fused_fp32):
             y: torch.Tensor = self.down_proj(cpu_fused_ops.silu_and_mul(gate_up))
             return y
         gate, up = gate_up.chunk(2, dim=-1)
@@ -197,8 +199,10 @@ class CausalLM(nn.Module):
             self.lm_head = None
         else:
             self.lm_head = nn.Linear(spec.hidden_size, spec.vocab_size, bias=False)
-        # Set by runtime/quant.py under --quantization: the head's quantized matmul.
+        # Set by runtime/quant.py under --quantization: the head's quantized matmul, and the C++ fused
+        # ops and one-call decode layer in fp32 too (norm_rope.cpu_fused).
         self.lm_head_quant: nn.Module | None = None
+        self.fused_fp32 = False
 
     @property
     def lm_head_weight(self) -> torch.Tensor:
@@ -232,10 +236,10 @@ class CausalLM(nn.Module):
         x = self.model.embed_tokens(input_ids)  # [T, hidden]
         self.rotary.prepare(positions, x.dtype)
         residual: torch.Tensor | None = None
-        # A CPU decode batch in bf16 / fp16 (CpuAttention.decode_args): each layer as one operator call
-        # where it can be
+        # A CPU decode batch in bf16 / fp16, or in fp32 of a quantized model (CpuAttention.decode_args):
+        # each layer as one operator call where it can be
         decode_args: Callable[[int, KVPool], cpu_decode_layer.DecodeAttention | None] | None = (
-            getattr(backend, "decode_args", None) if cpu_fused(x) else None
+            getattr(backend, "decode_args", None) if cpu_fused(x, self.fused_fp32) else None
         )
         cos, sin_signed = self.rotary.cos, self.rotary.sin_signed
         layers = cast("list[DecoderLayer]", self.model.layers)

@@ -1,7 +1,9 @@
 """The decoder's normalization and rotary embedding, and where fused kernels replace their torch ops.
 
-On CUDA, Triton kernels (`fused_kernels`); on CPU in bf16 / fp16 eager forwards, the C++ ops of
-kernels/cpu_fused_ops.py (`cpu_fused`); elsewhere torch's ops, the exactness reference.
+On CUDA, Triton kernels (`fused_kernels`); on CPU in bf16 / fp16 eager forwards, and in fp32 ones of a
+quantized model (whose modules runtime/quant.py marks `fused_fp32`), the C++ ops of
+kernels/cpu_fused_ops.py (`cpu_fused`); elsewhere torch's ops: the unquantized fp32 model is the
+exactness reference.
 """
 
 from __future__ import annotations
@@ -19,16 +21,18 @@ def fused_kernels(device: torch.device) -> bool:
     return device.type == "cuda"
 
 
-def cpu_fused(x: torch.Tensor) -> bool:
+def cpu_fused(x: torch.Tensor, fp32: bool = False) -> bool:
     """Whether the C++ RMSNorm, SiLU-and-mul and rotary (kernels/cpu_fused_ops.py) replace the torch ops
-    for activations like x: on CPU for bf16 / fp16, in eager forwards. fp32 (the exactness reference)
-    keeps torch's ops, and so does the compiled decode step, whose graph inductor fuses itself."""
-    return cpu_fused_for(x.device, x.dtype)
+    for activations like x: on CPU for bf16 / fp16, in eager forwards, and for fp32 where `fp32` (a
+    quantized model's modules). The unquantized fp32 model (the exactness reference) keeps torch's ops,
+    and so does the compiled decode step, whose graph inductor fuses itself."""
+    return cpu_fused_for(x.device, x.dtype, fp32)
 
 
-def cpu_fused_for(device: torch.device, dtype: torch.dtype) -> bool:
+def cpu_fused_for(device: torch.device, dtype: torch.dtype, fp32: bool = False) -> bool:
     """`cpu_fused` for activations of this device and dtype."""
-    if device.type != "cpu" or dtype not in (torch.bfloat16, torch.float16) or torch.compiler.is_compiling():
+    allowed = (torch.bfloat16, torch.float16, torch.float32) if fp32 else (torch.bfloat16, torch.float16)
+    if device.type != "cpu" or dtype not in allowed or torch.compiler.is_compiling():
         return False
     return cpu_fused_ops.load()
 
@@ -38,6 +42,7 @@ class RMSNorm(nn.Module):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(dim))
         self.eps = eps
+        self.fused_fp32 = False  # set by runtime/quant.py on a quantized model
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """The normalized x (any leading shape)."""
@@ -48,7 +53,7 @@ class RMSNorm(nn.Module):
             out = rms_norm(x.reshape(-1, x.shape[-1]), self.weight, self.eps)
             assert isinstance(out, torch.Tensor)  # no residual given: one tensor back
             return out.view(x.shape)
-        if cpu_fused(x):
+        if cpu_fused(x, self.fused_fp32):
             return cpu_fused_ops.rms_norm(x, self.weight, self.eps)  # the same roundings as below
         # Normalize in fp32 like transformers, then scale in the input dtype.
         if x.dtype == torch.float32:
@@ -66,7 +71,7 @@ class RMSNorm(nn.Module):
 
             out, total = rms_norm(x, self.weight, self.eps, residual=residual)
             return out, total
-        if cpu_fused(x):
+        if cpu_fused(x, self.fused_fp32):
             return cpu_fused_ops.add_rms_norm(x, residual, self.weight, self.eps)
         total = x + residual
         return self.forward(total), total
@@ -94,10 +99,11 @@ class Rotary(nn.Module):
         signed = torch.cat((-self.sin[:, :half], self.sin[:, half:]), dim=-1)
         self.register_buffer("sin_signed", signed, persistent=False)
         self._rows: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+        self.fused_fp32 = False  # set by runtime/quant.py on a quantized model
 
     def prepare(self, positions: torch.Tensor, dtype: torch.dtype) -> None:
         """The cos/sin rows [T, 1, D] of this forward's positions, in the activations' dtype."""
-        if fused_kernels(positions.device) or cpu_fused_for(positions.device, dtype):
+        if fused_kernels(positions.device) or cpu_fused_for(positions.device, dtype, self.fused_fp32):
             return  # the fused kernel reads the table itself
         cos = self.cos[positions].unsqueeze(1).to(dtype)
         sin = self.sin_signed[positions].unsqueeze(1).to(dtype)
@@ -112,7 +118,7 @@ class Rotary(nn.Module):
 
             apply_rotary_(q, k, self.cos, self.sin, positions)
             return q, k
-        if cpu_fused(q):
+        if cpu_fused(q, self.fused_fp32):
             self.rotate_(positions, q)
             self.rotate_(positions, k)
             return q, k

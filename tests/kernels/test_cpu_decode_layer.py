@@ -1,6 +1,7 @@
 """The one-call CPU decode layer (kernels/cpu_decode_layer.py) against the model's eager layer: the same
-outputs and the same pool contents, bit for bit, on tiny checkpoints in bf16, plain and w4a16; and the
-model's forward takes it exactly where it should."""
+outputs and the same pool contents, bit for bit, on tiny checkpoints in bf16 (plain and w4a16) and in
+fp32 (w4a16: a quantized model takes the fused path in fp32 too); and the model's forward takes it
+exactly where it should."""
 
 from __future__ import annotations
 
@@ -41,11 +42,13 @@ def _decode_case(loaded, prefix_lens: list[int], seed: int = 0) -> tuple[Forward
     return batch, pool
 
 
-@pytest.mark.parametrize("quantization", ["none", "w4a16"])
+@pytest.mark.parametrize(
+    "dtype,quantization", [("bfloat16", "none"), ("bfloat16", "w4a16"), ("float32", "w4a16")]
+)
 @pytest.mark.parametrize("name", ["llama3-rope-tied", "llama-untied", "qwen2-bias"])
 @pytest.mark.parametrize("prefix_lens", [[6], [5, 17, 1]])
-def test_each_layer_equals_the_eager_layer(tiny_folders, name, quantization, prefix_lens):
-    loaded = load_model(tiny_folders[name], dtype="bfloat16", quantization=quantization)
+def test_each_layer_equals_the_eager_layer(tiny_folders, name, dtype, quantization, prefix_lens):
+    loaded = load_model(tiny_folders[name], dtype=dtype, quantization=quantization)
     model = loaded.model
     batch, pool = _decode_case(loaded, prefix_lens)
     ref_pool = KVPool(pool.geometry, pool.kv.shape[0])
@@ -60,8 +63,8 @@ def test_each_layer_equals_the_eager_layer(tiny_folders, name, quantization, pre
         for layer in model.model.layers:
             weights = layer.decode_weights()
             if quantization == "w4a16" and not cpu_quant_linear.support()[0]:
-                # This host builds no int4 kernel (AVX2 without VNNI): its w4a16 linears are another
-                # kind, and the layer keeps the eager path, as decode_weights documents.
+                # This host builds no int4 kernel (no AVX2 + FMA + F16C): its w4a16 linears are
+                # torch's, and the layer keeps the eager path, as decode_weights documents.
                 assert weights is None
                 return
             assert weights is not None, "every layer of these models can run as one call"
@@ -81,11 +84,13 @@ def _layer_calls(model, batch: ForwardBatch, pool: KVPool, backend) -> int:
     return sum(e.name == OP for e in prof.events())
 
 
-@pytest.mark.parametrize("quantization", ["none", "w4a16"])
-def test_the_forward_takes_one_call_per_layer_for_cpu_decode_batches(tiny_folders, quantization):
-    loaded = load_model(tiny_folders["llama-untied"], dtype="bfloat16", quantization=quantization)
+@pytest.mark.parametrize(
+    "dtype,quantization", [("bfloat16", "none"), ("bfloat16", "w4a16"), ("float32", "w4a16")]
+)
+def test_the_forward_takes_one_call_per_layer_for_cpu_decode_batches(tiny_folders, dtype, quantization):
+    loaded = load_model(tiny_folders["llama-untied"], dtype=dtype, quantization=quantization)
     batch, pool = _decode_case(loaded, [3, 9])
-    # Without an int4 kernel on this host (AVX2 without VNNI) w4a16 layers keep the eager path.
+    # Without an int4 kernel on this host (no AVX2 + FMA + F16C) w4a16 layers keep the eager path.
     one_call = quantization != "w4a16" or cpu_quant_linear.support()[0]
     want = loaded.spec.num_layers if one_call else 0
     assert _layer_calls(loaded.model, batch, pool, CpuAttention()) == want

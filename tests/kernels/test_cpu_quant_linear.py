@@ -1,6 +1,8 @@
 """The few-row quantized linears in C++ (kernels/cpu_quant_linear.py) against their float references:
 exactly where every value is exact, closely on random weights, for every row-tile and block-tile shape,
-and the quantized modules taking them (or torch's kernels where a weight does not fit)."""
+and the quantized modules taking them (or torch's kernels where a weight does not fit). Which form ran
+(AVX-512 with bf16 products, or AVX2 / AVX-512 in fp32) is in the session's header line; the AVX2 form
+runs on AVX-512 hosts too, under PDSERVE_CPU_ISA=avx2 (tests/kernels/test_isa_cap.py)."""
 
 from __future__ import annotations
 
@@ -8,11 +10,22 @@ import pytest
 import torch
 
 from pdserve.kernels import cpu_quant_linear as ql
-from pdserve.runtime.quant import Int4WeightOnlyLinear, Int8WeightOnlyLinear, int4_grouped, int8_per_channel
+from pdserve.runtime.quant import (
+    UNPACK_MIN_ROWS,
+    Int4WeightOnlyLinear,
+    Int8WeightOnlyLinear,
+    dense_plan,
+    int4_grouped,
+    int8_per_channel,
+)
 
 INT4, INT8 = ql.support()
-needs_int4 = pytest.mark.skipif(not INT4, reason="this CPU's build has no AVX512-BF16 int4_linear")
-needs_int8 = pytest.mark.skipif(not INT8, reason="this CPU's build has no AVX-512 int8_linear")
+needs_int4 = pytest.mark.skipif(
+    not INT4, reason="this CPU's build has no int4_linear (needs AVX2 + FMA + F16C)"
+)
+needs_int8 = pytest.mark.skipif(
+    not INT8, reason="this CPU's build has no int8_linear (needs AVX2 + FMA + F16C)"
+)
 
 # Rows 1-9 cover the row tiles (4, 3, 2, 1 and their sums); 13 and 208/16 blocks leave tails after the
 # 8-, 4- and 2-block tiles and split unevenly between threads.
@@ -41,7 +54,7 @@ def test_int4_exact_where_every_value_is(n: int, k: int, rows: int) -> None:
     x = torch.randint(-2, 3, (rows, k), generator=_gen(rows)).to(torch.bfloat16)
     y = ql.int4_linear(x, ql.pack_int4(q, scale, minimum), n)
     assert y.dtype == torch.bfloat16 and y.shape == (rows, n)
-    assert torch.equal(y, ql.int4_linear_ref(x, q, scale, minimum))
+    assert torch.equal(y, ql.int4_linear_ref(x, q, scale, minimum).to(torch.bfloat16))
 
 
 @needs_int4
@@ -155,7 +168,8 @@ def test_modules_take_the_kernels_and_fall_back_where_a_weight_does_not_fit() ->
     assert (slow(x).float() - ref_tiny).abs().max() < 0.1 * ref_tiny.abs().max()
     head = Int8WeightOnlyLinear(w, None, torch.bfloat16)
     assert head.fast_op is not None
-    torch_kernel = torch.ops.aten._weight_int8pack_mm(x, head.qweight, head.scale)
+    q8, _ = int8_per_channel(w)
+    torch_kernel = torch.ops.aten._weight_int8pack_mm(x, q8, head.scale)
     assert (head(x).float() - torch_kernel.float()).abs().max() <= 2**-7 * torch_kernel.float().abs().max()
 
 
@@ -172,3 +186,37 @@ def test_modules_trace_whole_under_torch_compile() -> None:
     x = torch.randn(3, 128, generator=g).to(torch.bfloat16)
     compiled = torch.compile(mods, backend="aot_eager", fullgraph=True)
     assert torch.equal(compiled(x), mods(x))
+
+
+@needs_int4
+def test_unpacked_weights_are_the_dequantized_ones_transposed() -> None:
+    """int4_unpack_t_ gives exactly q * scale + minimum (fp16 scales), as [K, N]."""
+    q, scale, minimum = int4_grouped(torch.randn(208, 576, generator=_gen(11)) * 0.05, 32)
+    out = torch.full((576, 208), float("nan"))
+    ql.int4_unpack_t_(ql.pack_int4(q, scale, minimum), out)
+    assert torch.equal(out, ql.int4_dense_ref(q, scale, minimum).t())
+    with pytest.raises(RuntimeError, match=r"out must be contiguous float32 \[K, N\]"):
+        ql.int4_unpack_t_(ql.pack_int4(q, scale, minimum), torch.zeros(208, 576))
+
+
+@needs_int4
+@needs_int8
+def test_without_a_dense_copy_every_row_count_is_served() -> None:
+    """Where this host keeps no dense copy (the fp32 int4 kernel), the module holds only packed codes
+    and gives the dense product at few rows (kernel) and at many (dequantized into a scratch)."""
+    g = _gen(12)
+    w = torch.randn(96, 128, generator=g) * 0.05
+    lin = Int4WeightOnlyLinear(w, torch.randn(96, generator=g), torch.float32, 32)
+    head = Int8WeightOnlyLinear(w, None, torch.float32)
+    if dense_plan().keep:
+        assert lin.dense is not None and head.dense is not None
+        pytest.skip("this host keeps dense copies (int4 in bf16): nothing to check without one")
+    assert lin.dense is None and head.dense is None and head.qweight is None
+    q, scale, minimum = int4_grouped(w, 32)
+    dense = ql.int4_dense_ref(q, scale, minimum)
+    for rows in (1, 5, UNPACK_MIN_ROWS):
+        x = torch.randn(rows, 128, generator=g)
+        ref = x @ dense.t() + lin.bias
+        assert torch.allclose(lin(x), ref, rtol=1e-4, atol=1e-4)
+        ref8 = ql.int8_linear_ref(x, *int8_per_channel(w))
+        assert torch.allclose(head(x), ref8, rtol=1e-4, atol=1e-4)
