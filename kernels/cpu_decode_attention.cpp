@@ -155,17 +155,17 @@ void attend_request(const Request<T>& r, const float* qf, float* s, float* kv, f
 }
 
 #if defined(PDSERVE_SIMD)
-// Head size D, a multiple of the register width: for each KV head and block of GB of its query heads,
-// the queries (pass 1) or the accumulators (pass 2) stay in registers while the request's rows stream
-// past; each row is converted to float in registers, never stored.
+// Head size D, a multiple of the register width: for each KV head in [h0, h1) and block of GB of its
+// query heads, the queries (pass 1) or the accumulators (pass 2) stay in registers while the request's
+// rows stream past; each row is converted to float in registers, never stored.
 template <typename V, typename T, int D>
 void attend_request_simd(const Request<T>& r, const float* qf, float* s, float* acc, int64_t Hq, int64_t Hkv,
-                         bool staged, Stager<T>& next) {
+                         int64_t h0, int64_t h1, bool staged, Stager<T>& next) {
   using Reg = typename V::Reg;
   constexpr int NC = D / V::W;
   constexpr int64_t GB = NC <= 4 ? 12 / NC : 1;  // query heads per block: <= 12 registers of state
   const int64_t G = Hq / Hkv, total = r.total;
-  for (int64_t h = 0; h < Hkv; ++h) {
+  for (int64_t h = h0; h < h1; ++h) {
     for (int64_t g0 = 0; g0 < G; g0 += GB) {
       const int64_t gb = std::min<int64_t>(GB, G - g0);
       const int64_t j0 = h * G + g0;
@@ -186,8 +186,8 @@ void attend_request_simd(const Request<T>& r, const float* qf, float* s, float* 
       }
     }
   }
-  softmax_rows(s, Hq, total);
-  for (int64_t h = 0; h < Hkv; ++h) {
+  softmax_rows(s + h0 * G * total, (h1 - h0) * G, total);
+  for (int64_t h = h0; h < h1; ++h) {
     for (int64_t g0 = 0; g0 < G; g0 += GB) {
       const int64_t gb = std::min<int64_t>(GB, G - g0);
       const int64_t j0 = h * G + g0;
@@ -210,6 +210,16 @@ void attend_request_simd(const Request<T>& r, const float* qf, float* s, float* 
     }
   }
 }
+
+// attend_request_simd for a head size known at run time (32, 64 or 128).
+template <typename T>
+void attend_simd(int64_t D, const Request<T>& r, const float* qf, float* s, float* acc, int64_t Hq, int64_t Hkv,
+                 int64_t h0, int64_t h1, bool staged, Stager<T>& next) {
+  using V = pdserve_simd::Simd;
+  if (D == 64) attend_request_simd<V, T, 64>(r, qf, s, acc, Hq, Hkv, h0, h1, staged, next);
+  if (D == 128) attend_request_simd<V, T, 128>(r, qf, s, acc, Hq, Hkv, h0, h1, staged, next);
+  if (D == 32) attend_request_simd<V, T, 32>(r, qf, s, acc, Hq, Hkv, h0, h1, staged, next);
+}
 #endif
 
 template <typename T>
@@ -224,6 +234,32 @@ void attend(const T* q, const T* rows, const int64_t* key_rows, const int64_t* l
                       row,      k_offset,         v_offset, has_new ? k_new + b * row : nullptr,
                       has_new ? v_new + b * row : nullptr};
   };
+#if defined(PDSERVE_SIMD)
+  // Fewer requests than threads (batch 1 above all): one task per request and KV head, so that every
+  // thread has work; each reads only its head's share of the rows.
+  if (B < at::get_num_threads() && Hkv > 1 && (D == 64 || D == 128 || D == 32)) {
+    const int64_t G = Hq / Hkv;
+    at::parallel_for(0, B * Hkv, 1, [&](int64_t begin, int64_t end) {
+      std::vector<float> qf(Hq * D), acc(Hq * D), s;
+      Stager<T> none;  // no staging across tasks
+      for (int64_t i = begin; i < end; ++i) {
+        const int64_t b = i / Hkv, h = i % Hkv, j0 = h * G;
+        const Request<T> r = request(b);
+        T* o = out + (b * Hq + j0) * D;
+        if (r.total == 0) {
+          for (int64_t e = 0; e < G * D; ++e) o[e] = static_cast<T>(0.f);
+          continue;
+        }
+        s.resize(Hq * r.total);
+        load_row(q + (b * Hq + j0) * D, qf.data() + j0 * D, G * D);
+        for (int64_t e = j0 * D; e < (j0 + G) * D; ++e) qf[e] *= scale;
+        attend_simd<T>(D, r, qf.data(), s.data(), acc.data(), Hq, Hkv, h, h + 1, false, none);
+        for (int64_t e = 0; e < G * D; ++e) o[e] = static_cast<T>(acc[j0 * D + e]);
+      }
+    });
+    return;
+  }
+#endif
   at::parallel_for(0, B, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> qf(Hq * D), kv(row), acc(Hq * D), s;
     bool staged = false;  // whether the previous request prefetched this one's rows
@@ -241,16 +277,13 @@ void attend(const T* q, const T* rows, const int64_t* key_rows, const int64_t* l
       for (int64_t i = 0; i < Hq * D; ++i) qf[i] *= scale;
 #if defined(PDSERVE_SIMD)
       if (D == 64 || D == 128 || D == 32) {
-        using V = pdserve_simd::Simd;
         Stager<T> next;
         const Request<T> after = request(b + 1 < end ? b + 1 : b);
         if (b + 1 < end) {
           next.start(&after);
           staged = true;
         }
-        if (D == 64) attend_request_simd<V, T, 64>(r, qf.data(), s.data(), acc.data(), Hq, Hkv, was_staged, next);
-        if (D == 128) attend_request_simd<V, T, 128>(r, qf.data(), s.data(), acc.data(), Hq, Hkv, was_staged, next);
-        if (D == 32) attend_request_simd<V, T, 32>(r, qf.data(), s.data(), acc.data(), Hq, Hkv, was_staged, next);
+        attend_simd<T>(D, r, qf.data(), s.data(), acc.data(), Hq, Hkv, 0, Hkv, was_staged, next);
       } else
 #endif
       {

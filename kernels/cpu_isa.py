@@ -19,6 +19,8 @@ import functools
 import os
 import platform
 
+from pdserve import env
+
 __all__ = ["ISA_ENV", "LEVELS", "apply_torch_env", "cap", "compile_flags", "flags", "host_flags", "torch_env"]
 
 ISA_ENV = "PDSERVE_CPU_ISA"
@@ -30,7 +32,7 @@ _PAST_AVX512 = ("amx",)
 
 def cap() -> str:
     """The cap in force: `PDSERVE_CPU_ISA`, or `native`. An unknown value is an error naming it."""
-    value = os.environ.get(ISA_ENV, "native").strip().lower() or "native"
+    value = (env.cpu_isa_cap() or "native").strip().lower() or "native"
     if value not in LEVELS:
         raise ValueError(f"{ISA_ENV}={value!r} is not one of {', '.join(LEVELS)}")
     return value

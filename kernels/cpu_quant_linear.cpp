@@ -165,7 +165,7 @@ template <int MR, int NB>
 void int4_tile_fp32(const float* x, const float* xsum, const uint8_t* packed, float* out, int64_t K, int64_t N,
                     int64_t m0, int64_t b0) {
   const int64_t groups = K / kGroup;
-  const __m256i nibble = _mm256_set1_epi32(0xf);
+  const __m256i nibble = _mm256_set1_epi32(0xf), nibble_high = _mm256_set1_epi32(0xf0000);
   __m256 acc[MR][NB][2];
   for (int m = 0; m < MR; ++m)
     for (int b = 0; b < NB; ++b) acc[m][b][0] = acc[m][b][1] = _mm256_setzero_ps();
@@ -180,17 +180,27 @@ void int4_tile_fp32(const float* x, const float* xsum, const uint8_t* packed, fl
       for (int b = 0; b < NB; ++b) dot[m][b][0] = dot[m][b][1] = _mm256_setzero_ps();
     const float* xg = x + g * kGroup;
     for (int c = 0; c < 4; ++c) {
-#pragma GCC unroll 8
-      for (int i = 0; i < 8; ++i) {  // input 8c + i = 8c + 2s + h
-        const int shift = 4 * (i >> 1) + 16 * (i & 1);
-        __m256 xb[MR];
-        for (int m = 0; m < MR; ++m) xb[m] = _mm256_broadcast_ss(xg + (m0 + m) * K + 8 * c + i);
+      // Input 8c + 2s + h is nibble s of word h: one shift by 4s serves both words, the low word's code
+      // masked as q, the high word's as q * 65536 (converted exactly, its input scaled by 2^-16).
+#pragma GCC unroll 4
+      for (int sh = 0; sh < 4; ++sh) {
+        __m256 xb[MR][2];
+        for (int m = 0; m < MR; ++m) {
+          const float* xm = xg + (m0 + m) * K + 8 * c + 2 * sh;
+          xb[m][0] = _mm256_set1_ps(xm[0]);
+          xb[m][1] = _mm256_set1_ps(xm[1] * (1.f / 65536.f));
+        }
         for (int b = 0; b < NB; ++b) {
           const uint8_t* p = int4_group(packed, b0 + b, g, groups) + 64 * c;
           for (int hh = 0; hh < 2; ++hh) {
             const __m256i w = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 32 * hh));
-            const __m256 q = _mm256_cvtepi32_ps(_mm256_and_si256(_mm256_srli_epi32(w, shift), nibble));
-            for (int m = 0; m < MR; ++m) dot[m][b][hh] = _mm256_fmadd_ps(q, xb[m], dot[m][b][hh]);
+            const __m256i t = sh == 0 ? w : _mm256_srli_epi32(w, 4 * sh);
+            const __m256 q0 = _mm256_cvtepi32_ps(_mm256_and_si256(t, nibble));
+            const __m256 q1 = _mm256_cvtepi32_ps(_mm256_and_si256(t, nibble_high));
+            for (int m = 0; m < MR; ++m) {
+              dot[m][b][hh] = _mm256_fmadd_ps(q0, xb[m][0], dot[m][b][hh]);
+              dot[m][b][hh] = _mm256_fmadd_ps(q1, xb[m][1], dot[m][b][hh]);
+            }
           }
         }
       }

@@ -16,6 +16,9 @@ read when a process starts (argument parsing) or when a path is first needed, ne
   PDSERVE_ADMIN_API_KEY   --admin-api-key of the gateway (its operational endpoints)
   PDSERVE_CACHE_DIR       cache folder: dequantized GGUF weights, saved tokenizers
                           (unset: $XDG_CACHE_HOME/pdserve, else ~/.cache/pdserve)
+  PDSERVE_CPU_ISA         caps the CPU instructions pdserve and torch use: native (default), avx512,
+                          avx2 (kernels/cpu_isa.py; the CLI then sets ATEN_CPU_CAPABILITY,
+                          ONEDNN_MAX_CPU_ISA and MKL_ENABLE_INSTRUCTIONS for torch where unset)
   GLOO_SOCKET_IFNAME      network interface of the KV pair groups when TransferConfig.socket_ifname
                           is unset (gloo's own variable)
   OMP_WAIT_POLICY         read by the launchers only to leave a user's choice alone (OpenMP's own)
@@ -89,6 +92,10 @@ def api_key() -> str | None:
 
 def admin_api_key() -> str | None:
     return _get("PDSERVE_ADMIN_API_KEY")
+
+
+def cpu_isa_cap() -> str | None:
+    return _get("PDSERVE_CPU_ISA")
 
 
 def cache_dir() -> str:

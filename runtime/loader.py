@@ -25,7 +25,7 @@ from safetensors import safe_open
 from pdserve import env
 from pdserve.model_source import ModelSource, ModelSourceError, resolve_model_source
 from pdserve.progress import progress
-from pdserve.runtime.host import cpu_has_bf16
+from pdserve.runtime import cpu_calibration
 from pdserve.runtime.model_config import ModelSpec, rope_inv_freq
 from pdserve.runtime.models.llama import CausalLM
 from pdserve.runtime.models.norm_rope import Rotary
@@ -40,10 +40,14 @@ _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torc
 
 
 def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
-    """`auto`: bfloat16 on CUDA and on a CPU with BF16 instructions (its bf16 matmuls beat fp32 ones,
-    measured in docs/benchmarks.md), else float32."""
+    """`auto`: bfloat16 on CUDA; on CPU whichever this host's matmuls run faster, as measured once per
+    host (runtime/cpu_calibration.py: bf16 where it is at least 1.3x faster, else float32)."""
     if dtype == "auto":
-        return torch.bfloat16 if device.type == "cuda" or cpu_has_bf16() else torch.float32
+        if device.type == "cuda":
+            return torch.bfloat16
+        speeds = cpu_calibration.matmul_speeds()
+        log.info("dtype auto: %s", speeds.why())
+        return torch.bfloat16 if speeds.bf16_wins else torch.float32
     if dtype not in _DTYPES:
         raise ValueError(f"unknown dtype {dtype!r}; choose auto, {', '.join(_DTYPES)}")
     return _DTYPES[dtype]

@@ -50,6 +50,19 @@ def marked_processes(mark: str) -> list[int]:
     return found
 
 
+def pytest_report_header(config: pytest.Config) -> str:
+    """Which forms of the C++ kernels this run tests: the header names them (and the cap)."""
+    from pdserve.kernels import cpu_library, cpu_quant_linear
+
+    isa = cpu_library.instruction_set()
+    int4 = (
+        "none" if not cpu_quant_linear.support()[0] else "bf16" if cpu_quant_linear.int4_in_bf16() else "fp32"
+    )
+    return (
+        f"pdserve_cpu kernels: {isa} registers, int4 products in {int4} ({cpu_isa.ISA_ENV}={cpu_isa.cap()})"
+    )
+
+
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
     """The reaper: whatever this run started and is still running now is killed, and named."""
     if not os.path.isdir("/proc"):

@@ -172,11 +172,11 @@ def test_auto_serves_a_gguf_in_its_own_quantization(tiny_folders) -> None:
     """The defaults: the bundled Q4_1 GGUF on CPU is served as w4a16 in the host's fastest dtype;
     --dtype float32 (the exactness reference) and an HF checkpoint get unquantized weights."""
     from pdserve.model_source import resolve_model_source
-    from pdserve.runtime.host import cpu_has_bf16
+    from pdserve.runtime.cpu_calibration import matmul_speeds
     from pdserve.runtime.loader import gguf_weight_types, model_folder, resolve_dtype, resolve_quantization
 
     cpu = torch.device("cpu")
-    assert resolve_dtype("auto", cpu) == (torch.bfloat16 if cpu_has_bf16() else torch.float32)
+    assert resolve_dtype("auto", cpu) == (torch.bfloat16 if matmul_speeds().bf16_wins else torch.float32)
     assert RuntimeConfig().quantization == "auto" and RuntimeConfig(dtype="float32").quantization == "auto"
     bundled = resolve_model_source(None)
     folder = model_folder(bundled)
