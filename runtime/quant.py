@@ -286,6 +286,34 @@ class Int4WeightOnlyLinear(nn.Module):
         return y
 
 
+class PackedInt8Embedding(nn.Module):
+    """A tied embedding table read from its LM head's int8 codes (Int8WeightOnlyLinear's `packed`
+    [N/16, K, 16] and per-row scales): row i is q[i] * scale[i], the very weights the head multiplies
+    by, in the model dtype. Where the head keeps no dense copy, this saves the float table (113 MB for
+    the bundled model in fp32); the rows are the head's int8 rounding of the checkpoint's."""
+
+    packed: torch.Tensor
+    scale_f32: torch.Tensor
+
+    def __init__(self, head: Int8WeightOnlyLinear, dtype: torch.dtype):
+        super().__init__()
+        assert head.packed is not None
+        self.register_buffer("packed", head.packed, persistent=False)  # shared with the head
+        self.register_buffer("scale_f32", head.scale_f32, persistent=False)
+        self.dtype = dtype
+        self.num_embeddings, self.embedding_dim = head.out_features, head.in_features
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        rows = cpu_quant_linear.ROWS
+        codes = self.packed[ids // rows, :, ids % rows]  # [..., K] int8
+        return (codes.float() * self.scale_f32[ids].unsqueeze(-1)).to(self.dtype)
+
+    @property
+    def weight(self) -> torch.Tensor:
+        """The whole table, dequantized (a new tensor: for benchmarks, not for the forward)."""
+        return self.forward(torch.arange(self.num_embeddings))
+
+
 def quantized_linear(
     weight: torch.Tensor, bias: torch.Tensor | None, mode: str, dtype: torch.dtype
 ) -> nn.Module:
@@ -320,7 +348,15 @@ def quantize_model(model: CausalLM, mode: str, dtype: torch.dtype) -> int:
                 setattr(parent, name, quantized_linear(lin.weight.data, lin.bias, mode, dtype))
                 count += 1
     head_weight = model.lm_head_weight
-    model.lm_head_quant = quantized_linear(head_weight.data, None, head_mode(mode), dtype)
+    head = model.lm_head_quant = quantized_linear(head_weight.data, None, head_mode(mode), dtype)
+    # A tied table whose head keeps only packed codes: the embedding reads them too.
+    if (
+        model.lm_head is None
+        and type(head) is Int8WeightOnlyLinear
+        and head.packed is not None
+        and head.dense is None
+    ):
+        model.model.embed_tokens = PackedInt8Embedding(head, dtype)
     # A quantized model is no exactness reference: its fp32 forwards take the C++ fused ops and the
     # one-call decode layer too (runtime/models/norm_rope.py, `cpu_fused`).
     for m in model.modules():

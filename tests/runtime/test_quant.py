@@ -191,3 +191,22 @@ def test_auto_serves_a_gguf_in_its_own_quantization(tiny_folders) -> None:
     loaded = load_model(None)  # every default
     assert loaded.quantization == "w4a16" and loaded.dtype == resolve_dtype("auto", cpu)
     assert load_model(None, "float32").quantization == "none"
+
+
+def test_a_tied_embedding_reads_the_heads_int8_codes(tiny_folders) -> None:
+    """Where the int8 head keeps no dense copy, a tied model's embedding is the head's codes: each row
+    is q * scale, exactly the weights the head multiplies by, and the float table is gone."""
+    from pdserve.runtime.quant import PackedInt8Embedding, dense_plan, int8_per_channel
+
+    loaded = load_model(tiny_folders["llama3-rope-tied"], dtype="float32", quantization="w4a16")
+    model = loaded.model
+    emb = model.model.embed_tokens
+    if dense_plan().keep or model.lm_head_quant.packed is None:
+        assert isinstance(emb, torch.nn.Embedding)
+        pytest.skip("this host keeps dense copies: the float table stays")
+    assert isinstance(emb, PackedInt8Embedding) and emb.packed is model.lm_head_quant.packed
+    reference = load_model(tiny_folders["llama3-rope-tied"], dtype="float32").model.model.embed_tokens.weight
+    q, scale = int8_per_channel(reference)
+    ids = torch.tensor([[0, 5, 17], [reference.shape[0] - 1, 3, 3]])
+    assert torch.equal(emb(ids), (q.float() * scale[:, None])[ids])
+    assert torch.equal(emb.weight, q.float() * scale[:, None])
