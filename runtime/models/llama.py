@@ -172,7 +172,8 @@ class DecoderLayer(nn.Module):
 class DecoderModel(nn.Module):
     def __init__(self, spec: ModelSpec):
         super().__init__()
-        self.embed_tokens = nn.Embedding(spec.vocab_size, spec.hidden_size)
+        # nn.Embedding, or a quantized model's PackedInt8Embedding (runtime/quant.py)
+        self.embed_tokens: nn.Module = nn.Embedding(spec.vocab_size, spec.hidden_size)
         self.layers = nn.ModuleList(DecoderLayer(spec, i) for i in range(spec.num_layers))
         self.norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
 
@@ -206,7 +207,9 @@ class CausalLM(nn.Module):
 
     @property
     def lm_head_weight(self) -> torch.Tensor:
-        return self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        assert isinstance(weight, torch.Tensor)
+        return weight
 
     @torch.inference_mode()
     def forward(
