@@ -21,6 +21,7 @@ BENCHMARKS = {
     "weights": "pdserve.bench.bench_weights",
     "quant": "pdserve.bench.bench_quant",
     "ttft": "pdserve.bench.bench_ttft",
+    "cpu": "pdserve.bench.bench_cpu",
 }
 
 # role -> module with `add_cli_args(parser)` and `main(args)`

@@ -21,3 +21,26 @@ def test_bench_help(name):
     )
     assert r.returncode == 0, r.stderr[-2000:]
     assert "usage" in r.stdout.lower(), r.stdout[:500]
+
+
+def test_bench_cpu_prints_each_kernel_beside_torch():
+    """One tiny round of `pdserve bench cpu`: a row per row count and per batch, each with its ratio."""
+    from pdserve.kernels import cpu_quant_linear
+
+    r = subprocess.run(
+        pdserve_command(
+            "bench", "cpu", "--rows", "1,3", "--batches", "1", "--context", "20", "--repeats", "1"
+        ),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    if not all(cpu_quant_linear.support()):
+        assert r.returncode == 1 and "not built" in r.stdout
+        return
+    assert r.returncode == 0, r.stderr[-2000:]
+    lines = r.stdout.splitlines()
+    assert lines[0].startswith("pdserve_cpu kernels: ")
+    rows = [line.split() for line in lines if line.split() and line.split()[0] in ("1", "3")]
+    assert [row[0] for row in rows] == ["1", "3", "1"]  # two linear rows, one attention row
+    assert all(row[3].endswith("x") and float(row[3][:-1]) > 0 for row in rows[:2])
