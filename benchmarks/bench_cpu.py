@@ -60,33 +60,43 @@ def _linears(rows: list[int], repeats: int) -> None:
     print("rows  int4 ms  fp32 GEMM ms  ratio  unpack+GEMM ms | int8 head ms  fp32 head ms  ratio")
     for m in rows:
         xs = {k: torch.randn(m, k, generator=g) for k in {k for _, k in PROJECTIONS} | {HEAD[1]}}
-
-        def int4() -> None:
-            for packed, _, n, k in layers:
-                ql.int4_linear(xs[k], packed, n)
-
-        def dense() -> None:
-            for _, w, _, k in layers:
-                F.linear(xs[k], w)
-
-        def unpacked() -> None:
-            for packed, _, n, k in layers:
-                w_t = scratch[(n, k)]
-                ql.int4_unpack_t_(packed, w_t)
-                xs[k] @ w_t
-
-        fns: dict[str, Callable[[], object]] = {
-            "int4": int4,
-            "dense": dense,
-            "unpack": unpacked,
-            "head8": lambda: ql.int8_linear(xs[HEAD[1]], head_packed, hs),
-            "head32": lambda: F.linear(xs[HEAD[1]], head_dense),
-        }
-        t = _best_ms(fns, repeats)
+        t = _best_ms(_linear_fns(xs, layers, scratch, (head_packed, hs, head_dense)), repeats)
         print(
             f"{m:4d}  {t['int4']:7.2f}  {t['dense']:12.2f}  {t['dense'] / t['int4']:5.2f}x  {t['unpack']:14.2f} |"
             f" {t['head8']:12.2f}  {t['head32']:12.2f}  {t['head32'] / t['head8']:5.2f}x"
         )
+
+
+def _linear_fns(
+    xs: dict[int, torch.Tensor],
+    layers: list[tuple[torch.Tensor, torch.Tensor, int, int]],
+    scratch: dict[tuple[int, int], torch.Tensor],
+    head: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
+) -> dict[str, Callable[[], object]]:
+    """One step's linears at the rows of xs, each way."""
+    head_packed, head_scale, head_dense = head
+
+    def int4() -> None:
+        for packed, _, n, k in layers:
+            ql.int4_linear(xs[k], packed, n)
+
+    def dense() -> None:
+        for _, w, _, k in layers:
+            F.linear(xs[k], w)
+
+    def unpacked() -> None:
+        for packed, _, n, k in layers:
+            w_t = scratch[(n, k)]
+            ql.int4_unpack_t_(packed, w_t)
+            xs[k] @ w_t
+
+    return {
+        "int4": int4,
+        "dense": dense,
+        "unpack": unpacked,
+        "head8": lambda: ql.int8_linear(xs[HEAD[1]], head_packed, head_scale),
+        "head32": lambda: F.linear(xs[HEAD[1]], head_dense),
+    }
 
 
 def _attention(batches: list[int], context: int, repeats: int) -> None:
@@ -106,17 +116,24 @@ def _attention(batches: list[int], context: int, repeats: int) -> None:
         tables = [[perm[i * pages + j] for j in range(pages)] for i in range(b)]
         batch = ForwardBatch.build(ForwardMode.DECODE, [[1]] * b, [context] * b, tables, page)
         q, k, v = torch.randn(b, 9, 64), torch.randn(b, 3, 64), torch.randn(b, 3, 64)
-        fns: dict[str, Callable[[], object]] = {}
-        for name, backend in (("cpu", CpuAttention()), ("torch", TorchAttention())):
-
-            def run(backend=backend) -> None:  # type: ignore[no-untyped-def]
-                backend.prepare(batch, pool)
-                for layer in range(LAYERS):
-                    backend.forward(q, k, v, layer, pool, 0.125)
-
-            fns[name] = run
+        fns = {
+            name: _attention_fn(be, batch, pool, (q, k, v))
+            for name, be in (("cpu", CpuAttention()), ("torch", TorchAttention()))
+        }
         t = _best_ms(fns, repeats)
         print(f"{b:5d}  {t['cpu']:40.2f}  {t['torch']:22.2f}  {t['torch'] / t['cpu']:5.2f}x")
+
+
+def _attention_fn(backend, batch, pool, qkv) -> Callable[[], object]:  # type: ignore[no-untyped-def]
+    """The attention of one decode step's 30 layers through `backend`."""
+    q, k, v = qkv
+
+    def run() -> None:
+        backend.prepare(batch, pool)
+        for layer in range(LAYERS):
+            backend.forward(q, k, v, layer, pool, 0.125)
+
+    return run
 
 
 def main(argv: list[str] | None = None) -> int:
