@@ -19,6 +19,10 @@ turns in order, conversations concurrently; it reports per turn the median TTFT 
     pdserve bench serving --launch-pdserve --launch-pdserve-variant nocache=--disable-radix-cache \\
         --dataset multiturn --num-prompts 4 --num-turns 4 --max-concurrency 2
 
+Servers the benchmark launches are also weighed: the PSS of each one's whole process tree (every
+worker and the gateway of `pdserve up`), idle once all are up, and its peak during each run (sampled
+every 0.5 s), reported beside the throughput (benchmarks/process_memory.py; Linux).
+
 Ratios in the comparison table are first target / other target. Requests always stream.
 TTFT is the time to the first non-empty content chunk, ITL the gaps between content chunks,
 TPOT (e2e - ttft) / (output_tokens - 1). Output tokens come from the server's `usage`
@@ -33,13 +37,17 @@ import json
 import os
 import sys
 import tempfile
+import time
 from dataclasses import asdict, replace
 
 import httpx
 
 from pdserve.bench.launch_servers import Launched, launch_all, wait_healthy
+from pdserve.bench.process_memory import MemorySampler
 from pdserve.bench.serving_report import (
+    add_memory,
     format_comparison,
+    format_memory,
     format_result,
     format_server,
     format_turns,
@@ -161,7 +169,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    "(e.g. nocache=--disable-radix-cache)")  # fmt: skip
     p.add_argument("--launch-transformers-serve", action="store_true", help="start `transformers serve` too")
     # Unbounded, transformers' continuous batching sizes its KV cache to ~90% of free memory (host RAM
-    # on CPU); these match pdserve's default CPU pool (32768 tokens) and chunked prefill (2048).
+    # on CPU); these bound it to 32768 tokens (128 blocks of 256) and its batches to pdserve's chunked
+    # prefill (2048).
     p.add_argument("--transformers-args", default="--cb-num-blocks 128 --cb-max-batch-tokens 2048",
                    help="extra flags for the launched transformers serve (default: %(default)s)")  # fmt: skip
     p.add_argument("--launch-llama-server", default=None, metavar="PATH",
@@ -187,8 +196,18 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     return args
 
 
+# After every launched server is healthy, this long before its idle memory is read: start-up's last
+# allocations and frees (a worker's first registration, the gateway's first health check) settle.
+IDLE_SETTLE_S = 3.0
+
+
 def _pool(runs: list[tuple[list[RequestResult], float]]) -> dict:
     return summarize([r for rs, _ in runs for r in rs], sum(d for _, d in runs))
+
+
+def _peak(peaks: list[int | None]) -> int | None:
+    known = [p for p in peaks if p is not None]
+    return max(known) if known else None
 
 
 def _prompts(args: argparse.Namespace, n: int, tok) -> list[Prompt]:
@@ -212,8 +231,14 @@ def _samples(pooled: dict[tuple[str, int], list]) -> dict[tuple[str, int], dict[
 
 
 async def _bench(
-    args: argparse.Namespace, targets: list[Target]
+    args: argparse.Namespace,
+    targets: list[Target],
+    memory: MemorySampler | None = None,
+    idle: dict[str, int] | None = None,
 ) -> tuple[list[dict], list[dict], dict[tuple[str, int], dict[str, list[float]]]]:
+    """Every (level, round, target) run; `memory` samples the launched servers (by target name), whose
+    idle PSS is `idle`: each run's metrics carry the server's idle PSS and its peak during the run."""
+    idle = idle or {}
     cfg = RunConfig(args.backend, args.temperature, args.request_timeout, args.fresh_connections)
     levels = _levels(args)
     need_tok = args.dataset == "random" or args.no_usage or args.tokenizer is not None
@@ -225,6 +250,7 @@ async def _bench(
         t = t if t.model else replace(t, model=_model_id(t.url))
         targets[i] = await warm_up(cfg, t, prompts, args.warmup_requests, count_tokens)
     pooled: dict[tuple[str, int], list] = {}
+    peaks: dict[tuple[str, int], list[int | None]] = {}
     pooled_convs: dict[tuple[str, int], list[list[RequestResult]]] = {}
     runs = []
     for li, (conc, n) in enumerate(levels):
@@ -238,6 +264,8 @@ async def _bench(
             for t in order:
                 run = {"target": t.name, "url": t.url, "concurrency": conc, "num_prompts": n, "round": rnd}
                 before = server_counters(t.url)
+                if memory is not None:
+                    memory.take_peaks()  # the run's window starts here
                 if multiturn:
                     by_conv, dur = await run_conversations(cfg, t, convs, conc, count_tokens)
                     res = [r for c in by_conv for r in c]
@@ -247,8 +275,10 @@ async def _bench(
                     res, dur = await run_level(
                         cfg, t, prompts[:n], conc, args.request_rate, args.seed, count_tokens
                     )
-                m = run["metrics"] = summarize(res, dur)
+                peak = memory.take_peaks().get(t.name) if memory is not None else None
+                m = run["metrics"] = add_memory(summarize(res, dur), idle.get(t.name), peak)
                 pooled.setdefault((t.name, conc), []).append((res, dur))
+                peaks.setdefault((t.name, conc), []).append(peak)
                 runs.append(run)
                 print(format_result(t.name, args.backend, conc, args.request_rate, m), flush=True)
                 after = server_counters(t.url)
@@ -258,7 +288,10 @@ async def _bench(
                     print(server, flush=True)
     summary = []
     for conc, n in levels:
-        ms = [_pool(pooled[(t.name, conc)]) for t in targets]
+        ms = [
+            add_memory(_pool(pooled[(t.name, conc)]), idle.get(t.name), _peak(peaks[(t.name, conc)]))
+            for t in targets
+        ]
         summary += [{"target": t.name, "concurrency": conc, "num_prompts": n, "metrics": m}
                     for t, m in zip(targets, ms)]  # fmt: skip
         if len(targets) > 1:
@@ -279,12 +312,21 @@ def main(argv: list[str] | None = None) -> int:
     log_dir = args.launch_log_dir or tempfile.mkdtemp(prefix="pdserve-bench-")
     os.makedirs(log_dir, exist_ok=True)
     launched = launch_all(args, log_dir)
+    memory = MemorySampler({s.name: s.proc.pid for s in launched}) if launched else None
     try:
         for s in launched:
             wait_healthy(s, args.launch_timeout)
+        idle: dict[str, int] = {}
+        if memory is not None:
+            time.sleep(IDLE_SETTLE_S)
+            idle = memory.sample()
+            print(format_memory("memory idle (PSS of each launched server's process tree)", idle), flush=True)
+            memory.start()
         targets = _targets(args, launched)
-        runs, summary, samples = asyncio.run(_bench(args, targets))
+        runs, summary, samples = asyncio.run(_bench(args, targets, memory, idle))
     finally:
+        if memory is not None:
+            memory.stop()
         for s in launched:
             s.stop()
     if args.output_json:

@@ -1,5 +1,5 @@
 """The serving benchmark's numbers: per-run metrics, per-turn TTFT and cache hits, pdserve's own
-KV-transfer counters, and the tables printed from them."""
+KV-transfer counters, the memory of the servers the benchmark launched, and the tables printed from them."""
 
 from __future__ import annotations
 
@@ -142,11 +142,29 @@ _ROWS = [  # (label, metric key)
     ("Total generated tokens", "total_output_tokens"), ("Cache hit rate", "cache_hit_rate"),
     ("Mean output tokens/request", "mean_output_len"),
     ("Request throughput (req/s)", "request_throughput"), ("Input token throughput (tok/s)", "input_throughput"),
-    ("Output token throughput (tok/s)", "output_throughput"), ("Concurrency (observed)", "concurrency"),
+    ("Output token throughput (tok/s)", "output_throughput"),
+    # Launched servers only (process_memory.py): the PSS of the server's process tree, idle after start-up
+    # and the highest sample during the run(s).
+    ("Memory idle, PSS (GB)", "idle_pss_gb"), ("Memory peak, PSS (GB)", "peak_pss_gb"),
+    ("Concurrency (observed)", "concurrency"),
 ] + [
     (f"{s.capitalize()} {n.upper()} (ms)", f"{s}_{n}_ms")
     for n in ("ttft", "itl", "tpot", "e2e") for s in ("mean", "median", "p99")
 ]  # fmt: skip
+
+
+def add_memory(m: dict, idle: int | None, peak: int | None) -> dict:
+    """`m` with the server's idle and peak PSS in GB (1e9 bytes), for those known; returns `m`."""
+    if idle is not None:
+        m["idle_pss_gb"] = idle / 1e9
+    if peak is not None:
+        m["peak_pss_gb"] = peak / 1e9
+    return m
+
+
+def format_memory(title: str, pss: dict[str, int]) -> str:
+    """One line: each server's PSS in GB."""
+    return f"{title}: " + ", ".join(f"{n} {v / 1e9:.2f} GB" for n, v in pss.items())
 
 
 def _fmt(v: float) -> str:
@@ -161,7 +179,8 @@ def format_result(name: str, backend: str, concurrency: int, rate: float, m: dic
         f"{'Max request concurrency:':<40}{concurrency:>16}",
     ]
     for label, key in _ROWS:
-        lines.append(f"{label + ':':<40}{_fmt(m[key]):>16}")
+        if key in m:  # memory: launched servers only
+            lines.append(f"{label + ':':<40}{_fmt(m[key]):>16}")
     lines += [f"  error: {e}" for e in m.get("errors", [])] + ["=" * 56]
     return "\n".join(lines)
 
@@ -173,7 +192,9 @@ def format_comparison(title: str, names: list[str], ms: list[dict]) -> str:
     head += "".join(f"{ref + '/' + n:>{max(14, len(ref) + len(n) + 3)}}" for n in names[1:])
     lines = [f"== {title} ==", head]
     for label, key in _ROWS:
-        vals = [m[key] for m in ms]
+        if not any(key in m for m in ms):
+            continue
+        vals = [m.get(key, float("nan")) for m in ms]
         row = f"{label:<32}" + "".join(f"{_fmt(v):>14}" for v in vals)
         for n, v in zip(names[1:], vals[1:]):
             ratio = vals[0] / v if v else float("nan")

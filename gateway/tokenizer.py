@@ -3,6 +3,12 @@
 Only the tokenizer is loaded (transformers, no model weights). The chat template is rendered to
 text and then encoded without adding special tokens again: the template already holds them, and
 this matches `apply_chat_template(..., tokenize=True)` token for token.
+
+transformers imports torch as soon as it is imported, wherever torch is installed (its configuration
+module does, for RoPE helpers), though a tokenizer never uses it: about 150 MB of a gateway's memory.
+`auto_tokenizer_class` imports transformers while torch reads as absent, so that it settles on its
+tokenizers-only mode; torch is importable again right after, for whatever needs it later (xgrammar,
+at the first structured-output request).
 """
 
 from __future__ import annotations
@@ -12,6 +18,8 @@ import hashlib
 import logging
 import os
 import shutil
+import subprocess
+import sys
 import tempfile
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -21,7 +29,7 @@ from pdserve.gateway.errors import bad_request
 from pdserve.model_source import resolve_model_source
 
 if TYPE_CHECKING:
-    from transformers import PreTrainedTokenizerBase
+    from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
 log = logging.getLogger(__name__)
 
@@ -34,12 +42,11 @@ class Tokenizer:
 
     @classmethod
     def load(cls, model_path: str | None) -> Tokenizer:
-        from transformers import AutoTokenizer  # heavy import, kept out of module import time
-
         src = resolve_model_source(model_path)
         hf: PreTrainedTokenizerBase
         if src.gguf_path is None:
-            hf = AutoTokenizer.from_pretrained(src.folder)
+            # transformers: a heavy import, kept out of module import time.
+            hf = auto_tokenizer_class().from_pretrained(src.folder)
         else:
             hf = _load_gguf_cached(src.gguf_path, src.folder, src.gguf_file)
         log.info("tokenizer loaded from %s (vocab %d)", src.gguf_path or src.folder, len(hf))
@@ -143,29 +150,95 @@ class Tokenizer:
         return text
 
 
+# transformers was imported here without torch (`auto_tokenizer_class`): it cannot read GGUF metadata.
+_torch_free = False
+
+
+def auto_tokenizer_class() -> type[AutoTokenizer]:
+    """transformers' AutoTokenizer; where this process has imported neither transformers nor torch yet,
+    transformers is imported without torch (module docstring).
+
+    A None entry for torch in sys.modules makes `importlib.util.find_spec("torch")`, transformers' test
+    for torch, answer None, and an `import torch` fail as for a missing package; the entry is there
+    only while transformers is imported (its answer is cached), and so is the variable that silences
+    its advice that PyTorch was not found. Tokenizers load and encode the same either way; only
+    building one from GGUF metadata needs torch (`_load_gguf_cached` does that in a child process)."""
+    global _torch_free
+    if "transformers" in sys.modules or "torch" in sys.modules:
+        from transformers import AutoTokenizer as auto
+
+        return auto
+    advice = os.environ.get("TRANSFORMERS_NO_ADVISORY_WARNINGS")
+    sys.modules["torch"] = None  # type: ignore[assignment]
+    os.environ["TRANSFORMERS_NO_ADVISORY_WARNINGS"] = "1"
+    try:
+        from transformers import AutoTokenizer as auto
+
+        _torch_free = True
+    finally:
+        if "torch" in sys.modules and sys.modules["torch"] is None:
+            del sys.modules["torch"]
+        if advice is None:
+            del os.environ["TRANSFORMERS_NO_ADVISORY_WARNINGS"]
+        else:
+            os.environ["TRANSFORMERS_NO_ADVISORY_WARNINGS"] = advice
+    return auto
+
+
 def _cache_root() -> str:
     return os.path.join(env.cache_dir(), "tokenizers")
+
+
+def _has_entry(cached: str) -> bool:
+    return os.path.isfile(os.path.join(cached, "tokenizer_config.json"))
 
 
 def _load_gguf_cached(gguf_path: str, folder: str, gguf_file: str | None) -> PreTrainedTokenizerBase:
     """Building a tokenizer from GGUF metadata takes seconds; its saved form loads in a fraction.
 
     The cache key covers the file's path, size and mtime; a cache that cannot be written is skipped.
+    transformers reads GGUF metadata only with torch: a process that has not imported torch builds a
+    missing (or unreadable) entry in a child process and loads the saved copy without torch.
     """
-    from transformers import AutoTokenizer
-
     st = os.stat(gguf_path)
     key = hashlib.sha256(f"{os.path.abspath(gguf_path)}|{st.st_size}|{st.st_mtime_ns}".encode()).hexdigest()[
         :24
     ]
     cached = os.path.join(_cache_root(), key)
-    if os.path.isfile(os.path.join(cached, "tokenizer_config.json")):
+    if not _has_entry(cached) and "torch" not in sys.modules:
+        _build_in_child(folder, gguf_file, cached)
+    if _has_entry(cached):
         try:
-            return AutoTokenizer.from_pretrained(cached)
+            return auto_tokenizer_class().from_pretrained(cached)
         except Exception as e:  # a damaged cache entry: rebuild it
             log.warning("tokenizer cache %s unreadable (%s); rebuilding", cached, e)
             shutil.rmtree(cached, ignore_errors=True)
-    hf = AutoTokenizer.from_pretrained(folder, gguf_file=gguf_file)
+            if _torch_free:  # this process cannot build it
+                _build_in_child(folder, gguf_file, cached)
+                return auto_tokenizer_class().from_pretrained(cached)
+    return build_cache_entry(folder, gguf_file or "", cached)
+
+
+def _build_in_child(folder: str, gguf_file: str | None, cached: str) -> None:
+    """`build_cache_entry` in a child process (it imports torch; this one need not). Where the child
+    fails, it says why in the log and no entry appears."""
+    code = "import sys; from pdserve.gateway.tokenizer import build_cache_entry; build_cache_entry(*sys.argv[1:])"
+    argv = [sys.executable, "-P", "-c", code, folder, gguf_file or "", cached]
+    try:
+        r = subprocess.run(argv, capture_output=True, text=True, timeout=600)
+    except (OSError, subprocess.TimeoutExpired) as e:
+        log.warning("tokenizer not built in a child process: %s", e)
+        return
+    if r.returncode != 0:
+        log.warning("tokenizer not built in a child process: %s", r.stderr.strip()[-2000:])
+
+
+def build_cache_entry(folder: str, gguf_file: str, cached: str) -> PreTrainedTokenizerBase:
+    """The tokenizer built from the GGUF file `gguf_file` in `folder` ("": the folder's own) from its
+    metadata (this imports torch), saved as the cache entry `cached` where it can be written."""
+    from transformers import AutoTokenizer
+
+    hf = AutoTokenizer.from_pretrained(folder, gguf_file=gguf_file or None)
     tmp = None
     try:
         os.makedirs(_cache_root(), exist_ok=True)

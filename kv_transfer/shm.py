@@ -20,10 +20,17 @@ pool's bytes, page-major as in layout.py:
 The decode opens it O_RDONLY|O_NOFOLLOW and refuses a file that is not a regular file of its own user
 with mode 0600, of the announced size, inside the segment directory. A file left by a killed process
 is removed by the next segment created in the same directory (its pid is gone).
+
+Memory: the file is sparse, as the CPU pool it replaces is (runtime/kv_pool.py), so a segment costs
+memory only where KV has been written. A write to a hole of a tmpfs file that has run out of room would
+raise SIGBUS, so the segment is created only where the filesystem has room for all of it, and the
+prefill node backs pages with memory (`commit`, posix_fallocate) before its allocator first hands them
+out: where that fails, the pages are refused like those of a full pool, never written.
 """
 
 from __future__ import annotations
 
+import errno
 import logging
 import mmap
 import os
@@ -59,8 +66,11 @@ def _i64(header: torch.Tensor, at: int) -> torch.Tensor:
 class SharedSegment:
     """The prefill node's side: the segment that holds its KV pool (created, fenced and removed here)."""
 
-    def __init__(self, path: str, mm: mmap.mmap, nbytes: int, token: bytes) -> None:
+    def __init__(self, path: str, mm: mmap.mmap, nbytes: int, token: bytes, fd: int) -> None:
         self.path, self._mm, self.nbytes, self.token = path, mm, nbytes, token
+        self._fd: int | None = fd  # kept open for `commit`
+        self.committed = 0  # the pool's first bytes (past the header) that are backed by memory
+        self._refused = False  # the last `commit` failed (logged once until one succeeds)
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # frombuffer over an mmap: torch warns about nothing real here
             self._bytes = torch.frombuffer(mm, dtype=torch.uint8)
@@ -77,16 +87,20 @@ class SharedSegment:
             raise ShmError(f"cannot create a shared KV segment in {directory}: {exc}") from exc
         try:
             os.fchmod(fd, 0o600)  # whatever the umask
-            # Reserve the memory now: a tmpfs file merely truncated to size would raise SIGBUS at the
-            # first write past what the filesystem has left; this fails cleanly (ENOSPC) instead.
-            os.posix_fallocate(fd, 0, HEADER_BYTES + nbytes)
+            # Sized but sparse (module docstring): memory comes with `commit`. Refused now, cleanly, where
+            # the filesystem could not hold all of it, rather than a SIGBUS at a write much later.
+            st = os.fstatvfs(fd)
+            room = st.f_bavail * st.f_frsize
+            if room < HEADER_BYTES + nbytes:
+                raise OSError(errno.ENOSPC, f"{HEADER_BYTES + nbytes} bytes needed, {room} free")
+            os.ftruncate(fd, HEADER_BYTES + nbytes)
+            os.posix_fallocate(fd, 0, HEADER_BYTES)
             mm = mmap.mmap(fd, HEADER_BYTES + nbytes, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
         except OSError as exc:
             os.close(fd)
             os.unlink(path)
             raise ShmError(f"cannot size or map the shared KV segment {path}: {exc}") from exc
-        os.close(fd)
-        seg = cls(path, mm, nbytes, token)
+        seg = cls(path, mm, nbytes, token, fd)
         seg._header[: len(MAGIC)] = torch.frombuffer(bytearray(MAGIC), dtype=torch.uint8)
         seg._header[_TOKEN] = torch.frombuffer(bytearray(token), dtype=torch.uint8)
         _i64(seg._header, _FENCE_AT)[0] = 0
@@ -96,6 +110,29 @@ class SharedSegment:
     def pool(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
         """The pool tensor in the segment (a view; the segment must outlive it)."""
         return self._bytes[HEADER_BYTES:].view(dtype).view(shape)
+
+    def commit(self, nbytes: int) -> bool:
+        """Back the pool's first `nbytes` with memory now (posix_fallocate), so that no write there can
+        fault for want of room; False, with a warning, where the filesystem has none left."""
+        nbytes = min(nbytes, self.nbytes)
+        if nbytes <= self.committed:
+            return True
+        try:
+            if self._fd is None:
+                raise OSError(errno.EBADF, "the segment is closed")
+            os.posix_fallocate(self._fd, HEADER_BYTES + self.committed, nbytes - self.committed)
+        except OSError as exc:
+            if not self._refused:
+                log.warning(
+                    "kv_transfer: no memory for the shared KV pool's first %d bytes (%s); prompts "
+                    "wait for pages already in use",
+                    nbytes,
+                    exc,
+                )
+            self._refused = True
+            return False
+        self.committed, self._refused = nbytes, False
+        return True
 
     @property
     def fence(self) -> int:
@@ -112,15 +149,27 @@ class SharedSegment:
             os.unlink(self.path)
         except OSError:
             pass
+        if self._fd is not None:
+            os.close(self._fd)
+            self._fd = None
 
 
-def shared_pool(kv: torch.Tensor, directory: str = DEFAULT_DIR) -> tuple[SharedSegment, torch.Tensor]:
-    """A segment holding a copy of the CPU pool `kv`, and the pool tensor inside it (use it instead)."""
+def shared_pool(
+    kv: torch.Tensor, directory: str = DEFAULT_DIR, used_pages: int | None = None
+) -> tuple[SharedSegment, torch.Tensor]:
+    """A segment holding a copy of the CPU pool `kv`, and the pool tensor inside it (use it instead).
+
+    `used_pages`: pages from there on were never written (PageAllocator.high_water), zeros in `kv` as
+    in the new segment: they are neither copied nor backed with memory. None: every page is."""
     if kv.is_cuda or not kv.is_contiguous():
         raise ShmError("only a contiguous CPU pool can live in shared memory")
     seg = SharedSegment.create(kv.numel() * kv.element_size(), directory)
     pool = seg.pool(tuple(kv.shape), kv.dtype)
-    pool.copy_(kv)
+    n = kv.shape[0] if used_pages is None else min(used_pages, kv.shape[0])
+    if not seg.commit(n * (kv[0].numel() * kv.element_size())):
+        seg.close()
+        raise ShmError(f"no room in {directory} for the {n} KV pages in use")
+    pool[:n].copy_(kv[:n])
     return seg, pool
 
 
@@ -183,9 +232,9 @@ class MappedPool:
                 raise ShmError(f"{path} is not a private file of this user (mode {st.st_mode & 0o777:o})")
             if st.st_size != HEADER_BYTES + nbytes:
                 raise ShmError(f"{path} holds {st.st_size} bytes, {HEADER_BYTES + nbytes} announced")
-            # Populated now, once per pair: faulting pages in at each copy would halve its speed.
-            flags = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)
-            mm = mmap.mmap(fd, st.st_size, flags, mmap.PROT_READ)
+            # Not populated: a read fault on a hole of the sparse file would give it memory, all of it
+            # at once with MAP_POPULATE. A page is mapped at its first copy and stays mapped for the next.
+            mm = mmap.mmap(fd, st.st_size, mmap.MAP_SHARED, mmap.PROT_READ)
         except OSError as exc:
             raise ShmError(f"cannot map {path}: {exc}") from exc
         finally:

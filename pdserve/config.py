@@ -37,7 +37,8 @@ class RuntimeConfig:
     quantization: str = "auto"
     device: str = "auto"  # auto: cuda if available, else cpu
     page_size: int = 16
-    # KV pool capacity in tokens; None: `mem_fraction_static` of free GPU memory, or 32768 on CPU.
+    # KV pool capacity in tokens; None: `mem_fraction_static` of free GPU memory, or on CPU the context
+    # length x max_running_requests capped at a share of MemAvailable (runtime/runner.py).
     max_total_tokens: int | None = None
     mem_fraction_static: float = 0.8
     max_running_requests: int = 64

@@ -74,9 +74,15 @@ class PrefillWorker:
         if transfer_cfg.transport != "dist" and not self.runner.pool.kv.is_cuda:
             # Same-host decode nodes copy KV straight out of this pool (kv_transfer/shm.py).
             try:
-                segment, self.runner.pool.kv = shared_pool(self.runner.pool.kv, transfer_cfg.shm_dir)
+                segment, self.runner.pool.kv = shared_pool(
+                    self.runner.pool.kv, transfer_cfg.shm_dir, self.runner.allocator.high_water
+                )
             except ShmError as exc:
                 log.warning("KV pool not in shared memory, every transfer uses the pair group: %s", exc)
+            else:
+                # The segment is sparse: pages get memory before they are first handed out, or are refused.
+                shm, page_bytes = segment, self.runner.pool.kv[0].nbytes
+                self.runner.allocator.on_grow = lambda top: shm.commit(top * page_bytes)
         self.sender = KVSender(
             self.runner.pool.kv,
             self.runner.fingerprint(),

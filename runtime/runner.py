@@ -40,6 +40,9 @@ from pdserve.sampling_params import SamplingParams
 
 log = logging.getLogger(__name__)
 
+# The CPU KV pool's default size (`default_cpu_pool_tokens`): at most this share of the host's available
+# memory per worker, and 32768 tokens where that cannot be read.
+CPU_POOL_MEMORY_SHARE = 0.25
 CPU_DEFAULT_MAX_TOTAL_TOKENS = 32768
 # Forwards of at least this many tokens offer their turn at the cores between layers (forward_turns.py):
 # ~150 ms and more on two cores, where a decode step waiting for all of it would stall every stream.
@@ -48,6 +51,45 @@ OFFER_TURN_MIN_TOKENS = 256
 
 class ContextLengthError(ValueError):
     pass
+
+
+def mem_available_bytes(meminfo: str = "/proc/meminfo") -> int | None:
+    """The host's MemAvailable (what it can give without swapping) in bytes; None where unknown."""
+    try:
+        with open(meminfo) as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024  # kB
+    except (OSError, ValueError, IndexError):
+        return None
+    return None
+
+
+def default_cpu_pool_tokens(
+    context_length: int,
+    max_running_requests: int,
+    page_size: int,
+    bytes_per_token: int,
+    mem_available: int | None,
+) -> tuple[int, str]:
+    """The CPU KV pool's size in tokens when --max-total-tokens is not given, and why, in words.
+
+    What the worker can ever use, every running request at the full context length, capped at
+    CPU_POOL_MEMORY_SHARE of the host's available memory; whole pages, at least one. The pool costs
+    memory only as far as it is used (KVPool), so a large bound is cheap while idle; it is the
+    most the pool can grow to, requests' pages and the prefix cache's together (the cache keeps
+    pages until the pool runs short)."""
+    demand = context_length * max_running_requests
+    why = f"context {context_length} x {max_running_requests} running requests = {demand} tokens"
+    if mem_available is None:
+        tokens = min(demand, CPU_DEFAULT_MAX_TOTAL_TOKENS)
+        why += f", at most {CPU_DEFAULT_MAX_TOTAL_TOKENS} (MemAvailable unknown)"
+    else:
+        cap = int(mem_available * CPU_POOL_MEMORY_SHARE) // bytes_per_token
+        tokens = min(demand, cap)
+        share = f"{CPU_POOL_MEMORY_SHARE:.0%} of MemAvailable {mem_available / 2**30:.2f} GiB"
+        why += f", capped at {share} = {cap} tokens" if cap < demand else f" (under {share})"
+    return max(page_size, tokens // page_size * page_size), why
 
 
 class ModelRunner:
@@ -66,7 +108,10 @@ class ModelRunner:
         self.geometry = KVGeometry(
             spec.num_layers, spec.num_kv_heads, spec.head_dim, cfg.page_size, self.loaded.dtype
         )
-        self.max_total_tokens = cfg.max_total_tokens or self._default_pool_tokens()
+        if cfg.max_total_tokens:
+            self.max_total_tokens, why = cfg.max_total_tokens, "--max-total-tokens"
+        else:
+            self.max_total_tokens, why = self._default_pool_tokens()
         num_pages = KVPool.pages_for(self.geometry, self.max_total_tokens)
         self.pool = KVPool(self.geometry, num_pages, self.device)
         self.allocator = PageAllocator(num_pages)
@@ -95,17 +140,27 @@ class ModelRunner:
         self._grammars: GrammarBackend | None = None  # built at the first constrained request
         self.turns = forward_turns(cfg.cpu_forward_lock if self.device.type == "cpu" else None)
         log.info(
-            "KV pool: %d pages x %d tokens (%.2f GiB)",
+            "KV pool: %d pages x %d tokens (%.2f GiB%s): %s",
             num_pages,
             cfg.page_size,
             num_pages * cfg.page_size * self.geometry.bytes_per_token / 2**30,
+            ", memory taken as pages are first used" if self.device.type == "cpu" else "",
+            why,
         )
 
-    def _default_pool_tokens(self) -> int:
+    def _default_pool_tokens(self) -> tuple[int, str]:
+        """The pool's size in tokens without --max-total-tokens, and why (for the start-up log)."""
         if self.device.type != "cuda":
-            return CPU_DEFAULT_MAX_TOTAL_TOKENS
+            return default_cpu_pool_tokens(
+                self.context_length,
+                self.cfg.max_running_requests,
+                self.cfg.page_size,
+                self.geometry.bytes_per_token,
+                mem_available_bytes(),
+            )
         free, _ = torch.cuda.mem_get_info(self.device)
-        return int(free * self.cfg.mem_fraction_static) // self.geometry.bytes_per_token
+        why = f"{self.cfg.mem_fraction_static:.2f} of free GPU memory {free / 2**30:.2f} GiB"
+        return int(free * self.cfg.mem_fraction_static) // self.geometry.bytes_per_token, why
 
     @property
     def page_size(self) -> int:

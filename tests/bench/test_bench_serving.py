@@ -11,7 +11,7 @@ from harness import start_up
 
 from pdserve.bench.bench_serving import main, parse_args
 from pdserve.bench.launch_servers import llama_server_argv
-from pdserve.bench.serving_report import summarize
+from pdserve.bench.serving_report import add_memory, format_comparison, format_result, summarize
 from pdserve.bench.serving_requests import RequestResult
 from pdserve.bench.serving_workload import chat_prompts
 
@@ -55,6 +55,22 @@ def test_summarize_known_numbers():
     assert m["p99_itl_ms"] == pytest.approx(200.0)
     assert m["concurrency"] == pytest.approx(1.1)
     assert m["errors"] == ["HTTP 500: boom"]
+
+
+def test_memory_rows_beside_throughput():
+    """Launched servers' idle and peak PSS print beside the throughput, with the first target's ratio;
+    a server the benchmark did not launch has no such rows of its own."""
+    ok = RequestResult(ok=True, ttft=0.1, e2e=1.1, itl=[0.2] * 5, output_tokens=6, prompt_tokens=10)
+    pd = add_memory(summarize([ok], 1.0), 1_300_000_000, 1_450_000_000)
+    peer = add_memory(summarize([ok], 1.0), 650_000_000, None)
+    assert (pd["idle_pss_gb"], pd["peak_pss_gb"]) == (1.3, 1.45) and "peak_pss_gb" not in peer
+    table = format_comparison("c=1", ["pdserve", "llama-server"], [pd, peer]).splitlines()
+    rows = [line.split() for line in table]
+    throughput = next(i for i, r in enumerate(rows) if r[:3] == ["Output", "token", "throughput"])
+    assert rows[throughput + 1][-3:] == ["1.30", "0.65", "2.00"]  # idle: pdserve, llama-server, ratio
+    assert rows[throughput + 2][-3:] == ["1.45", "nan", "nan"]
+    assert "Memory idle, PSS (GB):" in format_result("pdserve", "openai-chat", 1, 1.0, pd)
+    assert "Memory" not in format_result("other", "openai-chat", 1, 1.0, summarize([ok], 1.0))
 
 
 @pytest.mark.timeout(300)

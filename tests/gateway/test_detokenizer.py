@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
 
 from pdserve.gateway.detokenizer import IncrementalDetokenizer, StopStringMatcher
@@ -130,6 +132,33 @@ def test_cached_tokenizer_matches_gguf_build(tmp_path, monkeypatch, tokenizer):
         assert cached.encode(t) == built.encode(t)
         assert cached.decode(built.encode(t)) == t
     assert (cached.vocab_size, cached.eos_token_id) == (built.vocab_size, built.eos_token_id)
+
+
+@pytest.mark.timeout(120)
+def test_a_fresh_process_loads_the_tokenizer_without_torch(tmp_path, tokenizer):
+    """A process without torch (the gateway's) builds a missing cache entry in a child process and loads
+    the saved copy without importing torch; the tokens are the same as with torch."""
+    import json
+    import subprocess
+    import sys
+
+    code = (
+        "import json, sys; from pdserve.gateway.tokenizer import Tokenizer; t = Tokenizer.load(None); "
+        "print(json.dumps(['torch' in sys.modules, [t.encode(x) for x in sys.argv[1:]]]))"
+    )
+    for _ in ("cold", "warm"):
+        out = subprocess.run(
+            [sys.executable, "-P", "-c", code, *TEXTS],
+            env={**os.environ, "PDSERVE_CACHE_DIR": str(tmp_path)},
+            capture_output=True,
+            text=True,
+            timeout=110,
+        )
+        assert out.returncode == 0, out.stderr[-2000:]
+        torch_loaded, ids = json.loads(out.stdout.splitlines()[-1])
+        assert not torch_loaded
+        assert ids == [tokenizer.encode(t) for t in TEXTS]
+        assert any(tmp_path.rglob("tokenizer_config.json"))
 
 
 def _reference_stop(stops: list[str], text: str) -> tuple[str, str | None]:

@@ -251,3 +251,25 @@ def test_segment_is_private_sized_and_removed(tmp_path):
     with pytest.raises(ShmError, match="cannot size"):
         SharedSegment.create(1 << 50, str(tmp_path))
     assert not [p for p in tmp_path.iterdir() if p.name.startswith("pdserve-kv-")]
+
+
+def test_a_segment_takes_memory_only_for_pages_in_use(tmp_path):
+    """The prefill's pool in shared memory stays sparse as its own pool is: only the pages written so
+    far are copied and backed, and `commit` backs more before the allocator hands them out."""
+    from pdserve.runtime.kv_pool import KVGeometry, KVPool
+
+    pool = KVPool(KVGeometry(num_layers=8, kv_heads=4, head_dim=64, page_size=16, dtype=torch.float32), 64)
+    page = pool.kv[0].nbytes  # 256 KiB
+    pool.kv[:3] = torch.randn(pool.kv[:3].shape)
+    segment, kv = shared_pool(pool.kv, str(tmp_path), used_pages=3)
+    try:
+        allocated = os.stat(segment.path).st_blocks * 512
+        assert os.stat(segment.path).st_size == HEADER_BYTES + 64 * page
+        assert 3 * page <= allocated <= 3 * page + HEADER_BYTES + 65536, allocated
+        assert torch.equal(kv[:3], pool.kv[:3]) and not kv[3:].any()
+        assert segment.commit(10 * page) and segment.committed == 10 * page
+        assert os.stat(segment.path).st_blocks * 512 >= 10 * page
+        assert segment.commit(4 * page)  # already backed
+    finally:
+        segment.close()
+    assert not segment.commit(20 * page)  # closed: refused, never a write to an unbacked page

@@ -1,4 +1,5 @@
-"""Page allocator bookkeeping against a plain model of reference counts; KV pool layout."""
+"""Page allocator bookkeeping against a plain model of reference counts; KV pool layout; the CPU pool's
+memory, taken only as pages are written."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ import re
 import pytest
 import torch
 
-from pdserve.runtime.kv_pool import KVGeometry, KVPool, OutOfPages, PageAllocator
+from pdserve.runtime.kv_pool import KVGeometry, KVPool, OutOfPages, PageAllocator, RequestPages
 
 
 @pytest.mark.parametrize("seed", range(5))
@@ -51,6 +52,65 @@ def test_random_alloc_incref_free_keeps_invariants(seed):
         alloc.free(pages)
     alloc.check_invariants()
     assert alloc.num_free == n
+
+
+def test_alloc_hands_out_the_lowest_free_pages_first():
+    alloc = PageAllocator(10)
+    assert alloc.alloc(3) == [0, 1, 2] and alloc.alloc(2) == [3, 4]
+    alloc.free([3])
+    alloc.free([1, 0])
+    assert alloc.alloc(1) == [0]
+    assert alloc.alloc(3) == [1, 3, 5]  # ascending, the freed ones before the never-used
+    alloc.free([5, 3, 1])
+    assert alloc.alloc(3) == [1, 3, 5]
+    assert alloc.high_water == 6
+    alloc.check_invariants()
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_high_water_mark_is_the_peak_of_pages_held_at_once(seed):
+    """Lowest-first: the pages ever written (and so the CPU pool's memory) are as many as the most
+    held at once, however requests come and go and whichever pages they free."""
+    rng = random.Random(seed)
+    alloc = PageAllocator(4096)
+    held: list[list[int]] = []
+    peak = 0
+    for _ in range(3000):
+        if rng.random() < 0.55 and len(held) < 24:
+            held.append(alloc.alloc(rng.randint(1, 30)))
+        elif held:
+            alloc.free(held.pop(rng.randrange(len(held))))
+        in_use = alloc.num_pages - alloc.num_free
+        peak = max(peak, in_use)
+        assert alloc.high_water == peak
+    alloc.check_invariants()
+    assert peak < 24 * 30 < alloc.num_pages
+
+
+def test_growth_refused_by_on_grow_takes_nothing():
+    """`on_grow` (the shared-memory pool's commit) may refuse pages never used before: alloc raises and
+    holds nothing, reserve says False, and pages below the mark still come and go."""
+    alloc = PageAllocator(8)
+    marks: list[int] = []
+    alloc.on_grow = lambda top: marks.append(top) is None and top <= 4
+    pages = RequestPages(alloc, page_size=2)
+
+    class Req:
+        def __init__(self) -> None:
+            self.pages: list[int] = []
+
+    a, b = Req(), Req()
+    assert pages.reserve(a, 6) and a.pages == [0, 1, 2] and marks == [3]
+    assert not pages.reserve(b, 4)  # pages 3 and 4: the mark would become 5
+    assert b.pages == [] and alloc.num_free == 5 and alloc.high_water == 3
+    with pytest.raises(OutOfPages, match="no memory"):
+        alloc.alloc(2)
+    alloc.check_invariants()
+    assert pages.reserve(b, 2) and b.pages == [3] and alloc.high_water == 4
+    pages.release(a)
+    assert pages.reserve(b, 8) and b.pages == [3, 0, 1, 2]  # below the mark: no growth asked
+    assert marks == [3, 5, 5, 4] and alloc.num_free == 4
+    alloc.check_invariants()
 
 
 def test_double_free_and_bad_incref_raise():
@@ -144,3 +204,25 @@ def test_a_cpu_pool_asks_linux_for_huge_pages():
         vma = _vma_of(address)
         assert "hg" in vma["VmFlags"].split(), f"no MADV_HUGEPAGE on the pool: {vma['VmFlags']}"
     assert not pool.kv.any(), "the pool starts zeroed"
+
+
+def _resident_bytes(t: torch.Tensor) -> int:
+    """Rss of the mapping that holds `t` (an upper bound on `t`'s own: a mapping may hold more)."""
+    return int(_vma_of(t.data_ptr())["Rss"].split()[0]) * 1024
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/smaps"), reason="needs Linux /proc")
+def test_a_cpu_pool_takes_memory_only_where_written():
+    """An idle 256 MiB pool is not resident; writing pages makes about those resident (2 MiB steps
+    with huge pages); what was never written reads as zeros."""
+    geo = KVGeometry(num_layers=8, kv_heads=4, head_dim=64, page_size=16, dtype=torch.float32)
+    pool = KVPool(geo, num_pages=1024)
+    size = pool.kv.nbytes
+    assert size == 256 * 2**20
+    vma = _vma_of(pool.kv.data_ptr())
+    assert _resident_bytes(pool.kv) <= 0.01 * size, vma
+    written = 32 * pool.kv[0].nbytes  # 8 MiB: pages 0-31, as the allocator hands them out
+    pool.kv[:32] = 1.0
+    grown = _resident_bytes(pool.kv)
+    assert written <= grown <= written + 6 * 2**20, (grown, written)
+    assert not pool.kv[32:].any() and pool.kv[:32].eq(1.0).all()
