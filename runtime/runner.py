@@ -42,7 +42,7 @@ log = logging.getLogger(__name__)
 
 # The CPU KV pool's default size (`default_cpu_pool_tokens`): at most this share of the host's available
 # memory per worker, and 32768 tokens where that cannot be read.
-CPU_POOL_MEMORY_SHARE = 0.25
+CPU_POOL_MEMORY_SHARE = 0.1
 CPU_DEFAULT_MAX_TOTAL_TOKENS = 32768
 # Forwards of at least this many tokens offer their turn at the cores between layers (forward_turns.py):
 # ~150 ms and more on two cores, where a decode step waiting for all of it would stall every stream.

@@ -19,12 +19,12 @@ def test_default_cpu_pool_size():
     # Plenty of memory: what the worker can use.
     tokens, why = default_cpu_pool_tokens(8192, 4, 16, bpt, 64 * gib)
     assert tokens == 8192 * 4
-    assert "context 8192 x 4 running requests = 32768 tokens" in why and "under 25%" in why
+    assert "context 8192 x 4 running requests = 32768 tokens" in why and "under 10%" in why
     # Less: the share of MemAvailable, rounded down to whole pages.
     tokens, why = default_cpu_pool_tokens(8192, 64, 16, bpt, 8 * gib)
     cap = int(8 * gib * CPU_POOL_MEMORY_SHARE) // bpt
     assert tokens == cap // 16 * 16 and tokens * bpt <= CPU_POOL_MEMORY_SHARE * 8 * gib
-    assert f"capped at 25% of MemAvailable 8.00 GiB = {cap} tokens" in why
+    assert f"capped at 10% of MemAvailable 8.00 GiB = {cap} tokens" in why
     # Almost none: still one page.
     assert default_cpu_pool_tokens(8192, 64, 16, bpt, 1000)[0] == 16
     # Unknown memory: the old fixed default, or less when the worker cannot use that much.
