@@ -18,12 +18,13 @@ Modes (SGLang's names):
 Where the dense path pays, batched steps and prefill (`dense_min_rows()` rows or more) multiply by a
 dense copy of the dequantized weights in the model dtype, so the model keeps both: with AVX512-BF16
 (the bf16 GEMM, AMX's above all, beats the weight-only kernels from a few rows on). Where pdserve's
-int4 kernel multiplies in fp32 (AVX2 + FMA + F16C, or AVX-512 without BF16), it keeps up with torch's
-fp32 GEMM at every batch size measured, so no dense copy is kept: few rows run the int4 kernel, and
-from `UNPACK_MIN_ROWS` rows (prefill) each projection's weights are dequantized into a scratch just
-before torch's GEMM (`int4_unpack_t_`). The int8 modules likewise keep no dense copy there (their
+int4 kernel multiplies in fp32 (AVX2 + FMA + F16C, or AVX-512 without BF16), it beats torch's fp32
+GEMM up to ~40 rows, and beyond, dequantizing each projection into a scratch just before torch's GEMM
+(`int4_unpack_t_`) matches a dense copy: so no dense copy is kept, few rows run the int4 kernel, and
+from `UNPACK_MIN_ROWS` rows (big decode batches, prefill) the scratch. The int8 modules likewise keep no dense copy there (their
 kernel runs at any row count). `dense_plan()` says which applies on this host. The embedding table
-stays in the model dtype (a row lookup, not a matmul); a tied LM head gets its own int8 copy. Norms,
+stays in the model dtype (a row lookup, not a matmul); a tied LM head gets its own int8 copy, which the
+embedding then reads too where no dense copy is kept (`PackedInt8Embedding`). Norms,
 rotary and attention are untouched. CPU only: torch's packed kernels here are its CPU ones (a CUDA
 weight-only GEMM is not built yet), so a CUDA device is refused with a message.
 """
@@ -59,12 +60,13 @@ W8A8_MIN_ROWS = 8
 # w8a16 86).
 DENSE_MIN_ROWS_AMX = 9
 DENSE_MIN_ROWS = 16
-# Hosts whose int4 kernel multiplies in fp32 (AVX2): no dense copy. The fp32 int4 kernel against
-# torch's fp32 GEMM on the dequantized weights (576x1536 and 1536x576, 2 threads, AMD EPYC AVX2-only):
-# 37 against 95 us at 1 row, 248 against 330 at 16, 1112 against 1282 at 64 (docs/benchmarks.md).
-# Dequantizing a projection into a scratch costs about a millisecond, so only prefill-sized batches
-# from this many rows take that path.
-UNPACK_MIN_ROWS = 256
+# Hosts whose int4 kernel multiplies in fp32 (AVX2): no dense copy. A decode step's 120 projections of
+# the bundled model, weights streamed from memory (`pdserve bench cpu`, 2 threads, AMD EPYC AVX2-only,
+# best of 5): the int4 kernel 5.6 ms at 1 row, 11.5 at 4, 42.5 at 16, 163 at 64; torch's fp32 GEMM on
+# dense weights 35.5, 49.2, 56.7, 122; dequantizing each projection into a scratch before that GEMM
+# 25.6, 45.9, 72.1, 140 (398.7 against the kernel's 649 at 256). So few rows take the kernel, and from
+# about 40 rows (where the lines cross) the scratch; no dense copy pays for its memory (540 MB in fp32).
+UNPACK_MIN_ROWS = 48
 
 
 @dataclass(frozen=True)
@@ -82,7 +84,7 @@ def dense_plan() -> DensePlan:
     """The plan for this host (its flags under the PDSERVE_CPU_ISA cap, and its kernel build)."""
     int4, _ = cpu_quant_linear.support()
     if int4 and not cpu_quant_linear.int4_in_bf16():
-        return DensePlan(False, UNPACK_MIN_ROWS, "the fp32 int4 kernel keeps up with the fp32 GEMM")
+        return DensePlan(False, UNPACK_MIN_ROWS, "the fp32 int4 kernel beats the fp32 GEMM below that")
     if cpu_has_amx():
         return DensePlan(True, DENSE_MIN_ROWS_AMX, "AMX bf16 GEMM from 9 rows")
     return DensePlan(True, DENSE_MIN_ROWS, "dense GEMM from 16 rows")
