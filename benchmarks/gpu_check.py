@@ -9,10 +9,15 @@ Stages, in order, each with its own log under DIR/logs and a line in DIR/summary
               weights, which the later stages serve (the summary names the weights each used)
   wheels      (dry run) every package pdserve needs is on the GPU image or in benchmarks/gpu_wheels.txt
   packaging   pdserve builds as a wheel offline and the wheel holds every package and kernel
-  kernel_tests  tests/kernels on CUDA, compiled, the C++ CPU kernels on the host's CPU, and the CUDA
-              KV pool's hand-off over gloo (on CPU: the GPU tests collected only)
+  kernel_tests  tests/kernels on CUDA, compiled, but the C++ CPU kernels' tests (the next two stages),
+              and the CUDA KV pool's hand-off over gloo (on CPU: the GPU tests collected only)
   kernel_bench  `pdserve bench kernels`: each kernel's bandwidth against the device copy, the KV
               hand-off's page gather and scatter among them
+  cpu_kernels   the C++ CPU kernels' tests on the host's CPU in a process of their own, with what tells
+              the causes of a crash apart: the toolchain and ABI, each kind of check in a fresh
+              process, a tiny extension built with and without each of the library's flags, and a
+              debugger's backtrace (benchmarks/gpu_cpp.py)
+  cpu_kernels_avx2  the same tests with PDSERVE_CPU_ISA=avx2: the kernels' AVX2 forms
   parity      engine vs transformers in bf16 on the device: logits and greedy output, for tiny random
               Llama/Qwen2/Qwen3 checkpoints and the served model
   profiles    what a capacity planner reads: prefill time per prompt length, decode step time per batch
@@ -47,6 +52,7 @@ from dataclasses import asdict
 from pathlib import Path
 
 from pdserve.bench.gpu_cluster import stage_cluster
+from pdserve.bench.gpu_cpp import ISA_TESTS, cpp_test_files, stage_cpu_kernels
 from pdserve.bench.gpu_install import stage_packaging, stage_wheels
 from pdserve.bench.gpu_run import ROOT, Run, StageResult, cli_args
 from pdserve.launch.supervisor import pdserve_command
@@ -104,6 +110,8 @@ def stage_kernel_tests(run: Run) -> StageResult:
         env = {"TRITON_INTERPRET": "0"}
         tests = ["tests/kernels", CUDA_KV_POOL_TEST]
         argv = [sys.executable, "-P", "-m", "pytest", "-q", "-n", "12", "-p", "no:cacheprovider", *tests]
+        # The C++ CPU kernels' tests run in the cpu_kernels stages, in processes of their own.
+        argv += [f"--ignore={path}" for path in (*cpp_test_files(), ISA_TESTS)]
         rc, tail = run.cmd("kernel_tests", argv, 100, env)
     else:  # the GPU-only tests must at least still be collected
         rc, tail = run.cmd(
@@ -257,6 +265,8 @@ def main(argv: list[str] | None = None) -> int:
         ("packaging", stage_packaging),
         ("kernel_tests", stage_kernel_tests),
         ("kernel_bench", stage_kernel_bench),
+        ("cpu_kernels", stage_cpu_kernels),
+        ("cpu_kernels_avx2", lambda r: stage_cpu_kernels(r, "avx2")),
         ("parity", lambda r: stage_parity(r, served["path"], served["label"])),
         ("profiles", lambda r: stage_profiles(r, served["path"], served["label"])),
         ("engine_bench", lambda r: stage_engine_bench(r, served["path"])),
@@ -274,7 +284,7 @@ def main(argv: list[str] | None = None) -> int:
         "stages": [asdict(r) for r in run.results],
     }
     (run.out / "summary.json").write_text(json.dumps(summary, indent=1))
-    lines = [f"{r.name:<13} {r.status:<7} {r.seconds:7.1f} s  {r.detail}" for r in run.results]
+    lines = [f"{r.name:<16} {r.status:<7} {r.seconds:7.1f} s  {r.detail}" for r in run.results]
     (run.out / "summary.txt").write_text("\n".join(lines) + "\n")
     return 1 if any(r.status == "failed" for r in run.results) else 0
 

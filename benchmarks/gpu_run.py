@@ -67,7 +67,7 @@ class Run:
                 result = StageResult(name, "failed", 0.0, f"{type(e).__name__}: {e}")
         result.name, result.seconds = name, round(time.monotonic() - t, 2)
         self.results.append(result)
-        print(f"[{result.seconds:7.1f} s] {name:<13} {result.status:<7} {result.detail}", flush=True)
+        print(f"[{result.seconds:7.1f} s] {name:<16} {result.status:<7} {result.detail}", flush=True)
 
 
 def _cuda_available() -> bool:
