@@ -298,18 +298,18 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& rows, c
                                   const at::Tensor& lens, int64_t k_offset, int64_t v_offset, double scale,
                                   const std::optional<at::Tensor>& k_new,
                                   const std::optional<at::Tensor>& v_new) {
-  TORCH_CHECK(q.dim() == 3 && rows.dim() == 3, "q must be [B, Hq, D] and rows [N, Hkv, D]");
-  TORCH_CHECK(q.device().is_cpu() && rows.device().is_cpu(), "paged_decode_attention runs on CPU");
-  TORCH_CHECK(q.scalar_type() == rows.scalar_type(), "q and the KV rows must share a dtype");
-  TORCH_CHECK(rows.is_contiguous(), "the KV rows must be contiguous");
+  PDSERVE_CHECK(q.dim() == 3 && rows.dim() == 3, "q must be [B, Hq, D] and rows [N, Hkv, D]");
+  PDSERVE_CHECK(q.device().is_cpu() && rows.device().is_cpu(), "paged_decode_attention runs on CPU");
+  PDSERVE_CHECK(q.scalar_type() == rows.scalar_type(), "q and the KV rows must share a dtype");
+  PDSERVE_CHECK(rows.is_contiguous(), "the KV rows must be contiguous");
   const int64_t B = q.size(0), Hq = q.size(1), D = q.size(2);
   const int64_t N = rows.size(0), Hkv = rows.size(1);
-  TORCH_CHECK(rows.size(2) == D && Hkv > 0 && Hq % Hkv == 0, "head counts or sizes do not match");
-  TORCH_CHECK(key_rows.dim() == 2 && key_rows.size(0) == B && key_rows.scalar_type() == at::kLong,
+  PDSERVE_CHECK(rows.size(2) == D && Hkv > 0 && Hq % Hkv == 0, "head counts or sizes do not match");
+  PDSERVE_CHECK(key_rows.dim() == 2 && key_rows.size(0) == B && key_rows.scalar_type() == at::kLong,
               "key_rows must be int64 [B, H]");
-  TORCH_CHECK(lens.dim() == 1 && lens.size(0) == B && lens.scalar_type() == at::kLong,
+  PDSERVE_CHECK(lens.dim() == 1 && lens.size(0) == B && lens.scalar_type() == at::kLong,
               "lens must be int64 [B]");
-  TORCH_CHECK(k_new.has_value() == v_new.has_value(), "give both k_new and v_new or neither");
+  PDSERVE_CHECK(k_new.has_value() == v_new.has_value(), "give both k_new and v_new or neither");
   const int64_t H = key_rows.size(1);
   auto kr = key_rows.contiguous();
   auto ln = lens.contiguous();
@@ -318,10 +318,10 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& rows, c
   const int64_t* lnp = ln.data_ptr<int64_t>();
   const int64_t lo = std::min<int64_t>(k_offset, v_offset), hi = std::max<int64_t>(k_offset, v_offset);
   for (int64_t b = 0; b < B; ++b) {
-    TORCH_CHECK(lnp[b] >= 0 && lnp[b] <= H, "lens[", b, "] = ", lnp[b], " is outside [0, ", H, "]");
+    PDSERVE_CHECK(lnp[b] >= 0 && lnp[b] <= H, "lens[", b, "] = ", lnp[b], " is outside [0, ", H, "]");
     for (int64_t t = 0; t < lnp[b]; ++t) {
       const int64_t r = krp[b * H + t];
-      TORCH_CHECK(r + lo >= 0 && r + hi < N, "key row ", r, " is outside the pool");
+      PDSERVE_CHECK(r + lo >= 0 && r + hi < N, "key row ", r, " is outside the pool");
     }
   }
   auto qc = q.contiguous();
@@ -329,9 +329,9 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& rows, c
   if (k_new.has_value()) {
     kn = k_new->contiguous();
     vn = v_new->contiguous();
-    TORCH_CHECK(kn.sizes() == at::IntArrayRef({B, Hkv, D}) && vn.sizes() == kn.sizes(),
+    PDSERVE_CHECK(kn.sizes() == at::IntArrayRef({B, Hkv, D}) && vn.sizes() == kn.sizes(),
                 "k_new and v_new must be [B, Hkv, D]");
-    TORCH_CHECK(kn.scalar_type() == q.scalar_type() && vn.scalar_type() == q.scalar_type(),
+    PDSERVE_CHECK(kn.scalar_type() == q.scalar_type() && vn.scalar_type() == q.scalar_type(),
                 "k_new and v_new must share q's dtype");
   }
   auto out = at::empty({B, Hq, D}, q.options());
@@ -344,7 +344,7 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& rows, c
     case at::kFloat: PDSERVE_ATTEND(float); break;
     case at::kBFloat16: PDSERVE_ATTEND(c10::BFloat16); break;
     case at::kHalf: PDSERVE_ATTEND(c10::Half); break;
-    default: TORCH_CHECK(false, "paged_decode_attention: unsupported dtype ", q.scalar_type());
+    default: PDSERVE_CHECK(false, "paged_decode_attention: unsupported dtype ", q.scalar_type());
   }
 #undef PDSERVE_ATTEND
   return out;
@@ -357,19 +357,19 @@ at::Tensor paged_decode_attention_store(const at::Tensor& q, at::Tensor& rows, c
                                         const at::Tensor& lens, int64_t k_offset, int64_t v_offset,
                                         double scale, const at::Tensor& new_rows, const at::Tensor& k,
                                         const at::Tensor& v) {
-  TORCH_CHECK(rows.dim() == 3 && rows.is_contiguous() && rows.device().is_cpu(), "rows must be a contiguous CPU pool");
+  PDSERVE_CHECK(rows.dim() == 3 && rows.is_contiguous() && rows.device().is_cpu(), "rows must be a contiguous CPU pool");
   const int64_t B = q.size(0), N = rows.size(0), row = rows.size(1) * rows.size(2);
-  TORCH_CHECK(new_rows.dim() == 1 && new_rows.size(0) == B && new_rows.scalar_type() == at::kLong,
+  PDSERVE_CHECK(new_rows.dim() == 1 && new_rows.size(0) == B && new_rows.scalar_type() == at::kLong,
               "new_rows must be int64 [B]");
-  TORCH_CHECK(k.dim() == 3 && k.size(0) == B && k.size(1) * k.size(2) == row && v.sizes() == k.sizes(),
+  PDSERVE_CHECK(k.dim() == 3 && k.size(0) == B && k.size(1) * k.size(2) == row && v.sizes() == k.sizes(),
               "k and v must be [B, Hkv, D] like the pool's rows");
-  TORCH_CHECK(k.scalar_type() == rows.scalar_type() && v.scalar_type() == rows.scalar_type(),
+  PDSERVE_CHECK(k.scalar_type() == rows.scalar_type() && v.scalar_type() == rows.scalar_type(),
               "k and v must share the pool's dtype");
   auto nr = new_rows.contiguous();
   const int64_t* nrp = nr.data_ptr<int64_t>();
   const int64_t lo = std::min<int64_t>(k_offset, v_offset), hi = std::max<int64_t>(k_offset, v_offset);
   for (int64_t b = 0; b < B; ++b)
-    TORCH_CHECK(nrp[b] + lo >= 0 && nrp[b] + hi < N, "new row ", nrp[b], " is outside the pool");
+    PDSERVE_CHECK(nrp[b] + lo >= 0 && nrp[b] + hi < N, "new row ", nrp[b], " is outside the pool");
   // A request's K and V heads are one contiguous run in q/k/v views of a fused qkv (row stride aside).
   auto kc = k.stride(2) == 1 && k.stride(1) == k.size(2) ? k : k.contiguous();
   auto vc = v.stride(2) == 1 && v.stride(1) == v.size(2) ? v : v.contiguous();

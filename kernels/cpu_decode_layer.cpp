@@ -21,6 +21,8 @@
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <torch/library.h>
 
+#include "cpu_rows.h"
+
 #include <c10/util/Optional.h>
 
 #include <tuple>
@@ -38,7 +40,7 @@ at::Tensor project(const at::Tensor& x, at::TensorList w, const Opt& bias, int64
   static const auto int4 = op<at::Tensor(const at::Tensor&, const at::Tensor&, int64_t, const Opt&)>(
       "pdserve_cpu::int4_linear");
   static const auto unpack = op<void(const at::Tensor&, at::Tensor&)>("pdserve_cpu::int4_unpack_t_");
-  TORCH_CHECK(w.size() == 1 || w.size() == 2, "decode_layer: a projection is [weight] or [dense, packed]");
+  PDSERVE_CHECK(w.size() == 1 || w.size() == 2, "decode_layer: a projection is [weight] or [dense, packed]");
   if (w.size() == 1) return at::linear(x, w[0], bias);
   const int64_t n = w[1].size(0) * 16, k = w[1].size(1) * 32;  // packed [N/16, K/32, 320]
   if (x.size(0) < dense_min_rows) return int4.call(x, w[1], n, bias);
@@ -66,7 +68,7 @@ std::tuple<at::Tensor, at::Tensor> decode_layer(
       op<at::Tensor(const at::Tensor&, at::Tensor&, const at::Tensor&, const at::Tensor&, int64_t, int64_t, double,
                     const at::Tensor&, const at::Tensor&, const at::Tensor&)>("pdserve_cpu::paged_decode_attention_store");
   static const auto silu_and_mul = op<at::Tensor(const at::Tensor&)>("pdserve_cpu::silu_and_mul");
-  TORCH_CHECK(x.dim() == 2, "decode_layer: x must be [T, hidden]");
+  PDSERVE_CHECK(x.dim() == 2, "decode_layer: x must be [T, hidden]");
   const int64_t T = x.size(0);
 
   at::Tensor h, residual;

@@ -124,8 +124,8 @@ void rotary_impl(T* x, const int64_t* pos, const float* cos, const float* sin, i
 }
 
 void check_input(const at::Tensor& x, const char* op) {
-  TORCH_CHECK(x.device().is_cpu(), op, " runs on CPU");
-  TORCH_CHECK(x.scalar_type() == at::kBFloat16 || x.scalar_type() == at::kHalf || x.scalar_type() == at::kFloat,
+  PDSERVE_CHECK(x.device().is_cpu(), op, " runs on CPU");
+  PDSERVE_CHECK(x.scalar_type() == at::kBFloat16 || x.scalar_type() == at::kHalf || x.scalar_type() == at::kFloat,
               op, ": unsupported dtype ", x.scalar_type());
 }
 
@@ -134,13 +134,13 @@ void check_input(const at::Tensor& x, const char* op) {
     case at::kFloat: { using T = float; __VA_ARGS__; break; }           \
     case at::kBFloat16: { using T = c10::BFloat16; __VA_ARGS__; break; } \
     case at::kHalf: { using T = c10::Half; __VA_ARGS__; break; }        \
-    default: TORCH_CHECK(false, "unsupported dtype ", dtype);           \
+    default: PDSERVE_CHECK(false, "unsupported dtype ", dtype);           \
   }
 
 at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
   check_input(x, "rms_norm");
-  TORCH_CHECK(x.dim() >= 1 && weight.dim() == 1 && weight.size(0) == x.size(-1), "rms_norm: x [..., N], weight [N]");
-  TORCH_CHECK(weight.scalar_type() == x.scalar_type(), "rms_norm: weight and x must share a dtype");
+  PDSERVE_CHECK(x.dim() >= 1 && weight.dim() == 1 && weight.size(0) == x.size(-1), "rms_norm: x [..., N], weight [N]");
+  PDSERVE_CHECK(weight.scalar_type() == x.scalar_type(), "rms_norm: weight and x must share a dtype");
   const int64_t n = x.size(-1);
   at::Tensor x2 = x.reshape({-1, n});
   if (x2.stride(1) != 1) x2 = x2.contiguous();
@@ -154,9 +154,9 @@ at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
 std::tuple<at::Tensor, at::Tensor> add_rms_norm(const at::Tensor& x, const at::Tensor& residual,
                                                 const at::Tensor& weight, double eps) {
   check_input(x, "add_rms_norm");
-  TORCH_CHECK(x.dim() == 2 && residual.sizes() == x.sizes() && weight.dim() == 1 && weight.size(0) == x.size(1),
+  PDSERVE_CHECK(x.dim() == 2 && residual.sizes() == x.sizes() && weight.dim() == 1 && weight.size(0) == x.size(1),
               "add_rms_norm: x and residual [T, N], weight [N]");
-  TORCH_CHECK(residual.scalar_type() == x.scalar_type() && weight.scalar_type() == x.scalar_type(),
+  PDSERVE_CHECK(residual.scalar_type() == x.scalar_type() && weight.scalar_type() == x.scalar_type(),
               "add_rms_norm: x, residual and weight must share a dtype");
   at::Tensor xc = x.stride(1) == 1 ? x : x.contiguous();
   at::Tensor rc = residual.stride(1) == 1 ? residual : residual.contiguous();
@@ -173,7 +173,7 @@ std::tuple<at::Tensor, at::Tensor> add_rms_norm(const at::Tensor& x, const at::T
 
 at::Tensor silu_and_mul(const at::Tensor& x) {
   check_input(x, "silu_and_mul");
-  TORCH_CHECK(x.dim() == 2 && x.size(1) % 2 == 0, "silu_and_mul: x must be [T, 2 * I]");
+  PDSERVE_CHECK(x.dim() == 2 && x.size(1) % 2 == 0, "silu_and_mul: x must be [T, 2 * I]");
   at::Tensor xc = x.stride(1) == 1 ? x : x.contiguous();
   const int64_t inter = x.size(1) / 2;
   auto out = at::empty({x.size(0), inter}, x.options());
@@ -184,10 +184,10 @@ at::Tensor silu_and_mul(const at::Tensor& x) {
 
 void rotary_(const at::Tensor& x, const at::Tensor& positions, const at::Tensor& cos, const at::Tensor& sin_signed) {
   check_input(x, "rotary_");
-  TORCH_CHECK(x.dim() == 3 && x.stride(2) == 1 && x.size(2) % 2 == 0, "rotary_: x must be [T, H, D] with unit stride in D");
-  TORCH_CHECK(positions.dim() == 1 && positions.size(0) == x.size(0) && positions.scalar_type() == at::kLong,
+  PDSERVE_CHECK(x.dim() == 3 && x.stride(2) == 1 && x.size(2) % 2 == 0, "rotary_: x must be [T, H, D] with unit stride in D");
+  PDSERVE_CHECK(positions.dim() == 1 && positions.size(0) == x.size(0) && positions.scalar_type() == at::kLong,
               "rotary_: positions must be int64 [T]");
-  TORCH_CHECK(cos.dim() == 2 && cos.sizes() == sin_signed.sizes() && cos.size(1) == x.size(2) &&
+  PDSERVE_CHECK(cos.dim() == 2 && cos.sizes() == sin_signed.sizes() && cos.size(1) == x.size(2) &&
                   cos.scalar_type() == at::kFloat && sin_signed.scalar_type() == at::kFloat,
               "rotary_: cos and sin_signed must be float32 [P, D]");
   auto c = cos.contiguous();
@@ -195,7 +195,7 @@ void rotary_(const at::Tensor& x, const at::Tensor& positions, const at::Tensor&
   auto pos = positions.contiguous();
   const int64_t* pp = pos.data_ptr<int64_t>();
   for (int64_t t = 0; t < pos.size(0); ++t)
-    TORCH_CHECK(pp[t] >= 0 && pp[t] < c.size(0), "rotary_: position ", pp[t], " is outside the table");
+    PDSERVE_CHECK(pp[t] >= 0 && pp[t] < c.size(0), "rotary_: position ", pp[t], " is outside the table");
   PDSERVE_DISPATCH(x.scalar_type(), rotary_impl<T>(x.data_ptr<T>(), pp, c.data_ptr<float>(), s.data_ptr<float>(),
                                                    x.size(0), x.size(1), x.size(2), x.stride(0), x.stride(1)));
 }

@@ -225,10 +225,10 @@ void int4_tile_fp32(const float* x, const float* xsum, const uint8_t* packed, fl
 
 // x [..., K] as rows of K contiguous values in `dtype` (converted where it is another dtype).
 at::Tensor input_rows(const at::Tensor& x, const at::Tensor& packed, int64_t k, at::ScalarType dtype) {
-  TORCH_CHECK(x.dim() >= 1 && x.size(-1) == k, "x has ", x.size(-1), " inputs, the weights take ", k);
-  TORCH_CHECK(x.device().is_cpu() && packed.is_contiguous() && packed.device().is_cpu(),
+  PDSERVE_CHECK(x.dim() >= 1 && x.size(-1) == k, "x has ", x.size(-1), " inputs, the weights take ", k);
+  PDSERVE_CHECK(x.device().is_cpu() && packed.is_contiguous() && packed.device().is_cpu(),
               "x and the packed weights must be on CPU, the weights contiguous");
-  TORCH_CHECK(at::isFloatingType(x.scalar_type()), "x must be a floating-point tensor");
+  PDSERVE_CHECK(at::isFloatingType(x.scalar_type()), "x must be a floating-point tensor");
   return x.reshape({-1, k}).to(dtype).contiguous();
 }
 
@@ -255,9 +255,9 @@ std::vector<float> group_sums(const float* x, int64_t rows, int64_t k) {
 }
 
 void check_int4(const at::Tensor& packed, int64_t n) {
-  TORCH_CHECK(packed.dim() == 3 && packed.scalar_type() == at::kByte && packed.size(2) == kGroupBytes,
+  PDSERVE_CHECK(packed.dim() == 3 && packed.scalar_type() == at::kByte && packed.size(2) == kGroupBytes,
               "packed int4 weights must be [N/16, K/32, 320] uint8");
-  TORCH_CHECK(packed.size(0) * kRows == n, "packed int4 weights have ", packed.size(0) * kRows, " rows, not ", n);
+  PDSERVE_CHECK(packed.size(0) * kRows == n, "packed int4 weights have ", packed.size(0) * kRows, " rows, not ", n);
 }
 
 at::Tensor int4_linear(const at::Tensor& x_in, const at::Tensor& packed, int64_t n,
@@ -299,16 +299,16 @@ at::Tensor int4_linear(const at::Tensor& x_in, const at::Tensor& packed, int64_t
   });
   return output(out, x_in, n, bias);
 #else
-  TORCH_CHECK(false, "int4_linear needs AVX2 + FMA + F16C, which this build does not target");
+  PDSERVE_CHECK(false, "int4_linear needs AVX2 + FMA + F16C, which this build does not target");
 #endif
 }
 
 void int4_unpack_t_(const at::Tensor& packed, at::Tensor& out) {
-  TORCH_CHECK(packed.dim() == 3 && packed.scalar_type() == at::kByte && packed.size(2) == kGroupBytes &&
+  PDSERVE_CHECK(packed.dim() == 3 && packed.scalar_type() == at::kByte && packed.size(2) == kGroupBytes &&
                   packed.is_contiguous(),
               "packed int4 weights must be contiguous [N/16, K/32, 320] uint8");
   const int64_t blocks = packed.size(0), groups = packed.size(1), n = blocks * kRows, k = groups * kGroup;
-  TORCH_CHECK(out.dim() == 2 && out.size(0) == k && out.size(1) == n && out.scalar_type() == at::kFloat &&
+  PDSERVE_CHECK(out.dim() == 2 && out.size(0) == k && out.size(1) == n && out.scalar_type() == at::kFloat &&
                   out.is_contiguous(),
               "int4_unpack_t_: out must be contiguous float32 [K, N] = [", k, ", ", n, "]");
   const uint8_t* wp = packed.data_ptr<uint8_t>();
@@ -406,10 +406,10 @@ constexpr bool kNarrowTiles = true;
 at::Tensor int8_linear(const at::Tensor& x_in, const at::Tensor& packed, const at::Tensor& scale,
                        const c10::optional<at::Tensor>& bias) {
 #if defined(PDSERVE_QUANT_512) || defined(PDSERVE_QUANT_256)
-  TORCH_CHECK(packed.dim() == 3 && packed.scalar_type() == at::kChar && packed.size(2) == kRows,
+  PDSERVE_CHECK(packed.dim() == 3 && packed.scalar_type() == at::kChar && packed.size(2) == kRows,
               "packed int8 weights must be [N/16, K, 16] int8");
   const int64_t k = packed.size(1), n = packed.size(0) * kRows;
-  TORCH_CHECK(scale.scalar_type() == at::kFloat && scale.is_contiguous() && scale.numel() == n,
+  PDSERVE_CHECK(scale.scalar_type() == at::kFloat && scale.is_contiguous() && scale.numel() == n,
               "int8_linear's scale must be [N] float32");
   const at::Tensor xf = input_rows(x_in, packed, k, at::kFloat);
   const int64_t rows = xf.size(0), blocks = n / kRows;
@@ -426,7 +426,7 @@ at::Tensor int8_linear(const at::Tensor& x_in, const at::Tensor& packed, const a
   });
   return output(outf, x_in, n, bias);
 #else
-  TORCH_CHECK(false, "int8_linear needs AVX2 + FMA + F16C, which this build does not target");
+  PDSERVE_CHECK(false, "int8_linear needs AVX2 + FMA + F16C, which this build does not target");
 #endif
 }
 

@@ -2,13 +2,37 @@
 // the top half of a float: a shift each way, rounding to nearest even on the way back (NaN stays NaN).
 #pragma once
 
+#include <c10/core/ScalarType.h>
 #include <c10/util/BFloat16.h>
 #include <c10/util/Half.h>
+#include <c10/util/Exception.h>
 
 #include <cstdint>
 #include <cstring>
+#include <string>
+#include <type_traits>
 
 namespace pdserve_rows {
+
+// An error message from strings and numbers, joined with std::string and std::to_string only. TORCH_CHECK's
+// own formatting streams numbers through std::ostream, and where a toolchain links its own copy of the
+// C++ library into the extension (seen: a GPU host's g++ 13.3 wrapper with torch 2.11), that copy's
+// stream facets are never set up and formatting a number crashed the process (a gdb backtrace:
+// basic_ostream::_M_insert<long> -> codecvt::do_unshift inside the extension). Strings alone never
+// touch the facets.
+inline std::string piece(const char* s) { return s; }
+inline std::string piece(const std::string& s) { return s; }
+inline std::string piece(c10::ScalarType t) { return c10::toString(t); }
+template <typename T, typename = std::enable_if_t<std::is_arithmetic_v<T>>>
+inline std::string piece(T v) {
+  return std::to_string(v);
+}
+template <typename... A>
+std::string message(const A&... parts) {
+  std::string s;
+  ((s += piece(parts)), ...);
+  return s;
+}
 
 // NaN by its bits: the library is built with -ffast-math, under which std::isnan may fold to false.
 inline bool is_nan_bits(uint32_t u) { return (u & 0x7fffffffu) > 0x7f800000u; }
@@ -63,3 +87,6 @@ inline void store_row<c10::BFloat16>(const float* src, c10::BFloat16* dst, int64
 }
 
 }  // namespace pdserve_rows
+
+// TORCH_CHECK with the message built by pdserve_rows::message (only when the check fails).
+#define PDSERVE_CHECK(cond, ...) TORCH_CHECK(cond, ::pdserve_rows::message(__VA_ARGS__))

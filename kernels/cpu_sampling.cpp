@@ -77,10 +77,10 @@ int64_t argmax_row(const float* x, int64_t n) {
 }
 
 at::Tensor greedy(const at::Tensor& logits) {
-  TORCH_CHECK(logits.device().is_cpu() && logits.scalar_type() == at::kFloat && logits.dim() == 2,
+  PDSERVE_CHECK(logits.device().is_cpu() && logits.scalar_type() == at::kFloat && logits.dim() == 2,
               "greedy: logits must be float32 [B, V] on CPU");
-  TORCH_CHECK(logits.size(1) > 0, "greedy: an empty vocabulary");
-  TORCH_CHECK(logits.size(1) < (int64_t{1} << 31), "greedy: the vocabulary must fit int32 indices");
+  PDSERVE_CHECK(logits.size(1) > 0, "greedy: an empty vocabulary");
+  PDSERVE_CHECK(logits.size(1) < (int64_t{1} << 31), "greedy: the vocabulary must fit int32 indices");
   auto x = logits.contiguous();
   const int64_t B = x.size(0), V = x.size(1);
   auto out = at::empty({B}, logits.options().dtype(at::kLong));
