@@ -162,8 +162,8 @@ void int4_tile(const uint16_t* x, const float* xsum, const uint8_t* packed, uint
 // chunk's 8 inputs, input 8c + 2s + h at bit 4s + 16h. Per group, dot = sum(q x) in one register per
 // row, half and block (independent FMA chains), then acc += scale * dot + minimum * sum(x).
 template <int MR, int NB>
-void int4_tile_fp32(const float* x, const float* xsum, const uint8_t* packed, float* out, int64_t K, int64_t N,
-                    int64_t m0, int64_t b0) {
+void int4_tile_fp32(const float* x, const float* xs, const float* xsum, const uint8_t* packed, float* out,
+                    int64_t K, int64_t N, int64_t m0, int64_t b0) {
   const int64_t groups = K / kGroup;
   const __m256i nibble = _mm256_set1_epi32(0xf), nibble_high = _mm256_set1_epi32(0xf0000);
   __m256 acc[MR][NB][2];
@@ -184,12 +184,6 @@ void int4_tile_fp32(const float* x, const float* xsum, const uint8_t* packed, fl
       // masked as q, the high word's as q * 65536 (converted exactly, its input scaled by 2^-16).
 #pragma GCC unroll 4
       for (int sh = 0; sh < 4; ++sh) {
-        __m256 xb[MR][2];
-        for (int m = 0; m < MR; ++m) {
-          const float* xm = xg + (m0 + m) * K + 8 * c + 2 * sh;
-          xb[m][0] = _mm256_set1_ps(xm[0]);
-          xb[m][1] = _mm256_set1_ps(xm[1] * (1.f / 65536.f));
-        }
         for (int b = 0; b < NB; ++b) {
           const uint8_t* p = int4_group(packed, b0 + b, g, groups) + 64 * c;
           for (int hh = 0; hh < 2; ++hh) {
@@ -197,9 +191,12 @@ void int4_tile_fp32(const float* x, const float* xsum, const uint8_t* packed, fl
             const __m256i t = sh == 0 ? w : _mm256_srli_epi32(w, 4 * sh);
             const __m256 q0 = _mm256_cvtepi32_ps(_mm256_and_si256(t, nibble));
             const __m256 q1 = _mm256_cvtepi32_ps(_mm256_and_si256(t, nibble_high));
+            // inputs broadcast from memory at each use (a load, not a register held across the loop:
+            // sixteen registers hold the sums)
             for (int m = 0; m < MR; ++m) {
-              dot[m][b][hh] = _mm256_fmadd_ps(q0, xb[m][0], dot[m][b][hh]);
-              dot[m][b][hh] = _mm256_fmadd_ps(q1, xb[m][1], dot[m][b][hh]);
+              const float* xm = xg + (m0 + m) * K + 8 * c + 2 * sh;
+              dot[m][b][hh] = _mm256_fmadd_ps(q0, _mm256_broadcast_ss(xm), dot[m][b][hh]);
+              dot[m][b][hh] = _mm256_fmadd_ps(q1, _mm256_broadcast_ss(xs + (xm - x)), dot[m][b][hh]);
             }
           }
         }
@@ -290,11 +287,13 @@ at::Tensor int4_linear(const at::Tensor& x_in, const at::Tensor& packed, int64_t
   if (rows == 0) return output(out, x_in, n, bias);
   const float* xp = x.data_ptr<float>();
   const std::vector<float> xsum = group_sums(xp, rows, k);
+  std::vector<float> xs(rows * k);  // x / 65536: the inputs of the codes read as q * 65536
+  for (int64_t i = 0; i < rows * k; ++i) xs[i] = xp[i] * (1.f / 65536.f);
   const uint8_t* wp = packed.data_ptr<uint8_t>();
   float* op = out.data_ptr<float>();
   at::parallel_for(0, blocks, 4, [&](int64_t begin, int64_t end) {
     for_tiles(rows, begin, end, [&](auto mr, auto nb, int64_t m0, int64_t b0) {
-      int4_tile_fp32<mr(), nb()>(xp, xsum.data(), wp, op, k, n, m0, b0);
+      int4_tile_fp32<mr(), nb()>(xp, xs.data(), xsum.data(), wp, op, k, n, m0, b0);
     }, true);
   });
   return output(out, x_in, n, bias);
