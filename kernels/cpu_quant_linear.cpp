@@ -196,7 +196,7 @@ void int4_tile_fp32(const float* x, const float* xs, const float* xsum, const ui
             for (int m = 0; m < MR; ++m) {
               const float* xm = xg + (m0 + m) * K + 8 * c + 2 * sh;
               dot[m][b][hh] = _mm256_fmadd_ps(q0, _mm256_broadcast_ss(xm), dot[m][b][hh]);
-              dot[m][b][hh] = _mm256_fmadd_ps(q1, _mm256_broadcast_ss(xs + (xm - x)), dot[m][b][hh]);
+              dot[m][b][hh] = _mm256_fmadd_ps(q1, _mm256_broadcast_ss(xs + (xm - x) + 1), dot[m][b][hh]);
             }
           }
         }
