@@ -19,7 +19,7 @@ Where the dense path pays, batched steps and prefill (`dense_min_rows()` rows or
 dense copy of the dequantized weights in the model dtype, so the model keeps both: with AVX512-BF16
 (the bf16 GEMM, AMX's above all, beats the weight-only kernels from a few rows on). Where pdserve's
 int4 kernel multiplies in fp32 (AVX2 + FMA + F16C, or AVX-512 without BF16), it beats torch's fp32
-GEMM up to ~40 rows, and beyond, dequantizing each projection into a scratch just before torch's GEMM
+GEMM up to ~56 rows, and beyond, dequantizing each projection into a scratch just before torch's GEMM
 (`int4_unpack_t_`) matches a dense copy: so no dense copy is kept, few rows run the int4 kernel, and
 from `UNPACK_MIN_ROWS` rows (big decode batches, prefill) the scratch. The int8 modules likewise keep no dense copy there (their
 kernel runs at any row count). `dense_plan()` says which applies on this host. The embedding table
@@ -62,11 +62,11 @@ DENSE_MIN_ROWS_AMX = 9
 DENSE_MIN_ROWS = 16
 # Hosts whose int4 kernel multiplies in fp32 (AVX2): no dense copy. A decode step's 120 projections of
 # the bundled model, weights streamed from memory (`pdserve bench cpu`, 2 threads, AMD EPYC AVX2-only,
-# best of 5): the int4 kernel 5.6 ms at 1 row, 11.5 at 4, 42.5 at 16, 163 at 64; torch's fp32 GEMM on
-# dense weights 35.5, 49.2, 56.7, 122; dequantizing each projection into a scratch before that GEMM
-# 25.6, 45.9, 72.1, 140 (398.7 against the kernel's 649 at 256). So few rows take the kernel, and from
-# about 40 rows (where the lines cross) the scratch; no dense copy pays for its memory (540 MB in fp32).
-UNPACK_MIN_ROWS = 48
+# best of 5): the int4 kernel 5.3 ms at 1 row, 37.7 at 16, 146 at 64; torch's fp32 GEMM on dense weights
+# 35.0, 55.8, 122; dequantizing each projection into a scratch before that GEMM 25.4, 72.1, 140 (399
+# against the kernel's 649 at 256). So few rows take the kernel, and from about 56 rows (where the lines
+# cross) the scratch; no dense copy pays for its memory (540 MB in fp32).
+UNPACK_MIN_ROWS = 56
 
 
 @dataclass(frozen=True)
