@@ -38,6 +38,7 @@ class LayerWeights:
     num_kv_heads: int
     head_dim: int
     scale: float
+    act8: bool = False  # w4a8: the packed projections multiply int8 activations (int4_linear_a8)
 
 
 @dataclass(frozen=True)
@@ -87,5 +88,6 @@ def decode_layer(
         a.v_offset,
         w.scale,
         a.new_rows,
+        w.act8,
     )
     return out, res

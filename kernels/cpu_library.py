@@ -96,6 +96,7 @@ def load() -> bool:
     torch.library.register_fake("pdserve_cpu::greedy")(_greedy_fake)
     torch.library.register_fake("pdserve_cpu::int4_linear")(_int4_linear_fake)
     torch.library.register_fake("pdserve_cpu::int8_linear")(_int8_linear_fake)
+    torch.library.register_fake("pdserve_cpu::int4_linear_a8")(_int4_linear_fake)
     return True
 
 

@@ -32,6 +32,8 @@
 
 #include <c10/util/Optional.h>
 
+#include <algorithm>
+#include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <type_traits>
@@ -302,6 +304,125 @@ at::Tensor int4_linear(const at::Tensor& x_in, const at::Tensor& packed, int64_t
 #endif
 }
 
+#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+#define PDSERVE_INT4_A8 1
+// int4_linear_a8: the int4 weights times x quantized to int8 per row and group of 32 inputs (x ~ dx * xq,
+// dx = max|x| / 127, round to nearest), integer dot products as llama.cpp's Q4_1 x Q8_1: per group
+//     y += scale * dx * sum(q * xq) + minimum * sum(x)        (sum(x) exact, in float)
+// In a 32-bit lane (one output row) a chunk's word pair holds the codes of inputs 8c + {0, 2, 4, 6}
+// (word 0) and 8c + {1, 3, 5, 7} (word 1), a nibble each: the low nibbles of its 4 bytes are inputs
+// 8c + {0, 4, 1, 5}, the high ones 8c + {2, 6, 3, 7}. `vpmaddubsw` multiplies those unsigned bytes by the
+// matching signed bytes of x (xpat: the same 4 inputs broadcast to every lane) and adds pairs; products
+// are at most 15 * 127, so the 16-bit sums of 4 cannot overflow.
+struct XPattern {
+  std::vector<int32_t> pat;  // [rows, K/8, 2]: inputs {0,4,1,5} and {2,6,3,7} of each chunk as 4 bytes
+  std::vector<float> dx;     // [rows, K/32]
+};
+
+XPattern quantize_a8(const float* x, int64_t rows, int64_t k) {
+  const int64_t groups = k / kGroup;
+  XPattern out{std::vector<int32_t>(rows * (k / 8) * 2), std::vector<float>(rows * groups)};
+  static constexpr int kLo[4] = {0, 4, 1, 5}, kHi[4] = {2, 6, 3, 7};
+  for (int64_t m = 0; m < rows; ++m)
+    for (int64_t g = 0; g < groups; ++g) {
+      const float* xg = x + m * k + g * kGroup;
+      float amax = 0.f;
+      for (int64_t i = 0; i < kGroup; ++i) amax = std::max(amax, std::fabs(xg[i]));
+      const float d = amax / 127.f, inv = amax > 0.f ? 127.f / amax : 0.f;
+      out.dx[m * groups + g] = d;
+      int8_t q[kGroup];
+      for (int64_t i = 0; i < kGroup; ++i) q[i] = static_cast<int8_t>(std::nearbyint(xg[i] * inv));
+      for (int64_t c = 0; c < 4; ++c) {
+        uint8_t lo[4], hi[4];
+        for (int j = 0; j < 4; ++j) {
+          lo[j] = static_cast<uint8_t>(q[8 * c + kLo[j]]);
+          hi[j] = static_cast<uint8_t>(q[8 * c + kHi[j]]);
+        }
+        int32_t* dst = out.pat.data() + ((m * (k / 8)) + g * 4 + c) * 2;
+        std::memcpy(dst, lo, 4);
+        std::memcpy(dst + 1, hi, 4);
+      }
+    }
+  return out;
+}
+
+template <int MR, int NB>
+void int4_tile_a8(const XPattern& xq, const float* xsum, const uint8_t* packed, float* out, int64_t K, int64_t N,
+                  int64_t m0, int64_t b0) {
+  const int64_t groups = K / kGroup, chunks = K / 8;
+  const __m256i low4 = _mm256_set1_epi8(0x0f), ones = _mm256_set1_epi16(1);
+  __m256 acc[MR][NB][2];
+  for (int m = 0; m < MR; ++m)
+    for (int b = 0; b < NB; ++b) acc[m][b][0] = acc[m][b][1] = _mm256_setzero_ps();
+  for (int64_t g = 0; g < groups; ++g) {
+    if (g + kPrefetchGroups < groups)
+      for (int b = 0; b < NB; ++b) {
+        const char* ahead = reinterpret_cast<const char*>(int4_group(packed, b0 + b, g + kPrefetchGroups, groups));
+        for (int64_t line = 0; line < kGroupBytes; line += 64) _mm_prefetch(ahead + line, _MM_HINT_T0);
+      }
+    __m256i dot[MR][NB][2];
+    for (int m = 0; m < MR; ++m)
+      for (int b = 0; b < NB; ++b) dot[m][b][0] = dot[m][b][1] = _mm256_setzero_si256();
+    for (int c = 0; c < 4; ++c) {
+      for (int b = 0; b < NB; ++b) {
+        const uint8_t* p = int4_group(packed, b0 + b, g, groups) + 64 * c;
+        for (int hh = 0; hh < 2; ++hh) {
+          const __m256i w = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 32 * hh));
+          const __m256i lo = _mm256_and_si256(w, low4);
+          const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(w, 4), low4);
+          for (int m = 0; m < MR; ++m) {
+            const int32_t* xp = xq.pat.data() + ((m0 + m) * chunks + g * 4 + c) * 2;
+            const __m256i s16 = _mm256_add_epi16(_mm256_maddubs_epi16(lo, _mm256_set1_epi32(xp[0])),
+                                                 _mm256_maddubs_epi16(hi, _mm256_set1_epi32(xp[1])));
+            dot[m][b][hh] = _mm256_add_epi32(dot[m][b][hh], _mm256_madd_epi16(s16, ones));
+          }
+        }
+      }
+    }
+    for (int b = 0; b < NB; ++b) {
+      const uint8_t* sp = int4_group(packed, b0 + b, g, groups) + 256;
+      for (int hh = 0; hh < 2; ++hh) {
+        const __m256 scale = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(sp + 16 * hh)));
+        const __m256 minimum = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(sp + 32 + 16 * hh)));
+        for (int m = 0; m < MR; ++m) {
+          const __m256 sd = _mm256_mul_ps(scale, _mm256_set1_ps(xq.dx[(m0 + m) * groups + g]));
+          acc[m][b][hh] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot[m][b][hh]), sd, acc[m][b][hh]);
+          acc[m][b][hh] = _mm256_fmadd_ps(_mm256_set1_ps(xsum[(m0 + m) * groups + g]), minimum, acc[m][b][hh]);
+        }
+      }
+    }
+  }
+  for (int m = 0; m < MR; ++m)
+    for (int b = 0; b < NB; ++b)
+      for (int hh = 0; hh < 2; ++hh) _mm256_storeu_ps(out + (m0 + m) * N + (b0 + b) * kRows + 8 * hh, acc[m][b][hh]);
+}
+#endif
+
+at::Tensor int4_linear_a8(const at::Tensor& x_in, const at::Tensor& packed, int64_t n,
+                          const c10::optional<at::Tensor>& bias) {
+#if defined(PDSERVE_INT4_A8)
+  check_int4(packed, n);
+  const int64_t k = packed.size(1) * kGroup;
+  const at::Tensor x = input_rows(x_in, packed, k, at::kFloat);
+  const int64_t rows = x.size(0), blocks = n / kRows;
+  at::Tensor out = at::empty({rows, n}, x.options());
+  if (rows == 0) return output(out, x_in, n, bias);
+  const float* xp = x.data_ptr<float>();
+  const std::vector<float> xsum = group_sums(xp, rows, k);
+  const XPattern xq = quantize_a8(xp, rows, k);
+  const uint8_t* wp = packed.data_ptr<uint8_t>();
+  float* op = out.data_ptr<float>();
+  at::parallel_for(0, blocks, 4, [&](int64_t begin, int64_t end) {
+    for_tiles(rows, begin, end, [&](auto mr, auto nb, int64_t m0, int64_t b0) {
+      int4_tile_a8<mr(), nb()>(xq, xsum.data(), wp, op, k, n, m0, b0);
+    }, true);
+  });
+  return output(out, x_in, n, bias);
+#else
+  PDSERVE_CHECK(false, "int4_linear_a8 needs AVX2 + FMA + F16C, which this build does not target");
+#endif
+}
+
 void int4_unpack_t_(const at::Tensor& packed, at::Tensor& out) {
   PDSERVE_CHECK(packed.dim() == 3 && packed.scalar_type() == at::kByte && packed.size(2) == kGroupBytes &&
                   packed.is_contiguous(),
@@ -430,7 +551,7 @@ at::Tensor int8_linear(const at::Tensor& x_in, const at::Tensor& packed, const a
 }
 
 // Bit 0: int4_linear is built; bit 1: int8_linear is built; bit 2: int4_linear multiplies in bf16
-// (AVX512-BF16) rather than fp32.
+// (AVX512-BF16) rather than fp32; bit 3: int4_linear_a8 is built.
 int64_t quant_linear_support() {
   int64_t bits = 0;
 #if defined(PDSERVE_INT4_BF16) || defined(PDSERVE_INT4_FP32)
@@ -442,6 +563,9 @@ int64_t quant_linear_support() {
 #if defined(PDSERVE_INT4_BF16)
   bits |= 4;
 #endif
+#if defined(PDSERVE_INT4_A8)
+  bits |= 8;
+#endif
   return bits;
 }
 
@@ -451,6 +575,7 @@ TORCH_LIBRARY_FRAGMENT(pdserve_cpu, m) {
   m.def("int4_linear(Tensor x, Tensor packed, int n, Tensor? bias=None) -> Tensor");
   m.def("int8_linear(Tensor x, Tensor packed, Tensor scale, Tensor? bias=None) -> Tensor");
   m.def("int4_unpack_t_(Tensor packed, Tensor(a!) out) -> ()");
+  m.def("int4_linear_a8(Tensor x, Tensor packed, int n, Tensor? bias=None) -> Tensor");
   m.def("quant_linear_support() -> int");
 }
 
@@ -458,6 +583,7 @@ TORCH_LIBRARY_IMPL(pdserve_cpu, CPU, m) {
   m.impl("int4_linear", &int4_linear);
   m.impl("int8_linear", &int8_linear);
   m.impl("int4_unpack_t_", &int4_unpack_t_);
+  m.impl("int4_linear_a8", &int4_linear_a8);
 }
 
 TORCH_LIBRARY_IMPL(pdserve_cpu, CompositeExplicitAutograd, m) { m.impl("quant_linear_support", &quant_linear_support); }

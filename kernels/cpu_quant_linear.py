@@ -30,7 +30,10 @@ __all__ = [
     "INT4_GROUP",
     "ROWS",
     "int4_dense_ref",
+    "int4_a8_support",
     "int4_in_bf16",
+    "int4_linear_a8",
+    "int4_linear_a8_ref",
     "int4_linear",
     "int4_linear_ref",
     "int4_packable",
@@ -53,6 +56,12 @@ def support() -> tuple[bool, bool]:
         return False, False
     bits = int(torch.ops.pdserve_cpu.quant_linear_support())
     return bool(bits & 1), bool(bits & 2)
+
+
+@functools.cache
+def int4_a8_support() -> bool:
+    """Whether this build has int4_linear_a8 (int8 activations, integer dot products: AVX2 and up)."""
+    return load() and bool(int(torch.ops.pdserve_cpu.quant_linear_support()) & 8)
 
 
 @functools.cache
@@ -102,6 +111,30 @@ def int4_linear(
 ) -> torch.Tensor:
     out: torch.Tensor = torch.ops.pdserve_cpu.int4_linear(x, packed, n, bias)
     return out
+
+
+def int4_linear_a8(
+    x: torch.Tensor, packed: torch.Tensor, n: int, bias: torch.Tensor | None = None
+) -> torch.Tensor:
+    out: torch.Tensor = torch.ops.pdserve_cpu.int4_linear_a8(x, packed, n, bias)
+    return out
+
+
+def int4_linear_a8_ref(
+    x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, minimum: torch.Tensor
+) -> torch.Tensor:
+    """int4_linear_a8's arithmetic in torch: x [M, K] to int8 per group of 32 (dx = max|x| / 127, round
+    half to even), y = sum over groups of scale * dx * (q . xq) + minimum * sum(x), in float32."""
+    m, k = x.shape
+    n = q.shape[0]
+    g = x.float().reshape(m, k // INT4_GROUP, INT4_GROUP)
+    dx = g.abs().amax(-1, keepdim=True) / 127
+    xq = torch.where(dx > 0, torch.round(g / dx.clamp(min=1e-38)), torch.zeros_like(g))
+    codes = q.float().reshape(n, k // INT4_GROUP, INT4_GROUP)
+    dots = torch.einsum("rgi,ngi->rng", xq, codes)
+    sc = scale.to(torch.float16).float()[None]
+    lo = minimum.to(torch.float16).float()[None]
+    return (dots * sc * dx.squeeze(-1)[:, None, :]).sum(-1) + (g.sum(-1)[:, None, :] * lo).sum(-1)
 
 
 def int4_unpack_t_(packed: torch.Tensor, out: torch.Tensor) -> torch.Tensor:

@@ -8,7 +8,7 @@ from dataclasses import dataclass, fields
 from pdserve.cluster_auth import ClusterKeys, load_keys
 
 # Mirrors runtime/quant.py's QUANT_MODES (config must not import torch).
-QUANT_MODES = ("none", "w8a16_int8", "w8a8_int8", "w4a16")
+QUANT_MODES = ("none", "w8a16_int8", "w8a8_int8", "w4a16", "w4a8")
 # `auto` resolves at load time (runtime/loader.py): a GGUF file on CPU keeps its own quantization
 # (Q4_0/Q4_1 -> w4a16, Q8_0 and other types -> w8a16_int8); anything else, and --dtype float32, none.
 QUANT_CHOICES = ("auto", *QUANT_MODES)

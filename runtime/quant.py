@@ -9,6 +9,10 @@ Modes (SGLang's names):
   both scales. Below `W8A8_MIN_ROWS` rows the step is memory-bound and the activation quantization
   costs more than it saves, so such small batches take the weight-only int8 kernel instead. On an AMX
   host the dense bf16 copy (below) takes over from 9 rows, leaving `_int_mm` only batches of 8.
+- `w4a8`: w4a16's weights; activations quantized at run time to int8 per row and group of 32 inputs
+  (symmetric) and multiplied by integer dot products (`int4_linear_a8`: llama.cpp's Q4_1 x Q8_1 on
+  CPU), where the host's build has the kernel (AVX2 and up); the scratch path from `dense_min_rows()`
+  rows as w4a16's, and w4a16's kernel where the build has only that.
 - `w4a16`: int4 weights, asymmetric, groups of 32 along the input (one scale and one zero point per
   group), activations in the model dtype (`aten._weight_int4pack_mm_for_cpu`, tinygemm's layout).
   Groups of 32 with min/max quantization are exactly GGUF's Q4_1 blocks: a Q4_1 file's weights,
@@ -221,7 +225,14 @@ class Int4WeightOnlyLinear(nn.Module):
     bias: torch.Tensor | None
     dense: torch.Tensor | None
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, dtype: torch.dtype, group: int):
+    def __init__(
+        self,
+        weight: torch.Tensor,
+        bias: torch.Tensor | None,
+        dtype: torch.dtype,
+        group: int,
+        act8: bool = False,
+    ):
         super().__init__()
         n, k = weight.shape
         if k % group:
@@ -244,7 +255,10 @@ class Int4WeightOnlyLinear(nn.Module):
             # 15-50x slower), so fp32 activations are cast to bf16 for the matmul and back.
             self.register_buffer("scales_zeros", sz.transpose(0, 1).contiguous().to(torch.bfloat16))
         self.register_buffer("bias", None if bias is None else bias.detach().to(dtype))
-        self.fast_op = torch.ops.pdserve_cpu.int4_linear.default if fast else None
+        # w4a8: int8 activations where the build has that kernel (cpu_quant_linear.int4_a8_support)
+        self.act8 = act8 and fast and cpu_quant_linear.int4_a8_support()
+        op = torch.ops.pdserve_cpu.int4_linear_a8 if self.act8 else torch.ops.pdserve_cpu.int4_linear
+        self.fast_op = op.default if fast else None
         dense = None
         if plan.keep or not fast:
             dense = (q.reshape(n, k // group, group).float() * scale[..., None] + lo[..., None]).reshape(n, k)
@@ -324,14 +338,14 @@ def quantized_linear(
         return Int8WeightOnlyLinear(weight, bias, dtype)
     if mode == "w8a8_int8":
         return Int8DynamicLinear(weight, bias, dtype)
-    if mode == "w4a16":
-        return Int4WeightOnlyLinear(weight, bias, dtype, INT4_GROUP_SIZE)
+    if mode in ("w4a16", "w4a8"):
+        return Int4WeightOnlyLinear(weight, bias, dtype, INT4_GROUP_SIZE, act8=mode == "w4a8")
     raise QuantizationError(f"no quantized linear for mode {mode!r}")
 
 
 def head_mode(mode: str) -> str:
-    """The LM head's mode: int8 under w4a16 (a 4-bit head costs accuracy for little speed)."""
-    return "w8a16_int8" if mode == "w4a16" else mode
+    """The LM head's mode: int8 under w4a16 and w4a8 (a 4-bit head costs accuracy for little speed)."""
+    return "w8a16_int8" if mode in ("w4a16", "w4a8") else mode
 
 
 PROJECTIONS = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")

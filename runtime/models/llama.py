@@ -131,6 +131,8 @@ class DecoderLayer(nn.Module):
         if o_bias is not None or gu_bias is not None or down_bias is not None:
             return None
         dense_min_rows = max(int(getattr(m, "dense_min_rows", 0)) for m in modules)
+        if len({bool(getattr(m, "act8", False)) for m in modules if hasattr(m, "packed")}) > 1:
+            return None  # int8 and float activations mixed in one layer: the eager layer
         return cpu_decode_layer.LayerWeights(
             self.input_layernorm.weight,
             self.post_attention_layernorm.weight,
@@ -145,6 +147,7 @@ class DecoderLayer(nn.Module):
             attn.nkv,
             attn.hd,
             attn.scale,
+            act8=any(bool(getattr(m, "act8", False)) for m in modules),
         )
 
     def forward(

@@ -220,3 +220,22 @@ def test_without_a_dense_copy_every_row_count_is_served() -> None:
         assert torch.allclose(lin(x), ref, rtol=1e-4, atol=1e-4)
         ref8 = ql.int8_linear_ref(x, *int8_per_channel(w))
         assert torch.allclose(head(x), ref8, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.skipif(not ql.int4_a8_support(), reason="this CPU's build has no int4_linear_a8 (needs AVX2)")
+@pytest.mark.parametrize("n,k", SHAPES)
+@pytest.mark.parametrize("rows", ROWS)
+def test_int4_a8_is_its_integer_arithmetic(n: int, k: int, rows: int) -> None:
+    """int8 activations per group of 32 and integer dot products: the kernel gives its reference's
+    arithmetic (integer sums exact, float rounding aside) for every tile shape, a zero group included."""
+    g = _gen(n * k + rows + 1)
+    q, scale, minimum = int4_grouped(torch.randn(n, k, generator=g) * 0.05, 32)
+    x = torch.randn(rows, k, generator=g)
+    x[0, :32] = 0.0  # a group of zeros: dx = 0
+    y = ql.int4_linear_a8(x, ql.pack_int4(q, scale, minimum), n)
+    ref = ql.int4_linear_a8_ref(x, q, scale, minimum)
+    assert y.dtype == torch.float32 and y.shape == (rows, n)
+    assert torch.allclose(y, ref, rtol=1e-5, atol=1e-5 * ref.abs().max().item())
+    # and close to the float product: int8 activations cost about 1% of the output
+    dense = x @ ql.int4_dense_ref(q, scale, minimum).t()
+    assert float((y - dense).norm()) <= 0.03 * float(dense.norm())
