@@ -6,7 +6,7 @@ a dense copy, would run:
 - `int4`: the 120 projections' shapes of a decode step (qkv 960x576, o 576x576, gate_up 3072x576, down
   576x1536; 30 layers each), pdserve's `int4_linear` against `F.linear` on the dense fp32 weights, and
   the dequantize-into-a-scratch path (`int4_unpack_t_` + GEMM) that prefill-sized batches take where no
-  dense copy is kept;
+  dense copy is kept, and `int4_linear_a8` (`--quantization w4a8`: int8 activations);
 - `int8 head`: the 49152x576 LM head, `int8_linear` against `F.linear`;
 - `attention`: the paged decode attention of 30 layers (9 query / 3 KV heads of 64) at a context, the kernel
   against the torch backend's gather + SDPA.
@@ -57,12 +57,15 @@ def _linears(rows: list[int], repeats: int) -> None:
     scratch = {(n, k): torch.empty(k, n) for n, k in PROJECTIONS}
     hq, hs = int8_per_channel(torch.randn(*HEAD, generator=g) * 0.05)
     head_packed, head_dense = ql.pack_int8(hq), hq.float() * hs[:, None]
-    print("rows  int4 ms  fp32 GEMM ms  ratio  unpack+GEMM ms | int8 head ms  fp32 head ms  ratio")
+    print(
+        "rows  int4 ms  fp32 GEMM ms  ratio  unpack+GEMM ms  int4 a8 ms | int8 head ms  fp32 head ms  ratio"
+    )
     for m in rows:
         xs = {k: torch.randn(m, k, generator=g) for k in {k for _, k in PROJECTIONS} | {HEAD[1]}}
         t = _best_ms(_linear_fns(xs, layers, scratch, (head_packed, hs, head_dense)), repeats)
         print(
-            f"{m:4d}  {t['int4']:7.2f}  {t['dense']:12.2f}  {t['dense'] / t['int4']:5.2f}x  {t['unpack']:14.2f} |"
+            f"{m:4d}  {t['int4']:7.2f}  {t['dense']:12.2f}  {t['dense'] / t['int4']:5.2f}x  {t['unpack']:14.2f}"
+            f"  {t['a8']:10.2f} |"
             f" {t['head8']:12.2f}  {t['head32']:12.2f}  {t['head32'] / t['head8']:5.2f}x"
         )
 
@@ -80,6 +83,10 @@ def _linear_fns(
         for packed, _, n, k in layers:
             ql.int4_linear(xs[k], packed, n)
 
+    def int4_a8() -> None:
+        for packed, _, n, k in layers:
+            ql.int4_linear_a8(xs[k], packed, n)
+
     def dense() -> None:
         for _, w, _, k in layers:
             F.linear(xs[k], w)
@@ -92,6 +99,7 @@ def _linear_fns(
 
     return {
         "int4": int4,
+        "a8": int4_a8,
         "dense": dense,
         "unpack": unpacked,
         "head8": lambda: ql.int8_linear(xs[HEAD[1]], head_packed, head_scale),
@@ -143,7 +151,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--context", type=int, default=512)
     p.add_argument("--repeats", type=int, default=5)
     args = p.parse_args(argv)
-    if not cpu_library.load() or not all(ql.support()):
+    if not cpu_library.load() or not all(ql.support()) or not ql.int4_a8_support():
         print("the pdserve_cpu kernels are not built on this host: nothing to compare")
         return 1
     int4 = "bf16" if ql.int4_in_bf16() else "fp32"
