@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 
 from pdserve.kernels import cpu_isa
+from pdserve.launch.supervisor import pdserve_command
 
 REPO = Path(__file__).resolve().parents[2]
 KERNEL_TESTS = [
@@ -45,9 +46,7 @@ def test_the_cap_hides_flags_and_picks_the_targets(monkeypatch: pytest.MonkeyPat
 
 def test_the_cli_refuses_an_unknown_cap_by_name() -> None:
     env = {**os.environ, cpu_isa.ISA_ENV: "avx9000"}
-    out = subprocess.run(
-        [sys.executable, "-P", "-m", "pdserve.cli", "generate", "hi"], env=env, capture_output=True, text=True
-    )
+    out = subprocess.run(pdserve_command("generate", "hi"), env=env, capture_output=True, text=True)
     assert out.returncode == 2
     assert "PDSERVE_CPU_ISA='avx9000' is not one of" in out.stderr
 
