@@ -6,6 +6,9 @@ torch references.
   to bf16 (`int4_in_bf16()`); with AVX2 + FMA + F16C (or AVX-512 without BF16) in fp32. Either way
   the result comes back in x's dtype. `pack_int4(q, scale, minimum)` lays them out (scales and
   minimums as fp16, as a GGUF file stores them), one layout for every instruction set.
+- `int4_linear_a8(x, packed, n, bias=None)` (`--quantization w4a8`, AVX2 and up): the same weights times x
+  quantized to int8 per row and group of 32, by integer dot products (`vpmaddubsw`), in float32 out;
+  `int4_linear_a8_ref` is its arithmetic in torch.
 - `int4_unpack_t_(packed, out)`: the dequantized weights, transposed, into out [K, N] float32, so that
   a model without a dense copy multiplies many rows by torch's GEMM (`x @ out`).
 - `int8_linear(x [..., K], packed, scale [N] fp32, bias=None) -> [..., N] in x's dtype`: int8 codes, one scale
