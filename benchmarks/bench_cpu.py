@@ -27,6 +27,9 @@ import torch.nn.functional as F
 
 from pdserve.kernels import cpu_decode_attention, cpu_isa, cpu_library
 from pdserve.kernels import cpu_quant_linear as ql
+from pdserve.runtime.attention import AttentionBackend
+from pdserve.runtime.batch import ForwardBatch
+from pdserve.runtime.kv_pool import KVPool
 from pdserve.runtime.quant import int4_grouped, int8_per_channel
 
 LAYERS = 30
@@ -110,8 +113,8 @@ def _linear_fns(
 def _attention(batches: list[int], context: int, repeats: int) -> None:
     from pdserve.runtime.attention import TorchAttention
     from pdserve.runtime.attention_cpu import CpuAttention
-    from pdserve.runtime.batch import ForwardBatch, ForwardMode
-    from pdserve.runtime.kv_pool import KVGeometry, KVPool
+    from pdserve.runtime.batch import ForwardMode
+    from pdserve.runtime.kv_pool import KVGeometry
 
     page = 16
     print(f"batch  attention ms (30 layers, context {context})  torch gather + SDPA ms  ratio")
@@ -132,7 +135,12 @@ def _attention(batches: list[int], context: int, repeats: int) -> None:
         print(f"{b:5d}  {t['cpu']:40.2f}  {t['torch']:22.2f}  {t['torch'] / t['cpu']:5.2f}x")
 
 
-def _attention_fn(backend, batch, pool, qkv) -> Callable[[], object]:  # type: ignore[no-untyped-def]
+def _attention_fn(
+    backend: AttentionBackend,
+    batch: ForwardBatch,
+    pool: KVPool,
+    qkv: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
+) -> Callable[[], object]:
     """The attention of one decode step's 30 layers through `backend`."""
     q, k, v = qkv
 

@@ -16,31 +16,19 @@ import os
 import threading
 from collections.abc import Iterable
 
+from pdserve.procfs import kb_field_bytes
+
 _PROC = "/proc"
 
 
 def pss_bytes(pid: int) -> int | None:
     """PSS of one process in bytes; None where it cannot be read (gone, another user's, not Linux)."""
-    try:
-        with open(f"{_PROC}/{pid}/smaps_rollup") as f:
-            for line in f:
-                if line.startswith("Pss:"):
-                    return int(line.split()[1]) * 1024  # kB
-    except (OSError, ValueError, IndexError):
-        return None
-    return None
+    return kb_field_bytes(f"{_PROC}/{pid}/smaps_rollup", "Pss")
 
 
 def rss_bytes(pid: int) -> int | None:
     """RSS of one process in bytes (VmRSS of /proc/PID/status); None where it cannot be read."""
-    try:
-        with open(f"{_PROC}/{pid}/status") as f:
-            for line in f:
-                if line.startswith("VmRSS:"):
-                    return int(line.split()[1]) * 1024
-    except (OSError, ValueError, IndexError):
-        return None
-    return None
+    return kb_field_bytes(f"{_PROC}/{pid}/status", "VmRSS")
 
 
 def _parents() -> dict[int, int]:

@@ -53,24 +53,25 @@ ROWS = 16  # output rows per block
 
 
 @functools.cache
+def _support_bits() -> int:
+    """quant_linear_support()'s bits for this host's build; 0 where the library is not built."""
+    return int(torch.ops.pdserve_cpu.quant_linear_support()) if load() else 0
+
+
 def support() -> tuple[bool, bool]:
     """(int4_linear built, int8_linear built) for this host; both False where the library is not."""
-    if not load():
-        return False, False
-    bits = int(torch.ops.pdserve_cpu.quant_linear_support())
+    bits = _support_bits()
     return bool(bits & 1), bool(bits & 2)
 
 
-@functools.cache
 def int4_a8_support() -> bool:
     """Whether this build has int4_linear_a8 (int8 activations, integer dot products: AVX2 and up)."""
-    return load() and bool(int(torch.ops.pdserve_cpu.quant_linear_support()) & 8)
+    return bool(_support_bits() & 8)
 
 
-@functools.cache
 def int4_in_bf16() -> bool:
     """Whether this build's int4_linear multiplies in bf16 (AVX512-BF16) rather than in fp32."""
-    return load() and bool(int(torch.ops.pdserve_cpu.quant_linear_support()) & 4)
+    return bool(_support_bits() & 4)
 
 
 def int4_packable(n: int, k: int, scale: torch.Tensor, minimum: torch.Tensor) -> bool:

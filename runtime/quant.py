@@ -67,9 +67,9 @@ DENSE_MIN_ROWS = 16
 # Hosts whose int4 kernel multiplies in fp32 (AVX2): no dense copy. A decode step's 120 projections of
 # the bundled model, weights streamed from memory (`pdserve bench cpu`, 2 threads, AMD EPYC AVX2-only,
 # best of 5): the int4 kernel 5.3 ms at 1 row, 37.7 at 16, 146 at 64; torch's fp32 GEMM on dense weights
-# 35.0, 55.8, 122; dequantizing each projection into a scratch before that GEMM 25.4, 72.1, 140 (399
-# against the kernel's 649 at 256). So few rows take the kernel, and from about 56 rows (where the lines
-# cross) the scratch; no dense copy pays for its memory (540 MB in fp32).
+# 35.0, 55.8, 122; dequantizing each projection into a scratch before that GEMM 25.4, 72.1, 140. So few
+# rows take the kernel, and from about 56 rows (where the lines cross) the scratch; no dense copy pays
+# for its memory (540 MB in fp32).
 UNPACK_MIN_ROWS = 56
 
 

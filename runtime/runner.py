@@ -15,6 +15,7 @@ from typing import Any
 import torch
 
 from pdserve.config import RuntimeConfig
+from pdserve.procfs import kb_field_bytes
 from pdserve.protocol.vocabulary import finish_length
 from pdserve.runtime.attention import make_attention_backend
 from pdserve.runtime.attention_cpu import CpuAttention
@@ -55,14 +56,7 @@ class ContextLengthError(ValueError):
 
 def mem_available_bytes(meminfo: str = "/proc/meminfo") -> int | None:
     """The host's MemAvailable (what it can give without swapping) in bytes; None where unknown."""
-    try:
-        with open(meminfo) as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024  # kB
-    except (OSError, ValueError, IndexError):
-        return None
-    return None
+    return kb_field_bytes(meminfo, "MemAvailable")
 
 
 def default_cpu_pool_tokens(
