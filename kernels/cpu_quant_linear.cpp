@@ -326,7 +326,11 @@ at::Tensor int4_linear(const at::Tensor& x_in, const at::Tensor& packed, int64_t
 #define PDSERVE_INT4_A8 1
 // int4_linear_a8: the int4 weights times x quantized to int8 per row and group of 32 inputs (x ~ dx * xq,
 // dx = max|x| / 127, round to nearest), integer dot products as llama.cpp's Q4_1 x Q8_1: per group
-//     y += scale * dx * sum(q * xq) + minimum * sum(x)        (sum(x) exact, in float)
+//     y += scale * dx * sum(q * xq) + minimum * dx * sum(xq)
+// Both terms multiply the same quantized x, so the error is sum(w * (dx xq - x)) with w = scale q + minimum
+// centred on zero; the exact sum(x) in the second term would leave minimum * sum(dx xq - x) besides, which
+// GGUF's minimums (about -8 scales) make the larger part: on the bundled model, KL to fp32 over a passage
+// 0.0137 with the exact sum, 0.0032 with this one (w4a16 0.0011).
 // In a 32-bit lane (one output row) a chunk's word pair holds the codes of inputs 8c + {0, 2, 4, 6}
 // (word 0) and 8c + {1, 3, 5, 7} (word 1), a nibble each: the low nibbles of its 4 bytes are inputs
 // 8c + {0, 4, 1, 5}, the high ones 8c + {2, 6, 3, 7}. `vpmaddubsw` multiplies those unsigned bytes by the
@@ -335,11 +339,13 @@ at::Tensor int4_linear(const at::Tensor& x_in, const at::Tensor& packed, int64_t
 struct XPattern {
   std::vector<int32_t> pat;  // [rows, K/8, 2]: inputs {0,4,1,5} and {2,6,3,7} of each chunk as 4 bytes
   std::vector<float> dx;     // [rows, K/32]
+  std::vector<float> sum;    // [rows, K/32]: dx * sum(xq), the minimums' share
 };
 
 XPattern quantize_a8(const float* x, int64_t rows, int64_t k) {
   const int64_t groups = k / kGroup;
-  XPattern out{std::vector<int32_t>(rows * (k / 8) * 2), std::vector<float>(rows * groups)};
+  XPattern out{std::vector<int32_t>(rows * (k / 8) * 2), std::vector<float>(rows * groups),
+               std::vector<float>(rows * groups)};
   static constexpr int kLo[4] = {0, 4, 1, 5}, kHi[4] = {2, 6, 3, 7};
   for (int64_t m = 0; m < rows; ++m)
     for (int64_t g = 0; g < groups; ++g) {
@@ -349,7 +355,12 @@ XPattern quantize_a8(const float* x, int64_t rows, int64_t k) {
       const float d = amax / 127.f, inv = amax > 0.f ? 127.f / amax : 0.f;
       out.dx[m * groups + g] = d;
       int8_t q[kGroup];
-      for (int64_t i = 0; i < kGroup; ++i) q[i] = static_cast<int8_t>(std::nearbyint(xg[i] * inv));
+      int32_t qsum = 0;
+      for (int64_t i = 0; i < kGroup; ++i) {
+        q[i] = static_cast<int8_t>(std::nearbyint(xg[i] * inv));
+        qsum += q[i];
+      }
+      out.sum[m * groups + g] = d * static_cast<float>(qsum);
       for (int64_t c = 0; c < 4; ++c) {
         uint8_t lo[4], hi[4];
         for (int j = 0; j < 4; ++j) {
@@ -413,13 +424,12 @@ at::Tensor int4_linear_a8(const at::Tensor& x_in, const at::Tensor& packed, int6
   at::Tensor out = at::empty({rows, n}, x.options());
   if (rows == 0) return output(out, x_in, n, bias);
   const float* xp = x.data_ptr<float>();
-  const std::vector<float> xsum = group_sums(xp, rows, k);
   const XPattern xq = quantize_a8(xp, rows, k);
   const uint8_t* wp = packed.data_ptr<uint8_t>();
   float* op = out.data_ptr<float>();
   at::parallel_for(0, blocks, 4, [&](int64_t begin, int64_t end) {
     for_tiles(rows, begin, end, [&](auto mr, auto nb, int64_t m0, int64_t b0) {
-      int4_tile_a8<mr(), nb()>(xq, xsum.data(), wp, op, k, n, m0, b0);
+      int4_tile_a8<mr(), nb()>(xq, xq.sum.data(), wp, op, k, n, m0, b0);
     }, true);
   });
   return output(out, x_in, n, bias);

@@ -128,7 +128,7 @@ def int4_linear_a8_ref(
     x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, minimum: torch.Tensor
 ) -> torch.Tensor:
     """int4_linear_a8's arithmetic in torch: x [M, K] to int8 per group of 32 (dx = max|x| / 127, round
-    half to even), y = sum over groups of scale * dx * (q . xq) + minimum * sum(x), in float32."""
+    half to even), y = sum over groups of scale * dx * (q . xq) + minimum * dx * sum(xq), in float32."""
     m, k = x.shape
     n = q.shape[0]
     g = x.float().reshape(m, k // INT4_GROUP, INT4_GROUP)
@@ -138,7 +138,8 @@ def int4_linear_a8_ref(
     dots = torch.einsum("rgi,ngi->rng", xq, codes)
     sc = scale.to(torch.float16).float()[None]
     lo = minimum.to(torch.float16).float()[None]
-    return (dots * sc * dx.squeeze(-1)[:, None, :]).sum(-1) + (g.sum(-1)[:, None, :] * lo).sum(-1)
+    d = dx.squeeze(-1)[:, None, :]
+    return (dots * sc * d).sum(-1) + (xq.sum(-1)[:, None, :] * d * lo).sum(-1)
 
 
 def int4_unpack_t_(packed: torch.Tensor, out: torch.Tensor) -> torch.Tensor:

@@ -11,8 +11,12 @@ Modes (SGLang's names):
   host the dense bf16 copy (below) takes over from 9 rows, leaving `_int_mm` only batches of 8.
 - `w4a8`: w4a16's weights; activations quantized at run time to int8 per row and group of 32 inputs
   (symmetric) and multiplied by integer dot products (`int4_linear_a8`: llama.cpp's Q4_1 x Q8_1 on
-  CPU), where the host's build has the kernel (AVX2 and up); the scratch path from `dense_min_rows()`
-  rows as w4a16's, and w4a16's kernel where the build has only that.
+  CPU), where the host's build has the kernel (AVX2 and up), and w4a16's kernel where the build has
+  only that. Where no dense copy is kept (the int4 kernel multiplies in fp32) it runs at every row
+  count: it beats torch's fp32 GEMM at every size measured (`A8_ROWS_MEASURED`), so prefill takes it
+  too, and a row's result never depends on how many rows share its call. `--quantization auto` picks
+  it for a Q4 GGUF file on such hosts (as llama.cpp computes that file there; accuracy in
+  docs/benchmarks.md).
 - `w4a16`: int4 weights, asymmetric, groups of 32 along the input (one scale and one zero point per
   group), activations in the model dtype (`aten._weight_int4pack_mm_for_cpu`, tinygemm's layout).
   Groups of 32 with min/max quantization are exactly GGUF's Q4_1 blocks: a Q4_1 file's weights,
@@ -35,6 +39,7 @@ weight-only GEMM is not built yet), so a CUDA device is refused with a message.
 
 from __future__ import annotations
 
+import sys
 from dataclasses import dataclass
 
 import torch
@@ -71,6 +76,10 @@ DENSE_MIN_ROWS = 16
 # rows take the kernel, and from about 56 rows (where the lines cross) the scratch; no dense copy pays
 # for its memory (540 MB in fp32).
 UNPACK_MIN_ROWS = 56
+# w4a8's integer kernel against the same GEMM (same host, same bench, while the machine was shared, so
+# noisy): 4.2 / 15.8 / 73.0 / 236 ms at 1 / 16 / 64 / 256 rows against 39.0 / 64.8 / 158 / 475 for the
+# fp32 GEMM and 36.9 / 90.2 / 177 / 510 for the scratch: no crossover, so w4a8 keeps the kernel throughout.
+A8_ROWS_MEASURED = 256
 
 
 @dataclass(frozen=True)
@@ -92,6 +101,12 @@ def dense_plan() -> DensePlan:
     if cpu_has_amx():
         return DensePlan(True, DENSE_MIN_ROWS_AMX, "AMX bf16 GEMM from 9 rows")
     return DensePlan(True, DENSE_MIN_ROWS, "dense GEMM from 16 rows")
+
+
+def a8_multiplies_faster() -> bool:
+    """Whether w4a8's integer kernel beats w4a16's here: where the int4 kernel multiplies in fp32 (AVX2, or
+    AVX-512 without BF16) and the build has `int4_linear_a8` (see A8_ROWS_MEASURED)."""
+    return cpu_quant_linear.int4_a8_support() and not cpu_quant_linear.int4_in_bf16()
 
 
 def dense_min_rows() -> int:
@@ -265,7 +280,8 @@ class Int4WeightOnlyLinear(nn.Module):
         self.register_buffer("dense", None if dense is None else dense.to(dtype))
         self.group = group
         self.in_features, self.out_features = k, n
-        self.dense_min_rows = plan.min_rows
+        # w4a8 without a dense copy: the integer kernel at every row count (see the module docstring)
+        self.dense_min_rows = sys.maxsize if self.act8 and dense is None else plan.min_rows
 
     def decode_weights(self) -> tuple[list[torch.Tensor], torch.Tensor | None] | None:
         """([dense, packed], bias) for the one-call CPU decode layer (kernels/cpu_decode_layer.py), which

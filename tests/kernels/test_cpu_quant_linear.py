@@ -236,6 +236,7 @@ def test_int4_a8_is_its_integer_arithmetic(n: int, k: int, rows: int) -> None:
     ref = ql.int4_linear_a8_ref(x, q, scale, minimum)
     assert y.dtype == torch.float32 and y.shape == (rows, n)
     assert torch.allclose(y, ref, rtol=1e-5, atol=1e-5 * ref.abs().max().item())
-    # and close to the float product: int8 activations cost about 1% of the output
+    # and close to the float product: int8 activations cost about 0.5% of the output (both terms of a
+    # group multiply the same quantized x; the exact sum(x) beside the quantized dot made it 2-3%)
     dense = x @ ql.int4_dense_ref(q, scale, minimum).t()
-    assert float((y - dense).norm()) <= 0.03 * float(dense.norm())
+    assert float((y - dense).norm()) <= 0.01 * float(dense.norm())

@@ -16,6 +16,7 @@ from pdserve.runtime.quant import (
     W8A8_MIN_ROWS,
     Int4WeightOnlyLinear,
     QuantizationError,
+    a8_multiplies_faster,
     check_quantization,
     int4_grouped,
     quantized_linear,
@@ -152,8 +153,11 @@ def test_engine_agrees_with_fp32(mode: str, chat_prompts, fp32_outputs, make_eng
         prefix.append((eq.index(False) if False in eq else len(eq)) / len(ref))
     agreement = sum(prefix) / len(prefix)
     assert agreement >= AGREEMENT_FLOOR[mode], (mode, agreement)
-    # The capital question is answered right in every mode.
-    assert "Paris" in tokenizer.decode(outs[0])
+    # The capital question is answered right in every mode but w4a8: its first token is a near-tie in
+    # fp32 ('The' 25.33 against 'L' 25.24), which int8 activations turn into "L'Etoile, la Marseillaise",
+    # the very answer llama-server gives with the same file (the same Q4_1 x Q8_1 arithmetic).
+    if mode != "w4a8":
+        assert "Paris" in tokenizer.decode(outs[0])
 
 
 def test_startup_line_names_the_choice() -> None:
@@ -169,8 +173,9 @@ def test_startup_line_names_the_choice() -> None:
 
 
 def test_auto_serves_a_gguf_in_its_own_quantization(tiny_folders) -> None:
-    """The defaults: the bundled Q4_1 GGUF on CPU is served as w4a16 in the host's fastest dtype;
-    --dtype float32 (the exactness reference) and an HF checkpoint get unquantized weights."""
+    """The defaults: the bundled Q4_1 GGUF on CPU is served in the host's fastest dtype, as w4a8 where
+    that is float32 and the int4 kernel would multiply in fp32 (AVX2), else w4a16; --dtype float32 (the
+    exactness reference) and an HF checkpoint get unquantized weights."""
     from pdserve.model_source import resolve_model_source
     from pdserve.runtime.cpu_calibration import matmul_speeds
     from pdserve.runtime.loader import gguf_weight_types, model_folder, resolve_dtype, resolve_quantization
@@ -181,7 +186,9 @@ def test_auto_serves_a_gguf_in_its_own_quantization(tiny_folders) -> None:
     bundled = resolve_model_source(None)
     folder = model_folder(bundled)
     assert gguf_weight_types(bundled, folder) == {"Q4_1": 210}  # every projection of the 30 layers
-    assert resolve_quantization("auto", "auto", cpu, bundled, folder) == ("w4a16", "the GGUF's Q4_1 weights")
+    mode, why = resolve_quantization("auto", "auto", cpu, bundled, folder)
+    a8 = resolve_dtype("auto", cpu) == torch.float32 and a8_multiplies_faster()
+    assert (mode, why.startswith("the GGUF's Q4_1 weights")) == ("w4a8" if a8 else "w4a16", True)
     assert resolve_quantization("auto", "float32", cpu, bundled, folder)[0] == "none"
     assert resolve_quantization("auto", "float16", cpu, bundled, folder)[0] == "none"
     assert resolve_quantization("auto", "auto", torch.device("meta"), bundled, folder)[0] == "none"
@@ -189,7 +196,7 @@ def test_auto_serves_a_gguf_in_its_own_quantization(tiny_folders) -> None:
     hf = resolve_model_source(tiny_folders["llama-untied"])
     assert resolve_quantization("auto", "auto", cpu, hf, hf.folder)[0] == "none"
     loaded = load_model(None)  # every default
-    assert loaded.quantization == "w4a16" and loaded.dtype == resolve_dtype("auto", cpu)
+    assert loaded.quantization == mode and loaded.dtype == resolve_dtype("auto", cpu)
     assert load_model(None, "float32").quantization == "none"
 
 
