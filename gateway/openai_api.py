@@ -139,7 +139,7 @@ def _parse_chat(gw: GatewayState, raw: dict[str, Any], received: float) -> _Pars
     if forced is not None and sampling.constraint is None and gw.constraints.backend_name != "none":
         # tool_choice "required" or a named function: the reply is constrained to a call
         # (function_call/schema.py), so that even a small model answers with a valid one.
-        schema = json.dumps(tool_call_schema(body.tools or [], forced))
+        schema = json.dumps(tool_call_schema(body.tools or [], forced, body.parallel_tool_calls))
         sampling = gw.constraints.apply(sampling.model_copy(update={"json_schema": schema}), prefix="tools")
     skip_special = body.skip_special_tokens and not marker_special
     inputs = _gen_inputs(reply, [prompt], sampling, max_new is not None, received, skip_special)

@@ -77,7 +77,9 @@ class _ChoiceStream:
             self.held_content += d.content
             d.content = self.held_content if final else ""
             if final and not self.n_calls and not d.calls:
-                calls = calls_from_constrained(self.held_content, self.reply.forced_choice)
+                calls = calls_from_constrained(
+                    self.held_content, self.reply.forced_choice, self.reply.output.parallel_tool_calls
+                )
                 if calls:
                     d.content, d.calls = "", calls
         body = _chat_delta(d, self.n_calls)
