@@ -175,7 +175,16 @@ def test_chat_completion_shape(cluster, tokenizer):
         "max_tokens": 64,
     }
     out = cluster.client.post("/v1/chat/completions", json=body).json()
-    assert list(out) == ["id", "object", "created", "model", "choices", "usage", "metadata", "weight_versions"]
+    assert list(out) == [
+        "id",
+        "object",
+        "created",
+        "model",
+        "choices",
+        "usage",
+        "metadata",
+        "weight_versions",
+    ]
     assert out["object"] == "chat.completion" and out["model"] == MODEL
     (choice,) = out["choices"]
     assert choice == {
