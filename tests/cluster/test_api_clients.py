@@ -73,7 +73,8 @@ def test_responses_create_stream_previous_get_delete(cluster):
         model=MODEL, input="Once more.", previous_response_id=second.id, max_output_tokens=8, temperature=0
     ) as stream:
         events = list(stream)
-        final = stream.get_final_response()
+    # Cut by max_output_tokens, the stream ends as OpenAI's does: response.incomplete, not .completed.
+    final = events[-1].response
     kinds = [e.type for e in events]
     assert kinds[:2] == ["response.created", "response.in_progress"], kinds
     assert kinds[-1] in ("response.completed", "response.incomplete"), kinds
@@ -125,19 +126,21 @@ def test_openai_agents_sdk_forced_function_tool(cluster):
         cities.append(city)
         return f"sunny in {city}"
 
-    agent = Agent(
-        name="weather",
-        instructions="Answer with the weather tool.",
-        tools=[get_weather],
-        model=OpenAIResponsesModel(model=MODEL, openai_client=_openai(cluster, asynchronous=True)),
-        model_settings=ModelSettings(tool_choice="required", max_tokens=40, temperature=0),
-        tool_use_behavior="stop_on_first_tool",
-    )
-    result = asyncio.run(Runner.run(agent, "What is the weather in Paris?", max_turns=2))
+    def agent() -> Agent:  # one per event loop: the async client's connections belong to its loop
+        return Agent(
+            name="weather",
+            instructions="Answer with the weather tool.",
+            tools=[get_weather],
+            model=OpenAIResponsesModel(model=MODEL, openai_client=_openai(cluster, asynchronous=True)),
+            model_settings=ModelSettings(tool_choice="required", max_tokens=40, temperature=0),
+            tool_use_behavior="stop_on_first_tool",
+        )
+
+    result = asyncio.run(Runner.run(agent(), "What is the weather in Paris?", max_turns=2))
     assert len(cities) == 1 and result.final_output == f"sunny in {cities[0]}"
 
     async def streamed() -> tuple[list[str], object]:
-        run = Runner.run_streamed(agent, "What is the weather in Rome?", max_turns=2)
+        run = Runner.run_streamed(agent(), "What is the weather in Rome?", max_turns=2)
         kinds = [getattr(ev, "name", ev.type) async for ev in run.stream_events()]
         return kinds, run.final_output
 
@@ -152,7 +155,8 @@ def test_anthropic_messages_tool_round_trip_forced_tool_and_stream(cluster):
     client = anthropic.Anthropic(base_url=cluster.url, api_key=KEY, timeout=300, max_retries=0)
     tools = [{"name": "get_weather", "description": "Weather in a city", "input_schema": WEATHER}]
     msgs: list = [{"role": "user", "content": "What is the weather in Paris?"}]
-    kw = dict(model=MODEL, max_tokens=40, tools=tools, temperature=0)
+    # (This client version no longer takes `temperature`; the forced calls are grammar-bound anyway.)
+    kw = dict(model=MODEL, max_tokens=40, tools=tools)
     m = client.messages.create(**kw, messages=msgs, tool_choice={"type": "tool", "name": "get_weather"})
     assert m.type == "message" and m.stop_reason == "tool_use" and m.usage.input_tokens > 0
     (use,) = [b for b in m.content if b.type == "tool_use"]
