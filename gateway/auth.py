@@ -11,6 +11,7 @@ Three kinds of path:
   requests then carry it;
 - `/health` and `/metrics`: open, unless `--protect-health` / `--protect-metrics` put them under the
   API key (Kubernetes probes and Prometheus scrapers usually carry none).
+Anthropic's clients send the key as `x-api-key: <key>`: taken wherever a bearer token is.
 No key configured: that kind of path is open. A refusal is a 401 with OpenAI's body (`invalid_api_key`);
 keys are compared in constant time (hmac.compare_digest) and never logged. A plain ASGI middleware, so
 streamed responses pass through untouched.
@@ -84,6 +85,17 @@ def bearer_token(headers: list[tuple[bytes, bytes]], basic: bool = False) -> byt
     return None
 
 
+def request_key(headers: list[tuple[bytes, bytes]], basic: bool = False) -> bytes | None:
+    """The key a request carries: its bearer token (`bearer_token`), else Anthropic's `x-api-key`."""
+    token = bearer_token(headers, basic)
+    if token is not None:
+        return token
+    for name, value in headers:
+        if name.lower() == b"x-api-key":
+            return value.strip()
+    return None
+
+
 class ApiKeyMiddleware:
     def __init__(self, app: Any, keys: ApiKeys) -> None:
         self.app, self.keys = app, keys
@@ -95,7 +107,7 @@ class ApiKeyMiddleware:
         wanted = self.keys.required(scope["path"])
         if wanted:
             dashboard = scope["path"] in DASHBOARD_PATHS
-            given = bearer_token(scope.get("headers", []), basic=dashboard)
+            given = request_key(scope.get("headers", []), basic=dashboard)
             # Every key is compared, whatever matched: the time does not tell which one was close.
             ok = False
             for key in wanted:

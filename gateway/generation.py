@@ -323,6 +323,9 @@ class Generations:
             st.input_logprobs, st.input_top_logprobs = list(pd.input_logprobs or []), pd.input_top_logprobs
         st.meta_info = build_meta_info(f, tl, st.cached_tokens)
         self._observe_finish(st, run.c, local=origin.prefill is None)
+        if room.decode is not None:  # the worker that decoded the end, whose stats these are
+            stats = run.c.stats
+            room.decode.count_spec(stats.get("spec_verify_ct", 0), stats.get("spec_num_correct_drafts", 0))
         if run.span is not None or self.on_finish is not None:
             trace = build_request_trace(f, tl, st.meta_info)
             if run.span is not None:

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import json
 import uuid
-from collections.abc import AsyncGenerator
+from collections.abc import AsyncGenerator, Callable
 from typing import Any
 
 from fastapi import APIRouter, Request
@@ -24,7 +24,7 @@ from pdserve.gateway.function_call.prompt import chat_messages
 from pdserve.gateway.function_call.schema import tool_call_schema
 from pdserve.gateway.generation import GenInput, GenState
 from pdserve.gateway.openai_reply import Json, Reply, full_response
-from pdserve.gateway.openai_stream import stream_chunks
+from pdserve.gateway.openai_stream import StreamEvent, chunk_objects, stream_chunks
 from pdserve.gateway.protocol import build_sampling, derive_seed, parse_body, with_seed
 from pdserve.gateway.reasoning import reasoning_format
 from pdserve.gateway.request_models import ChatCompletionBody, CompletionBody, NamedToolChoice
@@ -97,6 +97,34 @@ async def _serve(request: Request, chat: bool) -> Response:
     return await serve_generation(request, gw.admission, gw.generations, parse, full, chunks)
 
 
+async def serve_chat_as(
+    request: Request,
+    convert: Callable[[dict[str, Any]], dict[str, Any]],
+    shape: Callable[[Json], Json],
+    shape_stream: Callable[[AsyncGenerator[StreamEvent, None], list[GenInput]], AsyncGenerator[bytes, None]],
+) -> Response:
+    """Another API's request served as a chat completion: `convert` turns its body into a chat
+    completions body (one choice), `shape` the chat.completion object into its answer, `shape_stream`
+    the chunk objects (usage last) into its stream."""
+    gw = gateway_state(request)
+    reply: Reply | None = None
+
+    def parse(raw: dict[str, Any], received: float) -> tuple[list[GenInput], bool, str]:
+        nonlocal reply
+        reply, inputs, stream = _parse_chat(gw, convert(raw), received)
+        return inputs, stream, "messages"
+
+    def full(states: list[GenState]) -> Json:
+        assert reply is not None
+        return shape(full_response(gw.tokenizer, reply, states))
+
+    def chunks(inputs: list[GenInput]) -> AsyncGenerator[bytes, None]:
+        assert reply is not None
+        return shape_stream(chunk_objects(gw.generations, gw.tokenizer, reply, inputs), inputs)
+
+    return await serve_generation(request, gw.admission, gw.generations, parse, full, chunks)
+
+
 def _check_request(gw: GatewayState, body: ChatCompletionBody | CompletionBody, prompts: int) -> str:
     """The served model, the generations within the limit; the request's id."""
     if body.model is not None and body.model != gw.model_name:
@@ -112,7 +140,7 @@ def _include_usage(body: ChatCompletionBody | CompletionBody) -> bool:
 def _parse_chat(gw: GatewayState, raw: dict[str, Any], received: float) -> _Parsed:
     body = parse_body(ChatCompletionBody, raw)
     rid = _check_request(gw, body, 1)
-    prompt = _chat_prompt(gw.tokenizer, gw.cfg.tool_call_parser, body, gw.registry.context_length())
+    prompt = chat_prompt_ids(gw.tokenizer, gw.cfg.tool_call_parser, body, gw.registry.context_length())
     max_new = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
     spec = _output_spec(gw, body)
     # The tool-call parser must see the format's marker token when that is a special token.
@@ -139,7 +167,7 @@ def _parse_chat(gw: GatewayState, raw: dict[str, Any], received: float) -> _Pars
     if forced is not None and sampling.constraint is None and gw.constraints.backend_name != "none":
         # tool_choice "required" or a named function: the reply is constrained to a call
         # (function_call/schema.py), so that even a small model answers with a valid one.
-        schema = json.dumps(tool_call_schema(body.tools or [], forced))
+        schema = json.dumps(tool_call_schema(body.tools or [], forced, body.parallel_tool_calls))
         sampling = gw.constraints.apply(sampling.model_copy(update={"json_schema": schema}), prefix="tools")
     skip_special = body.skip_special_tokens and not marker_special
     inputs = _gen_inputs(reply, [prompt], sampling, max_new is not None, received, skip_special)
@@ -199,13 +227,18 @@ def _template_kwargs(body: ChatCompletionBody) -> dict[str, Any]:
     return kwargs
 
 
-def _chat_prompt(
-    tok: Tokenizer, parser: str | None, body: ChatCompletionBody, max_tokens: int | None
+def chat_prompt_ids(
+    tok: Tokenizer,
+    parser: str | None,
+    body: ChatCompletionBody,
+    max_tokens: int | None,
+    add_generation_prompt: bool = True,
 ) -> list[int]:
+    """A chat request's prompt: its messages and tools through the chat template, as token ids."""
     msgs, tools = chat_messages(body, tool_call_format(parser), tok.template_supports_tools)
     kwargs = _template_kwargs(body)
     try:
-        text = tok.chat_prompt(msgs, tools, kwargs)
+        text = tok.chat_prompt(msgs, tools, kwargs, add_generation_prompt)
     except Exception as e:  # jinja errors from the model's template (e.g. role order)
         raise bad_request(f"the chat template refused the messages: {e}", "messages") from None
     tok.check_chars(text, max_tokens, "messages")

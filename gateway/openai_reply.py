@@ -65,7 +65,7 @@ def usage(reply: Reply, states: list[GenState], reasoning: list[int] | None = No
     }
 
 
-def _metadata(states: list[GenState]) -> Json:
+def weight_segments(states: list[GenState]) -> list[Json]:
     """The choices' token ranges one after the other, as SGLang counts them; each version run one segment."""
     segs: list[Json] = []
     base = 0
@@ -77,7 +77,13 @@ def _metadata(states: list[GenState]) -> Json:
             else:
                 segs.append({"version": seg["version"], "start": start, "end": end})
         base += len(s.output_ids)
-    return {"weight_version": segs[-1]["version"] if segs else "default", "weight_versions": segs}
+    return segs
+
+
+def metadata(segs: list[Json]) -> dict[str, str]:
+    """OpenAI's `metadata`, a map of strings: the weight version of the last token. The per-token
+    segments go in the pdserve field `weight_versions` beside it (clients ignore it)."""
+    return {"weight_version": segs[-1]["version"] if segs else "default"}
 
 
 def _chat_logprobs(tok: Tokenizer, ids: list[int], lps: list[float], tops: TopLogprobs) -> Json:
@@ -119,7 +125,7 @@ def _chat_result(tok: Tokenizer, reply: Reply, st: GenState) -> tuple[ChatDelta,
     out = ChatOutput(reply.output).whole(st.text)
     if not out.calls and reply.forced_choice is not None:
         # A reply constrained to the tool-call schema (function_call/schema.py) is bare JSON.
-        calls = calls_from_constrained(out.content, reply.forced_choice)
+        calls = calls_from_constrained(out.content, reply.forced_choice, reply.output.parallel_tool_calls)
         if calls:
             out = ChatDelta(out.reasoning, "", calls)
     fmt = reply.output.reasoning
@@ -184,6 +190,7 @@ def full_response(tok: Tokenizer, reply: Reply, states: list[GenState]) -> Json:
     """The whole chat.completion or text_completion object of a request's finished generations."""
     choices = []
     reasoning = []
+    segs = weight_segments(states)
     for i, st in enumerate(states):
         if reply.chat:
             choice, n = _chat_choice(tok, reply, i, st)
@@ -198,5 +205,6 @@ def full_response(tok: Tokenizer, reply: Reply, states: list[GenState]) -> Json:
         "model": reply.model,
         "choices": choices,
         "usage": usage(reply, states, reasoning),
-        "metadata": _metadata(states),
+        "metadata": metadata(segs),
+        "weight_versions": segs,
     }

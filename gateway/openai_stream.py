@@ -6,6 +6,7 @@ mid-stream ends every unfinished choice with finish_reason "abort", then an erro
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import AsyncGenerator
 
 from pdserve.gateway.chat_output import ChatDelta, ChatOutput, reasoning_tokens
@@ -17,17 +18,15 @@ from pdserve.gateway.serving import SSE_DONE, merge_streams, sse
 from pdserve.gateway.tokenizer import Tokenizer
 
 
-def _chunk(reply: Reply, choices: list[Json], totals: Json | None = None) -> bytes:
-    return sse(
-        {
-            "id": reply.id,
-            "object": "chat.completion.chunk" if reply.chat else "text_completion",
-            "created": reply.created,
-            "model": reply.model,
-            "choices": choices,
-            "usage": totals,
-        }
-    )
+def _chunk(reply: Reply, choices: list[Json], totals: Json | None = None) -> Json:
+    return {
+        "id": reply.id,
+        "object": "chat.completion.chunk" if reply.chat else "text_completion",
+        "created": reply.created,
+        "model": reply.model,
+        "choices": choices,
+        "usage": totals,
+    }
 
 
 def _chat_delta(d: ChatDelta, first_call: int) -> Json:
@@ -77,7 +76,9 @@ class _ChoiceStream:
             self.held_content += d.content
             d.content = self.held_content if final else ""
             if final and not self.n_calls and not d.calls:
-                calls = calls_from_constrained(self.held_content, self.reply.forced_choice)
+                calls = calls_from_constrained(
+                    self.held_content, self.reply.forced_choice, self.reply.output.parallel_tool_calls
+                )
                 if calls:
                     d.content, d.calls = "", calls
         body = _chat_delta(d, self.n_calls)
@@ -85,10 +86,26 @@ class _ChoiceStream:
         return body
 
 
+# One event of a stream: a chunk object, or the error that ended it (after its choices' "abort" chunks).
+StreamEvent = Json | ApiError
+
+
 async def stream_chunks(
     generations: Generations, tok: Tokenizer, reply: Reply, inputs: list[GenInput]
 ) -> AsyncGenerator[bytes, None]:
     """The SSE events of a request's generations (one choice each), then its usage if asked, then [DONE]."""
+    async with contextlib.aclosing(chunk_objects(generations, tok, reply, inputs)) as events:
+        async for ev in events:
+            yield sse(ev.body() if isinstance(ev, ApiError) else ev)
+    yield SSE_DONE
+
+
+async def chunk_objects(
+    generations: Generations, tok: Tokenizer, reply: Reply, inputs: list[GenInput]
+) -> AsyncGenerator[StreamEvent, None]:
+    """The chunk objects of a request's generations, then its usage chunk if asked; a failure ends
+    every unfinished choice with "abort", then comes as the last event (the other APIs' streams are
+    built on these: anthropic_api.py, responses_api.py)."""
     sent_ids = [0] * len(inputs)  # tokens already covered by logprobs, per choice
     sent_chars = [0] * len(inputs)
     finals: dict[int, GenState] = {}
@@ -123,10 +140,8 @@ async def stream_chunks(
         for i in range(len(inputs)):
             if i not in finals:
                 yield _chunk(reply, [_choice(reply, i, {} if reply.chat else "", None, "abort", None)])
-        yield sse(e.body())
-        yield SSE_DONE
+        yield e
         return
     if reply.include_usage:
         states = [finals[i] for i in range(len(inputs))]
         yield _chunk(reply, [], usage(reply, states, reasoning))
-    yield SSE_DONE

@@ -13,12 +13,19 @@ from fastapi.openapi.utils import get_openapi
 from pydantic import BaseModel
 from pydantic.json_schema import models_json_schema
 
+from pdserve.gateway.anthropic_api import MessagesBody
 from pdserve.gateway.request_models import ChatCompletionBody, CompletionBody, GenerateBody
+from pdserve.gateway.responses_api import ResponsesBody
+from pdserve.gateway.tokenize_api import DetokenizeBody, TokenizeBody
 
 _BODIES: dict[str, type[BaseModel]] = {
     "/generate": GenerateBody,
     "/v1/chat/completions": ChatCompletionBody,
     "/v1/completions": CompletionBody,
+    "/v1/messages": MessagesBody,
+    "/v1/responses": ResponsesBody,
+    "/tokenize": TokenizeBody,
+    "/detokenize": DetokenizeBody,
 }
 
 

@@ -15,7 +15,17 @@ from contextlib import asynccontextmanager
 
 from fastapi import FastAPI
 
-from pdserve.gateway import cluster_api, dashboard, native_api, openai_api, sglang_api, weights_api
+from pdserve.gateway import (
+    anthropic_api,
+    cluster_api,
+    dashboard,
+    native_api,
+    openai_api,
+    responses_api,
+    sglang_api,
+    tokenize_api,
+    weights_api,
+)
 from pdserve.gateway.auth import ApiKeyMiddleware, ApiKeys
 from pdserve.gateway.config import GatewayConfig
 from pdserve.gateway.connections import IdleTimeoutProtocol, raise_open_files_limit
@@ -102,6 +112,9 @@ def create_app(cfg: GatewayConfig, tokenizer: Tokenizer | None = None) -> FastAP
     install_openapi(app)
     app.include_router(native_api.router)
     app.include_router(openai_api.router)
+    app.include_router(responses_api.router)
+    app.include_router(anthropic_api.router)
+    app.include_router(tokenize_api.router)
     app.include_router(sglang_api.router)
     app.include_router(dashboard.router)
     app.include_router(weights_api.router)

@@ -15,7 +15,7 @@ from typing import Any, TypeVar
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-from pdserve.gateway.auth import bearer_token
+from pdserve.gateway.auth import request_key
 from pdserve.gateway.errors import ApiError, parse_json_body
 from pdserve.gateway.generation import Generations, GenInput, GenState
 from pdserve.gateway.metrics import GatewayMetrics
@@ -121,7 +121,7 @@ def client_id(request: Request, keyed: bool) -> str:
     read as the key check reads it (scheme in any case, blanks around the key ignored), when the
     gateway checks keys on generation paths (`keyed`); else its address (an unchecked bearer would
     make a new client at will)."""
-    token = bearer_token(request.scope.get("headers", [])) if keyed else None
+    token = request_key(request.scope.get("headers", [])) if keyed else None
     if token:
         return "key:" + hashlib.sha256(token).hexdigest()[:16]
     return "addr:" + (request.client.host if request.client else "?")

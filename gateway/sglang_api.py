@@ -124,7 +124,7 @@ async def server_info(request: Request) -> dict[str, Any]:
                 "running": w.running,
                 "free_tokens": w.free_tokens,
                 "max_total_num_tokens": w.reg.max_total_tokens,
-                "avg_spec_accept_length": None,
+                "avg_spec_accept_length": w.avg_spec_accept_length,
             }
             for w in gw.registry.all()
         ],

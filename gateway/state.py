@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, cast
 
 from fastapi import Request
+
+from pdserve.gateway.responses_store import ResponseStore
 
 if TYPE_CHECKING:
     from pdserve.gateway.config import GatewayConfig
@@ -38,6 +40,7 @@ class GatewayState:
     recent: RecentRequests  # finished requests, for /dashboard
     tracing: Tracing | None  # OpenTelemetry export (--enable-trace)
     weights: WeightUpdates  # live weight updates over every worker
+    responses: ResponseStore = field(default_factory=ResponseStore)  # /v1/responses with `store`
 
 
 def gateway_state(request: Request) -> GatewayState:

@@ -89,12 +89,13 @@ class Tokenizer:
         messages: list[dict[str, Any]],
         tools: list[dict[str, Any]] | None = None,
         template_kwargs: dict[str, Any] | None = None,
+        add_generation_prompt: bool = True,
     ) -> str:
         """The prompt text; `template_kwargs` become variables of the template (e.g. enable_thinking)."""
         text = self.hf.apply_chat_template(
             messages,
             tools=[*tools] if tools is not None else None,
-            add_generation_prompt=True,
+            add_generation_prompt=add_generation_prompt,
             tokenize=False,
             **(template_kwargs or {}),
         )

@@ -67,6 +67,22 @@ class WorkerInfo:
     # a worker on other weights (a failed update, a restart on the old checkpoint) is out of rotation.
     weight_version: str = "default"
     stale_weights: bool = False
+    # Speculative decoding on this (decode) worker, over the requests it finished: verify forwards and
+    # the drafts they accepted.
+    spec_verify_steps: int = 0
+    spec_accepted_drafts: int = 0
+
+    def count_spec(self, verify_steps: int, accepted_drafts: int) -> None:
+        self.spec_verify_steps += verify_steps
+        self.spec_accepted_drafts += accepted_drafts
+
+    @property
+    def avg_spec_accept_length(self) -> float | None:
+        """Tokens per verify forward (the accepted drafts and the one token each forward adds), as
+        SGLang reports it; None before any verify forward (speculation off)."""
+        if not self.spec_verify_steps:
+            return None
+        return (self.spec_accepted_drafts + self.spec_verify_steps) / self.spec_verify_steps
 
     @property
     def bootstrap_addr(self) -> str:

@@ -94,6 +94,19 @@ _SHARED = [
 # `pdserve up`: its bind addresses, restarts, and the gateway flags it forwards.
 _UP_ONLY = [
     Flag("--host", _UP, "HTTP address of the gateway", default="127.0.0.1"),
+    # Handed to the gateway in its environment (PDSERVE_API_KEY, PDSERVE_ADMIN_API_KEY), never on its
+    # command line, which the process list shows: see up.key_env.
+    Flag(
+        "--api-key",
+        _UP,
+        "the gateway's inference key (see `pdserve gateway --help`; default: $PDSERVE_API_KEY, which "
+        "is better: a flag is visible in the process list)",
+    ),
+    Flag(
+        "--admin-api-key",
+        _UP,
+        "the gateway's admin key (see `pdserve gateway --help`; default: $PDSERVE_ADMIN_API_KEY)",
+    ),
     Flag(
         "--internal-host",
         _UP,

@@ -7,6 +7,7 @@ worker's sockets (KV bootstrap, gloo, health) to --internal-host (127.0.0.1 by d
 a local cluster opens nothing beyond loopback). The children share a cluster secret
 (pdserve/cluster_auth.py): --cluster-secret-file, else PDSERVE_CLUSTER_SECRET, else a random one
 made here, handed to the children in their environment (never on a command line, which `ps` shows).
+--api-key and --admin-api-key reach the gateway the same way (PDSERVE_API_KEY, PDSERVE_ADMIN_API_KEY).
 """
 
 from __future__ import annotations
@@ -110,12 +111,19 @@ def secret_env(args: argparse.Namespace) -> dict[str, str]:
     return {env.CLUSTER_SECRET_VAR: secrets.token_urlsafe(32)}
 
 
+def key_env(args: argparse.Namespace) -> dict[str, str]:
+    """The gateway's API keys given as flags, as the variables it reads (gateway/config.py); a flag
+    wins over the variable the launcher inherited."""
+    keys = {"PDSERVE_API_KEY": args.api_key, "PDSERVE_ADMIN_API_KEY": args.admin_api_key}
+    return {name: key for name, key in keys.items() if key}
+
+
 def _opened(url: str, args: argparse.Namespace, control: int) -> str:
     """What the cluster listens on, for the start-up message (worker ports as the gateway lists them).
     `/workers` is an admin endpoint: asked with the key the gateway takes for it (gateway/auth.py:
     the admin key, else the API key), from the environment the gateway inherits; never printed."""
     lines = [f"  HTTP          {url}", f"  control       {args.internal_host}:{control} (CurveZMQ)"]
-    key = env.admin_api_key() or env.api_key()
+    key = args.admin_api_key or env.admin_api_key() or args.api_key or env.api_key()
     req = urllib.request.Request(url + "/workers", headers={"Authorization": f"Bearer {key}"} if key else {})
     try:
         with urllib.request.urlopen(req, timeout=2) as r:
@@ -165,7 +173,9 @@ def main(args: argparse.Namespace) -> int:
         try:
             try:
                 port, control = start_gateway(
-                    sup, Child("gateway", gateway_command(args, port_file), secret), port_file
+                    sup,
+                    Child("gateway", gateway_command(args, port_file), {**secret, **key_env(args)}),
+                    port_file,
                 )
             except (RuntimeError, TimeoutError) as e:
                 sup.say(f"the gateway did not start: {e}", error=True)

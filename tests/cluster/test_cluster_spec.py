@@ -91,6 +91,10 @@ def test_ngram_speculation_equals_engine_and_transformers(spec_cluster, engine_r
     assert metas[0]["spec_accept_rate"] > 0.5, metas[0]
     proposed = metric(c.url, "pdserve_spec_proposed_drafts_total") - proposed_before
     assert proposed == sum(m["spec_num_proposed_drafts"] for m in metas)
+    # /get_server_info: each decode worker's average accept length (tokens per verify forward).
+    states = httpx.get(c.url + "/get_server_info", timeout=30).json()["internal_states"]
+    by_role = {s["role"]: s["avg_spec_accept_length"] for s in states}
+    assert by_role["prefill"] is None and by_role["decode"] > 1.0, states
 
 
 @pytest.mark.slow  # about a minute on two shared cores

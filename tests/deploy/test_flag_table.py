@@ -203,3 +203,15 @@ def test_the_table_hangs_together():
     # The launchers' own command-line building reads these rows.
     assert {f.name for f in flags_of(UP) if f.passed_to & TO_WORKERS} >= {"--model-path", "--page-size"}
     assert {f.name for f in flags_of(LAUNCH) if f.passed_to & TO_WORKERS} >= {"--device", "--host"}
+
+
+def test_pdserve_up_hands_the_api_keys_to_the_gateway_by_environment_only():
+    from pdserve.launch.up import add_cli_args, key_env, worker_commands
+
+    p = argparse.ArgumentParser()
+    add_cli_args(p)
+    args = p.parse_args(["--api-key", "k-inference", "--admin-api-key", "k-admin"])
+    assert key_env(args) == {"PDSERVE_API_KEY": "k-inference", "PDSERVE_ADMIN_API_KEY": "k-admin"}
+    for _, argv in worker_commands(args, lock_path="/l"):
+        assert not any("k-inference" in a or "k-admin" in a for a in argv), argv
+    assert key_env(p.parse_args([])) == {}

@@ -175,7 +175,16 @@ def test_chat_completion_shape(cluster, tokenizer):
         "max_tokens": 64,
     }
     out = cluster.client.post("/v1/chat/completions", json=body).json()
-    assert list(out) == ["id", "object", "created", "model", "choices", "usage", "metadata"]
+    assert list(out) == [
+        "id",
+        "object",
+        "created",
+        "model",
+        "choices",
+        "usage",
+        "metadata",
+        "weight_versions",
+    ]
     assert out["object"] == "chat.completion" and out["model"] == MODEL
     (choice,) = out["choices"]
     assert choice == {
@@ -202,10 +211,8 @@ def test_chat_completion_shape(cluster, tokenizer):
         "completion_tokens_details": {"reasoning_tokens": 0},
         "reasoning_tokens": 0,
     }
-    assert out["metadata"] == {
-        "weight_version": "default",
-        "weight_versions": [{"version": "default", "start": 0, "end": n_out}],
-    }
+    assert out["metadata"] == {"weight_version": "default"}
+    assert out["weight_versions"] == [{"version": "default", "start": 0, "end": n_out}]
 
 
 def test_chat_logprobs_and_n(cluster):

@@ -281,3 +281,20 @@ def test_named_choice_prompt_and_schema():
     reply = '[{"name": "get_time", "parameters": {}}]'
     assert _calls(calls_from_constrained(reply, "required")) == [("get_time", {})]
     assert calls_from_constrained("not json", "required") == []
+
+
+def test_parallel_tool_calls_false_bounds_the_forced_array_to_one_call():
+    tools = [Tool.model_validate(t) for t in TOOLS]
+    assert "maxItems" not in tool_call_schema(tools, "required")
+    assert tool_call_schema(tools, "required", parallel=False)["maxItems"] == 1
+    two = '[{"name": "get_time", "parameters": {}}, {"name": "get_weather", "parameters": {"city": "A"}}]'
+    assert _calls(calls_from_constrained(two, "required", parallel=False)) == [("get_time", {})]
+
+
+def test_a_forced_array_cut_short_keeps_its_complete_calls():
+    cut = '[{"name": "get_time", "parameters": {}}, {"name": "get_weather", "parameters": {"city": "Pa'
+    assert _calls(calls_from_constrained(cut, "required")) == [("get_time", {})]
+    two = '[{"name": "get_time", "parameters": {}} , {"name": "get_time", "parameters": {}},'
+    assert len(calls_from_constrained(two, "required")) == 2
+    assert calls_from_constrained('[{"name": "get_ti', "required") == []
+    assert calls_from_constrained('x [{"name": "get_time", "parameters": {}}', "required") == []

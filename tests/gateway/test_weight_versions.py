@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pdserve.gateway.collector import count_version
 from pdserve.gateway.generation import GenState
-from pdserve.gateway.openai_reply import _metadata
+from pdserve.gateway.openai_reply import metadata, weight_segments
 from pdserve.gateway.workers import WorkerRegistry
 from pdserve.protocol import gateway as m
 
@@ -33,10 +33,9 @@ def test_runs_of_one_version_are_one_segment():
 def test_openai_metadata_concatenates_the_choices():
     s1 = GenState("r-0", 3, output_ids=[1, 2, 3], weight_versions=segments([("a", 2), ("b", 1)]))
     s2 = GenState("r-1", 3, output_ids=[4, 5], weight_versions=segments([("b", 2)]))
-    assert _metadata([s1, s2]) == {
-        "weight_version": "b",
-        "weight_versions": [{"version": "a", "start": 0, "end": 2}, {"version": "b", "start": 2, "end": 5}],
-    }
+    segs = weight_segments([s1, s2])
+    assert segs == [{"version": "a", "start": 0, "end": 2}, {"version": "b", "start": 2, "end": 5}]
+    assert metadata(segs) == {"weight_version": "b"}
 
 
 def _reg(version: str) -> m.Register:

@@ -32,7 +32,9 @@ def _allowed(response) -> bool:
     if response.status_code != 503:
         return False
     err = response.json().get("error", {})
-    return err.get("type") == "service_unavailable" and "worker in rotation" in err.get("message", "")
+    # OpenAI's error type, or Anthropic's on /v1/messages.
+    unavailable = err.get("type") in ("service_unavailable", "overloaded_error")
+    return unavailable and "worker in rotation" in err.get("message", "")
 
 
 @schema.parametrize()
