@@ -222,9 +222,11 @@ void attend_simd(int64_t D, const Request<T>& r, const float* qf, float* s, floa
 }
 #endif
 
-template <typename T>
-void attend(const T* q, const T* rows, const int64_t* key_rows, const int64_t* lens, const T* k_new,
-            const T* v_new, T* out, int64_t B, int64_t H, int64_t Hq, int64_t Hkv, int64_t D,
+// Q: the queries' and the output's dtype; T: the pool's (and the new keys' and values'), the same or, for a
+// float32 model, float16 / bfloat16 (--kv-cache-dtype): each row is converted to float as it is read.
+template <typename Q, typename T>
+void attend(const Q* q, const T* rows, const int64_t* key_rows, const int64_t* lens, const T* k_new,
+            const T* v_new, Q* out, int64_t B, int64_t H, int64_t Hq, int64_t Hkv, int64_t D,
             int64_t k_offset, int64_t v_offset, float scale) {
   const int64_t row = Hkv * D;  // one pool row: every KV head of one position, contiguous
   const bool has_new = k_new != nullptr;
@@ -245,16 +247,16 @@ void attend(const T* q, const T* rows, const int64_t* key_rows, const int64_t* l
       for (int64_t i = begin; i < end; ++i) {
         const int64_t b = i / Hkv, h = i % Hkv, j0 = h * G;
         const Request<T> r = request(b);
-        T* o = out + (b * Hq + j0) * D;
+        Q* o = out + (b * Hq + j0) * D;
         if (r.total == 0) {
-          for (int64_t e = 0; e < G * D; ++e) o[e] = static_cast<T>(0.f);
+          for (int64_t e = 0; e < G * D; ++e) o[e] = static_cast<Q>(0.f);
           continue;
         }
         s.resize(Hq * r.total);
         load_row(q + (b * Hq + j0) * D, qf.data() + j0 * D, G * D);
         for (int64_t e = j0 * D; e < (j0 + G) * D; ++e) qf[e] *= scale;
         attend_simd<T>(D, r, qf.data(), s.data(), acc.data(), Hq, Hkv, h, h + 1, false, none);
-        for (int64_t e = 0; e < G * D; ++e) o[e] = static_cast<T>(acc[j0 * D + e]);
+        for (int64_t e = 0; e < G * D; ++e) o[e] = static_cast<Q>(acc[j0 * D + e]);
       }
     });
     return;
@@ -267,9 +269,9 @@ void attend(const T* q, const T* rows, const int64_t* key_rows, const int64_t* l
       const Request<T> r = request(b);
       const bool was_staged = staged;
       staged = false;
-      T* o = out + b * Hq * D;
+      Q* o = out + b * Hq * D;
       if (r.total == 0) {  // nothing visible: zeros
-        for (int64_t i = 0; i < Hq * D; ++i) o[i] = static_cast<T>(0.f);
+        for (int64_t i = 0; i < Hq * D; ++i) o[i] = static_cast<Q>(0.f);
         continue;
       }
       s.resize(Hq * r.total);
@@ -289,7 +291,7 @@ void attend(const T* q, const T* rows, const int64_t* key_rows, const int64_t* l
       {
         attend_request(r, qf.data(), s.data(), kv.data(), acc.data(), Hq, Hkv, D);
       }
-      for (int64_t i = 0; i < Hq * D; ++i) o[i] = static_cast<T>(acc[i]);
+      for (int64_t i = 0; i < Hq * D; ++i) o[i] = static_cast<Q>(acc[i]);
     }
   });
 }
@@ -300,7 +302,10 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& rows, c
                                   const std::optional<at::Tensor>& v_new) {
   PDSERVE_CHECK(q.dim() == 3 && rows.dim() == 3, "q must be [B, Hq, D] and rows [N, Hkv, D]");
   PDSERVE_CHECK(q.device().is_cpu() && rows.device().is_cpu(), "paged_decode_attention runs on CPU");
-  PDSERVE_CHECK(q.scalar_type() == rows.scalar_type(), "q and the KV rows must share a dtype");
+  const bool mixed = q.scalar_type() != rows.scalar_type();
+  PDSERVE_CHECK(!mixed || (q.scalar_type() == at::kFloat &&
+                           (rows.scalar_type() == at::kHalf || rows.scalar_type() == at::kBFloat16)),
+                "the KV rows must share q's dtype, or be float16 / bfloat16 under float32 queries");
   PDSERVE_CHECK(rows.is_contiguous(), "the KV rows must be contiguous");
   const int64_t B = q.size(0), Hq = q.size(1), D = q.size(2);
   const int64_t N = rows.size(0), Hkv = rows.size(1);
@@ -327,24 +332,31 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& rows, c
   auto qc = q.contiguous();
   at::Tensor kn, vn;
   if (k_new.has_value()) {
-    kn = k_new->contiguous();
-    vn = v_new->contiguous();
+    PDSERVE_CHECK(k_new->scalar_type() == q.scalar_type() && v_new->scalar_type() == q.scalar_type(),
+                "k_new and v_new must share q's dtype");
+    // attended to in the pool's dtype, as they will be stored
+    kn = k_new->to(rows.scalar_type()).contiguous();
+    vn = v_new->to(rows.scalar_type()).contiguous();
     PDSERVE_CHECK(kn.sizes() == at::IntArrayRef({B, Hkv, D}) && vn.sizes() == kn.sizes(),
                 "k_new and v_new must be [B, Hkv, D]");
-    PDSERVE_CHECK(kn.scalar_type() == q.scalar_type() && vn.scalar_type() == q.scalar_type(),
-                "k_new and v_new must share q's dtype");
   }
   auto out = at::empty({B, Hq, D}, q.options());
   const float sc = static_cast<float>(scale);
-#define PDSERVE_ATTEND(T)                                                                                  \
-  attend<T>(qc.data_ptr<T>(), rows.data_ptr<T>(), krp, lnp, kn.defined() ? kn.data_ptr<T>() : nullptr,  \
-            vn.defined() ? vn.data_ptr<T>() : nullptr, out.data_ptr<T>(), B, H, Hq, Hkv, D, k_offset,  \
-            v_offset, sc)
-  switch (q.scalar_type()) {
-    case at::kFloat: PDSERVE_ATTEND(float); break;
-    case at::kBFloat16: PDSERVE_ATTEND(c10::BFloat16); break;
-    case at::kHalf: PDSERVE_ATTEND(c10::Half); break;
-    default: PDSERVE_CHECK(false, "paged_decode_attention: unsupported dtype ", q.scalar_type());
+#define PDSERVE_ATTEND(Q, T)                                                                                \
+  attend<Q, T>(qc.data_ptr<Q>(), rows.data_ptr<T>(), krp, lnp, kn.defined() ? kn.data_ptr<T>() : nullptr, \
+               vn.defined() ? vn.data_ptr<T>() : nullptr, out.data_ptr<Q>(), B, H, Hq, Hkv, D, k_offset, \
+               v_offset, sc)
+  if (mixed && rows.scalar_type() == at::kHalf) {
+    PDSERVE_ATTEND(float, c10::Half);
+  } else if (mixed) {
+    PDSERVE_ATTEND(float, c10::BFloat16);
+  } else {
+    switch (q.scalar_type()) {
+      case at::kFloat: PDSERVE_ATTEND(float, float); break;
+      case at::kBFloat16: PDSERVE_ATTEND(c10::BFloat16, c10::BFloat16); break;
+      case at::kHalf: PDSERVE_ATTEND(c10::Half, c10::Half); break;
+      default: PDSERVE_CHECK(false, "paged_decode_attention: unsupported dtype ", q.scalar_type());
+    }
   }
 #undef PDSERVE_ATTEND
   return out;
@@ -363,16 +375,19 @@ at::Tensor paged_decode_attention_store(const at::Tensor& q, at::Tensor& rows, c
               "new_rows must be int64 [B]");
   PDSERVE_CHECK(k.dim() == 3 && k.size(0) == B && k.size(1) * k.size(2) == row && v.sizes() == k.sizes(),
               "k and v must be [B, Hkv, D] like the pool's rows");
-  PDSERVE_CHECK(k.scalar_type() == rows.scalar_type() && v.scalar_type() == rows.scalar_type(),
-              "k and v must share the pool's dtype");
+  PDSERVE_CHECK(k.scalar_type() == q.scalar_type() && v.scalar_type() == q.scalar_type(),
+              "k and v must share q's dtype");
   auto nr = new_rows.contiguous();
   const int64_t* nrp = nr.data_ptr<int64_t>();
   const int64_t lo = std::min<int64_t>(k_offset, v_offset), hi = std::max<int64_t>(k_offset, v_offset);
   for (int64_t b = 0; b < B; ++b)
     PDSERVE_CHECK(nrp[b] + lo >= 0 && nrp[b] + hi < N, "new row ", nrp[b], " is outside the pool");
   // A request's K and V heads are one contiguous run in q/k/v views of a fused qkv (row stride aside).
-  auto kc = k.stride(2) == 1 && k.stride(1) == k.size(2) ? k : k.contiguous();
-  auto vc = v.stride(2) == 1 && v.stride(1) == v.size(2) ? v : v.contiguous();
+  // (converted first where the pool keeps another dtype, --kv-cache-dtype)
+  const at::Tensor ks_in = k.scalar_type() == rows.scalar_type() ? k : k.to(rows.scalar_type());
+  const at::Tensor vs_in = v.scalar_type() == rows.scalar_type() ? v : v.to(rows.scalar_type());
+  auto kc = ks_in.stride(2) == 1 && ks_in.stride(1) == ks_in.size(2) ? ks_in : ks_in.contiguous();
+  auto vc = vs_in.stride(2) == 1 && vs_in.stride(1) == vs_in.size(2) ? vs_in : vs_in.contiguous();
   const int64_t bytes = row * rows.element_size();
   char* base = static_cast<char*>(rows.data_ptr());
   const char* kp = static_cast<const char*>(kc.data_ptr());

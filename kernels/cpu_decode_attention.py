@@ -11,7 +11,9 @@ lies, and shares it among the query heads of its KV head (docs/benchmarks.md has
   each request's position j (layer 0's K, as `KVPool.key_rows`); lens [B] int64, how many of them
   request b sees; k_offset / v_offset, the layer's rows (`KVPool.row_offset`); k_new / v_new
   [B, Hkv, D] or None, one more key and value per request, after the cached ones (the compiled step's
-  new token, not yet in the pool). Returns [B, Hq, D] in q's dtype. fp32, bf16 and fp16.
+  new token, not yet in the pool). Returns [B, Hq, D] in q's dtype. fp32, bf16 and fp16; under fp32
+  queries the pool may be fp16 or bf16 (`--kv-cache-dtype`): its rows, and k_new / v_new rounded to the
+  pool's dtype as they will be stored, are read back into float32.
 
 It is an operator (`torch.ops.pdserve_cpu.paged_decode_attention`) with a fake implementation, so
 `torch.compile` traces through it. It lives in the `pdserve_cpu` library (kernels/cpu_library.py), built
@@ -79,8 +81,8 @@ def paged_decode_attention_ref(
     vals = rows[key_rows + v_offset].float()
     visible = torch.arange(H)[None] < lens[:, None]  # [B, H]
     if k_new is not None and v_new is not None:
-        keys = torch.cat([keys, k_new.float()[:, None]], 1)
-        vals = torch.cat([vals, v_new.float()[:, None]], 1)
+        keys = torch.cat([keys, k_new.to(rows.dtype).float()[:, None]], 1)
+        vals = torch.cat([vals, v_new.to(rows.dtype).float()[:, None]], 1)
         visible = torch.cat([visible, torch.ones(B, 1, dtype=torch.bool)], 1)
     qg = q.float().view(B, Hkv, G, D)
     s = torch.einsum("bhgd,bthd->bhgt", qg, keys) * scale
@@ -122,6 +124,6 @@ def paged_decode_attention_store_ref(
     v: torch.Tensor,
 ) -> torch.Tensor:
     """Torch reference of `paged_decode_attention_store`."""
-    rows.index_copy_(0, new_rows + k_offset, k)
-    rows.index_copy_(0, new_rows + v_offset, v)
+    rows.index_copy_(0, new_rows + k_offset, k.to(rows.dtype))
+    rows.index_copy_(0, new_rows + v_offset, v.to(rows.dtype))
     return paged_decode_attention_ref(q, rows, key_rows, lens, k_offset, v_offset, scale)

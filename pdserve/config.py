@@ -36,6 +36,9 @@ class RuntimeConfig:
     # --dtype float32 means the exactness reference: it implies none.
     quantization: str = "auto"
     device: str = "auto"  # auto: cuda if available, else cpu
+    # The KV pool's dtype (runtime/runner.py kv_cache_dtype): auto is float16 for a quantized model computing
+    # in float32 on CPU (half the pool's memory), else the model's dtype.
+    kv_cache_dtype: str = "auto"
     page_size: int = 16
     # KV pool capacity in tokens; None: `mem_fraction_static` of free GPU memory, or on CPU the context
     # length x max_running_requests capped at a share of MemAvailable (runtime/runner.py).

@@ -94,8 +94,16 @@ class TorchAttention:
         Hkv = k.shape[1]
         rows = pool.rows()  # [all rows, Hkv, D]
         k_off, v_off = pool.row_offset(layer, 0), pool.row_offset(layer, 1)
-        rows.index_copy_(0, self._out_rows + k_off, k)
-        rows.index_copy_(0, self._out_rows + v_off, v)
+        if rows.dtype != k.dtype:
+            # a pool in another dtype (--kv-cache-dtype): the new keys and values are attended to as
+            # stored, as every later step reads them
+            k, v = k.to(rows.dtype), v.to(rows.dtype)
+            rows.index_copy_(0, self._out_rows + k_off, k)
+            rows.index_copy_(0, self._out_rows + v_off, v)
+            k, v = k.to(q.dtype), v.to(q.dtype)
+        else:
+            rows.index_copy_(0, self._out_rows + k_off, k)
+            rows.index_copy_(0, self._out_rows + v_off, v)
         if self._plain_causal:
             # 4-D, as transformers calls it: torch's CPU flash kernel takes only 4-D inputs; 3-D ones
             # fell back to the math path, 4.5x slower at 1,024 tokens (bf16, 9 q / 3 KV heads, 2 threads)
@@ -109,14 +117,14 @@ class TorchAttention:
             )  # [1, Hq, T, D]
             return out[0].transpose(0, 1)
         if self._prefix_rows is not None:
-            kp = rows.index_select(0, self._prefix_rows + k_off)
-            vp = rows.index_select(0, self._prefix_rows + v_off)
+            kp = rows.index_select(0, self._prefix_rows + k_off).to(q.dtype)
+            vp = rows.index_select(0, self._prefix_rows + v_off).to(q.dtype)
             return _attend_after_prefix(q, k, v, kp, vp, scale)
         B = batch.batch_size
         # index_select on flat rows, not advanced indexing: several times faster on CPU for this
         # gather, which is most of the decode step's attention time after SDPA.
-        keys = rows.index_select(0, self._key_rows + k_off).view(B, -1, Hkv, D).transpose(1, 2)
-        vals = rows.index_select(0, self._key_rows + v_off).view(B, -1, Hkv, D).transpose(1, 2)
+        keys = rows.index_select(0, self._key_rows + k_off).to(q.dtype).view(B, -1, Hkv, D).transpose(1, 2)
+        vals = rows.index_select(0, self._key_rows + v_off).to(q.dtype).view(B, -1, Hkv, D).transpose(1, 2)
         if self._uniform:
             qp = q.view(B, self._qmax, Hq, D)
         else:

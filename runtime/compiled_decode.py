@@ -80,8 +80,10 @@ class _PooledAttention:
             )
         hist_k = self.rows.index_select(0, self.key_rows + pool.row_offset(layer, 0)).view(B, -1, Hkv, D)
         hist_v = self.rows.index_select(0, self.key_rows + pool.row_offset(layer, 1)).view(B, -1, Hkv, D)
-        keys = torch.cat([hist_k, k[:, None]], dim=1).transpose(1, 2)  # [B, Hkv, H + 1, D]
-        vals = torch.cat([hist_v, v[:, None]], dim=1).transpose(1, 2)
+        # a pool in another dtype (--kv-cache-dtype): everything attended to as stored
+        k, v = k.to(self.rows.dtype), v.to(self.rows.dtype)
+        keys = torch.cat([hist_k, k[:, None]], dim=1).transpose(1, 2).to(q.dtype)  # [B, Hkv, H + 1, D]
+        vals = torch.cat([hist_v, v[:, None]], dim=1).transpose(1, 2).to(q.dtype)
         # The G query heads of a KV head as G queries of it (see TorchAttention): [B, Hkv, G, D].
         qg = q.reshape(B, Hkv, Hq // Hkv, D)
         out = F.scaled_dot_product_attention(qg, keys, vals, attn_mask=self.mask, scale=scale)
@@ -150,8 +152,8 @@ class CompiledDecode:
             )
             out = pool.slot_rows(batch.out_cache_loc)[None]  # [1, B]
             rows = pool.rows()
-            rows.index_copy_(0, (out + self._k_offsets).view(-1), new_k.flatten(0, 1))
-            rows.index_copy_(0, (out + self._v_offsets).view(-1), new_v.flatten(0, 1))
+            rows.index_copy_(0, (out + self._k_offsets).view(-1), new_k.flatten(0, 1).to(rows.dtype))
+            rows.index_copy_(0, (out + self._v_offsets).view(-1), new_v.flatten(0, 1).to(rows.dtype))
         return logits
 
     def _call(

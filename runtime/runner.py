@@ -50,6 +50,29 @@ CPU_DEFAULT_MAX_TOTAL_TOKENS = 32768
 OFFER_TURN_MIN_TOKENS = 256
 
 
+KV_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def kv_cache_dtype(flag: str, loaded: LoadedModel, device: torch.device) -> tuple[torch.dtype, str]:
+    """The KV pool's dtype for `--kv-cache-dtype`, and why (for the start-up line). auto: float16 for a
+    quantized model computing in float32 on CPU (half the pool's bytes; the attention converts each row
+    back to float32, F16C on x86; docs/benchmarks.md has its accuracy), else the model's dtype: an
+    unquantized float32 model stays the exactness reference. Other dtypes than the model's are CPU only
+    (the CUDA kernels store and read the model's dtype)."""
+    if flag == "auto":
+        if device.type == "cpu" and loaded.dtype == torch.float32 and loaded.quantization != "none":
+            return torch.float16, "auto: float16 for a quantized float32 model on CPU"
+        return loaded.dtype, "auto: the model's dtype"
+    if flag not in KV_DTYPES:
+        raise ValueError(f"--kv-cache-dtype {flag!r}: choose auto, {', '.join(KV_DTYPES)}")
+    dtype = KV_DTYPES[flag]
+    if dtype != loaded.dtype and device.type != "cpu":
+        raise ValueError(
+            f"--kv-cache-dtype {flag} differs from the model's dtype, which only CPU workers take"
+        )
+    return dtype, "asked"
+
+
 class ContextLengthError(ValueError):
     pass
 
@@ -99,9 +122,8 @@ class ModelRunner:
         log.info("runtime: %s", startup_line(self.device, self.loaded.dtype, self.loaded.quantization, dense))
         self.spec = spec = self.loaded.spec
         self.context_length = cfg.context_length or spec.context_length
-        self.geometry = KVGeometry(
-            spec.num_layers, spec.num_kv_heads, spec.head_dim, cfg.page_size, self.loaded.dtype
-        )
+        kv_dtype, kv_why = kv_cache_dtype(cfg.kv_cache_dtype, self.loaded, self.device)
+        self.geometry = KVGeometry(spec.num_layers, spec.num_kv_heads, spec.head_dim, cfg.page_size, kv_dtype)
         if cfg.max_total_tokens:
             self.max_total_tokens, why = cfg.max_total_tokens, "--max-total-tokens"
         else:
@@ -134,9 +156,11 @@ class ModelRunner:
         self._grammars: GrammarBackend | None = None  # built at the first constrained request
         self.turns = forward_turns(cfg.cpu_forward_lock if self.device.type == "cpu" else None)
         log.info(
-            "KV pool: %d pages x %d tokens (%.2f GiB%s): %s",
+            "KV pool: %d pages x %d tokens in %s (%s; %.2f GiB%s): %s",
             num_pages,
             cfg.page_size,
+            str(kv_dtype).removeprefix("torch."),
+            kv_why,
             num_pages * cfg.page_size * self.geometry.bytes_per_token / 2**30,
             ", memory taken as pages are first used" if self.device.type == "cpu" else "",
             why,

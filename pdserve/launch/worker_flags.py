@@ -59,6 +59,15 @@ RUNTIME_FLAGS = [
         passed_to=TO_WORKERS,
     ),
     Flag(
+        "--kv-cache-dtype",
+        RUNTIME,
+        "the KV pool's dtype; auto: float16 for a quantized model computing in float32 on CPU (half the "
+        "memory; attention reads it back in float32), else the model's dtype",
+        default=_R.kv_cache_dtype,
+        choices=("auto", "float32", "bfloat16", "float16"),
+        passed_to=TO_WORKERS,
+    ),
+    Flag(
         "--device",
         RUNTIME | {LAUNCH},
         "auto (cuda if available, else cpu) | cuda | cpu; deploy/launch.sh: cuda pins one worker per "

@@ -62,12 +62,39 @@ def test_kernel_matches_reference(B, H, hkv, group, dim, lens, new, dtype):
     torch.testing.assert_close(got.float(), ref.float(), rtol=TOL[dtype], atol=TOL[dtype])
 
 
-@pytest.mark.parametrize("dtype", [F32, BF16], ids=["fp32", "bf16"])
-def test_store_then_attend_matches_index_copy_then_reference(dtype):
+@pytest.mark.parametrize("kv_dtype", [F16, BF16], ids=["fp16-pool", "bf16-pool"])
+@pytest.mark.parametrize("new", [False, True], ids=["cached", "new-key"])
+def test_float32_queries_read_a_half_pool(kv_dtype, new):
+    """--kv-cache-dtype: fp32 queries over an fp16 / bf16 pool; rows (and a new key, rounded to the pool's
+    dtype as it will be stored) read back into float32: the fp32 reference on the same values."""
+    args = list(_case(4, 60, 3, 3, 64, F32, [60, 1, 33, 59], new))
+    args[1] = args[1].to(kv_dtype)
+    got = cda.paged_decode_attention(*args)
+    ref = cda.paged_decode_attention_ref(*args)
+    assert got.dtype == F32
+    torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5)
+    # and the rounding is the pool's: the same as a float32 pool holding the rounded values
+    rounded = list(args)
+    rounded[1] = args[1].float()
+    if new:
+        rounded[7], rounded[8] = args[7].to(kv_dtype).float(), args[8].to(kv_dtype).float()
+    torch.testing.assert_close(got, cda.paged_decode_attention(*rounded), rtol=1e-5, atol=1e-5)
+    other = BF16 if kv_dtype == F16 else F16  # half queries over the other half pool: refused
+    with pytest.raises(RuntimeError, match="dtype"):
+        cda.paged_decode_attention(
+            args[0].to(other), *args[1:7], *(None if t is None else t.to(other) for t in args[7:])
+        )
+
+
+@pytest.mark.parametrize(
+    "dtype,kv_dtype", [(F32, F32), (BF16, BF16), (F32, F16)], ids=["fp32", "bf16", "fp32-fp16-pool"]
+)
+def test_store_then_attend_matches_index_copy_then_reference(dtype, kv_dtype):
     """The eager step's form: each request's new K and V (views of a fused qkv, as the model passes
     them) stored at its new row, then attended to with its cached rows."""
     B, H, hkv, group, dim = 5, 40, 3, 3, 64
     q, rows, key_rows, _, k_off, v_off, scale, _, _ = _case(B, H, hkv, group, dim, dtype, [1] * B, False)
+    rows = rows.to(kv_dtype)
     g = torch.Generator().manual_seed(5)
     lens = torch.tensor([40, 1, 17, 33, 2])
     new_rows = key_rows[torch.arange(B), lens - 1]  # the last visible position is the new token's
@@ -130,10 +157,12 @@ def test_auto_picks_the_cpu_backend_on_cpu():
     assert type(make_attention_backend("torch", torch.device("cpu"))) is TorchAttention
 
 
-def _run_backends(mode, prefix_lens, extend_lens, kv_heads, group, dim, page, dtype, seed=0):
-    """The cpu and torch backends on one random batch and pool: (outputs, pools) per backend."""
+def _run_backends(mode, prefix_lens, extend_lens, kv_heads, group, dim, page, dtype, kv_dtype=None, seed=0):
+    """The cpu and torch backends on one random batch and pool (in kv_dtype, else dtype): (outputs, pools)
+    per backend."""
     g = torch.Generator().manual_seed(seed)
-    geo = KVGeometry(num_layers=2, kv_heads=kv_heads, head_dim=dim, page_size=page, dtype=dtype)
+    kv_dtype = kv_dtype or dtype
+    geo = KVGeometry(num_layers=2, kv_heads=kv_heads, head_dim=dim, page_size=page, dtype=kv_dtype)
     seq_lens = [p + e for p, e in zip(prefix_lens, extend_lens)]
     pages_per = [-(-s // page) for s in seq_lens]
     num_pages = sum(pages_per) + 3
@@ -141,7 +170,7 @@ def _run_backends(mode, prefix_lens, extend_lens, kv_heads, group, dim, page, dt
     tables = [[perm.pop() for _ in range(n)] for n in pages_per]
     batch = ForwardBatch.build(mode, [list(range(e)) for e in extend_lens], prefix_lens, tables, page)
     pools = {name: KVPool(geo, num_pages) for name in ("cpu", "torch")}
-    init = torch.randn(pools["cpu"].kv.shape, generator=g).to(dtype)
+    init = torch.randn(pools["cpu"].kv.shape, generator=g).to(kv_dtype)
     outs: dict[str, list[torch.Tensor]] = {"cpu": [], "torch": []}
     backends = {"cpu": CpuAttention(), "torch": TorchAttention()}
     for name, pool in pools.items():
@@ -165,10 +194,18 @@ def _run_backends(mode, prefix_lens, extend_lens, kv_heads, group, dim, page, dt
         pytest.param(ForwardMode.DECODE, [33], [1], 3, 3, 64, 4, BF16, id="decode-single"),
         pytest.param(ForwardMode.EXTEND, [0, 21, 5], [9, 1, 30], 1, 8, 64, 16, F32, id="extend-falls-back"),
         pytest.param(ForwardMode.VERIFY, [5, 31, 0], [4, 4, 4], 2, 3, 64, 16, F32, id="verify-falls-back"),
+        # --kv-cache-dtype float16 under float32: both read the rounded rows back into float32
+        pytest.param(
+            ForwardMode.DECODE, [0, 16, 40, 7], [1, 1, 1, 1], 2, 3, 64, 16, (F32, F16), id="decode-fp16-pool"
+        ),
+        pytest.param(
+            ForwardMode.EXTEND, [0, 21, 5], [9, 1, 30], 1, 8, 64, 16, (F32, F16), id="extend-fp16-pool"
+        ),
     ],
 )
 def test_cpu_backend_matches_torch_backend(mode, prefix, ext, hkv, group, dim, page, dtype):
-    outs, pools = _run_backends(mode, prefix, ext, hkv, group, dim, page, dtype)
+    dtype, kv_dtype = dtype if isinstance(dtype, tuple) else (dtype, dtype)
+    outs, pools = _run_backends(mode, prefix, ext, hkv, group, dim, page, dtype, kv_dtype)
     tol = TOL[dtype]
     for got, ref in zip(outs["cpu"], outs["torch"]):
         torch.testing.assert_close(got.float(), ref.float(), rtol=tol, atol=tol)
