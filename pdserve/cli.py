@@ -22,6 +22,7 @@ BENCHMARKS = {
     "quant": "pdserve.bench.bench_quant",
     "ttft": "pdserve.bench.bench_ttft",
     "cpu": "pdserve.bench.bench_cpu",
+    "responses": "pdserve.bench.bench_responses",
 }
 
 # role -> module with `add_cli_args(parser)` and `main(args)`

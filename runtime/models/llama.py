@@ -175,8 +175,11 @@ class DecoderLayer(nn.Module):
 class DecoderModel(nn.Module):
     def __init__(self, spec: ModelSpec):
         super().__init__()
-        # nn.Embedding, or a quantized model's PackedInt8Embedding (runtime/quant.py)
-        self.embed_tokens: nn.Module = nn.Embedding(spec.vocab_size, spec.hidden_size)
+        # nn.Embedding, or a quantized model's PackedInt8Embedding (runtime/quant.py). Built around an empty
+        # table (the checkpoint fills it): nn.Embedding's own init (`init.normal_`) imports torch._dynamo even
+        # on the meta device, and with it triton and sympy, ~100 MB of every worker's memory.
+        table = torch.empty(spec.vocab_size, spec.hidden_size)
+        self.embed_tokens: nn.Module = nn.Embedding(spec.vocab_size, spec.hidden_size, _weight=table)
         self.layers = nn.ModuleList(DecoderLayer(spec, i) for i in range(spec.num_layers))
         self.norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
 
