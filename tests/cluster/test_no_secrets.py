@@ -47,7 +47,7 @@ def _get_paths(model: str) -> list[str]:
     app = create_app(GatewayConfig(), tokenizer=Tokenizer.load(None))
     routes = _routes(app.routes)
     paths = sorted({r.path for r in routes if "GET" in (getattr(r, "methods", None) or set())})
-    return [re.sub(r"\{[^}]*\}", model, p) for p in paths]
+    return [re.sub(r"\{[^}]*\}", model, p) if "{response_id}" not in p else p for p in paths]
 
 
 def _no_key(text: str, where: str) -> None:
@@ -63,7 +63,12 @@ def test_no_answer_and_no_log_holds_a_key(keyed):
     status: dict[tuple[str, str], int] = {}
     with httpx.Client(base_url=keyed.url, timeout=120) as client:
         for key, headers in [*auth.items(), ("none", {})]:
-            for path in paths:
+            # a stored response of this key's own, for GET /v1/responses/{response_id}
+            made = client.post(
+                "/v1/responses", json={"model": model, "input": "hi", "max_output_tokens": 2}, headers=headers
+            )
+            stored = made.json()["id"] if headers else "resp_none"
+            for path in (p.replace("{response_id}", stored) for p in paths):
                 r = client.get(path, headers=headers)
                 _no_key(r.text, f"GET {path} with {key[:4]} ({r.status_code})")
                 status[key, path] = r.status_code
@@ -81,7 +86,8 @@ def test_no_answer_and_no_log_holds_a_key(keyed):
                 assert r.status_code in ((200, 400) if headers else (401,)), (path, r.status_code, r.text)
                 _no_key(r.text, f"POST {path} with {key[:4]}")
     # Every path answered the admin key (its own and the inference ones), not just refused it.
-    assert all(status[ADMIN_KEY, p] == 200 for p in paths), status
+    assert all(status[ADMIN_KEY, p] == 200 for p in paths if "{" not in p), status
+    assert [s for (k, p), s in status.items() if k == ADMIN_KEY and p.startswith("/v1/responses/")] == [200]
     logs = glob.glob(os.path.join(keyed.log_dir, "*.log"))
     assert {"up.log", "gateway.log", "prefill-0.log", "decode-0.log"} <= {os.path.basename(p) for p in logs}
     for p in logs:
