@@ -324,6 +324,7 @@ class DecodeWorker:
                 kv_path=rec.kv_path,
                 transfer_bytes=rec.transfer_bytes,
                 decode_cached_tokens=r.cached_tokens,
+                deterministic=self.runner.loaded.batch_invariant,
                 **self.stepper.stats(r),
             )
         return out

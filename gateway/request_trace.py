@@ -300,6 +300,8 @@ def build_meta_info(f: FinishedRequest, tl: Timeline, cached: int) -> dict[str, 
     }
     if f.migrations:  # only then: an uninterrupted request keeps SGLang's exact meta_info shape
         meta["num_migrations"] = f.migrations
+    if s.get("deterministic"):  # likewise: batch-invariant decoding (runtime/determinism.py) said when on
+        meta["deterministic"] = True
     if f.inp.sampling.logprobs:
         meta.update(_logprobs(f))
     return meta

@@ -16,6 +16,8 @@ QUANT_CHOICES = ("auto", *QUANT_MODES)
 # of one host, else the torch.distributed pair group; shm = the same, each fall-back a warning; dist =
 # the pair group only.
 KV_TRANSPORTS = ("auto", "shm", "dist")
+# Batch-invariant decoding (runtime/determinism.py): auto = on where it costs nothing on this host.
+DETERMINISTIC_CHOICES = ("auto", "on", "off")
 
 # The KV transfer's timeouts, one default each: the worker flags, `pdserve up` and
 # kv_transfer.TransferConfig all take them from here.
@@ -48,6 +50,8 @@ class RuntimeConfig:
     # Prompt tokens per extend forward; longer prompts are prefilled in chunks.
     chunked_prefill_size: int = 2048
     attention_backend: str = "auto"  # auto | torch | cpu | triton
+    # Batch-invariant decoding (runtime/determinism.py): auto | on | off.
+    deterministic: str = "auto"
     num_threads: int | None = None  # torch intra-op threads; None: leave torch's default
     context_length: int | None = None  # override the model's
     # Speculative decoding (decode side): None | "NGRAM" | "STANDALONE"
@@ -75,6 +79,8 @@ class RuntimeConfig:
             raise ValueError("--max-running-requests must be >= 1")
         if self.chunked_prefill_size < 1:
             raise ValueError("--chunked-prefill-size must be >= 1")
+        if self.deterministic not in DETERMINISTIC_CHOICES:
+            raise ValueError(f"--deterministic must be one of {', '.join(DETERMINISTIC_CHOICES)}")
         if self.speculative_algorithm not in (None, "NGRAM", "STANDALONE"):
             raise ValueError("--speculative-algorithm must be NGRAM or STANDALONE")
         if self.speculative_num_draft_tokens < 0:

@@ -164,8 +164,9 @@ def _attend_after_prefix(
     return out[0].transpose(0, 1)
 
 
-def make_attention_backend(name: str, device: torch.device) -> AttentionBackend:
-    """`auto`: Triton on CUDA; on CPU the C++ paged decode kernel where it builds, else torch."""
+def make_attention_backend(name: str, device: torch.device, batch_invariant: bool = False) -> AttentionBackend:
+    """`auto`: Triton on CUDA; on CPU the C++ paged decode kernel where it builds, else torch.
+    `batch_invariant` (runtime/determinism.py, which checked the kernel builds): every query through it."""
     if name == "auto":
         if device.type == "cuda":
             name = "triton"
@@ -180,7 +181,7 @@ def make_attention_backend(name: str, device: torch.device) -> AttentionBackend:
             raise ValueError("--attention-backend cpu runs on CPU only")
         from pdserve.runtime.attention_cpu import CpuAttention
 
-        return CpuAttention()
+        return CpuAttention(every_query=batch_invariant)
     if name == "triton":
         from pdserve.runtime.attention_triton import TritonAttention
 

@@ -4,6 +4,12 @@ Decode batches (one new token per request) run the C++ paged decode attention
 (kernels/cpu_decode_attention.py), which reads every request's cached K and V where they lie in the
 pool. Everything else (prefills, extends over a cached prefix, speculative verifies) is the torch
 backend's, unchanged. `--attention-backend torch` keeps the torch path for decode too: the reference.
+
+Batch-invariant (`every_query`, runtime/determinism.py): every forward's queries go through the same
+kernel, each query one row of it over its own request's pool rows up to and including its own
+position, after the new keys and values are stored. A prompt's token then attends exactly as it would
+as a decode step, whatever the chunking, the cached prefix or the batch. The cost is the prompt's
+attention without flash blocking: quadratic in its length, row by row.
 """
 
 from __future__ import annotations
@@ -18,14 +24,21 @@ from pdserve.runtime.kv_pool import KVPool
 
 
 class CpuAttention(TorchAttention):
-    def __init__(self) -> None:
+    def __init__(self, every_query: bool = False) -> None:
         super().__init__()
         if not cpu_decode_attention.load():
             raise RuntimeError("the CPU paged decode attention kernel could not be built (see the log)")
+        self.every_query = every_query
         self._decode = False
+        self._query_rows: torch.Tensor | None = None  # [T, max_len] each query's key rows (every_query)
+        self._query_lens = torch.empty(0, dtype=torch.long)
 
     def prepare(self, batch: ForwardBatch, pool: KVPool) -> None:
         self._decode = max(batch.extend_lens_cpu) == 1  # a CPU backend: make_attention_backend checks
+        self._query_rows = None
+        if not self._decode and self.every_query:
+            self._prepare_queries(batch, pool)
+            return
         if not self._decode:
             super().prepare(batch, pool)
             return
@@ -36,6 +49,20 @@ class CpuAttention(TorchAttention):
         # token's included (forward writes it first).
         self._key_rows = pool.key_rows(batch.page_table, max(batch.seq_lens_cpu)).view(batch.batch_size, -1)
         self._lens = batch.seq_lens.long()
+
+    def _prepare_queries(self, batch: ForwardBatch, pool: KVPool) -> None:
+        """Each new token of an extend batch as a decode query: its request's key rows, and as many of
+        them as its position + 1."""
+        self._batch = batch
+        self._out_rows = pool.slot_rows(batch.out_cache_loc)
+        self._rows = pool.rows()
+        lmax = max(batch.seq_lens_cpu)
+        per_request = pool.key_rows(batch.page_table, lmax).view(batch.batch_size, lmax)
+        owner = torch.repeat_interleave(
+            torch.arange(batch.batch_size, device=per_request.device), batch.extend_lens.long()
+        )
+        self._query_rows = per_request.index_select(0, owner)  # [T, lmax]
+        self._query_lens = batch.positions.long() + 1
 
     def decode_args(self, layer: int, pool: KVPool) -> DecodeAttention | None:
         """What `forward` passes the kernel for this layer of a decode batch (None for other batches):
@@ -48,6 +75,13 @@ class CpuAttention(TorchAttention):
     def forward(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int, pool: KVPool, scale: float
     ) -> torch.Tensor:
+        if self._query_rows is not None:
+            k_off, v_off = pool.row_offset(layer, 0), pool.row_offset(layer, 1)
+            # stored first (in the pool's dtype), then every query reads its keys from the pool: as a
+            # decode step reads them
+            return cpu_decode_attention.paged_decode_attention_store(
+                q, self._rows, self._query_rows, self._query_lens, k_off, v_off, scale, self._out_rows, k, v
+            )
         a = self.decode_args(layer, pool)
         if a is None:
             return super().forward(q, k, v, layer, pool, scale)

@@ -31,7 +31,8 @@ from pdserve.runtime import cpu_calibration
 from pdserve.runtime.model_config import ModelSpec, rope_inv_freq
 from pdserve.runtime.models.llama import CausalLM
 from pdserve.runtime.models.norm_rope import Rotary
-from pdserve.runtime.quant import a8_multiplies_faster, check_quantization, quantize_model
+from pdserve.runtime.determinism import DeterminismError, resolve_batch_invariance
+from pdserve.runtime.quant import a8_multiplies_faster, all_invariant, check_quantization, quantize_model
 
 if TYPE_CHECKING:
     from transformers import PretrainedConfig
@@ -74,6 +75,8 @@ class LoadedModel:
     dtype: torch.dtype
     device: torch.device
     quantization: str = "none"  # runtime/quant.py's mode of the Linear weights
+    batch_invariant: bool = False  # runtime/determinism.py
+    batch_invariant_why: str = "--deterministic off"
 
 
 def cache_root() -> str:
@@ -225,8 +228,15 @@ def resolve_quantization(
 
 
 def load_model(
-    model_path: str | None, dtype: str = "auto", device: str = "cpu", quantization: str = "auto"
+    model_path: str | None,
+    dtype: str = "auto",
+    device: str = "cpu",
+    quantization: str = "auto",
+    deterministic: str = "auto",
+    attention_backend: str = "auto",
 ) -> LoadedModel:
+    """The model, its weights loaded (and quantized); `deterministic` and `attention_backend` as the
+    runtime's flags (batch invariance shapes the quantized modules)."""
     dev = torch.device(device)
     torch_dtype = resolve_dtype(dtype, dev)
     if quantization != "auto":
@@ -237,6 +247,7 @@ def load_model(
     if why != "asked":
         log.info("quantization auto: %s (%s)", quantization, why)
         check_quantization(quantization, dev, torch_dtype)
+    invariant, invariant_why = resolve_batch_invariance(deterministic, quantization, dev, attention_backend)
     config = load_hf_config(folder)
     spec = ModelSpec.from_hf_config(config)
     files_hash = weights_hash(folder)  # fails early, with the folder named, if weights are missing
@@ -248,9 +259,16 @@ def load_model(
     model = model.to(device=dev, dtype=torch_dtype)
     # Attached after the dtype cast: the cos/sin table stays fp32 and is cast per use.
     model.rotary = Rotary(inv_freq, scaling, spec.context_length).to(dev)
-    n = quantize_model(model, quantization, torch_dtype)
+    n = quantize_model(model, quantization, torch_dtype, invariant)
     if n:
         log.info("quantized %d projections and the LM head: %s", n, quantization)
         release_freed_heap()  # the float weights quantization replaced
+    if invariant and not all_invariant(model):
+        why = "a projection of this model cannot take pdserve's kernel (its shape or its scales)"
+        if deterministic == "on":
+            raise DeterminismError(f"--deterministic on: {why}")
+        invariant, invariant_why = False, f"auto: off, {why}"
     model.eval()
-    return LoadedModel(model, spec, folder, files_hash, torch_dtype, dev, quantization)
+    return LoadedModel(
+        model, spec, folder, files_hash, torch_dtype, dev, quantization, invariant, invariant_why
+    )

@@ -168,13 +168,16 @@ class Int8WeightOnlyLinear(nn.Module):
     packed: torch.Tensor | None
     scale_f32: torch.Tensor
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, dtype: torch.dtype):
+    def __init__(
+        self, weight: torch.Tensor, bias: torch.Tensor | None, dtype: torch.dtype, invariant: bool = False
+    ):
         super().__init__()
         q, scale = int8_per_channel(weight)
         n = weight.shape[0]
         fast = cpu_quant_linear.support()[1] and n % cpu_quant_linear.ROWS == 0
         plan = dense_plan()
-        keep_dense = plan.keep or not fast
+        # batch-invariant (`invariant`): the kernel at every row count, so no dense copy
+        keep_dense = not fast or (plan.keep and not invariant)
         self.register_buffer("qweight", q if self.keeps_codes or not fast else None)  # [N, K] int8
         self.register_buffer("scale", scale.to(dtype))  # [N], the activation dtype (the kernel's rule)
         self.register_buffer("scale_f32", self.scale.float())
@@ -182,7 +185,8 @@ class Int8WeightOnlyLinear(nn.Module):
         self.register_buffer("dense", (q.float() * scale[:, None]).to(dtype) if keep_dense else None)
         self.register_buffer("packed", cpu_quant_linear.pack_int8(q) if fast else None)
         self.in_features, self.out_features = weight.shape[1], n
-        self.dense_min_rows = plan.min_rows
+        self.invariant = invariant and fast
+        self.dense_min_rows = sys.maxsize if self.invariant else plan.min_rows
         # the op looked up once: a decode step calls this ~120 times, and each Python-level step costs
         # a few microseconds
         self.fast_op = torch.ops.pdserve_cpu.int8_linear.default if fast else None
@@ -209,14 +213,16 @@ class Int8DynamicLinear(Int8WeightOnlyLinear):
     keeps_codes = True
     qweight_t: torch.Tensor
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, dtype: torch.dtype):
-        super().__init__(weight, bias, dtype)
+    def __init__(
+        self, weight: torch.Tensor, bias: torch.Tensor | None, dtype: torch.dtype, invariant: bool = False
+    ):
+        super().__init__(weight, bias, dtype, invariant)
         assert self.qweight is not None
         self.register_buffer("qweight_t", self.qweight.t())  # [K, N] view, as _int_mm takes it
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x2 = x.reshape(-1, x.shape[-1])
-        if not W8A8_MIN_ROWS <= x2.shape[0] < self.dense_min_rows:
+        if self.invariant or not W8A8_MIN_ROWS <= x2.shape[0] < self.dense_min_rows:
             return super().forward(x)
         xf = x2.float()
         xs = (xf.abs().amax(dim=1, keepdim=True) / 127.0).clamp(min=1e-10)  # [M, 1]
@@ -247,6 +253,7 @@ class Int4WeightOnlyLinear(nn.Module):
         dtype: torch.dtype,
         group: int,
         act8: bool = False,
+        invariant: bool = False,
     ):
         super().__init__()
         n, k = weight.shape
@@ -275,13 +282,16 @@ class Int4WeightOnlyLinear(nn.Module):
         op = torch.ops.pdserve_cpu.int4_linear_a8 if self.act8 else torch.ops.pdserve_cpu.int4_linear
         self.fast_op = op.default if fast else None
         dense = None
-        if plan.keep or not fast:
+        if not fast or (plan.keep and not invariant):
             dense = (q.reshape(n, k // group, group).float() * scale[..., None] + lo[..., None]).reshape(n, k)
         self.register_buffer("dense", None if dense is None else dense.to(dtype))
         self.group = group
         self.in_features, self.out_features = k, n
-        # w4a8 without a dense copy: the integer kernel at every row count (see the module docstring)
-        self.dense_min_rows = sys.maxsize if self.act8 and dense is None else plan.min_rows
+        # The kernel at every row count: batch-invariant, or w4a8 without a dense copy (see the module
+        # docstring). Elsewhere a dense copy or a scratch from `plan.min_rows` rows on.
+        self.invariant = invariant and fast
+        every_row = self.invariant or (self.act8 and dense is None)
+        self.dense_min_rows = sys.maxsize if every_row else plan.min_rows
 
     def decode_weights(self) -> tuple[list[torch.Tensor], torch.Tensor | None] | None:
         """([dense, packed], bias) for the one-call CPU decode layer (kernels/cpu_decode_layer.py), which
@@ -347,15 +357,18 @@ class PackedInt8Embedding(nn.Module):
 
 
 def quantized_linear(
-    weight: torch.Tensor, bias: torch.Tensor | None, mode: str, dtype: torch.dtype
+    weight: torch.Tensor, bias: torch.Tensor | None, mode: str, dtype: torch.dtype, invariant: bool = False
 ) -> nn.Module:
-    """The quantized stand-in for a Linear with this weight [N, K] (and bias) under `mode`."""
+    """The quantized stand-in for a Linear with this weight [N, K] (and bias) under `mode`; `invariant`:
+    batch-invariant, pdserve's kernel at every row count (runtime/determinism.py)."""
     if mode == "w8a16_int8":
-        return Int8WeightOnlyLinear(weight, bias, dtype)
+        return Int8WeightOnlyLinear(weight, bias, dtype, invariant)
     if mode == "w8a8_int8":
-        return Int8DynamicLinear(weight, bias, dtype)
+        return Int8DynamicLinear(weight, bias, dtype, invariant)
     if mode in ("w4a16", "w4a8"):
-        return Int4WeightOnlyLinear(weight, bias, dtype, INT4_GROUP_SIZE, act8=mode == "w4a8")
+        return Int4WeightOnlyLinear(
+            weight, bias, dtype, INT4_GROUP_SIZE, act8=mode == "w4a8", invariant=invariant
+        )
     raise QuantizationError(f"no quantized linear for mode {mode!r}")
 
 
@@ -367,9 +380,10 @@ def head_mode(mode: str) -> str:
 PROJECTIONS = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
 
 
-def quantize_model(model: CausalLM, mode: str, dtype: torch.dtype) -> int:
+def quantize_model(model: CausalLM, mode: str, dtype: torch.dtype, invariant: bool = False) -> int:
     """Replace, in place, every decoder projection (PROJECTIONS) by its quantized module, and give
-    the model a quantized LM head (`lm_head_quant`). Returns the number of replaced Linears."""
+    the model a quantized LM head (`lm_head_quant`). Returns the number of replaced Linears.
+    `invariant`: every module runs pdserve's kernel at every row count, where it can (`all_invariant`)."""
     if mode == "none":
         return 0
     count = 0
@@ -377,10 +391,10 @@ def quantize_model(model: CausalLM, mode: str, dtype: torch.dtype) -> int:
         for name in PROJECTIONS:
             lin = getattr(parent, name, None)
             if isinstance(lin, nn.Linear):
-                setattr(parent, name, quantized_linear(lin.weight.data, lin.bias, mode, dtype))
+                setattr(parent, name, quantized_linear(lin.weight.data, lin.bias, mode, dtype, invariant))
                 count += 1
     head_weight = model.lm_head_weight
-    head = model.lm_head_quant = quantized_linear(head_weight.data, None, head_mode(mode), dtype)
+    head = model.lm_head_quant = quantized_linear(head_weight.data, None, head_mode(mode), dtype, invariant)
     # A tied table whose head keeps only packed codes: the embedding reads them too.
     if (
         model.lm_head is None
@@ -395,3 +409,12 @@ def quantize_model(model: CausalLM, mode: str, dtype: torch.dtype) -> int:
         if hasattr(m, "fused_fp32"):
             setattr(m, "fused_fp32", True)  # noqa: B010 (any module that has the attribute)
     return count
+
+
+def all_invariant(model: CausalLM) -> bool:
+    """Whether every linear of the model is a quantized module running pdserve's kernel at every row
+    count (a plain Linear, or one left on torch's packed kernels, is not batch-invariant)."""
+    # an untied LM head stays a Linear beside its quantized copy (`lm_head_quant`), which the forward takes
+    linears = [m for m in model.modules() if isinstance(m, nn.Linear) and m is not model.lm_head]
+    quantized = [m for m in model.modules() if isinstance(m, Int8WeightOnlyLinear | Int4WeightOnlyLinear)]
+    return bool(quantized) and not linears and all(bool(getattr(m, "invariant", False)) for m in quantized)

@@ -115,11 +115,23 @@ class ModelRunner:
         self.device = torch.device(cfg.resolved_device())
         if cfg.num_threads:
             torch.set_num_threads(cfg.num_threads)
-        self.loaded = loaded or load_model(cfg.model_path, cfg.dtype, str(self.device), cfg.quantization)
+        self.loaded = loaded or load_model(
+            cfg.model_path,
+            cfg.dtype,
+            str(self.device),
+            cfg.quantization,
+            cfg.deterministic,
+            cfg.attention_backend,
+        )
         self.model = self.loaded.model
         plan = dense_plan()
         dense = f"{'dense copy' if plan.keep else 'no dense copy, dequantized'} from {plan.min_rows} rows: {plan.why}"
         log.info("runtime: %s", startup_line(self.device, self.loaded.dtype, self.loaded.quantization, dense))
+        log.info(
+            "batch-invariant decoding: %s (%s)",
+            "on" if self.loaded.batch_invariant else "off",
+            self.loaded.batch_invariant_why,
+        )
         self.spec = spec = self.loaded.spec
         self.context_length = cfg.context_length or spec.context_length
         kv_dtype, kv_why = kv_cache_dtype(cfg.kv_cache_dtype, self.loaded, self.device)
@@ -132,7 +144,9 @@ class ModelRunner:
         self.pool = KVPool(self.geometry, num_pages, self.device)
         self.allocator = PageAllocator(num_pages)
         self.pages = RequestPages(self.allocator, cfg.page_size)
-        self.backend = make_attention_backend(cfg.attention_backend, self.device)
+        self.backend = make_attention_backend(
+            cfg.attention_backend, self.device, batch_invariant=self.loaded.batch_invariant
+        )
         log.info("attention backend: %s", type(self.backend).__name__)
         if self.device.type == "cpu":
             # The C++ kernels (fused ops, greedy sampling; the attention's with `auto`): built or loaded
@@ -150,9 +164,11 @@ class ModelRunner:
                 cfg.max_running_requests,
                 paged_kernel=isinstance(self.backend, CpuAttention),
             )
-            if cfg.enable_torch_compile
+            if cfg.enable_torch_compile and not self.loaded.batch_invariant
             else None
         )
+        if cfg.enable_torch_compile and self.compiled is None:
+            log.info("--enable-torch-compile ignored: batch-invariant decoding runs the eager kernels")
         self._grammars: GrammarBackend | None = None  # built at the first constrained request
         self.turns = forward_turns(cfg.cpu_forward_lock if self.device.type == "cpu" else None)
         log.info(
@@ -196,6 +212,8 @@ class ModelRunner:
             "page_size": g.page_size,
             "weights_hash": self.loaded.weights_hash,
             "quantization": self.loaded.quantization,
+            # a batch-invariant pair computes a prompt's KV as its decode steps would: both sides or neither
+            "batch_invariant": int(self.loaded.batch_invariant),
         }
 
     def check_fits(self, prompt_len: int, max_new_tokens: int) -> None:

@@ -41,6 +41,8 @@ class Flag:
     dest: str | None = None
     aliases: tuple[str, ...] = ()
     switch: bool = False
+    # the value of the flag given bare (`--deterministic` = `--deterministic on`); None: a value is required
+    const: str | None = None
     hidden: bool = False  # a test hook: no deployment sets it by accident
     metavar: str | None = None
     passed_to: frozenset[str] = frozenset()

@@ -42,6 +42,8 @@ def add_flags(parser: argparse.ArgumentParser, role: str) -> None:
             kw.update({k: v for k, v in (("type", f.type), ("metavar", f.metavar)) if v is not None})
             if f.choices is not None:
                 kw["choices"] = list(f.choices)
+            if f.const is not None:
+                kw.update(nargs="?", const=f.const)
         parser.add_argument(f.name, *f.aliases, **kw)
 
 

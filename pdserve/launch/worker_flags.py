@@ -6,6 +6,7 @@ from __future__ import annotations
 from pdserve import env
 from pdserve.cluster_auth import SECRET_FILE_HELP
 from pdserve.config import (
+    DETERMINISTIC_CHOICES,
     GRAMMAR_COMPILE_TIMEOUT_S,
     KV_TRANSPORTS,
     QUANT_CHOICES,
@@ -88,6 +89,20 @@ RUNTIME_FLAGS = [
         "built at first use) where it builds, else torch (the reference)",
         default=_R.attention_backend,
         choices=("auto", "torch", "cpu", "triton"),
+        passed_to=TO_WORKERS,
+    ),
+    Flag(
+        "--deterministic",
+        RUNTIME,
+        "batch-invariant decoding: a request's tokens do not depend on its batch, its prompt's chunking, a "
+        "prefix-cache hit, a retraction or a migration (CPU, quantized models). auto: on where it costs "
+        "nothing on this host (w4a8 and w8a16_int8 without a dense copy); on: everywhere it can run, "
+        "at the speed it costs (docs/reliability.md); given bare, on (so SGLang's "
+        "--enable-deterministic-inference too)",
+        default=_R.deterministic,
+        choices=DETERMINISTIC_CHOICES,
+        const="on",
+        aliases=("--enable-deterministic-inference",),
         passed_to=TO_WORKERS,
     ),
     Flag(

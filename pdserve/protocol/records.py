@@ -55,3 +55,6 @@ class RequestStats(TypedDict, total=False):
     spec_num_proposed_drafts: int
     spec_num_correct_drafts: int
     spec_correct_drafts_histogram: list[int]
+    # Whether the decode worker (and its prefill pair: the handshake compares it) computed the request
+    # batch-invariantly (runtime/determinism.py).
+    deterministic: bool
