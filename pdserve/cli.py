@@ -23,6 +23,7 @@ BENCHMARKS = {
     "ttft": "pdserve.bench.bench_ttft",
     "cpu": "pdserve.bench.bench_cpu",
     "responses": "pdserve.bench.bench_responses",
+    "restart": "pdserve.bench.bench_restart",
 }
 
 # role -> module with `add_cli_args(parser)` and `main(args)`

@@ -164,7 +164,9 @@ def _attend_after_prefix(
     return out[0].transpose(0, 1)
 
 
-def make_attention_backend(name: str, device: torch.device, batch_invariant: bool = False) -> AttentionBackend:
+def make_attention_backend(
+    name: str, device: torch.device, batch_invariant: bool = False
+) -> AttentionBackend:
     """`auto`: Triton on CUDA; on CPU the C++ paged decode kernel where it builds, else torch.
     `batch_invariant` (runtime/determinism.py, which checked the kernel builds): every query through it."""
     if name == "auto":

@@ -27,11 +27,11 @@ from safetensors import safe_open
 from pdserve import env
 from pdserve.model_source import ModelSource, ModelSourceError, resolve_model_source
 from pdserve.progress import progress
-from pdserve.runtime import cpu_calibration
+from pdserve.runtime import cpu_calibration, quant_cache
+from pdserve.runtime.determinism import DeterminismError, resolve_batch_invariance
 from pdserve.runtime.model_config import ModelSpec, rope_inv_freq
 from pdserve.runtime.models.llama import CausalLM
 from pdserve.runtime.models.norm_rope import Rotary
-from pdserve.runtime.determinism import DeterminismError, resolve_batch_invariance
 from pdserve.runtime.quant import a8_multiplies_faster, all_invariant, check_quantization, quantize_model
 
 if TYPE_CHECKING:
@@ -227,6 +227,23 @@ def resolve_quantization(
     return "w4a16", f"the GGUF's {main} weights"
 
 
+def _load_and_quantize(
+    folder: str, spec: ModelSpec, dev: torch.device, dtype: torch.dtype, mode: str, invariant: bool
+) -> CausalLM:
+    """The checkpoint's weights in `dtype` on `dev`, quantized under `mode` (runtime/quant.py)."""
+    with torch.device("meta"):
+        model = CausalLM(spec, rotary=None)  # type: ignore[arg-type]
+    model = model.to_empty(device="cpu")
+    model.load_weights(iter_weights(folder))
+    model = model.to(device=dev, dtype=dtype)
+    t0 = time.monotonic()
+    n = quantize_model(model, mode, dtype, invariant)
+    if n:
+        log.info("quantized %d projections and the LM head: %s, in %.1f s", n, mode, time.monotonic() - t0)
+        release_freed_heap()  # the float weights quantization replaced
+    return model
+
+
 def load_model(
     model_path: str | None,
     dtype: str = "auto",
@@ -252,17 +269,21 @@ def load_model(
     spec = ModelSpec.from_hf_config(config)
     files_hash = weights_hash(folder)  # fails early, with the folder named, if weights are missing
     inv_freq, scaling = rope_inv_freq(config, spec.head_dim)
-    with torch.device("meta"):
-        model = CausalLM(spec, rotary=None)  # type: ignore[arg-type]
-    model = model.to_empty(device="cpu")
-    model.load_weights(iter_weights(folder))
-    model = model.to(device=dev, dtype=torch_dtype)
+    stored = None
+    if quantization != "none":  # CPU only (check_quantization)
+        stored = quant_cache.cache_path(
+            cache_root(), quant_cache.cache_key(files_hash, quantization, torch_dtype, invariant)
+        )
+    model = quant_cache.restore(stored, spec, torch_dtype) if stored else None
+    if model is None:
+        model = _load_and_quantize(folder, spec, dev, torch_dtype, quantization, invariant)
+        if stored:
+            try:
+                quant_cache.store(model, stored)
+            except OSError as e:  # a read-only or full cache folder: the next start quantizes again
+                log.warning("could not store the quantized weights in %s: %s", stored, e)
     # Attached after the dtype cast: the cos/sin table stays fp32 and is cast per use.
     model.rotary = Rotary(inv_freq, scaling, spec.context_length).to(dev)
-    n = quantize_model(model, quantization, torch_dtype, invariant)
-    if n:
-        log.info("quantized %d projections and the LM head: %s", n, quantization)
-        release_freed_heap()  # the float weights quantization replaced
     if invariant and not all_invariant(model):
         why = "a projection of this model cannot take pdserve's kernel (its shape or its scales)"
         if deterministic == "on":

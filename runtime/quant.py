@@ -187,9 +187,12 @@ class Int8WeightOnlyLinear(nn.Module):
         self.in_features, self.out_features = weight.shape[1], n
         self.invariant = invariant and fast
         self.dense_min_rows = sys.maxsize if self.invariant else plan.min_rows
-        # the op looked up once: a decode step calls this ~120 times, and each Python-level step costs
-        # a few microseconds
-        self.fast_op = torch.ops.pdserve_cpu.int8_linear.default if fast else None
+        self.bind_ops()
+
+    def bind_ops(self) -> None:
+        """Look the kernel up once (also after a restore from the cache, runtime/quant_cache.py): a decode
+        step calls this module ~120 times, and each Python-level step costs a few microseconds."""
+        self.fast_op = torch.ops.pdserve_cpu.int8_linear.default if self.packed is not None else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if (
@@ -279,8 +282,7 @@ class Int4WeightOnlyLinear(nn.Module):
         self.register_buffer("bias", None if bias is None else bias.detach().to(dtype))
         # w4a8: int8 activations where the build has that kernel (cpu_quant_linear.int4_a8_support)
         self.act8 = act8 and fast and cpu_quant_linear.int4_a8_support()
-        op = torch.ops.pdserve_cpu.int4_linear_a8 if self.act8 else torch.ops.pdserve_cpu.int4_linear
-        self.fast_op = op.default if fast else None
+        self.bind_ops()
         dense = None
         if not fast or (plan.keep and not invariant):
             dense = (q.reshape(n, k // group, group).float() * scale[..., None] + lo[..., None]).reshape(n, k)
@@ -292,6 +294,12 @@ class Int4WeightOnlyLinear(nn.Module):
         self.invariant = invariant and fast
         every_row = self.invariant or (self.act8 and dense is None)
         self.dense_min_rows = sys.maxsize if every_row else plan.min_rows
+
+    def bind_ops(self) -> None:
+        """The kernel, looked up once (see Int8WeightOnlyLinear.bind_ops): pdserve's int4 kernel where
+        the weights are in its layout (no tinygemm scales beside them)."""
+        op = torch.ops.pdserve_cpu.int4_linear_a8 if self.act8 else torch.ops.pdserve_cpu.int4_linear
+        self.fast_op = op.default if self.scales_zeros is None else None
 
     def decode_weights(self) -> tuple[list[torch.Tensor], torch.Tensor | None] | None:
         """([dense, packed], bias) for the one-call CPU decode layer (kernels/cpu_decode_layer.py), which
@@ -403,12 +411,16 @@ def quantize_model(model: CausalLM, mode: str, dtype: torch.dtype, invariant: bo
         and head.dense is None
     ):
         model.model.embed_tokens = PackedInt8Embedding(head, dtype)
-    # A quantized model is no exactness reference: its fp32 forwards take the C++ fused ops and the
-    # one-call decode layer too (runtime/models/norm_rope.py, `cpu_fused`).
+    mark_quantized(model)
+    return count
+
+
+def mark_quantized(model: CausalLM) -> None:
+    """A quantized model is no exactness reference: its fp32 forwards take the C++ fused ops and the
+    one-call decode layer too (runtime/models/norm_rope.py, `cpu_fused`)."""
     for m in model.modules():
         if hasattr(m, "fused_fp32"):
             setattr(m, "fused_fp32", True)  # noqa: B010 (any module that has the attribute)
-    return count
 
 
 def all_invariant(model: CausalLM) -> bool:

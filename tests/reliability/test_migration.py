@@ -145,7 +145,9 @@ class TestDecodeKilledMidStream:
     @pytest.fixture(scope="class")
     @classmethod
     def cluster(cls, tmp_path_factory):
-        c = start_up(tmp_path_factory.mktemp("migration-up"), num_decode=2)
+        # the host's default dtype and quantization, batch-invariant (the default where it is free)
+        extra = ["--dtype", "auto", "--deterministic", "on"]
+        c = start_up(tmp_path_factory.mktemp("migration-up"), num_decode=2, extra=extra)
         try:
             c.wait_healthy(workers=3)
             ref = httpx.post(c.url + "/generate", json=body(N_TOKENS), timeout=120).json()
@@ -192,6 +194,7 @@ class TestDecodeKilledMidStream:
         assert not lost, lost
         for s in n_out:
             assert s.output_ids == c.reference and s.text == c.reference_text
+            assert s.meta.get("deterministic") is True
             assert s.finish == {"type": "length", "length": N_TOKENS}
             assert s.meta["completion_tokens"] == N_TOKENS and s.meta["prompt_tokens"] == c.prompt_tokens
         for s in o_out:

@@ -41,13 +41,19 @@ PROMPTS = [
 # A prefilled request waits for the decode's page list while the tiny decode pool is full: on two
 # shared cores that can outlast the usual 20 s, and it is a wait, not a failure.
 PRESSURE_FLAGS = [*WORKER_FLAGS, "--waiting-timeout", "120"]
+# The host's default dtype and quantization, batch-invariant: a retracted request resumed by
+# recomputation gives what it gives alone (runtime/determinism.py).
+DETERMINISTIC = ["--dtype", "auto", "--quantization", "auto", "--deterministic", "on"]
 
 
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory):
     c = start_roles(
         tmp_path_factory.mktemp("pressure"),
-        [("prefill", {}, PRESSURE_FLAGS), ("decode", {}, [*PRESSURE_FLAGS, "--max-total-tokens", "256"])],
+        [
+            ("prefill", {}, [*PRESSURE_FLAGS, *DETERMINISTIC]),
+            ("decode", {}, [*PRESSURE_FLAGS, *DETERMINISTIC, "--max-total-tokens", "256"]),
+        ],
         gateway_flags=[*GATEWAY_FLAGS, "--max-pending-generations", str(MAX_PENDING)],
     )
     try:
@@ -66,12 +72,12 @@ def _ids(texts: list[str]) -> list[list[int]]:
 
 
 def _offline(prompts: list[list[int]], max_new_tokens: int) -> list[list[int]]:
-    """Greedy ids from the offline engine with a pool that never retracts."""
+    """Greedy ids from the offline engine with a pool that never retracts, in the cluster's configuration."""
     from pdserve.config import RuntimeConfig
     from pdserve.runtime.engine import Engine
     from pdserve.sampling_params import SamplingParams
 
-    engine = Engine(RuntimeConfig(dtype="float32", max_total_tokens=4096, num_threads=1))
+    engine = Engine(RuntimeConfig(dtype="auto", deterministic="on", max_total_tokens=4096, num_threads=1))
     params = SamplingParams(temperature=0, max_new_tokens=max_new_tokens, ignore_eos=True)
     return [o.output_ids for o in engine.generate(prompts, params)]
 
@@ -91,6 +97,7 @@ def test_tiny_decode_pool_retracts_and_resumes_with_exact_output(cluster):
     retractions = [o.meta["num_retractions"] for o in outs]
     print("num_retractions:", retractions)
     assert sum(retractions) > 0
+    assert all(o.meta.get("deterministic") is True for o in outs)
     assert [o.output_ids for o in outs] == _offline(ids, n)
     wait_pools(c.url, c.idle)
 
