@@ -24,6 +24,7 @@ BENCHMARKS = {
     "cpu": "pdserve.bench.bench_cpu",
     "responses": "pdserve.bench.bench_responses",
     "restart": "pdserve.bench.bench_restart",
+    "deterministic": "pdserve.bench.bench_deterministic",
 }
 
 # role -> module with `add_cli_args(parser)` and `main(args)`

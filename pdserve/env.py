@@ -98,6 +98,11 @@ def cpu_isa_cap() -> str | None:
     return _get("PDSERVE_CPU_ISA")
 
 
+def quant_cache_enabled() -> bool:
+    """PDSERVE_QUANT_CACHE=0: quantize at every start, never read or write runtime/quant_cache.py's files."""
+    return _get("PDSERVE_QUANT_CACHE", "1") != "0"
+
+
 def cache_dir() -> str:
     """The root of pdserve's caches (one variable for every process: gateway and workers)."""
     base = _get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")

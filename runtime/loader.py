@@ -270,7 +270,7 @@ def load_model(
     files_hash = weights_hash(folder)  # fails early, with the folder named, if weights are missing
     inv_freq, scaling = rope_inv_freq(config, spec.head_dim)
     stored = None
-    if quantization != "none":  # CPU only (check_quantization)
+    if quantization != "none" and env.quant_cache_enabled():  # CPU only (check_quantization)
         stored = quant_cache.cache_path(
             cache_root(), quant_cache.cache_key(files_hash, quantization, torch_dtype, invariant)
         )

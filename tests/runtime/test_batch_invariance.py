@@ -68,7 +68,12 @@ def check_invariance(loaded, prompts: list[list[int]]) -> None:
     mixed = [params(n) for n in (5, NEW, 30, 1) * 4]  # other requests finish and leave mid-way
     same(plain.generate(prompts, mixed)[TARGET], alone)
     # the prompt prefilled 3 tokens at a time, in steps shared with the other prompts' chunks
-    same(engine(loaded, disable_radix_cache=True, chunked_prefill_size=3).generate(prompts[:3], params())[TARGET], alone)
+    same(
+        engine(loaded, disable_radix_cache=True, chunked_prefill_size=3).generate(prompts[:3], params())[
+            TARGET
+        ],
+        alone,
+    )
     # resumed: the prompt plus the first SPLIT tokens prefilled at once, as a retraction or a migration does
     resumed = plain.generate([prompts[TARGET] + alone.output_ids[:SPLIT]], params(NEW - SPLIT))[0]
     same(resumed, alone, SPLIT)
@@ -92,7 +97,13 @@ def prompts(tokenizer) -> list[list[int]]:
 
 @pytest.mark.parametrize(
     ("dtype", "quantization"),
-    [("auto", "auto"), ("float32", "w4a8"), ("float32", "w4a16"), ("auto", "w8a16_int8"), ("auto", "w8a8_int8")],
+    [
+        ("auto", "auto"),
+        ("float32", "w4a8"),
+        ("float32", "w4a16"),
+        ("auto", "w8a16_int8"),
+        ("auto", "w8a8_int8"),
+    ],
 )
 def test_one_request_computes_the_same_everywhere(dtype, quantization, prompts) -> None:
     loaded = load_model(None, dtype=dtype, device="cpu", quantization=quantization, deterministic="on")
@@ -135,7 +146,17 @@ def test_on_where_it_cannot_run_is_refused_with_the_reason() -> None:
 
 
 def test_cli_names_the_problem() -> None:
-    cmd = [sys.executable, "-P", "-m", "pdserve.cli", "generate", "hi", "--dtype", "float32", "--deterministic"]
+    cmd = [
+        sys.executable,
+        "-P",
+        "-m",
+        "pdserve.cli",
+        "generate",
+        "hi",
+        "--dtype",
+        "float32",
+        "--deterministic",
+    ]
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
     assert done.returncode == 2
     assert "--deterministic on: it needs a quantized model" in done.stderr
