@@ -296,6 +296,187 @@ void attend(const Q* q, const T* rows, const int64_t* key_rows, const int64_t* l
   });
 }
 
+// Extend attention with the decode step's arithmetic (batch-invariant decoding, runtime/determinism.py):
+// query i of request b, at position prefix[b] + i, attends over key rows 0 .. prefix[b] + i of the request,
+// and every (query, head) gets exactly the operations attend_request_simd / attend_request give that query
+// as a decode step: each score one mul + fmadd chain over the head's registers then one horizontal sum,
+// each softmax row the same function, each output an fmadd chain over the rows in order. Only the loop
+// order differs: a block of kExtendBlock consecutive queries shares every K and V row it reads (and its
+// conversion to float), where a decode batch of those queries would read the rows once per query.
+constexpr int64_t kExtendBlock = 16;
+
+#if defined(PDSERVE_SIMD)
+template <typename V, typename T, int D>
+void extend_block_simd(const T* rows, const int64_t* kr, int64_t row, int64_t k_offset, int64_t v_offset,
+                       const float* qf, int64_t nq, const int64_t* totals, float* s, float* acc, int64_t Hq,
+                       int64_t Hkv, int64_t h) {
+  using Reg = typename V::Reg;
+  constexpr int NC = D / V::W;
+  const int64_t G = Hq / Hkv, tmax = totals[nq - 1];  // totals ascend: consecutive positions
+  for (int64_t t = 0; t < tmax; ++t) {
+    if (t + kPrefetchAhead < tmax) prefetch_row(rows + (kr[t + kPrefetchAhead] + k_offset) * row + h * D, D);
+    const T* k = rows + (kr[t] + k_offset) * row + h * D;
+    Reg kv[NC];
+    for (int c = 0; c < NC; ++c) kv[c] = V::load(k + c * V::W);
+    for (int64_t i = 0; i < nq; ++i) {
+      if (t >= totals[i]) continue;
+      for (int64_t g = 0; g < G; ++g) {
+        const float* qj = qf + (i * Hq + h * G + g) * D;
+        Reg a = V::mul(V::load(qj), kv[0]);
+        for (int c = 1; c < NC; ++c) a = V::fmadd(V::load(qj + c * V::W), kv[c], a);
+        s[(i * G + g) * tmax + t] = V::sum(a);
+      }
+    }
+  }
+  for (int64_t i = 0; i < nq; ++i)
+    for (int64_t g = 0; g < G; ++g) softmax_rows(s + (i * G + g) * tmax, 1, totals[i]);
+  std::fill(acc, acc + nq * G * D, 0.f);
+  for (int64_t t = 0; t < tmax; ++t) {
+    if (t + kPrefetchAhead < tmax) prefetch_row(rows + (kr[t + kPrefetchAhead] + v_offset) * row + h * D, D);
+    const T* v = rows + (kr[t] + v_offset) * row + h * D;
+    Reg vv[NC];
+    for (int c = 0; c < NC; ++c) vv[c] = V::load(v + c * V::W);
+    for (int64_t i = 0; i < nq; ++i) {
+      if (t >= totals[i]) continue;
+      for (int64_t g = 0; g < G; ++g) {
+        const Reg p = V::set1(s[(i * G + g) * tmax + t]);
+        float* a = acc + (i * G + g) * D;
+        for (int c = 0; c < NC; ++c) V::store(a + c * V::W, V::fmadd(p, vv[c], V::load(a + c * V::W)));
+      }
+    }
+  }
+}
+#endif
+
+template <typename Q, typename T>
+void extend(const Q* q, const T* rows, const int64_t* key_rows, const int64_t* prefix, const int64_t* qo, Q* out,
+            int64_t B, int64_t H, int64_t Hq, int64_t Hkv, int64_t D, int64_t k_offset, int64_t v_offset,
+            float scale) {
+  const int64_t row = Hkv * D, G = Hq / Hkv;
+  struct Task {
+    int64_t b, h, i0, n;
+  };
+  std::vector<Task> tasks;
+#if defined(PDSERVE_SIMD)
+  const bool simd = D == 64 || D == 128 || D == 32;
+#else
+  const bool simd = false;
+#endif
+  for (int64_t b = 0; b < B; ++b)
+    for (int64_t i0 = qo[b]; i0 < qo[b + 1]; i0 += kExtendBlock) {
+      const int64_t n = std::min<int64_t>(kExtendBlock, qo[b + 1] - i0);
+      if (simd) {
+        for (int64_t h = 0; h < Hkv; ++h) tasks.push_back({b, h, i0, n});
+      } else {
+        tasks.push_back({b, -1, i0, n});
+      }
+    }
+  at::parallel_for(0, static_cast<int64_t>(tasks.size()), 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> qf, s, acc, kv(row);
+    std::vector<int64_t> totals;
+    for (int64_t w = begin; w < end; ++w) {
+      const Task& task = tasks[w];
+      const int64_t* kr = key_rows + task.b * H;
+      totals.resize(task.n);
+      for (int64_t i = 0; i < task.n; ++i) totals[i] = prefix[task.b] + (task.i0 - qo[task.b]) + i + 1;
+      qf.resize(task.n * Hq * D);
+      for (int64_t i = 0; i < task.n; ++i) {
+        load_row(q + (task.i0 + i) * Hq * D, qf.data() + i * Hq * D, Hq * D);
+      }
+      for (float& x : qf) x *= scale;
+      if (task.h < 0) {  // no vector path: each query as attend_request computes a decode step
+        acc.resize(Hq * D);
+        for (int64_t i = 0; i < task.n; ++i) {
+          const Request<T> r{rows, kr, totals[i], totals[i], row, k_offset, v_offset, nullptr, nullptr};
+          s.resize(Hq * totals[i]);
+          attend_request(r, qf.data() + i * Hq * D, s.data(), kv.data(), acc.data(), Hq, Hkv, D);
+          Q* o = out + (task.i0 + i) * Hq * D;
+          for (int64_t e = 0; e < Hq * D; ++e) o[e] = static_cast<Q>(acc[e]);
+        }
+        continue;
+      }
+#if defined(PDSERVE_SIMD)
+      const int64_t tmax = totals[task.n - 1];
+      s.resize(task.n * G * tmax);
+      acc.resize(task.n * G * D);
+      using V = pdserve_simd::Simd;
+#define PDSERVE_EXTEND(DD)                                                                                  \
+  extend_block_simd<V, T, DD>(rows, kr, row, k_offset, v_offset, qf.data(), task.n, totals.data(), s.data(), \
+                              acc.data(), Hq, Hkv, task.h)
+      if (D == 64) PDSERVE_EXTEND(64);
+      if (D == 128) PDSERVE_EXTEND(128);
+      if (D == 32) PDSERVE_EXTEND(32);
+#undef PDSERVE_EXTEND
+      for (int64_t i = 0; i < task.n; ++i) {
+        Q* o = out + ((task.i0 + i) * Hq + task.h * G) * D;
+        for (int64_t e = 0; e < G * D; ++e) o[e] = static_cast<Q>(acc[i * G * D + e]);
+      }
+#endif
+    }
+  });
+}
+
+// `paged_extend_attention`: q [T, Hq, D] (request-major, qo_indptr [B + 1] bounds request b's queries),
+// each request's key rows [B, H] and the number of its positions before its first query, prefix [B]. The
+// new keys and values must be in the pool already.
+at::Tensor paged_extend_attention(const at::Tensor& q, const at::Tensor& rows, const at::Tensor& key_rows,
+                                  const at::Tensor& prefix, const at::Tensor& qo_indptr, int64_t k_offset,
+                                  int64_t v_offset, double scale) {
+  PDSERVE_CHECK(q.dim() == 3 && rows.dim() == 3, "q must be [T, Hq, D] and rows [N, Hkv, D]");
+  PDSERVE_CHECK(q.device().is_cpu() && rows.device().is_cpu() && rows.is_contiguous(),
+                "paged_extend_attention runs on CPU over a contiguous pool");
+  const bool mixed = q.scalar_type() != rows.scalar_type();
+  PDSERVE_CHECK(!mixed || (q.scalar_type() == at::kFloat &&
+                           (rows.scalar_type() == at::kHalf || rows.scalar_type() == at::kBFloat16)),
+                "the KV rows must share q's dtype, or be float16 / bfloat16 under float32 queries");
+  const int64_t T = q.size(0), Hq = q.size(1), D = q.size(2), N = rows.size(0), Hkv = rows.size(1);
+  PDSERVE_CHECK(rows.size(2) == D && Hkv > 0 && Hq % Hkv == 0, "head counts or sizes do not match");
+  PDSERVE_CHECK(key_rows.dim() == 2 && key_rows.scalar_type() == at::kLong, "key_rows must be int64 [B, H]");
+  const int64_t B = key_rows.size(0), H = key_rows.size(1);
+  PDSERVE_CHECK(prefix.dim() == 1 && prefix.size(0) == B && prefix.scalar_type() == at::kLong,
+                "prefix must be int64 [B]");
+  PDSERVE_CHECK(qo_indptr.dim() == 1 && qo_indptr.size(0) == B + 1 && qo_indptr.scalar_type() == at::kLong,
+                "qo_indptr must be int64 [B + 1]");
+  auto kr = key_rows.contiguous();
+  auto pf = prefix.contiguous();
+  auto qo = qo_indptr.contiguous();
+  const int64_t* krp = kr.data_ptr<int64_t>();
+  const int64_t* pfp = pf.data_ptr<int64_t>();
+  const int64_t* qop = qo.data_ptr<int64_t>();
+  PDSERVE_CHECK(qop[0] == 0 && qop[B] == T, "qo_indptr must run from 0 to T");
+  // Every row read must lie in the pool: a bad index is an error, never a read out of bounds.
+  const int64_t lo = std::min<int64_t>(k_offset, v_offset), hi = std::max<int64_t>(k_offset, v_offset);
+  for (int64_t b = 0; b < B; ++b) {
+    PDSERVE_CHECK(qop[b + 1] >= qop[b], "qo_indptr must not decrease");
+    const int64_t seen = pfp[b] + (qop[b + 1] - qop[b]);
+    PDSERVE_CHECK(pfp[b] >= 0 && seen <= H, "request ", b, " sees ", seen, " rows of ", H);
+    for (int64_t t = 0; t < seen; ++t) {
+      const int64_t r = krp[b * H + t];
+      PDSERVE_CHECK(r + lo >= 0 && r + hi < N, "key row ", r, " is outside the pool");
+    }
+  }
+  auto qc = q.contiguous();
+  auto out = at::empty({T, Hq, D}, q.options());
+  const float sc = static_cast<float>(scale);
+#define PDSERVE_EXTEND_CALL(Q, TT)                                                                        \
+  extend<Q, TT>(qc.data_ptr<Q>(), rows.data_ptr<TT>(), krp, pfp, qop, out.data_ptr<Q>(), B, H, Hq, Hkv, D, \
+                k_offset, v_offset, sc)
+  if (mixed && rows.scalar_type() == at::kHalf) {
+    PDSERVE_EXTEND_CALL(float, c10::Half);
+  } else if (mixed) {
+    PDSERVE_EXTEND_CALL(float, c10::BFloat16);
+  } else {
+    switch (q.scalar_type()) {
+      case at::kFloat: PDSERVE_EXTEND_CALL(float, float); break;
+      case at::kBFloat16: PDSERVE_EXTEND_CALL(c10::BFloat16, c10::BFloat16); break;
+      case at::kHalf: PDSERVE_EXTEND_CALL(c10::Half, c10::Half); break;
+      default: PDSERVE_CHECK(false, "paged_extend_attention: unsupported dtype ", q.scalar_type());
+    }
+  }
+#undef PDSERVE_EXTEND_CALL
+  return out;
+}
+
 at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& rows, const at::Tensor& key_rows,
                                   const at::Tensor& lens, int64_t k_offset, int64_t v_offset, double scale,
                                   const std::optional<at::Tensor>& k_new,
@@ -409,9 +590,13 @@ TORCH_LIBRARY(pdserve_cpu, m) {
   m.def(
       "paged_decode_attention_store(Tensor q, Tensor(a!) rows, Tensor key_rows, Tensor lens, int k_offset, "
       "int v_offset, float scale, Tensor new_rows, Tensor k, Tensor v) -> Tensor");
+  m.def(
+      "paged_extend_attention(Tensor q, Tensor rows, Tensor key_rows, Tensor prefix, Tensor qo_indptr, "
+      "int k_offset, int v_offset, float scale) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(pdserve_cpu, CPU, m) {
   m.impl("paged_decode_attention", &paged_decode_attention);
   m.impl("paged_decode_attention_store", &paged_decode_attention_store);
+  m.impl("paged_extend_attention", &paged_extend_attention);
 }

@@ -25,6 +25,13 @@ auto` then keeps the torch path.
 eager decode step's form. It first stores k and v [B, Hkv, D] in the pool at rows `new_rows[b]` (layer
 0's K numbering, as `KVPool.slot_rows`) plus the offsets, then attends over lens[b] rows that include
 them: one call per layer where the step made three. `paged_decode_attention_store_ref` is its torch form.
+
+`paged_extend_attention(q, rows, key_rows, prefix, qo_indptr, k_offset, v_offset, scale)`: every query of
+an extend batch (prompts, chunks, verifies) computed exactly as the decode kernel computes that query as a
+decode step (batch-invariant decoding, runtime/determinism.py). q [T, Hq, D], request b's queries at rows
+qo_indptr[b]:qo_indptr[b + 1] (int64 [B + 1]); key_rows [B, H] as above; prefix [B] int64, the request's
+positions before its first query; query i of request b sees rows 0 .. prefix[b] + i. The new keys and
+values must be in the pool. A block of 16 consecutive queries shares each row it reads.
 """
 
 from __future__ import annotations
@@ -40,6 +47,7 @@ __all__ = [
     "paged_decode_attention_ref",
     "paged_decode_attention_store",
     "paged_decode_attention_store_ref",
+    "paged_extend_attention",
 ]
 
 
@@ -127,3 +135,20 @@ def paged_decode_attention_store_ref(
     rows.index_copy_(0, new_rows + k_offset, k.to(rows.dtype))
     rows.index_copy_(0, new_rows + v_offset, v.to(rows.dtype))
     return paged_decode_attention_ref(q, rows, key_rows, lens, k_offset, v_offset, scale)
+
+
+def paged_extend_attention(
+    q: torch.Tensor,
+    rows: torch.Tensor,
+    key_rows: torch.Tensor,
+    prefix: torch.Tensor,
+    qo_indptr: torch.Tensor,
+    k_offset: int,
+    v_offset: int,
+    scale: float,
+) -> torch.Tensor:
+    """The C++ operator; `load()` must have returned True."""
+    out: torch.Tensor = torch.ops.pdserve_cpu.paged_extend_attention(
+        q, rows, key_rows, prefix, qo_indptr, k_offset, v_offset, scale
+    )
+    return out

@@ -5,11 +5,12 @@ Decode batches (one new token per request) run the C++ paged decode attention
 pool. Everything else (prefills, extends over a cached prefix, speculative verifies) is the torch
 backend's, unchanged. `--attention-backend torch` keeps the torch path for decode too: the reference.
 
-Batch-invariant (`every_query`, runtime/determinism.py): every forward's queries go through the same
-kernel, each query one row of it over its own request's pool rows up to and including its own
-position, after the new keys and values are stored. A prompt's token then attends exactly as it would
-as a decode step, whatever the chunking, the cached prefix or the batch. The cost is the prompt's
-attention without flash blocking: quadratic in its length, row by row.
+Batch-invariant (`every_query`, runtime/determinism.py): the queries of every other forward go through
+the extend kernel (`paged_extend_attention`), which computes each query over its own request's pool rows
+up to and including its own position, after the new keys and values are stored, with the decode
+kernel's arithmetic. A prompt's token then attends exactly as it would as a decode step, whatever the
+chunking, the cached prefix or the batch. The cost is the prompt's attention without flash's matrix
+blocking (docs/reliability.md).
 """
 
 from __future__ import annotations
@@ -30,8 +31,8 @@ class CpuAttention(TorchAttention):
             raise RuntimeError("the CPU paged decode attention kernel could not be built (see the log)")
         self.every_query = every_query
         self._decode = False
-        self._query_rows: torch.Tensor | None = None  # [T, max_len] each query's key rows (every_query)
-        self._query_lens = torch.empty(0, dtype=torch.long)
+        self._query_rows: torch.Tensor | None = None  # [B, max_len] each request's key rows (every_query)
+        self._prefix = self._qo = torch.empty(0, dtype=torch.long)
 
     def prepare(self, batch: ForwardBatch, pool: KVPool) -> None:
         self._decode = max(batch.extend_lens_cpu) == 1  # a CPU backend: make_attention_backend checks
@@ -51,18 +52,15 @@ class CpuAttention(TorchAttention):
         self._lens = batch.seq_lens.long()
 
     def _prepare_queries(self, batch: ForwardBatch, pool: KVPool) -> None:
-        """Each new token of an extend batch as a decode query: its request's key rows, and as many of
-        them as its position + 1."""
+        """An extend batch for the extend kernel: each request's key rows, its positions before its
+        first new token, and where its queries lie."""
         self._batch = batch
         self._out_rows = pool.slot_rows(batch.out_cache_loc)
         self._rows = pool.rows()
         lmax = max(batch.seq_lens_cpu)
-        per_request = pool.key_rows(batch.page_table, lmax).view(batch.batch_size, lmax)
-        owner = torch.repeat_interleave(
-            torch.arange(batch.batch_size, device=per_request.device), batch.extend_lens.long()
-        )
-        self._query_rows = per_request.index_select(0, owner)  # [T, lmax]
-        self._query_lens = batch.positions.long() + 1
+        self._query_rows = pool.key_rows(batch.page_table, lmax).view(batch.batch_size, lmax)
+        self._prefix = (batch.seq_lens - batch.extend_lens).long()
+        self._qo = batch.qo_indptr.long()
 
     def decode_args(self, layer: int, pool: KVPool) -> DecodeAttention | None:
         """What `forward` passes the kernel for this layer of a decode batch (None for other batches):
@@ -79,8 +77,10 @@ class CpuAttention(TorchAttention):
             k_off, v_off = pool.row_offset(layer, 0), pool.row_offset(layer, 1)
             # stored first (in the pool's dtype), then every query reads its keys from the pool: as a
             # decode step reads them
-            return cpu_decode_attention.paged_decode_attention_store(
-                q, self._rows, self._query_rows, self._query_lens, k_off, v_off, scale, self._out_rows, k, v
+            self._rows.index_copy_(0, self._out_rows + k_off, k.to(self._rows.dtype))
+            self._rows.index_copy_(0, self._out_rows + v_off, v.to(self._rows.dtype))
+            return cpu_decode_attention.paged_extend_attention(
+                q, self._rows, self._query_rows, self._prefix, self._qo, k_off, v_off, scale
             )
         a = self.decode_args(layer, pool)
         if a is None:

@@ -242,3 +242,45 @@ def test_without_a_compiler_auto_keeps_the_torch_path(tmp_path):
     assert out.returncode == 0, out.stderr
     assert out.stdout.split() == ["False", "TorchAttention"]
     assert "the pdserve_cpu kernels were not built" in out.stderr
+
+
+@pytest.mark.parametrize(
+    "hkv,group,dim",
+    [(3, 3, 64), (1, 8, 128), (2, 1, 32), (2, 2, 80)],  # 80: the plain (no vector) path
+    ids=["gqa64", "mqa128", "mha32", "dim80"],
+)
+@pytest.mark.parametrize(
+    ("qdtype", "kv_dtype"), [(F32, F32), (BF16, BF16), (F32, F16)], ids=["fp32", "bf16", "fp32-over-fp16"]
+)
+def test_extend_kernel_is_the_decode_kernel_query_by_query(hkv, group, dim, qdtype, kv_dtype):
+    """Batch invariance: every query of an extend batch (blocks of 16 sharing rows) gives, bit for bit,
+    what the decode kernel gives it alone as a decode step over the same rows."""
+    g = torch.Generator().manual_seed(1)
+    prefix, new = [0, 5, 40], [37, 1, 18]  # a fresh prompt, one token over a prefix, a chunk
+    B, H = len(prefix), max(p + n for p, n in zip(prefix, new)) + 3
+    rows = torch.randn(4 * B * H, hkv, dim, generator=g).to(kv_dtype)
+    key_rows = torch.randperm(2 * B * H, generator=g)[: B * H].view(B, H).long()
+    q = torch.randn(sum(new), hkv * group, dim, generator=g).to(qdtype)
+    qo = torch.tensor([0, *torch.tensor(new).cumsum(0).tolist()])
+    k_off, v_off, scale = 1, 2 * B * H, dim**-0.5
+    got = cda.paged_extend_attention(q, rows, key_rows, torch.tensor(prefix), qo, k_off, v_off, scale)
+    owner = torch.repeat_interleave(torch.arange(B), torch.tensor(new))
+    lens = torch.cat([torch.arange(p + 1, p + n + 1) for p, n in zip(prefix, new)])
+    for batch in (1, 5, len(lens)):  # decode batches of several sizes: the same values
+        for s in range(0, len(lens), batch):
+            sl = slice(s, s + batch)
+            one = cda.paged_decode_attention(q[sl], rows, key_rows[owner[sl]], lens[sl], k_off, v_off, scale)
+            assert torch.equal(got[sl], one)
+    ref = cda.paged_decode_attention_ref(q, rows, key_rows[owner], lens, k_off, v_off, scale)
+    torch.testing.assert_close(got.float(), ref.float(), atol=TOL[qdtype], rtol=TOL[qdtype])
+
+
+def test_extend_kernel_refuses_rows_outside_the_pool():
+    rows = torch.randn(10, 1, 64)
+    q = torch.randn(2, 1, 64)
+    key_rows = torch.tensor([[0, 1, 2, 50]])
+    args = (torch.tensor([2]), torch.tensor([0, 2]), 0, 1, 0.125)
+    with pytest.raises(RuntimeError, match="outside the pool"):
+        cda.paged_extend_attention(q, rows, key_rows, *args)
+    with pytest.raises(RuntimeError, match="sees 5 rows of 4"):
+        cda.paged_extend_attention(q, rows, key_rows, torch.tensor([3]), *args[1:])
