@@ -46,6 +46,14 @@ struct Simd512 {
   static Idx idx_zero() { return _mm512_setzero_si512(); }
   static Idx advance(Idx i) { return _mm512_add_epi32(i, _mm512_set1_epi32(W)); }
   static void store(int32_t* p, Idx v) { _mm512_storeu_si512(p, v); }
+  static Reg add(Reg a, Reg b) { return _mm512_add_ps(a, b); }
+  static Reg sub(Reg a, Reg b) { return _mm512_sub_ps(a, b); }
+  static Reg clamp(Reg x, float lo, float hi) { return _mm512_min_ps(_mm512_max_ps(x, set1(lo)), set1(hi)); }
+  static Reg floor(Reg x) { return _mm512_roundscale_ps(x, _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC); }
+  // 2^n for integral n in [-126, 127] held as floats
+  static Reg pow2(Reg n) {
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23));
+  }
 };
 using Simd = Simd512;
 #define PDSERVE_SIMD 512
@@ -85,9 +93,38 @@ struct Simd256 {
   static Idx idx_zero() { return _mm256_setzero_si256(); }
   static Idx advance(Idx i) { return _mm256_add_epi32(i, _mm256_set1_epi32(W)); }
   static void store(int32_t* p, Idx v) { _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), v); }
+  static Reg add(Reg a, Reg b) { return _mm256_add_ps(a, b); }
+  static Reg sub(Reg a, Reg b) { return _mm256_sub_ps(a, b); }
+  static Reg clamp(Reg x, float lo, float hi) { return _mm256_min_ps(_mm256_max_ps(x, set1(lo)), set1(hi)); }
+  static Reg floor(Reg x) { return _mm256_floor_ps(x); }
+  static Reg pow2(Reg n) {
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23));
+  }
 };
 using Simd = Simd256;
 #define PDSERVE_SIMD 256
+#endif
+
+#if defined(PDSERVE_SIMD)
+// exp(x) lane by lane (Cephes' single-precision polynomial, within 2 ulp of std::exp over [-87, 88]; below,
+// 2^-126 scaled, which a softmax weighs as nothing): each lane's value depends on that lane's input only,
+// so a softmax row gives the same probabilities whatever lane or register an entry lands in.
+template <typename V>
+inline typename V::Reg exp(typename V::Reg x) {
+  using Reg = typename V::Reg;
+  x = V::clamp(x, -87.3365478515625f, 88.3762626647949f);
+  const Reg n = V::floor(V::fmadd(x, V::set1(1.44269504088896341f), V::set1(0.5f)));  // round(x / ln 2)
+  x = V::fmadd(n, V::set1(-0.693359375f), x);  // x - n ln 2, in two parts
+  x = V::fmadd(n, V::set1(2.12194440e-4f), x);
+  Reg y = V::set1(1.9875691500e-4f);
+  y = V::fmadd(y, x, V::set1(1.3981999507e-3f));
+  y = V::fmadd(y, x, V::set1(8.3334519073e-3f));
+  y = V::fmadd(y, x, V::set1(4.1665795894e-2f));
+  y = V::fmadd(y, x, V::set1(1.6666665459e-1f));
+  y = V::fmadd(y, x, V::set1(5.0000001201e-1f));
+  y = V::fmadd(y, V::mul(x, x), V::add(x, V::set1(1.f)));
+  return V::mul(y, V::pow2(n));
+}
 #endif
 
 }  // namespace pdserve_simd
