@@ -9,7 +9,6 @@ from __future__ import annotations
 import pytest
 import schemathesis
 from hypothesis import HealthCheck, given, settings
-from hypothesis import strategies as st
 from schemathesis import GenerationMode
 from schemathesis.config import SchemathesisConfig
 
@@ -47,13 +46,13 @@ def test_api_never_answers_5xx(case):
         assert isinstance(body.get("error", {}).get("message"), str), body
 
 
-def _fuzz_statuses(path: str, examples: int = 40) -> dict[int, int]:
-    """Status code -> count, over schema-valid and schema-breaking bodies POSTed to `path`."""
+def _fuzz_statuses(path: str, mode: GenerationMode, examples: int) -> dict[int, int]:
+    """Status code -> count, over schema-valid (POSITIVE) or schema-breaking (NEGATIVE) bodies POSTed
+    to `path`."""
     op = schema[path]["POST"]
     statuses: dict[int, int] = {}
-    bodies = st.one_of(op.as_strategy(GenerationMode.POSITIVE), op.as_strategy(GenerationMode.NEGATIVE))
 
-    @given(case=bodies)
+    @given(case=op.as_strategy(mode))
     @settings(max_examples=examples, deadline=None, suppress_health_check=list(HealthCheck), derandomize=True)
     def fuzz(case) -> None:
         response = case.call()
@@ -68,12 +67,15 @@ def test_fuzz_reached_every_generation_endpoint_with_good_and_bad_bodies():
     """The fuzz reaches both validation errors and valid requests (refused only for lack of
     workers) on each generation endpoint; it runs its own cases, so it holds alone."""
     for path in GENERATION_PATHS:
-        # 120 bodies: a CI run once drew 40 for /generate that were all refused (a schema-valid body can
-        # still break the API's own rules)
-        statuses = _fuzz_statuses(path, examples=120)
-        print(path, sorted(statuses.items()))
-        assert 400 in statuses or 422 in statuses, (path, statuses)
-        assert 503 in statuses, (path, statuses)  # valid, refused only for lack of workers
+        bad = _fuzz_statuses(path, GenerationMode.NEGATIVE, examples=60)
+        print(path, "schema-breaking", sorted(bad.items()))
+        assert 400 in bad or 422 in bad, (path, bad)
+        # Schema-valid bodies can still break the API's own rules (text and input_ids both given,
+        # an empty prompt, a whole-number float where strict types want an int): on /generate only a
+        # few percent pass them, so it takes a few hundred draws to be sure of some.
+        good = _fuzz_statuses(path, GenerationMode.POSITIVE, examples=400)
+        print(path, "schema-valid", sorted(good.items()))
+        assert 503 in good, (path, good)  # valid, refused only for lack of workers
 
 
 def test_every_operation_has_its_own_id():

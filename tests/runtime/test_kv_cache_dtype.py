@@ -44,9 +44,24 @@ def test_a_half_pool_gives_the_float32_pool_tokens(tiny_w4, make_engine, backend
     # the fingerprint carries the pool's dtype: a decode worker with another pool refuses the KV
     assert half.runner.fingerprint()["dtype"] == "float16"
     prompts = [[5, 17, 99, 3, 42, 8] * k for k in (1, 3, 7)]
-    params = SamplingParams(max_new_tokens=12, temperature=0.0, ignore_eos=True, logprobs=True)
+    params = SamplingParams(
+        max_new_tokens=12, temperature=0.0, ignore_eos=True, logprobs=True, top_logprobs_num=2
+    )
     got = half.generate(prompts, params)
     want = full.generate(prompts, params)
-    for a, b in zip(got, want):
-        assert a.output_ids == b.output_ids
-        assert max(abs(x - y) for x, y in zip(a.output_logprobs, b.output_logprobs)) < 2e-2
+    agreed = [_agreed_steps(a, b, tol=2e-2) for a, b in zip(got, want)]
+    # a random tiny model has near-ties; most steps must still agree
+    assert sum(agreed) >= 0.75 * sum(len(b.output_ids) for b in want), agreed
+
+
+def _agreed_steps(a, b, tol: float) -> int:
+    """Steps on which the half pool gave the float32 pool's token, with its log-probability within
+    `tol`; a first different token is allowed only where the float32 pool's top two were within
+    `tol` of each other (a tie under the keys' rounding), and ends the comparison."""
+    for t, (x, y) in enumerate(zip(a.output_ids, b.output_ids)):
+        if x != y:
+            (_, first), (_, second) = b.output_top_logprobs[t][:2]
+            assert first - second < tol, (t, x, y, b.output_top_logprobs[t])
+            return t
+        assert abs(a.output_logprobs[t] - b.output_logprobs[t]) < tol, t
+    return len(b.output_ids)
