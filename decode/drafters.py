@@ -164,6 +164,7 @@ class DraftModelDrafter:
             speculative_algorithm=None,
             # The draft model runs eagerly: compiled, it would compile at its first step, mid-serving.
             enable_torch_compile=False,
+            tp_size=1,  # the draft model is small: whole, on rank 0
         )
         self.runner = ModelRunner(draft_cfg, loaded)
         self._shadow: dict[str, Request] = {}

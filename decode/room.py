@@ -3,7 +3,7 @@ admission until it leaves the node."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from pdserve.protocol.records import DecodeEvents, PrefillEvents
 
@@ -15,6 +15,7 @@ class DecodeRoom:
     # A local prefill's times, until the first output carries them.
     prefill_events: PrefillEvents | None = None
     transfer_bytes: int = 0  # KV bytes its transfer moved
+    kv_pages: list[int] = field(default_factory=list)  # the pages its transfer writes
     # How its KV came: "gloo/direct", "nccl/staged", "shm"... or "local" (RequestStats.kv_path).
     kv_path: str = "local"
     # Aborted or failed while its transfer is being stopped: dropped at its end, whatever that is.

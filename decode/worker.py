@@ -54,8 +54,8 @@ class DecodeWorker:
             cache = RadixCache(self.runner.allocator, rc.page_size, record_events=True)
         self.sched = DecodeScheduler(self.runner.pages, rc.max_running_requests, lookahead, cache)
         self.cache_events = CacheEvents(cfg.worker_id, "decode", cache)
-        transfer_cfg = worker_transfer_config(cfg, self.runner.pool.kv)
-        self.receiver = KVReceiver(self.runner.pool.kv, self.runner.fingerprint(), transfer_cfg)
+        transfer_cfg = worker_transfer_config(cfg, self.runner.transfer_kv)
+        self.receiver = KVReceiver(self.runner.transfer_kv, self.runner.fingerprint(), transfer_cfg)
         self.receiver.on_result = self._transfer_ended  # a waiting loop wakes for the first token
         self.kv_backend = transfer_cfg.backend
         self.rooms: dict[str, DecodeRoom] = {}  # admitted until they leave
@@ -80,12 +80,13 @@ class DecodeWorker:
                 self.signals,
                 self.step,
                 lambda: len(self.sched) + len(self.admission),
-                self.receiver.io_failure,
+                lambda: self.receiver.io_failure() or self.runner.tp_failure(),
             )
         finally:
             self.weights.close()
             self.receiver.close()
             self.link.close()
+            self.runner.close()
 
     def _transfer_ended(self) -> None:
         if self.link is not None:
@@ -135,6 +136,7 @@ class DecodeWorker:
             dst = r.pages[skip : s.pages.pages_for(n)]
             rec = self.rooms[r.rid]
             self.receiver.request(r.rid, rec.prefill_addr, dst, n, skip, prefix_hash)
+            rec.kv_pages = dst
             rec.events["kv_requested"] = self.clock()
         outputs = self._prefill_locally(local)
         for res in self.receiver.poll():
@@ -288,6 +290,7 @@ class DecodeWorker:
         r = self.sched.kv_arrived(room)
         if r is None:
             return None
+        self.runner.after_receive(self.rooms[room].kv_pages)  # a TP worker's ranks take their heads
         r.append_token(first.first_token, first.logprob, first.top_logprobs or None)
         if first.weight_version != self.weights.version:
             r.kv_cacheable = False  # its prompt's KV is another version's

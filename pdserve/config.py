@@ -69,8 +69,13 @@ class RuntimeConfig:
     # A file whose exclusive lock every forward holds (runtime/forward_turns.py): co-located CPU workers
     # take turns at the cores. None: no turns.
     cpu_forward_lock: str | None = None
+    # Tensor parallelism (runtime/tp_layout.py): the model split over this many processes of one host,
+    # rank 0 scheduling and the others following its forwards (runtime/tp_follower.py).
+    tp_size: int = 1
 
     def __post_init__(self) -> None:
+        if self.tp_size < 1:
+            raise ValueError("--tp-size must be >= 1")
         if self.page_size < 1:
             raise ValueError("--page-size must be >= 1")
         if self.max_total_tokens is not None and self.max_total_tokens < self.page_size:

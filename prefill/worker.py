@@ -69,22 +69,23 @@ class PrefillWorker:
             reserve_tokens=lambda r: len(r.prompt_ids),
             cache=cache,
         )
-        transfer_cfg = worker_transfer_config(cfg, self.runner.pool.kv)
+        transfer_cfg = worker_transfer_config(cfg, self.runner.transfer_kv)
         segment = None
-        if transfer_cfg.transport != "dist" and not self.runner.pool.kv.is_cuda:
+        if transfer_cfg.transport != "dist" and not self.runner.transfer_kv.is_cuda:
             # Same-host decode nodes copy KV straight out of this pool (kv_transfer/shm.py).
             try:
-                segment, self.runner.pool.kv = shared_pool(
-                    self.runner.pool.kv, transfer_cfg.shm_dir, self.runner.allocator.high_water
+                segment, shared = shared_pool(
+                    self.runner.transfer_kv, transfer_cfg.shm_dir, self.runner.allocator.high_water
                 )
             except ShmError as exc:
                 log.warning("KV pool not in shared memory, every transfer uses the pair group: %s", exc)
             else:
+                self.runner.share_transfer_kv(shared)
                 # The segment is sparse: pages get memory before they are first handed out, or are refused.
-                shm, page_bytes = segment, self.runner.pool.kv[0].nbytes
+                shm, page_bytes = segment, shared[0].nbytes
                 self.runner.allocator.on_grow = lambda top: shm.commit(top * page_bytes)
         self.sender = KVSender(
-            self.runner.pool.kv,
+            self.runner.transfer_kv,
             self.runner.fingerprint(),
             cfg.host,
             cfg.bootstrap_port,
@@ -115,12 +116,13 @@ class PrefillWorker:
                 self.signals,
                 self.step,
                 lambda: len(self.rooms) + len(self.admission),
-                self.sender.io_failure,
+                lambda: self.sender.io_failure() or self.runner.tp_failure(),
             )
         finally:
             self.weights.close()
             self.sender.close()
             self.link.close()
+            self.runner.close()
 
     def step(self) -> None:
         self._receive()
@@ -267,6 +269,7 @@ class PrefillWorker:
                 self._forget(r.rid)
                 continue
             self.sched.hand_off(r)
+            self.runner.before_send(r.pages)  # a TP worker's ranks' heads into the pool KV leaves from
             meta = FirstToken(
                 first_token=r.output_ids[0],
                 logprob=r.output_logprobs[0] if r.output_logprobs else None,

@@ -33,6 +33,7 @@ from pdserve.runtime.model_config import ModelSpec, rope_inv_freq
 from pdserve.runtime.models.llama import CausalLM
 from pdserve.runtime.models.norm_rope import Rotary
 from pdserve.runtime.quant import a8_multiplies_faster, all_invariant, check_quantization, quantize_model
+from pdserve.runtime.tp_layout import TPLayout, shard_weights
 
 if TYPE_CHECKING:
     from transformers import PretrainedConfig
@@ -77,6 +78,8 @@ class LoadedModel:
     quantization: str = "none"  # runtime/quant.py's mode of the Linear weights
     batch_invariant: bool = False  # runtime/determinism.py
     batch_invariant_why: str = "--deterministic off"
+    tp_layout: TPLayout | None = None  # a tensor-parallel rank's model: how it splits (runtime/tp_layout.py)
+    tp_rank: int = 0
 
 
 def cache_root() -> str:
@@ -228,13 +231,22 @@ def resolve_quantization(
 
 
 def _load_and_quantize(
-    folder: str, spec: ModelSpec, dev: torch.device, dtype: torch.dtype, mode: str, invariant: bool
+    folder: str,
+    spec: ModelSpec,
+    dev: torch.device,
+    dtype: torch.dtype,
+    mode: str,
+    invariant: bool,
+    shard: tuple[TPLayout, int] | None = None,
 ) -> CausalLM:
-    """The checkpoint's weights in `dtype` on `dev`, quantized under `mode` (runtime/quant.py)."""
+    """The checkpoint's weights in `dtype` on `dev`, quantized under `mode` (runtime/quant.py); with
+    `shard` (layout, rank), that rank's part of them, cut before the cast and the quantization."""
     with torch.device("meta"):
         model = CausalLM(spec, rotary=None)  # type: ignore[arg-type]
     model = model.to_empty(device="cpu")
     model.load_weights(iter_weights(folder))
+    if shard is not None:
+        shard_weights(model, shard[0], shard[1], spec.head_dim)
     model = model.to(device=dev, dtype=dtype)
     t0 = time.monotonic()
     n = quantize_model(model, mode, dtype, invariant)
@@ -251,9 +263,12 @@ def load_model(
     quantization: str = "auto",
     deterministic: str = "auto",
     attention_backend: str = "auto",
+    tp_size: int = 1,
+    tp_rank: int = 0,
 ) -> LoadedModel:
     """The model, its weights loaded (and quantized); `deterministic` and `attention_backend` as the
-    runtime's flags (batch invariance shapes the quantized modules)."""
+    runtime's flags (batch invariance shapes the quantized modules); with `tp_size` > 1, rank
+    `tp_rank`'s part of it (runtime/tp_layout.py)."""
     dev = torch.device(device)
     torch_dtype = resolve_dtype(dtype, dev)
     if quantization != "auto":
@@ -267,16 +282,19 @@ def load_model(
     invariant, invariant_why = resolve_batch_invariance(deterministic, quantization, dev, attention_backend)
     config = load_hf_config(folder)
     spec = ModelSpec.from_hf_config(config)
+    layout = TPLayout.of(spec, tp_size) if tp_size > 1 else None
     files_hash = weights_hash(folder)  # fails early, with the folder named, if weights are missing
     inv_freq, scaling = rope_inv_freq(config, spec.head_dim)
     stored = None
-    if quantization != "none" and env.quant_cache_enabled():  # CPU only (check_quantization)
+    # CPU only (check_quantization); a TP rank's shard is not cached
+    if quantization != "none" and env.quant_cache_enabled() and layout is None:
         stored = quant_cache.cache_path(
             cache_root(), quant_cache.cache_key(files_hash, quantization, torch_dtype, invariant)
         )
     model = quant_cache.restore(stored, spec, torch_dtype) if stored else None
     if model is None:
-        model = _load_and_quantize(folder, spec, dev, torch_dtype, quantization, invariant)
+        shard = None if layout is None else (layout, tp_rank)
+        model = _load_and_quantize(folder, spec, dev, torch_dtype, quantization, invariant, shard)
         if stored:
             try:
                 quant_cache.store(model, stored)
@@ -291,5 +309,15 @@ def load_model(
         invariant, invariant_why = False, f"auto: off, {why}"
     model.eval()
     return LoadedModel(
-        model, spec, folder, files_hash, torch_dtype, dev, quantization, invariant, invariant_why
+        model,
+        spec,
+        folder,
+        files_hash,
+        torch_dtype,
+        dev,
+        quantization,
+        invariant,
+        invariant_why,
+        layout,
+        tp_rank,
     )

@@ -9,6 +9,9 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
+import shutil
+import subprocess
 from concurrent.futures import Future
 from typing import Any
 
@@ -37,6 +40,8 @@ from pdserve.runtime.quant import dense_plan
 from pdserve.runtime.request import Request
 from pdserve.runtime.sampler import SampleOutput, Sampler
 from pdserve.runtime.sampling_batch import SamplingBatch
+from pdserve.runtime.tp_follower import rank_threads, spawn_followers
+from pdserve.runtime.tp_group import ForwardCommand, TPGroup, TPGroupBroken
 from pdserve.sampling_params import SamplingParams
 
 log = logging.getLogger(__name__)
@@ -113,8 +118,17 @@ class ModelRunner:
     def __init__(self, cfg: RuntimeConfig, loaded: LoadedModel | None = None):
         self.cfg = cfg
         self.device = torch.device(cfg.resolved_device())
-        if cfg.num_threads:
-            torch.set_num_threads(cfg.num_threads)
+        threads = rank_threads(cfg)
+        if threads:
+            torch.set_num_threads(threads)
+        # Tensor parallelism: ranks 1.. load their parts while this process loads its own.
+        self.tp: TPGroup | None = None
+        self._tp_folder: str | None = None
+        self._followers: list[subprocess.Popen[bytes]] = []
+        if cfg.tp_size > 1:
+            self._tp_folder, self._followers = spawn_followers(cfg)
+        if loaded is not None and (loaded.tp_layout.size if loaded.tp_layout else 1) != cfg.tp_size:
+            raise ValueError(f"a model loaded for another TP size than --tp-size {cfg.tp_size}")
         self.loaded = loaded or load_model(
             cfg.model_path,
             cfg.dtype,
@@ -122,8 +136,19 @@ class ModelRunner:
             cfg.quantization,
             cfg.deterministic,
             cfg.attention_backend,
+            cfg.tp_size,
         )
         self.model = self.loaded.model
+        layout = self.loaded.tp_layout
+        if layout is not None and self._tp_folder is not None:
+            self.tp = TPGroup(os.path.join(self._tp_folder, "store"), 0, layout, self.device)
+            self.model.join_group(self.tp)
+            log.info(
+                "tensor parallel: %s, ranks 1-%d in processes %s",
+                layout.describe(),
+                layout.size - 1,
+                [p.pid for p in self._followers],
+            )
         plan = dense_plan()
         dense = f"{'dense copy' if plan.keep else 'no dense copy, dequantized'} from {plan.min_rows} rows: {plan.why}"
         log.info("runtime: %s", startup_line(self.device, self.loaded.dtype, self.loaded.quantization, dense))
@@ -135,7 +160,8 @@ class ModelRunner:
         self.spec = spec = self.loaded.spec
         self.context_length = cfg.context_length or spec.context_length
         kv_dtype, kv_why = kv_cache_dtype(cfg.kv_cache_dtype, self.loaded, self.device)
-        self.geometry = KVGeometry(spec.num_layers, spec.num_kv_heads, spec.head_dim, cfg.page_size, kv_dtype)
+        kv_heads = spec.num_kv_heads if layout is None else layout.kv_heads_per_rank
+        self.geometry = KVGeometry(spec.num_layers, kv_heads, spec.head_dim, cfg.page_size, kv_dtype)
         if cfg.max_total_tokens:
             self.max_total_tokens, why = cfg.max_total_tokens, "--max-total-tokens"
         else:
@@ -143,6 +169,13 @@ class ModelRunner:
         num_pages = KVPool.pages_for(self.geometry, self.max_total_tokens)
         self.pool = KVPool(self.geometry, num_pages, self.device)
         self.allocator = PageAllocator(num_pages)
+        # What KV transfer reads and writes: the pool, or on a TP worker a pool of every KV head of the
+        # same pages, which `before_send` fills from the ranks and `after_receive` hands out to them.
+        self.transfer_kv = self.pool.kv
+        if self.tp is not None:
+            self.tp.setup(num_pages, kv_dtype, cfg.page_size)
+            full = KVGeometry(spec.num_layers, spec.num_kv_heads, spec.head_dim, cfg.page_size, kv_dtype)
+            self.transfer_kv = KVPool(full, num_pages, self.device).kv
         self.pages = RequestPages(self.allocator, cfg.page_size)
         self.backend = make_attention_backend(
             cfg.attention_backend, self.device, batch_invariant=self.loaded.batch_invariant
@@ -164,11 +197,16 @@ class ModelRunner:
                 cfg.max_running_requests,
                 paged_kernel=isinstance(self.backend, CpuAttention),
             )
-            if cfg.enable_torch_compile and not self.loaded.batch_invariant
+            if cfg.enable_torch_compile and not self.loaded.batch_invariant and self.tp is None
             else None
         )
         if cfg.enable_torch_compile and self.compiled is None:
-            log.info("--enable-torch-compile ignored: batch-invariant decoding runs the eager kernels")
+            why = (
+                "a TP rank's layers all-reduce"
+                if self.tp
+                else "batch-invariant decoding runs the eager kernels"
+            )
+            log.info("--enable-torch-compile ignored: %s", why)
         self._grammars: GrammarBackend | None = None  # built at the first constrained request
         self.turns = forward_turns(cfg.cpu_forward_lock if self.device.type == "cpu" else None)
         log.info(
@@ -200,13 +238,53 @@ class ModelRunner:
     def page_size(self) -> int:
         return self.cfg.page_size
 
+    def share_transfer_kv(self, kv: torch.Tensor) -> None:
+        """Put `transfer_kv` in memory that same-host peers map (kv_transfer/shm.py): a copy of it, or
+        still all zeros. Without TP it is the pool itself, which the model then writes in place."""
+        if self.tp is None:
+            self.pool.kv = kv
+        self.transfer_kv = kv
+
+    def before_send(self, pages: list[int]) -> None:
+        """A TP worker gathers these pages' KV heads from its ranks into `transfer_kv`."""
+        if self.tp is not None:
+            self.tp.gather_kv(self.pool.kv, self.transfer_kv, pages)
+
+    def after_receive(self, pages: list[int]) -> None:
+        """A TP worker hands these received pages of `transfer_kv` out to its ranks' pools."""
+        if self.tp is not None:
+            self.tp.scatter_kv(self.pool.kv, self.transfer_kv, pages)
+
+    def tp_failure(self) -> str | None:
+        """Why this TP worker cannot serve (a rank exited), or None."""
+        for rank, p in enumerate(self._followers, start=1):
+            if p.poll() is not None:
+                return f"TP rank {rank} exited ({p.returncode})"
+        return None
+
+    def close(self) -> None:
+        """Stop the TP ranks (they would die with this process anyway) and remove their folder."""
+        if self.tp is not None and self.tp_failure() is None:
+            with contextlib.suppress(TPGroupBroken):
+                self.tp.stop()
+        for p in self._followers:
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                p.wait(timeout=10)
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+        self._followers = []
+        self.tp = None
+        if self._tp_folder is not None:
+            shutil.rmtree(self._tp_folder, ignore_errors=True)
+
     def fingerprint(self) -> dict[str, str | int]:
         """What two nodes must agree on before KV moves between them."""
         g = self.geometry
         return {
             "architecture": self.spec.architecture,
             "num_layers": g.num_layers,
-            "kv_heads": g.kv_heads,
+            "kv_heads": self.spec.num_kv_heads,  # the wire carries every head, whatever the TP sizes
             "head_dim": g.head_dim,
             "dtype": str(g.dtype).removeprefix("torch."),
             "page_size": g.page_size,
@@ -257,6 +335,11 @@ class ModelRunner:
             self.device,
             all_logits,
         )
+        if self.tp is not None:
+            prefix_lens = [r.num_computed for r in reqs]
+            self.tp.send_command(
+                *ForwardCommand(mode, new_tokens, prefix_lens, [r.pages for r in reqs], all_logits).encode()
+            )
         with self.turns.turn() if self.turns is not None else contextlib.nullcontext() as turn:
             if self.compiled is not None and mode is ForwardMode.DECODE:
                 logits = self.compiled(batch)

@@ -94,6 +94,16 @@ _SHARED = [
 # `pdserve up`: its bind addresses, restarts, and the gateway flags it forwards.
 _UP_ONLY = [
     Flag("--host", _UP, "HTTP address of the gateway", default="127.0.0.1"),
+    Flag(
+        "--prefill-tp",
+        _UP,
+        "tensor-parallel size of each prefill worker (its --tp-size)",
+        type=int,
+        default=1,
+    ),
+    Flag(
+        "--decode-tp", _UP, "tensor-parallel size of each decode worker (its --tp-size)", type=int, default=1
+    ),
     # Handed to the gateway in its environment (PDSERVE_API_KEY, PDSERVE_ADMIN_API_KEY), never on its
     # command line, which the process list shows: see up.key_env.
     Flag(

@@ -95,12 +95,17 @@ def worker_commands(
     cmds = [("gateway", gateway_command(args))]
     for i in range(args.num_prefill):
         name = f"prefill-{i}"
+        tp = ["--tp-size", str(args.prefill_tp)] if args.prefill_tp > 1 else []
         cmds.append(
-            (name, exe + ["prefill", "--worker-id", name, "--disaggregation-bootstrap-port", "0"] + common)
+            (
+                name,
+                exe + ["prefill", "--worker-id", name, "--disaggregation-bootstrap-port", "0"] + tp + common,
+            )
         )
     for i in range(args.num_decode):
         name = f"decode-{i}"
-        cmds.append((name, exe + ["decode", "--worker-id", name] + common))
+        tp = ["--tp-size", str(args.decode_tp)] if args.decode_tp > 1 else []
+        cmds.append((name, exe + ["decode", "--worker-id", name] + tp + common))
     return cmds
 
 

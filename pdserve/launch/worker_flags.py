@@ -113,6 +113,16 @@ RUNTIME_FLAGS = [
     ),
     Flag("--context-length", RUNTIME, type=int, passed_to=TO_WORKERS),
     Flag(
+        "--tp-size",
+        WORKERS | {GENERATE},
+        "tensor parallelism: the model split over this many processes (one per GPU, from this "
+        "worker's GPU on; on CPU they share the cores), its query and KV heads, MLP and vocabulary "
+        "(pdserve up: --prefill-tp / --decode-tp)",
+        type=int,
+        default=_R.tp_size,
+        aliases=("--tensor-parallel-size",),
+    ),
+    Flag(
         "--cpu-forward-lock",
         WORKERS | {GENERATE},
         "take an exclusive lock on this file around every forward, so that workers sharing one "

@@ -21,6 +21,7 @@ from pdserve.runtime.batch import ForwardBatch
 from pdserve.runtime.kv_pool import KVPool
 from pdserve.runtime.model_config import ModelSpec
 from pdserve.runtime.models.norm_rope import RMSNorm, Rotary, cpu_fused, fused_kernels
+from pdserve.runtime.tp_group import TPGroup
 
 # checkpoint name fragment -> (fused parameter fragment, shard index)
 _STACKED = {
@@ -45,6 +46,7 @@ class Attention(nn.Module):
             self.k_norm = RMSNorm(self.hd, spec.rms_norm_eps)
         self.scale = self.hd**-0.5
         self.fused_fp32 = False  # set by runtime/quant.py on a quantized model (norm_rope.cpu_fused)
+        self.tp: TPGroup | None = None  # a tensor-parallel rank's: o_proj's partial sums are all-reduced
 
     def forward(
         self,
@@ -73,6 +75,8 @@ class Attention(nn.Module):
             q, k = qk[:, : self.nq], qk[:, self.nq :]
         out = backend.forward(q, k, v, self.layer_id, pool, self.scale)  # [T, nq, hd]
         y: torch.Tensor = self.o_proj(out.reshape(T, self.nq * self.hd))  # [T, hidden]
+        if self.tp is not None:
+            self.tp.all_reduce(y)
         return y
 
 
@@ -82,14 +86,17 @@ class MLP(nn.Module):
         self.gate_up_proj = nn.Linear(spec.hidden_size, 2 * spec.intermediate_size, bias=False)
         self.down_proj = nn.Linear(spec.intermediate_size, spec.hidden_size, bias=False)
         self.fused_fp32 = False  # set by runtime/quant.py on a quantized model (norm_rope.cpu_fused)
+        self.tp: TPGroup | None = None  # a tensor-parallel rank's: down_proj's partial sums are all-reduced
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate_up = self.gate_up_proj(x)
         if cpu_fused(gate_up, self.fused_fp32):
             y: torch.Tensor = self.down_proj(cpu_fused_ops.silu_and_mul(gate_up))
-            return y
-        gate, up = gate_up.chunk(2, dim=-1)
-        y = self.down_proj(F.silu(gate) * up)
+        else:
+            gate, up = gate_up.chunk(2, dim=-1)
+            y = self.down_proj(F.silu(gate) * up)
+        if self.tp is not None:
+            self.tp.all_reduce(y)
         return y
 
 
@@ -122,6 +129,8 @@ class DecoderLayer(nn.Module):
 
     def _build_decode_weights(self) -> cpu_decode_layer.LayerWeights | None:
         attn, mlp = self.self_attn, self.mlp
+        if attn.tp is not None:
+            return None  # the one-call layer has no all-reduce inside: a TP rank runs the eager layer
         modules = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
         found = [decode_projection(m) for m in modules]
         projections = [p for p in found if p is not None]
@@ -210,6 +219,28 @@ class CausalLM(nn.Module):
         # ops and one-call decode layer in fp32 too (norm_rope.cpu_fused).
         self.lm_head_quant: nn.Module | None = None
         self.fused_fp32 = False
+        self.tp: TPGroup | None = None  # set by `join_group` on a tensor-parallel rank
+
+    def join_group(self, group: TPGroup) -> None:
+        """A TP rank's model (its weights cut by runtime/tp_layout.py) joins its worker's group: each
+        block all-reduces its row-parallel outputs, the embedding and the head are vocabulary-parallel."""
+        self.tp = group
+        for layer in cast("list[DecoderLayer]", self.model.layers):
+            layer.self_attn.tp = group
+            layer.mlp.tp = group
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """[T] ids -> [T, hidden]; on a TP rank, its rows of the vocabulary, zeros for the others'."""
+        if self.tp is None:
+            x: torch.Tensor = self.model.embed_tokens(input_ids)
+            return x
+        rows = self.tp.layout.vocab_rows(self.tp.rank)
+        local = input_ids - rows.start
+        mine = (local >= 0) & (local < len(rows))
+        x = self.model.embed_tokens(torch.where(mine, local, 0))
+        x = x * mine.unsqueeze(-1).to(x.dtype)
+        self.tp.all_reduce(x)
+        return x
 
     @property
     def lm_head_weight(self) -> torch.Tensor:
@@ -242,7 +273,7 @@ class CausalLM(nn.Module):
         """The layers and the head over a prepared backend: logits [N, vocab] in float32 at the rows
         `logits_indices` of the new tokens (None: every row). Also the body of the compiled decode step
         (runtime/compiled_decode.py), which traces it with its own backend."""
-        x = self.model.embed_tokens(input_ids)  # [T, hidden]
+        x = self.embed(input_ids)  # [T, hidden]
         self.rotary.prepare(positions, x.dtype)
         residual: torch.Tensor | None = None
         # A CPU decode batch in bf16 / fp16, or in fp32 of a quantized model (CpuAttention.decode_args):
@@ -268,9 +299,12 @@ class CausalLM(nn.Module):
             x, residual = x[logits_indices], residual[logits_indices]
         x, _ = self.model.norm.add(x, residual)  # [N, hidden]
         if self.lm_head_quant is not None:
-            logits: torch.Tensor = self.lm_head_quant(x)
-            return logits.float()
-        return lm_head_logits(x, self.lm_head_weight)
+            logits: torch.Tensor = self.lm_head_quant(x).float()
+        else:
+            logits = lm_head_logits(x, self.lm_head_weight)
+        if self.tp is not None:  # each rank's rows of the vocabulary, padding cut off the last
+            logits = self.tp.all_gather_columns(logits)[:, : self.spec.vocab_size]
+        return logits
 
     def weight_target(self, name: str) -> tuple[str, slice | None] | None:
         """Where checkpoint tensor `name` (an HF name) goes: the parameter and, for a fused one, its rows;
