@@ -65,6 +65,7 @@ def _worker(w: WorkerInfo) -> dict[str, Any]:
         "running": w.running,
         "free_tokens": w.free_tokens,
         "max_total_tokens": w.reg.max_total_tokens,
+        "tp_size": w.reg.tp_size,
         "inflight_requests": w.inflight_requests,
         # Prefill: pages its prefix cache holds, as the gateway's index knows them.
         "cached_blocks": len(w.prefix.blocks),

@@ -7,7 +7,8 @@ holds. Routing follows `RoutingPolicy`, per role: `cache_aware` (default) picks 
 counted on each worker's `PrefixIndex` (both roles keep a prefix cache: a decode worker that holds
 a prompt's prefix receives only the pages after it); `least_load` picks the least outstanding work
 the gateway tracks (in-flight requests, then in-flight tokens); `round_robin` ignores load and
-cache alike. Ties go round-robin.
+cache alike. Ties go round-robin. A tensor-parallel worker's load counts per rank (divided by its
+--tp-size): a worker split over two GPUs takes twice the work of one on a single GPU.
 
 Conditional disaggregation (`prefill_locally`): when the part of a prompt the chosen decode worker
 does not cache is shorter than `min_prefill_tokens`, or every prefill worker has more than
@@ -251,16 +252,16 @@ class WorkerRegistry:
             hashes = {} if hashes is None else hashes
             costs = {
                 w.worker_id: a * (len(input_ids) - w.prefix.cached_tokens(input_ids, hashes))
-                + b * w.inflight_tokens
+                + b * w.inflight_tokens / w.reg.tp_size
                 for w in cands
             }
             low = min(costs.values())
             tied = [w for w in cands if costs[w.worker_id] == low]
-            fewest = min(w.inflight_requests for w in tied)
-            tied = [w for w in tied if w.inflight_requests == fewest]
-        else:
-            best = min((w.inflight_requests, w.inflight_tokens) for w in cands)
-            tied = [w for w in cands if (w.inflight_requests, w.inflight_tokens) == best]
+            fewest = min(w.inflight_requests / w.reg.tp_size for w in tied)
+            tied = [w for w in tied if w.inflight_requests / w.reg.tp_size == fewest]
+        else:  # a TP worker's load counts per rank: a TP-2 worker on two GPUs takes twice the work
+            best = min(_per_rank_load(w) for w in cands)
+            tied = [w for w in cands if _per_rank_load(w) == best]
         w = tied[self._rr[role] % len(tied)]
         self._rr[role] += 1
         return w
@@ -293,3 +294,7 @@ class WorkerRegistry:
     def release(w: WorkerInfo, tokens: int) -> None:
         w.inflight_requests = max(0, w.inflight_requests - 1)
         w.inflight_tokens = max(0, w.inflight_tokens - tokens)
+
+
+def _per_rank_load(w: WorkerInfo) -> tuple[float, float]:
+    return w.inflight_requests / w.reg.tp_size, w.inflight_tokens / w.reg.tp_size

@@ -43,6 +43,8 @@ class Register(_Msg):
     t_send: float
     # The label of the weights it serves (`WeightsCommand` commits change it; "default" at start).
     weight_version: str = "default"
+    # Processes its model is split over (--tp-size); routing weighs its load per rank.
+    tp_size: int = Field(1, ge=1, le=1024)
 
 
 class RegisterAck(_Msg):

@@ -77,6 +77,7 @@ def register_factory(
             fingerprint=runner.fingerprint(),
             model_name=cfg.runtime.model_path or "default",
             max_total_tokens=runner.max_total_tokens,
+            tp_size=runner.cfg.tp_size,
             max_running_requests=cfg.runtime.max_running_requests,
             context_length=runner.context_length,
             vocab_size=spec.vocab_size,

@@ -45,11 +45,14 @@ def test_index_counts_leading_cached_pages_and_leaves_the_last_token():
     assert idx.blocks == set() and idx.cached_tokens(ids, {}) == 0
 
 
-def _registry(policy: RoutingPolicy) -> tuple[WorkerRegistry, list[WorkerInfo]]:
+def _registry(
+    policy: RoutingPolicy, tp_sizes: tuple[int, int] = (1, 1)
+) -> tuple[WorkerRegistry, list[WorkerInfo]]:
     reg = WorkerRegistry(policy)
     ws = []
-    for wid in ("p0", "p1"):
+    for wid, tp in zip(("p0", "p1"), tp_sizes):
         r = Register(
+            tp_size=tp,
             worker_id=wid,
             role="prefill",
             bootstrap_addr="127.0.0.1:1",
@@ -92,6 +95,18 @@ def test_round_robin_and_least_load_ignore_the_index():
     reg, (p0, p1) = _registry(RoutingPolicy("round_robin"))
     reg.acquire(p0, 100)
     assert {reg.pick("prefill").worker_id for _ in range(2)} == {"p0", "p1"}  # load ignored
+
+
+def test_a_tensor_parallel_workers_load_counts_per_rank():
+    """p1 is split over two ranks: it takes two requests for each one p0 takes."""
+    for name in ("least_load", "cache_aware"):
+        reg, (p0, p1) = _registry(RoutingPolicy(name), tp_sizes=(1, 2))  # type: ignore[arg-type]
+        picked = []
+        for _ in range(6):
+            w = reg.pick("prefill", input_ids=[7] * 40)
+            reg.acquire(w, 40)
+            picked.append(w.worker_id)
+        assert sorted(picked) == ["p0", "p0", "p1", "p1", "p1", "p1"], (name, picked)
 
 
 def test_bad_policies_are_refused():
