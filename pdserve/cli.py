@@ -25,6 +25,7 @@ BENCHMARKS = {
     "responses": "pdserve.bench.bench_responses",
     "restart": "pdserve.bench.bench_restart",
     "deterministic": "pdserve.bench.bench_deterministic",
+    "tp": "pdserve.bench.bench_tp",
 }
 
 # role -> module with `add_cli_args(parser)` and `main(args)`

@@ -14,6 +14,7 @@ with their rank 0: tp_follower.py).
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Protocol, cast
@@ -125,6 +126,13 @@ class TPGroup:
             opts._devices = [ProcessGroupGloo.create_device(hostname="127.0.0.1")]
             self._pg = cast(_Collectives, ProcessGroupGloo(self._store, rank, layout.size, opts))
         self._wait_limit = None if rank else timedelta(seconds=RANK_TIMEOUT_S)
+        # Seconds this rank spent in each kind of operation, waiting for the others included
+        # (`pdserve bench tp` reads them: where a TP forward's time goes).
+        self.seconds: dict[str, float] = {"all_reduce": 0.0, "all_gather": 0.0, "command": 0.0, "kv": 0.0}
+
+    def _timed(self, kind: str, work: Work, t0: float) -> None:
+        self._wait(work)
+        self.seconds[kind] += time.perf_counter() - t0
 
     def _wait(self, work: Work) -> None:
         try:
@@ -140,21 +148,24 @@ class TPGroup:
 
     def all_reduce(self, t: torch.Tensor) -> None:
         """Sum `t` over the ranks, in place."""
-        self._wait(self._pg.allreduce([t], AllreduceOptions()))
+        t0 = time.perf_counter()
+        self._timed("all_reduce", self._pg.allreduce([t], AllreduceOptions()), t0)
 
     def all_gather_columns(self, t: torch.Tensor) -> torch.Tensor:
         """[N, c] on each rank -> [N, size * c], rank-major columns."""
+        t0 = time.perf_counter()
         t = t.contiguous()
         outs = [torch.empty_like(t) for _ in range(self.size)]
-        self._wait(self._pg.allgather([outs], [t]))
+        self._timed("all_gather", self._pg.allgather([outs], [t]), t0)
         return torch.cat(outs, dim=-1)
 
     # ---- commands from rank 0 ------------------------------------------------------------
 
     def _broadcast(self, t: torch.Tensor) -> None:
+        t0 = time.perf_counter()
         opts = BroadcastOptions()
         opts.rootRank = 0
-        self._wait(self._pg.broadcast([t], opts))
+        self._timed("command", self._pg.broadcast([t], opts), t0)
 
     def send_command(self, header: list[int], payload: list[int]) -> None:
         """Rank 0: a command to every other rank."""
@@ -192,10 +203,12 @@ class TPGroup:
         if not pages:
             return
         self.send_command([CMD_GATHER_KV, len(pages), 0, 0, 0, 0], pages)
+        t0 = time.perf_counter()
         idx = torch.tensor(pages, dtype=torch.int64, device=pool.device)
         for r, heads in self.holders():
             part = pool.index_select(0, idx) if r == 0 else self._recv_pages(pool, len(pages), r)
             full[idx, :, :, :, heads.start : heads.stop] = part
+        self.seconds["kv"] += time.perf_counter() - t0
 
     def give_kv(self, pool: torch.Tensor, pages: list[int]) -> None:
         """Another rank: its heads of `pages` to rank 0, if it is the first holder of them."""
@@ -208,6 +221,7 @@ class TPGroup:
         if not pages:
             return
         self.send_command([CMD_SCATTER_KV, len(pages), 0, 0, 0, 0], pages)
+        t0 = time.perf_counter()
         idx = torch.tensor(pages, dtype=torch.int64, device=pool.device)
         rows = full.index_select(0, idx)
         for r in range(self.size):
@@ -217,6 +231,7 @@ class TPGroup:
                 pool.index_copy_(0, idx, part)
             else:
                 self._wait(self._pg.send([part], r, 0))
+        self.seconds["kv"] += time.perf_counter() - t0
 
     def take_kv(self, pool: torch.Tensor, pages: list[int]) -> None:
         idx = torch.tensor(pages, dtype=torch.int64, device=pool.device)
