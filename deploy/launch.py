@@ -2,6 +2,8 @@
 """Start pdserve roles on this host: a gateway, P prefill and D decode workers, each pinned to a GPU.
 
     deploy/launch.sh --prefill-gpus 0,1 --decode-gpus 2,3            # one host, four GPUs
+    deploy/launch.sh --prefill-gpus 0,1,2,3 --decode-gpus 4,5,6,7 --prefill-tp 2 --decode-tp 4
+                                                                      # 2 prefill workers of TP 2, 1 decode of TP 4
     deploy/launch.sh --device cpu --num-prefill 2 --num-decode 2     # the same topology on CPU
     deploy/launch.sh --no-gateway --gateway 10.0.0.1:30001 --host 10.0.0.2 --prefill-gpus 0,1
                                                                       # workers joining a remote gateway
@@ -54,13 +56,24 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     if args.port_file is None:
         args.port_file = os.path.join(args.log_dir, "gateway.ports")
     pg, dg = _gpu_list(args.prefill_gpus), _gpu_list(args.decode_gpus)
+    for role, tp in (("prefill", args.prefill_tp), ("decode", args.decode_tp)):
+        if tp < 1:
+            p.error(f"--{role}-tp must be >= 1")
     if args.device == "cpu":
         args.prefill_slots = [None] * (args.num_prefill if args.num_prefill is not None else max(1, len(pg)))
         args.decode_slots = [None] * (args.num_decode if args.num_decode is not None else max(1, len(dg)))
     else:
         if args.num_prefill is not None or args.num_decode is not None:
             p.error("on GPUs, give --prefill-gpus/--decode-gpus instead of counts")
-        args.prefill_slots, args.decode_slots = pg, dg
+        # A TP worker takes tp consecutive GPUs of its list: CUDA_VISIBLE_DEVICES names them, rank r on
+        # the r-th.
+        for role, gpus, tp in (("prefill", pg, args.prefill_tp), ("decode", dg, args.decode_tp)):
+            if len(gpus) % tp:
+                p.error(f"--{role}-gpus lists {len(gpus)} GPUs, not a multiple of --{role}-tp {tp}")
+        args.prefill_slots = [
+            ",".join(pg[i : i + args.prefill_tp]) for i in range(0, len(pg), args.prefill_tp)
+        ]
+        args.decode_slots = [",".join(dg[i : i + args.decode_tp]) for i in range(0, len(dg), args.decode_tp)]
     if not args.gateway_only and not (args.prefill_slots or args.decode_slots):
         p.error("no workers to start: give --prefill-gpus/--decode-gpus (or --device cpu with counts)")
     if not args.no_gateway and not args.gateway_only and not (args.prefill_slots and args.decode_slots):
@@ -98,6 +111,9 @@ def plan(args: argparse.Namespace, control_port: int | None = None) -> list[Chil
             if role == "prefill":
                 port = args.bootstrap_port_base + i if args.bootstrap_port_base else 0
                 argv += ["--disaggregation-bootstrap-port", str(port)]
+            tp = args.prefill_tp if role == "prefill" else args.decode_tp
+            if tp > 1:
+                argv += ["--tp-size", str(tp)]
             if args.health_port_base:
                 argv += ["--health-port", str(args.health_port_base + k)]
             k += 1

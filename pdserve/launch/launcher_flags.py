@@ -59,6 +59,22 @@ _SHARED = [
         role_default={LAUNCH: None},
     ),
     Flag(
+        "--prefill-tp",
+        LAUNCHERS,
+        "tensor-parallel size of each prefill worker (its --tp-size; deploy/launch.sh: each takes that "
+        "many consecutive GPUs of --prefill-gpus)",
+        type=int,
+        default=1,
+    ),
+    Flag(
+        "--decode-tp",
+        LAUNCHERS,
+        "tensor-parallel size of each decode worker (its --tp-size; deploy/launch.sh: each takes that "
+        "many consecutive GPUs of --decode-gpus)",
+        type=int,
+        default=1,
+    ),
+    Flag(
         "--threads-per-worker",
         LAUNCHERS,
         "CPU: torch threads per worker (default: every core; co-located workers share the cores, "
@@ -94,16 +110,6 @@ _SHARED = [
 # `pdserve up`: its bind addresses, restarts, and the gateway flags it forwards.
 _UP_ONLY = [
     Flag("--host", _UP, "HTTP address of the gateway", default="127.0.0.1"),
-    Flag(
-        "--prefill-tp",
-        _UP,
-        "tensor-parallel size of each prefill worker (its --tp-size)",
-        type=int,
-        default=1,
-    ),
-    Flag(
-        "--decode-tp", _UP, "tensor-parallel size of each decode worker (its --tp-size)", type=int, default=1
-    ),
     # Handed to the gateway in its environment (PDSERVE_API_KEY, PDSERVE_ADMIN_API_KEY), never on its
     # command line, which the process list shows: see up.key_env.
     Flag(

@@ -24,7 +24,7 @@ import yaml
 
 REPO = Path(__file__).resolve().parents[2]
 K8S = REPO / "deploy" / "k8s"
-OVERLAYS = ["gpu", "cpu-demo"]
+OVERLAYS = ["gpu", "gpu-tp", "cpu-demo"]
 K8S_VERSION = "1.32"
 WORKERS = ("prefill", "decode")
 POD_IP, POD_NAME = "10.1.2.3", "pdserve-x-0"
@@ -209,7 +209,11 @@ def test_workers_get_what_they_read_and_drain_in_time(built, monkeypatch, tmp_pa
         assert cfg.keys is not None
         assert cfg.gateway_addr == env["PDSERVE_GATEWAY"] and cfg.host == POD_IP
         assert cfg.worker_id == POD_NAME and cfg.drain_timeout_s == float(env["PDSERVE_DRAIN_TIMEOUT"])
-        assert cfg.runtime.device == {"gpu": "cuda", "cpu-demo": "cpu"}[overlay]
+        assert cfg.runtime.device == {"gpu": "cuda", "gpu-tp": "cuda", "cpu-demo": "cpu"}[overlay]
+        if overlay.startswith("gpu"):  # a TP worker's pod has a GPU for each of its ranks
+            assert int(c["resources"]["limits"]["nvidia.com/gpu"]) == cfg.runtime.tp_size
+        if overlay == "gpu-tp":
+            assert cfg.runtime.tp_size == {"prefill": 2, "decode": 1}[role]
         if role == "prefill":
             assert cfg.bootstrap_port == container_port(c, "bootstrap")
         if hasattr(cfg, "health_port"):
@@ -253,11 +257,11 @@ def test_gpu_requests_equal_limits(built):
         res = container(w).get("resources", {})
         req, lim = res.get("requests", {}), res.get("limits", {})
         assert req.get("nvidia.com/gpu") == lim.get("nvidia.com/gpu")
-        if overlay == "gpu" and component(w) in WORKERS:
+        if overlay.startswith("gpu") and component(w) in WORKERS:
             assert int(lim["nvidia.com/gpu"]) >= 1
         else:
             assert "nvidia.com/gpu" not in lim
-    if overlay == "gpu":
+    if overlay.startswith("gpu"):
         assert all(w["spec"]["replicas"] == 2 for w in objs(docs, "StatefulSet"))
 
 

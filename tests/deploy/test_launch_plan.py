@@ -83,6 +83,30 @@ def test_gpu_lists_pin_one_worker_per_gpu(launch):
         assert "--num-threads" not in c.argv  # GPU workers keep torch's default
 
 
+def test_tp_workers_take_consecutive_gpus(launch):
+    args = launch.parse_args(
+        ["--prefill-gpus", "0,1,2,3", "--decode-gpus", "4,5,6,7", "--prefill-tp", "2", "--decode-tp", "4"]
+    )
+    children = launch.plan(args)
+    assert [c.name for c in children] == ["gateway", "prefill-0", "prefill-1", "decode-0"]
+    pins = {c.name: c.env.get("CUDA_VISIBLE_DEVICES") for c in children[1:]}
+    assert pins == {"prefill-0": "0,1", "prefill-1": "2,3", "decode-0": "4,5,6,7"}
+    sizes = {c.name: _parse_worker(c.argv)[0].runtime.tp_size for c in children[1:]}
+    assert sizes == {"prefill-0": 2, "prefill-1": 2, "decode-0": 4}
+    with pytest.raises(SystemExit):  # 3 GPUs do not make TP-2 workers
+        launch.parse_args(["--prefill-gpus", "0,1,2", "--decode-gpus", "3", "--prefill-tp", "2"])
+
+
+def test_up_gives_each_role_its_tp_size():
+    from pdserve.launch.up import add_cli_args, worker_commands
+
+    parser = argparse.ArgumentParser()
+    add_cli_args(parser)
+    cmds = dict(worker_commands(parser.parse_args(["--prefill-tp", "3"])))
+    assert _parse_worker(cmds["prefill-0"])[0].runtime.tp_size == 3
+    assert _parse_worker(cmds["decode-0"])[0].runtime.tp_size == 1
+
+
 def test_cpu_counts_and_worker_only_hosts(launch):
     args = launch.parse_args(
         ["--device", "cpu", "--num-prefill", "2", "--num-decode", "1", "--threads-per-worker", "3"]
