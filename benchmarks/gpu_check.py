@@ -197,6 +197,20 @@ def stage_engine_bench(run: Run, model_path: str | None) -> StageResult | None:
     )
 
 
+def stage_tp(run: Run, model_path: str | None) -> StageResult | None:
+    """TP 2 against TP 1 (`pdserve bench tp`): NCCL between two GPUs, so it needs two of them."""
+    argv = pdserve_command("bench", "tp", "--device", "cuda", "--dtype", "bfloat16", "--tp", "2")
+    argv += ["--lengths", "512", "2048", "--batches", "1", "16", "64"]
+    argv += ["--model-path", model_path] if model_path else []
+    import torch
+
+    gpus = torch.cuda.device_count() if run.cuda else 0
+    if gpus < 2:
+        return StageResult("tp", "skipped", 0.0, f"needs 2 GPUs, {gpus} here: " + shlex.join(cli_args(argv)))
+    rc, tail = run.cmd("tp", argv, 240)
+    return StageResult("tp", "ok" if rc == 0 else "failed", 0.0, tail.strip().splitlines()[-1][:200])
+
+
 def stage_model(run: Run, like: str | None, served: dict) -> StageResult:
     """With `like`: write a random-weight checkpoint of its shape and serve it in the later stages."""
     if not like:
@@ -270,6 +284,7 @@ def main(argv: list[str] | None = None) -> int:
         ("parity", lambda r: stage_parity(r, served["path"], served["label"])),
         ("profiles", lambda r: stage_profiles(r, served["path"], served["label"])),
         ("engine_bench", lambda r: stage_engine_bench(r, served["path"])),
+        ("tp", lambda r: stage_tp(r, served["path"])),
         ("cluster", lambda r: stage_cluster(r, served["path"])),
     ]
     skip = {s.strip() for s in args.skip.split(",") if s.strip()}

@@ -28,7 +28,7 @@ def test_dry_run(tmp_path):
     stages = {s["name"]: s for s in json.loads((out / "summary.json").read_text())["stages"]}
     assert list(stages) == [
         "env", "model", "wheels", "packaging", "kernel_tests", "kernel_bench", "cpu_kernels",
-        "cpu_kernels_avx2", "parity", "profiles", "engine_bench", "cluster",
+        "cpu_kernels_avx2", "parity", "profiles", "engine_bench", "tp", "cluster",
     ]  # fmt: skip
     for name in (
         "env", "wheels", "packaging", "kernel_tests", "kernel_bench", "cpu_kernels", "parity", "profiles",
@@ -50,10 +50,11 @@ def test_dry_run(tmp_path):
     assert set(profiles["prefill_ms"]) == {"16", "64"} and set(profiles["decode_step_ms"]) == {"1x32", "4x32"}
     for name in ("engine_bench", "cluster"):
         assert stages[name]["status"] == "skipped" and "needs CUDA" in stages[name]["detail"]
+    assert stages["tp"]["status"] == "skipped" and "needs 2 GPUs, 0 here" in stages["tp"]["detail"]
     parity = stages["parity"]["numbers"]["models"]
     assert len(parity) == 4 and all(m["greedy_equal"] == m["prompts"] == 10 for m in parity)
     assert max(m["logits_rel_diff"] for m in parity) < 1e-4
-    assert (out / "summary.txt").read_text().count("\n") == 12
+    assert (out / "summary.txt").read_text().count("\n") == 13
 
 
 def test_wheel_check_names_what_the_list_lacks(tmp_path, monkeypatch):
