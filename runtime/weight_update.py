@@ -174,10 +174,13 @@ class WeightUpdater:
         local_host: str,
         on_commit: Callable[[], None],
         quantization: str = "none",
+        tp_size: int = 1,
     ) -> None:
         self.model, self.spec, self.cache = model, spec, cache
         # Quantized linears hold int8/int4 copies, not the checkpoint's tensors: updates are refused.
         self.quantization = quantization
+        # A TP worker's ranks hold cuts of the tensors, in other processes: updates are refused too.
+        self.tp_size = tp_size
         self.local_host = local_host
         self.on_commit = on_commit
         self.version = "default"
@@ -193,7 +196,15 @@ class WeightUpdater:
         cls, runner: ModelRunner, cache: RadixCache | None, local_host: str, on_commit: Callable[[], None]
     ) -> WeightUpdater:
         """A worker's updater: the runner's model, spec and quantization (as loaded: `auto` resolved)."""
-        return cls(runner.model, runner.spec, cache, local_host, on_commit, runner.loaded.quantization)
+        return cls(
+            runner.model,
+            runner.spec,
+            cache,
+            local_host,
+            on_commit,
+            runner.loaded.quantization,
+            runner.cfg.tp_size,
+        )
 
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
@@ -209,6 +220,12 @@ class WeightUpdater:
             why = (
                 f"live weight updates need unquantized weights; this worker runs --quantization "
                 f"{self.quantization} (restart it on the new checkpoint instead)"
+            )
+            return self._reply(cmd, False, why, t0)
+        if op in ("prepare_disk", "prepare_distributed") and self.tp_size > 1:
+            why = (
+                f"live weight updates are not supported on a tensor-parallel worker (--tp-size {self.tp_size}); "
+                "restart it on the new checkpoint instead"
             )
             return self._reply(cmd, False, why, t0)
         if op in ("prepare_disk", "prepare_distributed", "init_group"):
