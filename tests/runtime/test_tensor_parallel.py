@@ -130,36 +130,43 @@ def test_quantized_shards_agree_with_the_whole_quantized_model(tiny_folders) -> 
         e.runner.close()
 
 
-@pytest.mark.parametrize("tp", [2, 4])
-def test_the_hand_off_pool_holds_exactly_each_ranks_heads(tiny_folders, tp) -> None:
-    """After a prefill, the full-head pool a TP worker sends from equals a TP-1 worker's pool on those
-    pages (to float32 rounding); received pages handed out to the ranks and gathered back are the same
-    bytes, and rank 0 holds exactly its slice of them."""
-    folder = tiny_folders["llama-untied"]
-    ref = _engine(folder, 1).runner
-    runner = _engine(folder, tp).runner
-    try:
-        prompt = PROMPTS[2]
-        pages = list(range(runner.pages_for(len(prompt))))
-        for r in (ref, runner):  # the same prompt into the same pages of two fresh pools
-            req = Request("r", prompt, SamplingParams(max_new_tokens=1))
-            assert r.reserve(req, len(prompt)) and req.pages == pages
-            r.forward(ForwardMode.EXTEND, [req], [prompt])
-        assert runner.transfer_kv.shape[4] == ref.pool.kv.shape[4] != runner.pool.kv.shape[4]
-        runner.before_send(pages)
-        torch.testing.assert_close(runner.transfer_kv[pages], ref.pool.kv[pages], atol=1e-5, rtol=1e-5)
-        # the way back: arbitrary values in the full-head pool go out to the ranks and come back the same
-        noise = torch.randn_like(runner.transfer_kv[pages])
-        runner.transfer_kv[pages] = noise
-        runner.after_receive(pages)
-        assert runner.tp is not None
-        heads = runner.tp.layout.kv_heads(0)
-        assert torch.equal(runner.pool.kv[pages], noise[:, :, :, :, heads.start : heads.stop])
-        runner.transfer_kv[pages] = 0
-        runner.before_send(pages)
-        assert torch.equal(runner.transfer_kv[pages], noise)
-    finally:
-        runner.close()
+@pytest.fixture(scope="module")
+def handoff_runners(tiny_folders):
+    """Runners of the tiny 8-query / 2-KV-head model at TP 1, 2 and 4, each with one prompt prefilled
+    into the same pages."""
+    runners = {tp: _engine(tiny_folders["llama-untied"], tp).runner for tp in (1, 2, 4)}
+    prompt = PROMPTS[2]
+    pages = list(range(runners[1].pages_for(len(prompt))))
+    for r in runners.values():
+        req = Request("r", prompt, SamplingParams(max_new_tokens=1))
+        assert r.reserve(req, len(prompt)) and req.pages == pages
+        r.forward(ForwardMode.EXTEND, [req], [prompt])
+    yield runners, pages
+    for r in runners.values():
+        r.close()
+
+
+@pytest.mark.parametrize("p,d", [(1, 2), (2, 1), (2, 4), (4, 2)])
+def test_kv_handed_between_tp_layouts_lands_as_each_ranks_heads(handoff_runners, p, d) -> None:
+    """What a TP-p prefill sends (its ranks' heads gathered) equals a TP-1 pool's pages to float32
+    rounding; a TP-d decode that receives it hands each rank its heads, byte for byte: rank 0 holds
+    exactly its slice, and gathering every rank back gives the bytes received."""
+    runners, pages = handoff_runners
+    src, dst = runners[p], runners[d]
+    src.before_send(pages)
+    sent = src.transfer_kv[pages].clone()
+    torch.testing.assert_close(sent, runners[1].pool.kv[pages], atol=1e-5, rtol=1e-5)
+    assert sent.shape[4] == 2  # every KV head travels, whatever the layouts
+    dst.transfer_kv[pages] = sent  # what the transport writes
+    dst.after_receive(pages)
+    if dst.tp is not None:
+        heads = dst.tp.layout.kv_heads(0)
+        assert torch.equal(dst.pool.kv[pages], sent[:, :, :, :, heads.start : heads.stop])
+        dst.transfer_kv[pages] = 0
+        dst.before_send(pages)
+        assert torch.equal(dst.transfer_kv[pages], sent)
+    else:
+        assert torch.equal(dst.pool.kv[pages], sent)
 
 
 def test_a_rank_that_dies_takes_the_worker_down(tiny_folders) -> None:
