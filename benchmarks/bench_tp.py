@@ -8,7 +8,8 @@ over --tp processes (runtime/tp_layout.py), in turn, on the engine's own forward
   KV leaves from (a prefill worker) and handing received pages out to them (a decode worker), with
   the bytes each rank moves and the throughput.
 Both share the host's cores (TP N: cores / N threads per rank), so on a CPU the split can only add
-the collectives' cost; on GPUs each rank has a device of its own.
+the collectives' cost; on GPUs each rank has a device of its own. On CPU, TP N runs twice: its ranks
+all-reducing through shared memory (the default, runtime/tp_shm.py) and over gloo.
 
     pdserve bench tp [--tp 3] [--dtype float32] [--lengths 128 512] [--batches 1 8] [--handoff-tokens 1024 4096]
 """
@@ -16,6 +17,7 @@ the collectives' cost; on GPUs each rank has a device of its own.
 from __future__ import annotations
 
 import argparse
+import os
 import random
 import sys
 import time
@@ -95,8 +97,13 @@ def measure(engine: Engine, args: argparse.Namespace, rng: random.Random) -> dic
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    results: dict[int, dict[str, float]] = {}
-    for size in (1, args.tp):
+    results: dict[str, dict[str, float]] = {}
+    # On CPU the TP ranks all-reduce through shared memory (runtime/tp_shm.py); gloo's path runs beside it.
+    runs = [("TP 1", 1, "shm"), (f"TP {args.tp}", args.tp, "shm")]
+    if args.device == "cpu":
+        runs.insert(1, (f"TP {args.tp} gloo", args.tp, "gloo"))
+    for label, size, allreduce in runs:
+        os.environ["PDSERVE_TP_ALLREDUCE"] = allreduce
         longest = max(args.lengths + args.handoff_tokens)
         cfg = RuntimeConfig(
             model_path=args.model_path,
@@ -109,18 +116,20 @@ def main(argv: list[str] | None = None) -> int:
         engine = Engine(cfg)
         try:
             layout = engine.runner.loaded.tp_layout
-            print(f"TP {size}: {layout.describe() if layout else 'one process'}", flush=True)
-            results[size] = measure(engine, args, random.Random(size))
+            print(f"{label}: {layout.describe() if layout else 'one process'}", flush=True)
+            results[label] = measure(engine, args, random.Random(size))
         finally:
             engine.runner.close()
-    one, many = results[1], results[args.tp]
-    print(f"\n{'':46} {'TP 1':>10} {f'TP {args.tp}':>10} {'ratio':>7}")
-    for key, value in many.items():
-        base = one.get(key)
-        if base is None:
-            print(f"{key:46} {'':>10} {value:10.3f}")
-        else:
-            print(f"{key:46} {base:10.2f} {value:10.2f} {value / base:6.2f}x")
+    labels = list(results)
+    print(f"\n{'':46}" + "".join(f"{lb:>12}" for lb in labels) + "  ratios to TP 1")
+    for key in results[labels[-1]]:
+        row = [results[lb].get(key) for lb in labels]
+        cells = "".join(f"{'':>12}" if v is None else f"{v:12.3f}" for v in row)
+        base = row[0]
+        ratios = (
+            "" if base is None else "  " + " ".join(f"{v / base:5.2f}x" for v in row[1:] if v is not None)
+        )
+        print(f"{key:46}{cells}{ratios}")
     return 0
 
 

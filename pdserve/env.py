@@ -103,6 +103,12 @@ def quant_cache_enabled() -> bool:
     return _get("PDSERVE_QUANT_CACHE", "1") != "0"
 
 
+def tp_shm_allreduce() -> bool:
+    """PDSERVE_TP_ALLREDUCE=gloo: a CPU TP worker's ranks all-reduce over gloo, not shared memory
+    (runtime/tp_shm.py; `pdserve bench tp` compares the two)."""
+    return _get("PDSERVE_TP_ALLREDUCE", "shm") != "gloo"
+
+
 def cache_dir() -> str:
     """The root of pdserve's caches (one variable for every process: gateway and workers)."""
     base = _get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import os
 import shutil
 import subprocess
 from concurrent.futures import Future
@@ -141,7 +140,7 @@ class ModelRunner:
         self.model = self.loaded.model
         layout = self.loaded.tp_layout
         if layout is not None and self._tp_folder is not None:
-            self.tp = TPGroup(os.path.join(self._tp_folder, "store"), 0, layout, self.device)
+            self.tp = TPGroup(self._tp_folder, 0, layout, self.device, lambda: self.tp_failure() is None)
             self.model.join_group(self.tp)
             log.info(
                 "tensor parallel: %s, ranks 1-%d in processes %s",

@@ -18,6 +18,7 @@ import dataclasses
 import json
 import logging
 import os
+import secrets
 import signal
 import subprocess
 import sys
@@ -38,6 +39,7 @@ from pdserve.runtime.tp_group import (
     TPGroup,
     TPGroupBroken,
 )
+from pdserve.runtime.tp_shm import make_segment
 
 log = logging.getLogger(__name__)
 _PR_SET_PDEATHSIG = 1
@@ -64,6 +66,12 @@ def spawn_followers(cfg: RuntimeConfig) -> tuple[str, list[subprocess.Popen[byte
     folder = tempfile.mkdtemp(prefix="pdserve-tp-")  # mode 0700: only this user meets there
     with open(os.path.join(folder, "config.json"), "w") as f:
         json.dump(dataclasses.asdict(cfg), f)
+    segment = ""
+    if rank_device(cfg, 0).type == "cpu" and env.tp_shm_allreduce() and os.path.isdir("/dev/shm"):
+        segment = f"/dev/shm/pdserve-tp-{os.getpid()}-{secrets.token_hex(8)}"
+        make_segment(segment, cfg.tp_size)  # unlinked by rank 0 once every rank has mapped it
+    with open(os.path.join(folder, "allreduce"), "w") as f:
+        f.write(segment)
     procs = [
         subprocess.Popen([sys.executable, "-P", "-m", "pdserve.runtime.tp_follower", folder, str(rank)])
         for rank in range(1, cfg.tp_size)
@@ -100,7 +108,7 @@ def follow(folder: str, rank: int) -> None:
         rank,
     )
     assert loaded.tp_layout is not None
-    group = TPGroup(os.path.join(folder, "store"), rank, loaded.tp_layout, device)
+    group = TPGroup(folder, rank, loaded.tp_layout, device)
     model = loaded.model
     model.join_group(group)
     head, _ = group.next_command()

@@ -2,7 +2,8 @@
 
 The N processes of one worker meet through a FileStore in a private folder that rank 0 makes (mode
 0700) and build ProcessGroupGloo (bound to 127.0.0.1: the ranks share a host) or ProcessGroupNCCL
-directly, with no default process group, as the KV pairs do. Rank 0 schedules; before every forward it
+directly, with no default process group, as the KV pairs do. CPU ranks all-reduce through a shared-memory
+segment instead of gloo where the tensor fits its slots (runtime/tp_shm.py). Rank 0 schedules; before every forward it
 broadcasts the forward's description, and the other ranks (runtime/tp_follower.py) run the same forward
 on their weights and their heads of the pool. Commands are int64 tensors of a fixed shape, never pickles:
 a header [command, payload length, mode, all_logits, batch size, 0], then the payload.
@@ -14,7 +15,9 @@ with their rank 0: tp_follower.py).
 
 from __future__ import annotations
 
+import os
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Protocol, cast
@@ -30,6 +33,7 @@ from torch._C._distributed_c10d import (
 
 from pdserve.runtime.batch import ForwardBatch, ForwardMode
 from pdserve.runtime.tp_layout import TPLayout
+from pdserve.runtime.tp_shm import ShmAllReduce
 
 RANK_TIMEOUT_S = 300.0
 # Followers wait for rank 0's next command without a deadline (an idle worker sends none); they die
@@ -109,9 +113,22 @@ class ForwardCommand:
 class TPGroup:
     """One rank's handle on its worker's group; every collective here blocks until all ranks join."""
 
-    def __init__(self, store_path: str, rank: int, layout: TPLayout, device: torch.device) -> None:
+    def __init__(
+        self,
+        folder: str,
+        rank: int,
+        layout: TPLayout,
+        device: torch.device,
+        alive: Callable[[], bool] = lambda: True,
+    ) -> None:
+        """`folder`: rank 0's rendezvous folder (tp_follower.spawn_followers); `alive`: whether every
+        other rank still runs (rank 0 asks its children), checked while an all-reduce waits."""
         self.rank, self.size, self.layout, self.device = rank, layout.size, layout, device
-        self._store = FileStore(store_path, layout.size)  # outlives the group that calls into it
+        self._alive = alive
+        with open(os.path.join(folder, "allreduce")) as f:
+            segment = f.read().strip()
+        self._shm = ShmAllReduce(segment, rank, layout.size) if segment else None
+        self._store = FileStore(os.path.join(folder, "store"), layout.size)  # outlives the group using it
         self._store.set_timeout(timedelta(seconds=RANK_TIMEOUT_S))
         if device.type == "cuda":
             from torch._C._distributed_c10d import ProcessGroupNCCL
@@ -126,6 +143,8 @@ class TPGroup:
             opts._devices = [ProcessGroupGloo.create_device(hostname="127.0.0.1")]
             self._pg = cast(_Collectives, ProcessGroupGloo(self._store, rank, layout.size, opts))
         self._wait_limit = None if rank else timedelta(seconds=RANK_TIMEOUT_S)
+        if segment and rank == 0:  # every rank has mapped it (the group's rendezvous is behind us)
+            os.unlink(segment)
         # Seconds this rank spent in each kind of operation, waiting for the others included
         # (`pdserve bench tp` reads them: where a TP forward's time goes).
         self.seconds: dict[str, float] = {"all_reduce": 0.0, "all_gather": 0.0, "command": 0.0, "kv": 0.0}
@@ -149,6 +168,16 @@ class TPGroup:
     def all_reduce(self, t: torch.Tensor) -> None:
         """Sum `t` over the ranks, in place."""
         t0 = time.perf_counter()
+        if self._shm is not None and self._shm.fits(t):
+            buf = t if t.is_contiguous() else t.contiguous()
+            try:
+                self._shm.all_reduce(buf, self._alive, None if self.rank else RANK_TIMEOUT_S)
+            except (ConnectionError, TimeoutError) as exc:
+                raise TPGroupBroken(f"TP rank {self.rank}: {exc}") from exc
+            if buf is not t:
+                t.copy_(buf)
+            self.seconds["all_reduce"] += time.perf_counter() - t0
+            return
         self._timed("all_reduce", self._pg.allreduce([t], AllreduceOptions()), t0)
 
     def all_gather_columns(self, t: torch.Tensor) -> torch.Tensor:
@@ -250,3 +279,5 @@ class TPGroup:
 
     def stop(self) -> None:
         self.send_command([CMD_STOP, 0, 0, 0, 0, 0], [])
+        if self._shm is not None:
+            self._shm.close()

@@ -195,3 +195,35 @@ def test_loading_a_rank_cuts_its_weights(tiny_folders) -> None:
     assert torch.equal(b.self_attn.o_proj.weight, a.self_attn.o_proj.weight[:, half:])
     vocab = whole.spec.vocab_size
     assert torch.equal(part.model.lm_head.weight, whole.model.lm_head.weight[vocab // 2 :])
+
+
+def test_the_shared_memory_all_reduce_sums_in_rank_order_and_notices_a_dead_rank(tmp_path) -> None:
+    """Two ranks (threads here, processes in a worker) over one segment: both get the same sum, call
+    after call through the alternating slots; a rank left waiting for a dead one gives up."""
+    import threading
+
+    from pdserve.runtime.tp_shm import ShmAllReduce, make_segment
+
+    path = str(tmp_path / "segment")
+    make_segment(path, 2)
+    ranks = [ShmAllReduce(path, r, 2) for r in range(2)]
+    inputs = [[torch.randn(3, 576) for _ in range(5)] for _ in range(2)]
+    outs: list[list[torch.Tensor]] = [[], []]
+
+    def run(r: int) -> None:
+        for x in inputs[r]:
+            t = x.clone()
+            ranks[r].all_reduce(t, lambda: True, 30.0)
+            outs[r].append(t)
+
+    threads = [threading.Thread(target=run, args=(r,)) for r in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    for k in range(5):
+        assert torch.equal(outs[0][k], outs[1][k])
+        assert torch.equal(outs[0][k], inputs[0][k] + inputs[1][k])
+    assert ranks[0].fits(torch.empty(1024, 1024)) and not ranks[0].fits(torch.empty(4096, 1024))
+    with pytest.raises(ConnectionError, match="died"):  # rank 1 never comes
+        ranks[0].all_reduce(torch.ones(4), lambda: False, 30.0)
