@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import shutil
 import subprocess
 from concurrent.futures import Future
 from typing import Any
@@ -39,7 +38,7 @@ from pdserve.runtime.quant import dense_plan
 from pdserve.runtime.request import Request
 from pdserve.runtime.sampler import SampleOutput, Sampler
 from pdserve.runtime.sampling_batch import SamplingBatch
-from pdserve.runtime.tp_follower import rank_threads, spawn_followers
+from pdserve.runtime.tp_follower import discard_tp_folder, rank_threads, spawn_followers
 from pdserve.runtime.tp_group import ForwardCommand, TPGroup, TPGroupBroken
 from pdserve.sampling_params import SamplingParams
 
@@ -124,30 +123,34 @@ class ModelRunner:
         self.tp: TPGroup | None = None
         self._tp_folder: str | None = None
         self._followers: list[subprocess.Popen[bytes]] = []
-        if cfg.tp_size > 1:
-            self._tp_folder, self._followers = spawn_followers(cfg)
         if loaded is not None and (loaded.tp_layout.size if loaded.tp_layout else 1) != cfg.tp_size:
             raise ValueError(f"a model loaded for another TP size than --tp-size {cfg.tp_size}")
-        self.loaded = loaded or load_model(
-            cfg.model_path,
-            cfg.dtype,
-            str(self.device),
-            cfg.quantization,
-            cfg.deterministic,
-            cfg.attention_backend,
-            cfg.tp_size,
-        )
-        self.model = self.loaded.model
-        layout = self.loaded.tp_layout
-        if layout is not None and self._tp_folder is not None:
-            self.tp = TPGroup(self._tp_folder, 0, layout, self.device, lambda: self.tp_failure() is None)
-            self.model.join_group(self.tp)
-            log.info(
-                "tensor parallel: %s, ranks 1-%d in processes %s",
-                layout.describe(),
-                layout.size - 1,
-                [p.pid for p in self._followers],
+        if cfg.tp_size > 1:
+            self._tp_folder, self._followers = spawn_followers(cfg)
+        try:
+            self.loaded = loaded or load_model(
+                cfg.model_path,
+                cfg.dtype,
+                str(self.device),
+                cfg.quantization,
+                cfg.deterministic,
+                cfg.attention_backend,
+                cfg.tp_size,
             )
+            self.model = self.loaded.model
+            layout = self.loaded.tp_layout
+            if layout is not None and self._tp_folder is not None:
+                self.tp = TPGroup(self._tp_folder, 0, layout, self.device, lambda: self.tp_failure() is None)
+                self.model.join_group(self.tp)
+                log.info(
+                    "tensor parallel: %s, ranks 1-%d in processes %s",
+                    layout.describe(),
+                    layout.size - 1,
+                    [p.pid for p in self._followers],
+                )
+        except BaseException:
+            self.close(wait_s=0)  # a model that does not split, a rank that never came: none left behind
+            raise
         plan = dense_plan()
         dense = f"{'dense copy' if plan.keep else 'no dense copy, dequantized'} from {plan.min_rows} rows: {plan.why}"
         log.info("runtime: %s", startup_line(self.device, self.loaded.dtype, self.loaded.quantization, dense))
@@ -261,21 +264,23 @@ class ModelRunner:
                 return f"TP rank {rank} exited ({p.returncode})"
         return None
 
-    def close(self) -> None:
-        """Stop the TP ranks (they would die with this process anyway) and remove their folder."""
+    def close(self, wait_s: float = 10.0) -> None:
+        """Stop the TP ranks (they would die with this process anyway; killed after `wait_s`) and
+        remove their folder and shared-memory segment."""
         if self.tp is not None and self.tp_failure() is None:
             with contextlib.suppress(TPGroupBroken):
                 self.tp.stop()
         for p in self._followers:
             with contextlib.suppress(subprocess.TimeoutExpired):
-                p.wait(timeout=10)
+                p.wait(timeout=wait_s)
             if p.poll() is None:
                 p.kill()
                 p.wait()
         self._followers = []
         self.tp = None
         if self._tp_folder is not None:
-            shutil.rmtree(self._tp_folder, ignore_errors=True)
+            discard_tp_folder(self._tp_folder)
+            self._tp_folder = None
 
     def fingerprint(self) -> dict[str, str | int]:
         """What two nodes must agree on before KV moves between them."""

@@ -19,6 +19,7 @@ import json
 import logging
 import os
 import secrets
+import shutil
 import signal
 import subprocess
 import sys
@@ -77,6 +78,19 @@ def spawn_followers(cfg: RuntimeConfig) -> tuple[str, list[subprocess.Popen[byte
         for rank in range(1, cfg.tp_size)
     ]
     return folder, procs
+
+
+def discard_tp_folder(folder: str) -> None:
+    """Remove rank 0's rendezvous folder and the shared-memory segment it names (rank 0 unlinks that
+    once every rank has mapped it; a worker that stopped before then leaves it to this)."""
+    try:
+        with open(os.path.join(folder, "allreduce")) as f:
+            segment = f.read().strip()
+        if segment:
+            os.unlink(segment)
+    except FileNotFoundError:
+        pass
+    shutil.rmtree(folder, ignore_errors=True)
 
 
 def _die_with_parent() -> None:

@@ -227,3 +227,16 @@ def test_the_shared_memory_all_reduce_sums_in_rank_order_and_notices_a_dead_rank
     assert ranks[0].fits(torch.empty(1024, 1024)) and not ranks[0].fits(torch.empty(4096, 1024))
     with pytest.raises(ConnectionError, match="died"):  # rank 1 never comes
         ranks[0].all_reduce(torch.ones(4), lambda: False, 30.0)
+
+
+def test_a_worker_whose_model_does_not_split_leaves_nothing_behind(bundled) -> None:
+    """The ranks start before rank 0 reads the model: when it does not split, rank 0 says so and stops
+    them, and their folder and shared-memory segment go too."""
+    import glob
+    import subprocess
+
+    with pytest.raises(TPLayoutError, match="TP size 2 does not split 9 query heads"):
+        Engine(RuntimeConfig(device="cpu", dtype="float32", tp_size=2, max_total_tokens=4096))
+    ps = subprocess.run(["ps", "-o", "args=", "--ppid", str(os.getpid())], capture_output=True, text=True)
+    assert "tp_follower" not in ps.stdout
+    assert not glob.glob(f"/dev/shm/pdserve-tp-{os.getpid()}-*")
