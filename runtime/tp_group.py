@@ -231,13 +231,16 @@ class TPGroup:
         """Rank 0: full[pages] = every rank's heads of those pages (the other ranks run `give_kv`)."""
         if not pages:
             return
-        self.send_command([CMD_GATHER_KV, len(pages), 0, 0, 0, 0], pages)
-        t0 = time.perf_counter()
-        idx = torch.tensor(pages, dtype=torch.int64, device=pool.device)
+        t0, idx = self._kv_command(CMD_GATHER_KV, pages, pool.device)
         for r, heads in self.holders():
             part = pool.index_select(0, idx) if r == 0 else self._recv_pages(pool, len(pages), r)
             full[idx, :, :, :, heads.start : heads.stop] = part
         self.seconds["kv"] += time.perf_counter() - t0
+
+    def _kv_command(self, cmd: int, pages: list[int], device: torch.device) -> tuple[float, torch.Tensor]:
+        """Rank 0: tell the others which pages move; (the start time, the page ids as a tensor)."""
+        self.send_command([cmd, len(pages), 0, 0, 0, 0], pages)
+        return time.perf_counter(), torch.tensor(pages, dtype=torch.int64, device=device)
 
     def give_kv(self, pool: torch.Tensor, pages: list[int]) -> None:
         """Another rank: its heads of `pages` to rank 0, if it is the first holder of them."""
@@ -249,9 +252,7 @@ class TPGroup:
         """Rank 0: every rank's pool[pages] = its heads of full[pages] (the others run `take_kv`)."""
         if not pages:
             return
-        self.send_command([CMD_SCATTER_KV, len(pages), 0, 0, 0, 0], pages)
-        t0 = time.perf_counter()
-        idx = torch.tensor(pages, dtype=torch.int64, device=pool.device)
+        t0, idx = self._kv_command(CMD_SCATTER_KV, pages, pool.device)
         rows = full.index_select(0, idx)
         for r in range(self.size):
             heads = self.layout.kv_heads(r)
@@ -263,10 +264,9 @@ class TPGroup:
         self.seconds["kv"] += time.perf_counter() - t0
 
     def take_kv(self, pool: torch.Tensor, pages: list[int]) -> None:
+        """Another rank: its heads of `pages` from rank 0, into its pool."""
         idx = torch.tensor(pages, dtype=torch.int64, device=pool.device)
-        part = torch.empty((len(pages), *pool.shape[1:]), dtype=pool.dtype, device=pool.device)
-        self._wait(self._pg.recv([part], 0, 0))
-        pool.index_copy_(0, idx, part)
+        pool.index_copy_(0, idx, self._recv_pages(pool, len(pages), 0))
 
     def _recv_pages(self, pool: torch.Tensor, n: int, src: int) -> torch.Tensor:
         part = torch.empty((n, *pool.shape[1:]), dtype=pool.dtype, device=pool.device)

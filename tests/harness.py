@@ -8,6 +8,7 @@ got in a port file; workers dial that.
 from __future__ import annotations
 
 import os
+import re
 import signal
 import subprocess
 import time
@@ -163,3 +164,12 @@ def start_worker(
     if role == "prefill":
         argv += ["--disaggregation-bootstrap-port", "0"]
     return spawn([*argv, *(flags or [])], os.path.join(c.log_dir, f"{worker_id}.log"), env)
+
+
+def started_pids(log_dir: str) -> dict[str, list[int]]:
+    """`pdserve up` reports every child it starts in <log_dir>/up.log: name -> pids, oldest first."""
+    out: dict[str, list[int]] = {}
+    with open(os.path.join(log_dir, "up.log")) as f:
+        for name, pid in re.findall(r"started (\S+) pid (\d+)", f.read()):
+            out.setdefault(name, []).append(int(pid))
+    return out

@@ -17,7 +17,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import pytest
-from harness import start_up
+from harness import start_up, started_pids
 from reliability.calls import body, generate, metric, wait_for, workers
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
@@ -83,14 +83,6 @@ def _follower_pids(worker_pid: int) -> list[int]:
     return [int(line.split()[0]) for line in out.splitlines() if "pdserve.runtime.tp_follower" in line]
 
 
-def _started_pids(log_dir: str) -> dict[str, list[int]]:
-    out: dict[str, list[int]] = {}
-    with open(os.path.join(log_dir, "up.log")) as f:
-        for name, pid in re.findall(r"started (\S+) pid (\d+)", f.read()):
-            out.setdefault(name, []).append(int(pid))
-    return out
-
-
 def test_a_killed_rank_takes_its_worker_down_and_its_streams_move(tmp_path) -> None:
     """Two decode workers of TP 3; a stream on each. kill -9 rank 2 of the one holding a stream: its
     rank 0 leaves, the stream moves to the other worker and ends with the uninterrupted tokens, and
@@ -121,16 +113,16 @@ def test_a_killed_rank_takes_its_worker_down_and_its_streams_move(tmp_path) -> N
         with ThreadPoolExecutor(2) as pool:
             futures = [pool.submit(streamed) for _ in range(2)]
             started.wait(180)
-            pid = _started_pids(c.log_dir)["decode-0"][-1]
+            pid = started_pids(c.log_dir)["decode-0"][-1]
             ranks = _follower_pids(pid)
             assert len(ranks) == 2, ranks
             os.kill(ranks[-1], signal.SIGKILL)
             outs = [f.result(timeout=300) for f in futures]
         assert outs == [ref.output_ids, ref.output_ids]
         assert metric(c.url, "pdserve_request_migrations_total") - moved_before == 1
-        wait_for(lambda: len(_started_pids(c.log_dir)["decode-0"]) >= 2, 120, "decode-0 restarted")
+        wait_for(lambda: len(started_pids(c.log_dir)["decode-0"]) >= 2, 120, "decode-0 restarted")
         c.wait_healthy(workers=3)
-        new = _started_pids(c.log_dir)["decode-0"][-1]
+        new = started_pids(c.log_dir)["decode-0"][-1]
         wait_for(lambda: len(_follower_pids(new)) == 2, 120, "the restarted decode-0's two ranks")
         o = generate(c.url, body(16))
         assert o.ok and o.output_ids == ref.output_ids[:16]

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import signal
 import subprocess
 import threading
@@ -22,7 +21,7 @@ from dataclasses import dataclass, field
 
 import httpx
 import pytest
-from harness import start_roles, start_up, start_worker
+from harness import start_roles, start_up, start_worker, started_pids
 from reliability.calls import (
     GATEWAY_FLAGS,
     PROMPT,
@@ -119,15 +118,6 @@ def stream_openai(url: str, max_tokens: int, on_first=None, timeout: float = 180
     return s
 
 
-def _started_pids(log_dir: str) -> dict[str, list[int]]:
-    """`pdserve up` reports every child it starts: name -> pids, oldest first."""
-    out: dict[str, list[int]] = {}
-    with open(os.path.join(log_dir, "up.log")) as f:
-        for name, pid in re.findall(r"started (\S+) pid (\d+)", f.read()):
-            out.setdefault(name, []).append(int(pid))
-    return out
-
-
 def _kill_group(p: subprocess.Popen) -> None:
     os.killpg(p.pid, signal.SIGKILL)
     p.wait()
@@ -175,7 +165,7 @@ class TestDecodeKilledMidStream:
             # Least-outstanding routing spreads the 8 over both decode workers; kill the busier one.
             held = {wid: w["inflight_requests"] for wid, w in workers(c.url).items() if w["role"] == "decode"}
             victim = max(held, key=lambda wid: held[wid])
-            os.kill(_started_pids(c.log_dir)[victim][-1], signal.SIGKILL)
+            os.kill(started_pids(c.log_dir)[victim][-1], signal.SIGKILL)
             t_kill = time.monotonic()
             # New requests right after the kill (the gateway has not noticed it yet) are served too.
             late = [pool.submit(generate, c.url, body(16), 120) for _ in range(2)]
