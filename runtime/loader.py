@@ -33,7 +33,7 @@ from pdserve.runtime.model_config import ModelSpec, rope_inv_freq
 from pdserve.runtime.models.llama import CausalLM
 from pdserve.runtime.models.norm_rope import Rotary
 from pdserve.runtime.quant import a8_multiplies_faster, all_invariant, check_quantization, quantize_model
-from pdserve.runtime.tp_layout import TPLayout, shard_weights
+from pdserve.runtime.tp_layout import TPLayout, read_shard, shard_modules, shard_of
 
 if TYPE_CHECKING:
     from transformers import PretrainedConfig
@@ -160,13 +160,21 @@ def weights_hash(folder: str) -> str:
     return h.hexdigest()[:16]
 
 
-def iter_weights(folder: str) -> Iterator[tuple[str, torch.Tensor]]:
+def iter_weights(
+    folder: str, shard: tuple[TPLayout, int, int] | None = None
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """The checkpoint's tensors by HF name; with `shard` (layout, rank, head_dim), only that tensor-parallel
+    rank's rows and columns of each (runtime/tp_layout.py)."""
     for path in _weight_files(folder):
         with safe_open(path, framework="pt") as f:
             names = list(f.keys())
             desc = f"loading {os.path.basename(path)}"
             for name in progress(names, len(names), desc, log.info, unit="tensors"):
-                yield name, f.get_tensor(name)
+                if shard is None:
+                    yield name, f.get_tensor(name)
+                else:
+                    layout, rank, head_dim = shard
+                    yield name, read_shard(f, name, shard_of(name, layout, rank, head_dim))
 
 
 def load_hf_config(folder: str) -> PretrainedConfig:
@@ -243,10 +251,10 @@ def _load_and_quantize(
     `shard` (layout, rank), that rank's part of them, cut before the cast and the quantization."""
     with torch.device("meta"):
         model = CausalLM(spec, rotary=None)  # type: ignore[arg-type]
-    model = model.to_empty(device="cpu")
-    model.load_weights(iter_weights(folder))
     if shard is not None:
-        shard_weights(model, shard[0], shard[1], spec.head_dim)
+        shard_modules(model, shard[0], shard[1])
+    model = model.to_empty(device="cpu")
+    model.load_weights(iter_weights(folder, None if shard is None else (*shard, spec.head_dim)))
     model = model.to(device=dev, dtype=dtype)
     t0 = time.monotonic()
     n = quantize_model(model, mode, dtype, invariant)

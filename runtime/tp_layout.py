@@ -9,14 +9,16 @@ Megatron's split, as SGLang and vLLM make it:
   zero rows; a token outside a rank's rows embeds to zeros there (the all-reduce adds the one rank that
   has it), and the ranks' logits are gathered and cut back to V.
 
-A layout that does not split (query heads, KV heads or the MLP width not divisible) is refused with
-a message naming the model's heads and the TP size.
+A rank builds its modules in its own shapes and reads only its rows and columns of each checkpoint tensor
+(safetensors slices): no rank holds the whole model, even while loading. A layout that does not split
+(query heads, KV heads or the MLP width not divisible) is refused with a message naming the model's heads
+and the TP size.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, cast
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 from torch import nn
@@ -97,53 +99,60 @@ class TPLayout:
         return range(rank * per, (rank + 1) * per)
 
 
-def _linear(weight: torch.Tensor, bias: torch.Tensor | None) -> nn.Linear:
-    lin = nn.Linear(weight.shape[1], weight.shape[0], bias=bias is not None, device="meta")
-    lin.weight = nn.Parameter(weight.contiguous(), requires_grad=False)
-    if bias is not None:
-        lin.bias = nn.Parameter(bias.contiguous(), requires_grad=False)
-    return lin
-
-
-def _vocab_shard(table: torch.Tensor, rows: range) -> torch.Tensor:
-    """rows of a [V, hidden] table, zero rows where `rows` passes V."""
-    out = torch.zeros(len(rows), table.shape[1], dtype=table.dtype)
-    have = table[rows.start : min(rows.stop, table.shape[0])]
-    out[: have.shape[0]] = have
-    return out
-
-
-def shard_weights(model: CausalLM, layout: TPLayout, rank: int, head_dim: int) -> None:
-    """Cut a loaded float model (runtime/models/llama.py CausalLM, before quantization) down to rank
-    `rank`'s weights, in place."""
-    nq, nkv, hd = layout.num_heads, layout.num_kv_heads, head_dim
-    q = layout.q_heads(rank)
-    kv = layout.kv_heads(rank)
-    qkv_rows = torch.cat(
-        [
-            torch.arange(q.start * hd, q.stop * hd),
-            nq * hd + torch.arange(kv.start * hd, kv.stop * hd),
-            (nq + nkv) * hd + torch.arange(kv.start * hd, kv.stop * hd),
-        ]
-    )
-    mlp = layout.mlp_rows(rank)
-    inter = layout.intermediate_size
-    gate_up_rows = torch.cat([torch.arange(mlp.start, mlp.stop), inter + torch.arange(mlp.start, mlp.stop)])
-    with torch.no_grad():
-        for layer in cast("list[DecoderLayer]", model.model.layers):
-            attn, ffn = layer.self_attn, layer.mlp
-            qkv = attn.qkv_proj
-            bias = None if qkv.bias is None else qkv.bias[qkv_rows]
-            attn.qkv_proj = _linear(qkv.weight[qkv_rows], bias)
-            attn.o_proj = _linear(attn.o_proj.weight[:, q.start * hd : q.stop * hd], None)
-            attn.nq, attn.nkv = len(q), len(kv)
-            ffn.gate_up_proj = _linear(ffn.gate_up_proj.weight[gate_up_rows], None)
-            ffn.down_proj = _linear(ffn.down_proj.weight[:, mlp.start : mlp.stop], None)
+def shard_of(name: str, layout: TPLayout, rank: int, head_dim: int) -> tuple[int, int, int] | None:
+    """(dim, start, stop) of the part of checkpoint tensor `name` (an HF name) rank `rank` holds; None:
+    all of it (norms). A vocabulary's stop may pass the table's rows: the rest is zeros."""
+    hd = head_dim
+    q, kv, mlp = layout.q_heads(rank), layout.kv_heads(rank), layout.mlp_rows(rank)
+    if ".q_proj." in name:
+        return 0, q.start * hd, q.stop * hd
+    if ".k_proj." in name or ".v_proj." in name:
+        return 0, kv.start * hd, kv.stop * hd
+    if ".o_proj." in name:
+        return 1, q.start * hd, q.stop * hd
+    if ".gate_proj." in name or ".up_proj." in name:
+        return 0, mlp.start, mlp.stop
+    if ".down_proj." in name:
+        return 1, mlp.start, mlp.stop
+    if name.endswith("embed_tokens.weight") or name == "lm_head.weight":
         rows = layout.vocab_rows(rank)
-        embed = model.model.embed_tokens
-        assert isinstance(embed, nn.Embedding)  # before quantization
-        table = _vocab_shard(embed.weight, rows)
-        model.model.embed_tokens = nn.Embedding(table.shape[0], table.shape[1], _weight=table)
-        model.model.embed_tokens.weight.requires_grad_(False)
-        if model.lm_head is not None:
-            model.lm_head = _linear(_vocab_shard(model.lm_head.weight, rows), None)
+        return 0, rows.start, rows.stop
+    return None
+
+
+def read_shard(f: Any, name: str, part: tuple[int, int, int] | None) -> torch.Tensor:
+    """Only rank's part of tensor `name` from an open safetensors file `f` (safe_open): the other
+    ranks' rows and columns are never read."""
+    if part is None:
+        t: torch.Tensor = f.get_tensor(name)
+        return t
+    dim, start, stop = part
+    sl = f.get_slice(name)
+    have = min(stop, sl.get_shape()[dim])
+    t = sl[start:have] if dim == 0 else sl[:, start:have]
+    if have < stop:  # the last rank's vocabulary rows past V
+        t = torch.cat([t, t.new_zeros((stop - have, *t.shape[1:]))])
+    return t
+
+
+def shard_modules(model: CausalLM, layout: TPLayout, rank: int) -> None:
+    """Give a model built on the meta device (runtime/models/llama.py CausalLM, before its weights
+    are read) rank `rank`'s shapes: its heads, its MLP width and its vocabulary rows."""
+    spec = model.spec
+    hd, hidden = spec.head_dim, spec.hidden_size
+    nq, nkv = len(layout.q_heads(rank)), len(layout.kv_heads(rank))
+    width = len(layout.mlp_rows(rank))
+    meta = torch.device("meta")
+    for layer in cast("list[DecoderLayer]", model.model.layers):
+        attn, ffn = layer.self_attn, layer.mlp
+        attn.qkv_proj = nn.Linear(hidden, (nq + 2 * nkv) * hd, bias=spec.qkv_bias, device=meta)
+        attn.o_proj = nn.Linear(nq * hd, hidden, bias=False, device=meta)
+        attn.nq, attn.nkv = nq, nkv
+        ffn.gate_up_proj = nn.Linear(hidden, 2 * width, bias=False, device=meta)
+        ffn.down_proj = nn.Linear(width, hidden, bias=False, device=meta)
+    rows = layout.vocab_per_rank
+    # around an empty table, as DecoderModel builds it (nn.Embedding's own init imports torch._dynamo)
+    table = torch.empty(rows, hidden, device=meta)
+    model.model.embed_tokens = nn.Embedding(rows, hidden, _weight=table)
+    if model.lm_head is not None:
+        model.lm_head = nn.Linear(hidden, rows, bias=False, device=meta)

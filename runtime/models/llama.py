@@ -327,10 +327,13 @@ class CausalLM(nn.Module):
         """Copy checkpoint tensors (HF names) into the fused parameters; every parameter must be set."""
         params = dict(self.named_parameters())
         loaded: set[str] = set()
+        # the fused parameters' parts, as this model holds them (a tensor-parallel rank: its own heads and
+        # MLP width, runtime/tp_layout.py)
+        first = cast("DecoderLayer", self.model.layers[0])
+        attn, hd = first.self_attn, first.self_attn.hd
         sizes = {
-            "qkv_proj": [self.spec.num_heads * self.spec.head_dim]
-            + [self.spec.num_kv_heads * self.spec.head_dim] * 2,
-            "gate_up_proj": [self.spec.intermediate_size] * 2,
+            "qkv_proj": [attn.nq * hd, attn.nkv * hd, attn.nkv * hd],
+            "gate_up_proj": [first.mlp.gate_up_proj.weight.shape[0] // 2] * 2,
         }
         for name, tensor in weights:
             if "rotary_emb" in name:

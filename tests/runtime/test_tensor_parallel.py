@@ -235,8 +235,16 @@ def test_a_worker_whose_model_does_not_split_leaves_nothing_behind(bundled) -> N
     import glob
     import subprocess
 
+    def followers() -> set[str]:
+        ps = subprocess.run(
+            ["ps", "-o", "pid=,args=", "--ppid", str(os.getpid())], capture_output=True, text=True
+        )
+        return {line.split()[0] for line in ps.stdout.splitlines() if "tp_follower" in line}
+
+    def segments() -> set[str]:
+        return set(glob.glob(f"/dev/shm/pdserve-tp-{os.getpid()}-*"))
+
+    before = (followers(), segments())  # other tests' live TP workers
     with pytest.raises(TPLayoutError, match="TP size 2 does not split 9 query heads"):
         Engine(RuntimeConfig(device="cpu", dtype="float32", tp_size=2, max_total_tokens=4096))
-    ps = subprocess.run(["ps", "-o", "args=", "--ppid", str(os.getpid())], capture_output=True, text=True)
-    assert "tp_follower" not in ps.stdout
-    assert not glob.glob(f"/dev/shm/pdserve-tp-{os.getpid()}-*")
+    assert (followers(), segments()) == before
