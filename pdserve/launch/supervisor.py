@@ -208,24 +208,40 @@ class Supervisor:
             slot.restarts.popleft()
         return len(slot.restarts)
 
+    def _refusal(self, name: str, rc: int) -> str:
+        """For a child that exited with 2 (the CLI's refusal of its flags or model: restarting does not
+        help), the line of its log that says why, else ''."""
+        if rc != 2 or not self.log_dir:
+            return ""
+        try:
+            with open(os.path.join(self.log_dir, f"{name}.log"), "rb") as f:
+                f.seek(0, os.SEEK_END)
+                f.seek(max(0, f.tell() - 4096))
+                lines = f.read().decode("utf-8", "replace").splitlines()
+        except OSError:
+            return ""
+        said = [line for line in lines if line.startswith("pdserve ")]
+        return f" ({said[-1]})" if said else ""
+
     def _crashed(self, slot: _Slot, rc: int, now: float) -> None:
         p = self.policy
         recent = self._prune(slot, now)
         name = slot.child.name
+        why = self._refusal(name, rc)
         slot.state = ChildState.BACKOFF
         if recent >= p.max_restarts:
             slot.restart_at = now + p.backoff_max_s
             if not slot.crash_looping:  # one line when it starts, none at each attempt
                 slot.crash_looping = True
                 self.say(
-                    f"{name} exited with {rc} and was restarted {recent} times within {p.window_s:.0f} s: "
+                    f"{name} exited with {rc}{why} and was restarted {recent} times within {p.window_s:.0f} s: "
                     f"crash-looping, retried every {p.backoff_max_s:g} s until it stays up",
                     error=True,
                 )
             return
         delay = min(p.backoff_max_s, p.backoff_initial_s * 2**recent)
         slot.restart_at = now + delay
-        self.say(f"{name} exited with {rc}; restarting in {delay:g} s", error=True)
+        self.say(f"{name} exited with {rc}{why}; restarting in {delay:g} s", error=True)
 
     def _maybe_recovered(self, slot: _Slot, now: float) -> None:
         recent = self._prune(slot, now)

@@ -60,6 +60,25 @@ def test_crash_loop_is_retried_at_the_cap_and_said_once(tmp_path, capsys):
 
 
 @pytest.mark.timeout(60)
+def test_a_child_that_refuses_its_configuration_says_why_in_the_launcher(tmp_path, capsys):
+    """Exit code 2 is the CLI refusing its flags or model (a --tp-size the model does not split, say):
+    the launcher's line carries the child's own sentence, so `pdserve up` shows it without opening logs."""
+    say = "print('loading...'); print('pdserve decode: TP size 2 does not split 9 query heads', flush=True)"
+    sup = Supervisor(str(tmp_path), stop_timeout_s=5, policy=FAST)
+    sup.start(_child("decode-0", f"{say}; import sys; sys.exit(2)"))
+    sup.start(_child("prefill-0", "import sys; sys.exit(3)"))
+    try:
+        _run_until(sup, lambda: all(s.total_restarts >= 1 for s in sup.slots.values()))
+    finally:
+        sup.stop()
+    err = capsys.readouterr().err
+    assert (
+        "decode-0 exited with 2 (pdserve decode: TP size 2 does not split 9 query heads); restarting" in err
+    )
+    assert "prefill-0 exited with 3; restarting" in err  # another crash says only its code
+
+
+@pytest.mark.timeout(60)
 def test_a_child_that_stays_up_leaves_the_crash_loop(tmp_path, capsys):
     """Crashes at its first three starts, then runs: out of the crash loop once its restarts fall
     out of the window, said in one line."""
