@@ -114,7 +114,13 @@ def _levels(args: argparse.Namespace) -> list[tuple[int, int]]:
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="pdserve bench serving", description=__doc__,
+    p = build_parser("pdserve bench serving", __doc__ or "")
+    return check_args(p, p.parse_args(argv))
+
+
+def build_parser(prog: str, description: str) -> argparse.ArgumentParser:
+    """The workload, target and launch flags (`pdserve bench goodput` adds its own to them)."""
+    p = argparse.ArgumentParser(prog=prog, description=description,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
     p.add_argument("--base-url", default="http://127.0.0.1:30000")
     p.add_argument("--compare", default="", help="URL_A,URL_B,...: run the same workload against each")
@@ -190,7 +196,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    help="pdserve's port; transformers gets +10, llama-server +12")  # fmt: skip
     p.add_argument("--launch-timeout", type=float, default=600.0)
     p.add_argument("--launch-log-dir", default=None)
-    args = p.parse_args(argv)
+    return p
+
+
+def check_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> argparse.Namespace:
     if args.num_turns < 1 or args.multiturn_doc_len < 0 or args.shared_prefix_len < 0:
         p.error("--num-turns must be >= 1, --multiturn-doc-len and --shared-prefix-len >= 0")
     return args

@@ -26,6 +26,7 @@ BENCHMARKS = {
     "restart": "pdserve.bench.bench_restart",
     "deterministic": "pdserve.bench.bench_deterministic",
     "tp": "pdserve.bench.bench_tp",
+    "goodput": "pdserve.bench.bench_goodput",
 }
 
 # role -> module with `add_cli_args(parser)` and `main(args)`

@@ -88,6 +88,16 @@ def test_bench_against_cluster(tmp_path):
         cmp_rc = main([f"--targets=a={c.url},b={c.url}", "--backend", "pdserve-native", *common,
                        "--max-concurrency", "1,2", "--fresh-connections", "--output-json", str(cmp_out),
                        "--plot", str(plots)])  # fmt: skip
+        # Goodput: the same server under a target it meets and one nobody meets (a microsecond to TTFT).
+        from pdserve.bench.bench_goodput import main as goodput_main
+
+        good = {}
+        for name, ttft in (("loose", "60"), ("tight", "0.000001")):
+            good[name] = tmp_path / f"goodput-{name}.json"
+            flags = ["--base-url", c.url, "--dataset", "chat", "--num-prompts", "4", "--output-len", "8",
+                     "--ignore-eos", "--warmup-requests", "0", "--rates", "2,50", "--ttft-slo", ttft,
+                     "--tpot-slo", "30", "--output-json", str(good[name])]  # fmt: skip
+            assert goodput_main(flags) == 0
     finally:
         c.stop()
     assert rc == 0
@@ -101,6 +111,15 @@ def test_bench_against_cluster(tmp_path):
         assert 0 < m[f"median_{name}_ms"] <= m[f"p99_{name}_ms"], name
     assert m["median_ttft_ms"] < m["median_e2e_ms"]
     assert m["total_input_tokens"] > 0  # usage came back through stream_options
+
+    loose = json.loads(good["loose"].read_text())["results"]["server"]
+    tight = json.loads(good["tight"].read_text())["results"]["server"]
+    assert [r["rate"] for r in loose] == [2.0, 50.0]
+    for r in loose:  # every request served well within a minute: all of it is goodput
+        assert (r["requests"], r["good"], r["failed"]) == (4, 4, 0) and r["attainment"] == 1.0
+        assert abs(r["goodput"] - r["throughput"]) < 1e-9 and r["goodput"] == 4 / r["duration_s"]
+    for r in tight:
+        assert r["good"] == 0 and r["goodput"] == 0.0 and r["ttft_attainment"] == 0.0 and r["throughput"] > 0
 
     assert cmp_rc == 0
     cmp = json.loads(cmp_out.read_text())
@@ -133,3 +152,21 @@ def test_bench_against_cluster(tmp_path):
     by = {(s["target"], s["concurrency"]): s for s in raw["samples"]}
     assert set(by) == {("a", 1), ("b", 1), ("a", 2), ("b", 2)}
     assert all(len(s["ttft"]) == 4 and len(s["itl"]) > 0 for s in by.values())
+
+
+def test_goodput_counts_requests_within_both_targets():
+    from pdserve.bench.bench_goodput import best, goodput, tpot
+    from pdserve.bench.serving_requests import RequestResult
+
+    rs = [
+        RequestResult(ok=True, ttft=0.5, e2e=1.5, output_tokens=11),  # TPOT 0.1: within both
+        RequestResult(ok=True, ttft=2.0, e2e=3.0, output_tokens=11),  # TTFT missed
+        RequestResult(ok=True, ttft=0.2, e2e=4.2, output_tokens=11),  # TPOT 0.4 missed
+        RequestResult(ok=False, ttft=0.1, e2e=0.2, output_tokens=0),  # failed: meets nothing
+    ]
+    assert tpot(rs[2]) == 0.4 and tpot(RequestResult(ok=True, output_tokens=1)) == 0.0
+    g = goodput(rs, duration=2.0, ttft_slo=1.0, tpot_slo=0.2)
+    assert (g["good"], g["failed"], g["goodput"], g["throughput"]) == (1, 1, 0.5, 1.5)
+    assert (g["attainment"], g["ttft_attainment"], g["tpot_attainment"]) == (0.25, 0.5, 0.5)
+    rows = [{"rate": 1.0, "goodput": 0.9}, {"rate": 2.0, "goodput": 1.7}, {"rate": 4.0, "goodput": 1.7}]
+    assert best(rows)["rate"] == 2.0  # a tie goes to the lower rate
