@@ -21,7 +21,8 @@ from reliability.calls import body, generate, wait_for
 
 pytestmark = pytest.mark.timeout(300)
 CRASH_LOOP = (
-    r"decode-0 exited with (-?\d+) and was restarted 1 times within 300 s: crash-looping, retried every 30 s"
+    r"decode-0 exited with (-?\d+)(?: \(.+\))? and was restarted 1 times within 300 s: crash-looping, "
+    r"retried every 30 s"
 )
 
 
@@ -115,7 +116,12 @@ def test_ctrl_c_during_a_restart_backoff_stops_everything(tmp_path):
     c = start_up(tmp_path, extra=_crashing_decode(tmp_path, ["--restart-backoff", "120"]))
     try:
         up = c.procs[0]
-        log = _wait_log(tmp_path / "up.log", r"decode-0 exited with 2; restarting in 120 s", 240, up)
+        log = _wait_log(
+            tmp_path / "up.log",
+            r"decode-0 exited with 2 \(pdserve decode: .+\); restarting in 120 s",
+            240,
+            up,
+        )
         children = _starts(log)
         assert {n for n, _ in children} == {"gateway", "prefill-0", "decode-0"}, log
         t0 = time.monotonic()
