@@ -257,8 +257,8 @@ class WorkerRegistry:
             }
             low = min(costs.values())
             tied = [w for w in cands if costs[w.worker_id] == low]
-            fewest = min(w.inflight_requests / w.reg.tp_size for w in tied)
-            tied = [w for w in tied if w.inflight_requests / w.reg.tp_size == fewest]
+            fewest = min(_per_rank_load(w)[0] for w in tied)
+            tied = [w for w in tied if _per_rank_load(w)[0] == fewest]
         else:  # a TP worker's load counts per rank: a TP-2 worker on two GPUs takes twice the work
             best = min(_per_rank_load(w) for w in cands)
             tied = [w for w in cands if _per_rank_load(w) == best]
@@ -297,4 +297,5 @@ class WorkerRegistry:
 
 
 def _per_rank_load(w: WorkerInfo) -> tuple[float, float]:
+    """(in-flight requests, in-flight tokens) per rank of the worker's --tp-size."""
     return w.inflight_requests / w.reg.tp_size, w.inflight_tokens / w.reg.tp_size

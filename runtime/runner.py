@@ -20,7 +20,7 @@ from pdserve.procfs import kb_field_bytes
 from pdserve.protocol.vocabulary import finish_length
 from pdserve.runtime.attention import make_attention_backend
 from pdserve.runtime.attention_cpu import CpuAttention
-from pdserve.runtime.batch import ForwardBatch, ForwardMode
+from pdserve.runtime.batch import ForwardMode
 from pdserve.runtime.compiled_decode import CompiledDecode
 from pdserve.runtime.forward_turns import forward_turns
 from pdserve.runtime.grammar import (
@@ -330,20 +330,12 @@ class ModelRunner:
     ) -> torch.Tensor:
         """Run new tokens on top of each request's computed prefix; returns logits (see ForwardBatch;
         `all_logits`: one row per new token instead of one per request)."""
-        batch = ForwardBatch.build(
-            mode,
-            new_tokens,
-            [r.num_computed for r in reqs],
-            [r.pages for r in reqs],
-            self.page_size,
-            self.device,
-            all_logits,
+        cmd = ForwardCommand(
+            mode, new_tokens, [r.num_computed for r in reqs], [r.pages for r in reqs], all_logits
         )
-        if self.tp is not None:
-            prefix_lens = [r.num_computed for r in reqs]
-            self.tp.send_command(
-                *ForwardCommand(mode, new_tokens, prefix_lens, [r.pages for r in reqs], all_logits).encode()
-            )
+        batch = cmd.batch(self.page_size, self.device)
+        if self.tp is not None:  # the other ranks run the same forward on their heads
+            self.tp.send_command(*cmd.encode())
         with self.turns.turn() if self.turns is not None else contextlib.nullcontext() as turn:
             if self.compiled is not None and mode is ForwardMode.DECODE:
                 logits = self.compiled(batch)

@@ -1,7 +1,8 @@
 """The ranks 1..N-1 of a tensor-parallel worker: each loads its part of the model, builds its own KV pool
 (its KV heads of the same pages as rank 0's) and runs whatever forward rank 0 describes, in lockstep.
 
-Rank 0 (runtime/runner.py) starts them with `spawn`, as children that die with it (PR_SET_PDEATHSIG):
+Rank 0 (runtime/runner.py) starts them with `spawn_followers`, as children that die with it (the
+launchers' `die_with`, PR_SET_PDEATHSIG):
 a worker is one unit, whichever of its processes dies. A follower that loses its group exits non-zero,
 and rank 0 sees the broken group at its next operation (runtime/tp_group.py TPGroupBroken).
 
@@ -12,15 +13,12 @@ and rank 0 sees the broken group at its next operation (runtime/tp_group.py TPGr
 
 from __future__ import annotations
 
-import ctypes
-import ctypes.util
 import dataclasses
 import json
 import logging
 import os
 import secrets
 import shutil
-import signal
 import subprocess
 import sys
 import tempfile
@@ -29,6 +27,7 @@ import torch
 
 from pdserve import env
 from pdserve.config import RuntimeConfig
+from pdserve.launch.supervisor import die_with
 from pdserve.runtime.tp_group import (
     CMD_FORWARD,
     CMD_GATHER_KV,
@@ -43,7 +42,6 @@ from pdserve.runtime.tp_group import (
 from pdserve.runtime.tp_shm import make_segment
 
 log = logging.getLogger(__name__)
-_PR_SET_PDEATHSIG = 1
 
 
 def rank_device(cfg: RuntimeConfig, rank: int) -> torch.device:
@@ -73,8 +71,9 @@ def spawn_followers(cfg: RuntimeConfig) -> tuple[str, list[subprocess.Popen[byte
         make_segment(segment, cfg.tp_size)  # unlinked by rank 0 once every rank has mapped it
     with open(os.path.join(folder, "allreduce"), "w") as f:
         f.write(segment)
+    argv = [sys.executable, "-P", "-m", "pdserve.runtime.tp_follower", folder]
     procs = [
-        subprocess.Popen([sys.executable, "-P", "-m", "pdserve.runtime.tp_follower", folder, str(rank)])
+        subprocess.Popen([*argv, str(rank)], preexec_fn=die_with(os.getpid()))  # noqa: PLW1509
         for rank in range(1, cfg.tp_size)
     ]
     return folder, procs
@@ -91,13 +90,6 @@ def discard_tp_folder(folder: str) -> None:
     except FileNotFoundError:
         pass
     shutil.rmtree(folder, ignore_errors=True)
-
-
-def _die_with_parent() -> None:
-    libc = ctypes.CDLL(ctypes.util.find_library("c"), use_errno=True)
-    libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
-    if os.getppid() == 1:  # rank 0 already gone
-        sys.exit(1)
 
 
 def follow(folder: str, rank: int) -> None:
@@ -155,7 +147,6 @@ def follow(folder: str, rank: int) -> None:
 
 
 def main() -> None:
-    _die_with_parent()
     logging.basicConfig(level=env.log_level().upper(), format="%(asctime)s %(name)s: %(message)s")
     folder, rank = sys.argv[1], int(sys.argv[2])
     try:
