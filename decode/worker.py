@@ -18,7 +18,7 @@ from pdserve.config import WorkerConfig
 from pdserve.decode.room import DecodeRoom
 from pdserve.decode.scheduler import DecodeScheduler
 from pdserve.decode.stepper import make_stepper
-from pdserve.kv_transfer import KVReceiver, TransferState
+from pdserve.kv_transfer import TransferState
 from pdserve.kv_transfer.config import worker_transfer_config
 from pdserve.protocol import gateway as m
 from pdserve.protocol.kv_trailer import FirstToken
@@ -34,6 +34,7 @@ from pdserve.worker.admission import Admission
 from pdserve.worker.cache_events import CacheEvents
 from pdserve.worker.common import connect_link, loop_wait, make_clock, paused_for_weights, serve_until_drained
 from pdserve.worker.drain import DrainSignal
+from pdserve.worker.kv_endpoints import receiver_for
 from pdserve.worker.link import WorkerLink
 from pdserve.worker.step_faults import Progress, StepFaults
 
@@ -55,7 +56,7 @@ class DecodeWorker:
         self.sched = DecodeScheduler(self.runner.pages, rc.max_running_requests, lookahead, cache)
         self.cache_events = CacheEvents(cfg.worker_id, "decode", cache)
         transfer_cfg = worker_transfer_config(cfg, self.runner.transfer_kv)
-        self.receiver = KVReceiver(self.runner.transfer_kv, self.runner.fingerprint(), transfer_cfg)
+        self.receiver = receiver_for(self.runner, transfer_cfg)
         self.receiver.on_result = self._transfer_ended  # a waiting loop wakes for the first token
         self.kv_backend = transfer_cfg.backend
         self.rooms: dict[str, DecodeRoom] = {}  # admitted until they leave
@@ -290,7 +291,8 @@ class DecodeWorker:
         r = self.sched.kv_arrived(room)
         if r is None:
             return None
-        self.runner.after_receive(self.rooms[room].kv_pages)  # a TP worker's ranks take their heads
+        if not shm:  # copied out of a same-host prefill: every rank's heads are in its pool already
+            self.runner.after_receive(self.rooms[room].kv_pages)  # a TP worker's ranks take their heads
         r.append_token(first.first_token, first.logprob, first.top_logprobs or None)
         if first.weight_version != self.weights.version:
             r.kv_cacheable = False  # its prompt's KV is another version's

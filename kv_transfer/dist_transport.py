@@ -10,6 +10,7 @@ A group that saw a timeout or a peer failure is dropped on both sides; the next 
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -30,8 +31,16 @@ from pdserve.protocol.kv_trailer import decode_trailer, encode_trailer
 class DistSend(SendTransport):
     """The prefill node's side: a room's pages from the pool onto the pair group."""
 
-    def __init__(self, kv: torch.Tensor, geometry: PoolGeometry, config: TransferConfig) -> None:
-        self._kv, self._geometry, self._config = kv, geometry, config
+    def __init__(
+        self,
+        kv: torch.Tensor,
+        geometry: PoolGeometry,
+        config: TransferConfig,
+        prepare: Callable[[list[int]], None] | None = None,
+    ) -> None:
+        """`prepare(pages)`: fills those pages of `kv` before they are sent (a TP worker's rank 0
+        gathers its ranks' heads into its full-head pool)."""
+        self._kv, self._geometry, self._config, self._prepare = kv, geometry, config, prepare
 
     def transfer(self, pair: SenderPair, job: SendJob) -> None:
         group = pair.live_group()
@@ -39,6 +48,12 @@ class DistSend(SendTransport):
             pair.post(Done(job.room, group))
             return
         pair.post(Started(job.room))
+        if self._prepare is not None:
+            try:
+                self._prepare(job.src_pages)
+            except Exception as exc:  # noqa: BLE001 - this room fails, the pair goes on
+                pair.post(Done(job.room, f"gathering the KV heads of the ranks failed: {exc}"))
+                return
         seq = pair.next_seq()
         per_chunk = chunk_pages(self._geometry, len(job.src_pages), self._config.chunk_bytes)
         runs = None

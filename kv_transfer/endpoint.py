@@ -23,7 +23,7 @@ import zmq.auth.base
 from pdserve.kv_transfer.config import TransferConfig
 from pdserve.kv_transfer.handshake import pair_identity
 from pdserve.kv_transfer.io_loop import EndpointIO
-from pdserve.kv_transfer.layout import geometry_of, pool_tensor
+from pdserve.kv_transfer.layout import geometry_of, kv_head_ranges, pool_tensor
 from pdserve.kv_transfer.mailbox import Close, Mailbox
 from pdserve.kv_transfer.state import TransferResult, TransferState
 from pdserve.side_threads import serial_openmp
@@ -45,10 +45,17 @@ def raise_open_files_limit() -> int:
 
 
 class Endpoint:
-    def __init__(self, kv: Any, fingerprint: dict[str, str | int], config: TransferConfig) -> None:
+    def __init__(
+        self, kv: Any, fingerprint: dict[str, str | int], config: TransferConfig, tp_size: int = 1
+    ) -> None:
+        """`kv`: the pool every KV head of a page is in, as the wire carries it (a TP worker's rank 0:
+        its full-head transfer pool); `tp_size`: how many ranks' pools hold those heads
+        (layout.kv_head_ranges), which the handshake tells the peer."""
         raise_open_files_limit()
         self._kv = pool_tensor(kv)
         self._geometry = geometry_of(self._kv)
+        self._tp_size = tp_size
+        self._head_split = kv_head_ranges(self._geometry.kv_heads, tp_size)
         self._identity = pair_identity(fingerprint, self._geometry, config.backend)
         self._config = config
         self._mailbox = Mailbox()

@@ -50,6 +50,51 @@ class PoolGeometry:
         return math.prod(self.page_shape) * torch.empty((), dtype=self.dtype).element_size()
 
 
+def kv_head_ranges(num_kv_heads: int, tp_size: int) -> list[range]:
+    """The KV heads each rank of a TP worker holds in its pool (Megatron's split, runtime/tp_layout.py):
+    consecutive equal shares, or with fewer heads than ranks each head on tp_size / num_kv_heads
+    consecutive ranks. A split that is not even raises ValueError (`split_error`)."""
+    error = split_error(num_kv_heads, tp_size)
+    if error is not None:
+        raise ValueError(error)
+    if num_kv_heads >= tp_size:
+        per = num_kv_heads // tp_size
+        return [range(r * per, (r + 1) * per) for r in range(tp_size)]
+    return [range(r * num_kv_heads // tp_size, r * num_kv_heads // tp_size + 1) for r in range(tp_size)]
+
+
+def split_error(num_kv_heads: int, tp_size: int) -> str | None:
+    """Why `tp_size` ranks cannot hold `num_kv_heads` KV heads in even shares; None if they can."""
+    if tp_size < 1 or num_kv_heads < 1:
+        return f"TP {tp_size} over {num_kv_heads} KV heads is not a layout"
+    if num_kv_heads % tp_size and tp_size % num_kv_heads:
+        return f"TP {tp_size} does not split {num_kv_heads} KV heads (neither divides the other)"
+    return None
+
+
+def describe_split(num_kv_heads: int, tp_size: int) -> str:
+    """e.g. 'TP 2 (KV heads 0-1 | 2-3)', or the reason it is no layout."""
+    error = split_error(num_kv_heads, tp_size)
+    if error is not None:
+        return f"TP {tp_size} ({error})"
+    parts = [
+        f"{h.start}-{h.stop - 1}" if len(h) > 1 else str(h.start)
+        for h in kv_head_ranges(num_kv_heads, tp_size)
+    ]
+    return f"TP {tp_size} (KV heads {' | '.join(parts)})"
+
+
+def mapping_error(num_kv_heads: int, prefill_tp: int, decode_tp: int) -> str | None:
+    """Why KV of a prefill of TP `prefill_tp` cannot land on a decode of TP `decode_tp`, naming both
+    layouts; None when every decode rank's heads are held by some prefill rank."""
+    if split_error(num_kv_heads, prefill_tp) is None and split_error(num_kv_heads, decode_tp) is None:
+        return None
+    return (
+        f"cannot map prefill layout {describe_split(num_kv_heads, prefill_tp)} "
+        f"to decode layout {describe_split(num_kv_heads, decode_tp)}"
+    )
+
+
 def pool_tensor(kv: Any) -> torch.Tensor:
     """Accept the pool tensor itself or an object holding it as `.kv`."""
     tensor = kv if isinstance(kv, torch.Tensor) else getattr(kv, "kv", None)

@@ -20,6 +20,7 @@ import time
 import uuid
 from typing import Any
 
+import torch
 import zmq
 
 from pdserve.kv_transfer import mailbox as mb
@@ -31,8 +32,23 @@ from pdserve.kv_transfer.receiver_io import ReceiverIO
 class KVReceiver(Endpoint):
     """Receives prompts' KV pages from prefill nodes into pre-allocated pages of the local pool."""
 
-    def __init__(self, kv: Any, fingerprint: dict[str, str | int], config: TransferConfig) -> None:
-        super().__init__(kv, fingerprint, config)
+    def __init__(
+        self,
+        kv: Any,
+        fingerprint: dict[str, str | int],
+        config: TransferConfig,
+        *,
+        tp_size: int = 1,
+        rank_pools: list[torch.Tensor] | None = None,
+    ) -> None:
+        """`kv`: the pool the pair group fills (a TP worker's rank 0: its full-head transfer pool).
+        `rank_pools`: a TP worker's ranks' own pools (rank 0's, then the others' as rank 0 maps them),
+        into which a same-host prefill's heads are copied straight; None: `kv` (TP 1), or a TP worker
+        whose rooms all arrive in `kv`."""
+        super().__init__(kv, fingerprint, config, tp_size)
+        if rank_pools is not None and len(rank_pools) != tp_size:
+            raise ValueError(f"{len(rank_pools)} rank pools for {tp_size} ranks")
+        self._rank_pools = rank_pools
         self.receiver_id = uuid.uuid4().hex  # zmq identity and pair id; unique per process lifetime
 
     def start(self) -> None:

@@ -22,9 +22,10 @@ from pdserve.kv_transfer import mailbox as mb
 from pdserve.kv_transfer.dist_transport import DistReceive
 from pdserve.kv_transfer.handshake import FingerprintMismatch
 from pdserve.kv_transfer.io_loop import split_addr
+from pdserve.kv_transfer.layout import mapping_error
 from pdserve.kv_transfer.receiver_pair import ReceiverPair
 from pdserve.kv_transfer.rooms import RoomBook
-from pdserve.kv_transfer.shm_transport import ShmReceive, map_segment
+from pdserve.kv_transfer.shm_transport import RankPools, ShmReceive, map_segment
 from pdserve.kv_transfer.state import RecvRoom, TransferState
 from pdserve.kv_transfer.transport import ReceiveTransport
 from pdserve.protocol import kv_control as kc
@@ -109,7 +110,9 @@ class ReceiverIO(RoomBook[RecvRoom, _Peer]):
         self.peers[addr] = peer
         self.by_sock[sock] = peer
         self.poller.register(sock, zmq.POLLIN)
-        self.send(peer, kc.Hello(receiver_id=self.o.receiver_id, identity=self.o._identity))
+        self.send(
+            peer, kc.Hello(receiver_id=self.o.receiver_id, identity=self.o._identity, tp_size=self.o._tp_size)
+        )
         return peer
 
     def drop_peer(self, peer: _Peer, reason: str, exc_type: type[Exception] = ConnectionError) -> None:
@@ -296,6 +299,10 @@ class ReceiverIO(RoomBook[RecvRoom, _Peer]):
             exc_type = FingerprintMismatch if msg.mismatch else ConnectionError
             self.drop_peer(peer, f"prefill {peer.addr} refused the pair: {msg.error}", exc_type)
             return
+        error = mapping_error(self.o._geometry.kv_heads, msg.tp_size, self.o._tp_size)
+        if error is not None:
+            self.drop_peer(peer, f"prefill {peer.addr}: {error}, pair refused", FingerprintMismatch)
+            return
         host, _ = split_addr(peer.addr)
         if peer.pair is None:
             peer.pair = ReceiverPair(
@@ -303,8 +310,15 @@ class ReceiverIO(RoomBook[RecvRoom, _Peer]):
             )
         peer.pair.build(msg.gen, self.o.receiver_id)
         offer = None if self.o._kv.is_cuda else msg.shm
-        src = map_segment(peer.addr, offer, self.o._geometry, self.cfg, self.shm_refusals)
-        peer.shm = ShmReceive(peer.addr, self.o._kv, self.o._mailbox, src)
+        mapped = map_segment(peer.addr, offer, msg.tp_size, self.o._geometry, self.cfg, self.shm_refusals)
+        pools = self.o._rank_pools
+        if self.o._tp_size > 1 and pools is None:  # a TP worker whose ranks' pools are not mapped here
+            mapped = None
+        dst = RankPools(pools or [self.o._kv], self.o._head_split)
+        if mapped is None:
+            peer.shm = ShmReceive(peer.addr, dst, self.o._mailbox, None)
+        else:
+            peer.shm = ShmReceive(peer.addr, dst, self.o._mailbox, mapped[0], mapped[1])
         peer.ready = True
         for future in peer.futures:
             if not future.done():

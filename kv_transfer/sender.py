@@ -23,6 +23,7 @@ from __future__ import annotations
 import collections
 import threading
 import time
+from collections.abc import Callable
 from typing import Any
 
 import zmq
@@ -47,16 +48,32 @@ class KVSender(Endpoint):
         bootstrap_port: int,
         config: TransferConfig,
         segment: SharedSegment | None = None,
+        *,
+        tp_size: int = 1,
+        rank_segments: list[SharedSegment] | None = None,
+        prepare: Callable[[list[int]], None] | None = None,
     ) -> None:
         """`segment`: the shared-memory segment `kv` lives in (shm.shared_pool), offered to decode
-        nodes on this host unless config.transport is "dist"."""
-        super().__init__(kv, fingerprint, config)
+        nodes on this host unless config.transport is "dist".
+
+        A TP worker's rank 0 gives instead `rank_segments`, the segments of its `tp_size` ranks' own
+        pools (rank 0's first, whose header holds the fence): a same-host decode node copies each of its
+        ranks' heads straight from the rank that holds them (the runner removes them; the sender fences
+        them when it closes). `kv` is then the full-head pool the pair
+        group sends from, which `prepare(pages)` fills before each such send (on a pair thread)."""
+        super().__init__(kv, fingerprint, config, tp_size)
+        segments = [segment] if segment is not None else list(rank_segments or [])
         if segment is not None:
             inside = segment.pool((self._geometry.num_pages, *self._geometry.page_shape), self._kv.dtype)
             if inside.data_ptr() != self._kv.data_ptr():
                 raise ValueError("the KV pool does not live in the shared-memory segment given")
-        self._own_segment = segment  # closed (removed) with the sender, offered or not
-        self._segment = segment if config.transport != "dist" else None
+        elif segments and len(segments) != tp_size:
+            raise ValueError(f"{len(segments)} shared-memory segments for {tp_size} ranks")
+        # A pool's segment is closed (removed) with the sender, offered or not; a TP worker's rank
+        # segments belong to its runner, and the sender only fences them when it closes.
+        self._own_segments = [segment] if segment is not None else []
+        self._segments = segments if config.transport != "dist" else []
+        self._prepare = prepare
         self._host, self._port = host, bootstrap_port
         self._errors: collections.deque[str] = collections.deque(maxlen=64)
         self.addr = ""
@@ -127,6 +144,8 @@ class KVSender(Endpoint):
 
     def close(self) -> None:
         super().close()
-        if self._own_segment is not None:
-            self._own_segment.close()  # fences any copy still running, removes the file
-            self._own_segment = None
+        for seg in self._own_segments:
+            seg.close()  # fences any copy still running, removes the file
+        self._own_segments = []
+        if self._segments:
+            self._segments[0].bump_fence()  # a copy still running is refused

@@ -24,7 +24,7 @@ from typing_extensions import Unpack
 from pdserve.kv_transfer import mailbox as mb
 from pdserve.kv_transfer.dist_transport import DistSend
 from pdserve.kv_transfer.handshake import compare_identities
-from pdserve.kv_transfer.layout import pages_for
+from pdserve.kv_transfer.layout import mapping_error, pages_for
 from pdserve.kv_transfer.rooms import RoomBook
 from pdserve.kv_transfer.sender_pair import SenderPair
 from pdserve.kv_transfer.shm_transport import ShmSend
@@ -63,8 +63,8 @@ class SenderIO(RoomBook[SendRoom, bytes]):
         self.finished: collections.OrderedDict[str, str] = collections.OrderedDict()  # room -> outcome
         self._gens = itertools.count()
         self._gen_lock = threading.Lock()
-        self.dist = DistSend(owner._kv, owner._geometry, self.cfg)
-        self.shm = None if owner._segment is None else ShmSend(owner._segment, owner._geometry, self.cfg)
+        self.dist = DistSend(owner._kv, owner._geometry, self.cfg, owner._prepare)
+        self.shm = ShmSend(owner._segments, owner._geometry, self.cfg) if owner._segments else None
 
     def next_gen(self) -> int:
         """A pair group generation never used before on this sender's store (any thread)."""
@@ -327,6 +327,10 @@ class SenderIO(RoomBook[SendRoom, bytes]):
 
     def on_hello(self, identity: bytes, msg: kc.Hello) -> None:
         error = compare_identities(self.o._identity, msg.identity, "decode")
+        if error is None:
+            error = mapping_error(self.o._geometry.kv_heads, self.o._tp_size, msg.tp_size)
+            if error is not None:
+                error += ", pair refused"
         mismatch = error is not None
         if error is None and identity not in self.pairs and not self.make_room_for_pair():
             error = f"prefill node at its limit of {self.cfg.max_pairs} pairs, all busy"
@@ -348,7 +352,7 @@ class SenderIO(RoomBook[SendRoom, bytes]):
         gen = pair.new_gen()
         pair.build(gen)
         offer = None if self.shm is None else self.shm.offer()
-        self.to_peer(identity, kc.HelloAck(ok=True, gen=gen, shm=offer))
+        self.to_peer(identity, kc.HelloAck(ok=True, gen=gen, shm=offer, tp_size=self.o._tp_size))
 
     def make_room_for_pair(self) -> bool:
         """Close an idle pair if at the limit: one whose group was never built first, then the least

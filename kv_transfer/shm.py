@@ -204,7 +204,7 @@ def _alive(pid: int) -> bool:
 
 @dataclass
 class MappedPool:
-    """The decode node's read-only view of a prefill node's pool."""
+    """The decode node's read-only view of a prefill node's pool (or a TP rank's own pool, writable)."""
 
     path: str
     pool: torch.Tensor  # [num_pages, L, 2, P, H, D]
@@ -216,14 +216,21 @@ class MappedPool:
 
     @classmethod
     def open(
-        cls, path: str, token: bytes, num_pages: int, geometry: PoolGeometry, directory: str = DEFAULT_DIR
+        cls,
+        path: str,
+        token: bytes,
+        num_pages: int,
+        geometry: PoolGeometry,
+        directory: str = DEFAULT_DIR,
+        writable: bool = False,
     ) -> MappedPool:
-        """Map a prefill node's segment; ShmError says why not (the pair then uses torch.distributed)."""
+        """Map a prefill node's segment; ShmError says why not (the pair then uses torch.distributed).
+        `writable`: a TP rank maps the segment its rank 0 made for its pool, to use it as the pool."""
         if os.path.dirname(path) != directory.rstrip("/") or not _NAME.match(os.path.basename(path)):
             raise ShmError(f"{path!r} is not a KV segment in {directory}")
         nbytes = num_pages * geometry.page_bytes
         try:
-            fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
+            fd = os.open(path, (os.O_RDWR if writable else os.O_RDONLY) | os.O_NOFOLLOW)
         except OSError as exc:
             raise ShmError(f"cannot open {path} (another host?): {exc}") from exc
         try:
@@ -234,13 +241,16 @@ class MappedPool:
                 raise ShmError(f"{path} holds {st.st_size} bytes, {HEADER_BYTES + nbytes} announced")
             # Not populated: a read fault on a hole of the sparse file would give it memory, all of it
             # at once with MAP_POPULATE. A page is mapped at its first copy and stays mapped for the next.
-            mm = mmap.mmap(fd, st.st_size, mmap.MAP_SHARED, mmap.PROT_READ)
+            prot = mmap.PROT_READ | (mmap.PROT_WRITE if writable else 0)
+            mm = mmap.mmap(fd, st.st_size, mmap.MAP_SHARED, prot)
         except OSError as exc:
             raise ShmError(f"cannot map {path}: {exc}") from exc
         finally:
             os.close(fd)
         with warnings.catch_warnings():
-            warnings.simplefilter("ignore")  # a read-only buffer: this side never writes to it
+            warnings.simplefilter(
+                "ignore"
+            )  # a read-only buffer unless writable: the decode never writes to it
             data = torch.frombuffer(mm, dtype=torch.uint8)
         header = data[:HEADER_BYTES]
         if bytes(header[: len(MAGIC)].numpy()) != MAGIC or bytes(header[_TOKEN].numpy()) != token:
@@ -280,3 +290,45 @@ def copy_pages(src: torch.Tensor, src_pages: list[int], dst: torch.Tensor, dst_p
     for s, d, n in page_runs(src_pages, dst_pages):
         d_blocks[d : d + n].copy_(s_blocks[s : s + n])
     return len(src_pages) * s_blocks.shape[1] * src.element_size()
+
+
+def copy_heads(
+    srcs: list[torch.Tensor],
+    src_heads: list[range],
+    src_pages: list[int],
+    dsts: list[torch.Tensor],
+    dst_heads: list[range],
+    dst_pages: list[int],
+) -> int:
+    """Each destination pool's KV heads of `dst_pages` from the first source pool that holds each head,
+    of `src_pages`: the pools of two TP layouts ([pages, L, 2, P, its heads, D], `*_heads` the KV heads
+    each holds). One copy per (source, destination) overlap and run of consecutive pages; whole pages
+    where both hold the same heads (TP 1 to TP 1: copy_pages). Both page lists are bounds-checked against
+    every pool first (never trusted). Returns the bytes written."""
+    if len(src_pages) != len(dst_pages):
+        raise ValueError(f"{len(src_pages)} source pages for {len(dst_pages)} destination pages")
+    for src in srcs:
+        check_pages(src_pages, src.shape[0], "source")
+    for dst in dsts:
+        check_pages(dst_pages, dst.shape[0], "destination")
+    runs = page_runs(src_pages, dst_pages)
+    nbytes = 0
+    for dst, want in zip(dsts, dst_heads):
+        at = want.start
+        while at < want.stop:
+            i = next((i for i, have in enumerate(src_heads) if at in have), None)
+            if i is None:
+                raise ValueError(f"no source pool holds KV head {at}")
+            src, have = srcs[i], src_heads[i]
+            stop = min(want.stop, have.stop)
+            if have == want:
+                nbytes += copy_pages(src, src_pages, dst, dst_pages)
+            else:
+                s_heads = slice(at - have.start, stop - have.start)
+                d_heads = slice(at - want.start, stop - want.start)
+                for s, d, n in runs:
+                    part = dst[d : d + n, :, :, :, d_heads]
+                    part.copy_(src[s : s + n, :, :, :, s_heads])
+                    nbytes += part.numel() * part.element_size()
+            at = stop
+    return nbytes

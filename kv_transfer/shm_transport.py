@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import base64
 import binascii
+import dataclasses
 import logging
 import time
 from dataclasses import dataclass
@@ -21,11 +22,11 @@ from dataclasses import dataclass
 import torch
 
 from pdserve.kv_transfer.config import TransferConfig
-from pdserve.kv_transfer.layout import PoolGeometry
+from pdserve.kv_transfer.layout import PoolGeometry, kv_head_ranges
 from pdserve.kv_transfer.mailbox import Done, Mailbox, Started, ToSender
 from pdserve.kv_transfer.receiver_pair import ReceiverPair
 from pdserve.kv_transfer.sender_pair import SenderPair
-from pdserve.kv_transfer.shm import MappedPool, SharedSegment, ShmError, copy_pages
+from pdserve.kv_transfer.shm import MappedPool, SharedSegment, ShmError, copy_heads
 from pdserve.kv_transfer.state import RecvRoom, SendRoom, TransferState
 from pdserve.kv_transfer.transport import ReceiveTransport, SendJob, SendTransport
 from pdserve.protocol import kv_control as kc
@@ -36,16 +37,21 @@ log = logging.getLogger("pdserve.kv_transfer")
 
 
 class ShmSend(SendTransport):
-    """The prefill node's side: announce the pages; the decode's Copied (or the timer) ends the room."""
+    """The prefill node's side: announce the pages; the decode's Copied (or the timer) ends the room.
+    `segments`: the pool's, or a TP worker's ranks' pools' (rank 0's first: its fence guards them all)."""
 
-    def __init__(self, segment: SharedSegment, geometry: PoolGeometry, config: TransferConfig) -> None:
-        self.segment, self._geometry, self._config = segment, geometry, config
+    def __init__(self, segments: list[SharedSegment], geometry: PoolGeometry, config: TransferConfig) -> None:
+        self.segment, self._segments = segments[0], segments
+        self._geometry, self._config = geometry, config
         self.started_timeout_s = config.transfer_timeout_s
 
     def offer(self) -> kc.ShmOffer:
         """What HelloAck offers every decode peer: a decode node on this host maps it."""
         seg = self.segment
-        return kc.ShmOffer(path=seg.path, token=seg.token.hex(), num_pages=self._geometry.num_pages)
+        ranks = [kc.ShmSegmentRef(path=s.path, token=s.token.hex()) for s in self._segments[1:]]
+        return kc.ShmOffer(
+            path=seg.path, token=seg.token.hex(), num_pages=self._geometry.num_pages, ranks=ranks
+        )
 
     def transfer(self, pair: SenderPair, job: SendJob) -> None:
         """The fence is read before Started: any bump for this room comes after it."""
@@ -96,13 +102,29 @@ class ShmJob:
     trailer: bytes
 
 
-class ShmReceive(ReceiveTransport[ShmJob]):
-    """The decode node's side for one prefill peer: its pool mapped (None: not mapped, every
-    shared-memory announcement is refused)."""
+@dataclass
+class RankPools:
+    """A worker's KV pools by TP rank, with the KV heads each holds (TP 1: one pool of every head)."""
 
-    def __init__(self, addr: str, kv: torch.Tensor, mailbox: Mailbox, src: MappedPool | None) -> None:
-        self.src = src
-        self._addr, self._kv, self._mailbox = addr, kv, mailbox
+    pools: list[torch.Tensor]
+    heads: list[range]
+
+
+class ShmReceive(ReceiveTransport[ShmJob]):
+    """The decode node's side for one prefill peer: its ranks' pools mapped (None: not mapped, every
+    shared-memory announcement is refused). Each of this node's ranks' pools (`dst`) takes its KV heads
+    straight from the prefill rank that holds them."""
+
+    def __init__(
+        self,
+        addr: str,
+        dst: RankPools,
+        mailbox: Mailbox,
+        src: MappedPool | None,
+        src_ranks: RankPools | None = None,
+    ) -> None:
+        self.src, self._src_ranks = src, src_ranks
+        self._addr, self._dst, self._mailbox = addr, dst, mailbox
 
     def accept(self, live: RecvRoom | None, msg: kc.Announce) -> tuple[ShmJob | None, str | None]:
         """A room gone here, or a segment never mapped, is answered at once with a failed Copied."""
@@ -134,7 +156,9 @@ class ShmReceive(ReceiveTransport[ShmJob]):
         try:
             if self.src.fence != job.fence:
                 raise RuntimeError("the prefill node gave up on the room before the copy")
-            nbytes = copy_pages(self.src.pool, job.src_pages, self._kv, job.dst_pages)
+            assert self._src_ranks is not None  # mapped with the pool
+            src, dst = self._src_ranks, self._dst
+            nbytes = copy_heads(src.pools, src.heads, job.src_pages, dst.pools, dst.heads, job.dst_pages)
             if self.src.fence != job.fence:
                 raise RuntimeError("the prefill node gave up on the room during the copy")
             room, _num_tokens, metadata = decode_trailer(job.trailer)
@@ -150,19 +174,37 @@ class ShmReceive(ReceiveTransport[ShmJob]):
 
 
 def map_segment(
-    addr: str, offer: kc.ShmOffer | None, geometry: PoolGeometry, config: TransferConfig, logged: set[str]
-) -> MappedPool | None:
-    """The prefill node's pool at `addr` mapped from shared memory, or None: its rooms use the pair
-    group. `logged`: fall-back reasons logged already (transport "auto" logs each once)."""
+    addr: str,
+    offer: kc.ShmOffer | None,
+    tp_size: int,
+    geometry: PoolGeometry,
+    config: TransferConfig,
+    logged: set[str],
+) -> tuple[MappedPool, RankPools] | None:
+    """The pools of the prefill node at `addr` (of TP `tp_size`: one per rank) mapped from shared
+    memory: rank 0's (whose fence guards them all) and every rank's pool with its KV heads; or None,
+    and its rooms use the pair group. `geometry`: the full-head pool's. `logged`: fall-back reasons
+    logged already (transport "auto" logs each once)."""
     if offer is None or config.transport == "dist":
         return None
     try:
-        mapped = MappedPool.open(
-            offer.path, bytes.fromhex(offer.token), offer.num_pages, geometry, config.shm_dir
-        )
+        heads = kv_head_ranges(geometry.kv_heads, tp_size)
+        refs = [(offer.path, offer.token)] + [(r.path, r.token) for r in offer.ranks]
+        if len(refs) != tp_size:
+            raise ShmError(f"{len(refs)} segments offered for {tp_size} ranks")
+        mapped = [
+            MappedPool.open(
+                path,
+                bytes.fromhex(token),
+                offer.num_pages,
+                dataclasses.replace(geometry, kv_heads=len(h)),
+                config.shm_dir,
+            )
+            for (path, token), h in zip(refs, heads)
+        ]
         log.info("kv_transfer: prefill %s: KV through shared memory (%s)", addr, offer.path)
-        return mapped
-    except ShmError as exc:
+        return mapped[0], RankPools([m.pool for m in mapped], heads)
+    except (ShmError, ValueError) as exc:
         reason = str(exc)
         if config.transport == "shm":
             log.warning("kv_transfer: prefill %s: no shared memory, using the pair group: %s", addr, reason)

@@ -17,9 +17,8 @@ import time
 import torch
 
 from pdserve.config import WorkerConfig
-from pdserve.kv_transfer import KVSender, TransferState
+from pdserve.kv_transfer import TransferState
 from pdserve.kv_transfer.config import worker_transfer_config
-from pdserve.kv_transfer.shm import ShmError, shared_pool
 from pdserve.prefill.room import HeldSend, PrefillRoom
 from pdserve.protocol import gateway as m
 from pdserve.protocol.block_hash import block_hashes
@@ -39,6 +38,7 @@ from pdserve.worker.admission import Admission
 from pdserve.worker.cache_events import CacheEvents
 from pdserve.worker.common import connect_link, loop_wait, make_clock, paused_for_weights, serve_until_drained
 from pdserve.worker.drain import DrainSignal
+from pdserve.worker.kv_endpoints import sender_for
 from pdserve.worker.link import WorkerLink
 from pdserve.worker.step_faults import Progress, StepFaults
 
@@ -70,28 +70,7 @@ class PrefillWorker:
             cache=cache,
         )
         transfer_cfg = worker_transfer_config(cfg, self.runner.transfer_kv)
-        segment = None
-        if transfer_cfg.transport != "dist" and not self.runner.transfer_kv.is_cuda:
-            # Same-host decode nodes copy KV straight out of this pool (kv_transfer/shm.py).
-            try:
-                segment, shared = shared_pool(
-                    self.runner.transfer_kv, transfer_cfg.shm_dir, self.runner.allocator.high_water
-                )
-            except ShmError as exc:
-                log.warning("KV pool not in shared memory, every transfer uses the pair group: %s", exc)
-            else:
-                self.runner.share_transfer_kv(shared)
-                # The segment is sparse: pages get memory before they are first handed out, or are refused.
-                shm, page_bytes = segment, shared[0].nbytes
-                self.runner.allocator.on_grow = lambda top: shm.commit(top * page_bytes)
-        self.sender = KVSender(
-            self.runner.transfer_kv,
-            self.runner.fingerprint(),
-            cfg.host,
-            cfg.bootstrap_port,
-            transfer_cfg,
-            segment=segment,
-        )
+        self.sender = sender_for(self.runner, cfg.host, cfg.bootstrap_port, transfer_cfg)
         self.sender.on_result = self._transfer_ended  # a sleeping loop wakes to free the pages
         self.rooms: dict[str, PrefillRoom] = {}  # queued, prefilling or transferring
         self.admission = Admission(
@@ -269,7 +248,8 @@ class PrefillWorker:
                 self._forget(r.rid)
                 continue
             self.sched.hand_off(r)
-            self.runner.before_send(r.pages)  # a TP worker's ranks' heads into the pool KV leaves from
+            if self.runner.tp is not None and self.runner.rank_kv is None:
+                self.runner.before_send(r.pages)  # the ranks' heads into the pool KV leaves from
             meta = FirstToken(
                 first_token=r.output_ids[0],
                 logprob=r.output_logprobs[0] if r.output_logprobs else None,

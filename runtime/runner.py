@@ -16,6 +16,8 @@ from typing import Any
 import torch
 
 from pdserve.config import RuntimeConfig
+from pdserve.kv_transfer.layout import kv_head_ranges
+from pdserve.kv_transfer.shm import SharedSegment, ShmError, copy_heads, shared_pool
 from pdserve.procfs import kb_field_bytes
 from pdserve.protocol.vocabulary import finish_length
 from pdserve.runtime.attention import make_attention_backend
@@ -121,6 +123,10 @@ class ModelRunner:
             torch.set_num_threads(threads)
         # Tensor parallelism: ranks 1.. load their parts while this process loads its own.
         self.tp: TPGroup | None = None
+        # Shared-memory segments of the pools (`share_pools`), and on a TP worker every rank's pool as
+        # rank 0 maps it (None: not shared; KV moves between the ranks over the group).
+        self._segments: list[SharedSegment] = []
+        self.rank_kv: list[torch.Tensor] | None = None
         self._tp_folder: str | None = None
         self._followers: list[subprocess.Popen[bytes]] = []
         if loaded is not None and (loaded.tp_layout.size if loaded.tp_layout else 1) != cfg.tp_size:
@@ -240,21 +246,65 @@ class ModelRunner:
     def page_size(self) -> int:
         return self.cfg.page_size
 
-    def share_transfer_kv(self, kv: torch.Tensor) -> None:
-        """Put `transfer_kv` in memory that same-host peers map (kv_transfer/shm.py): a copy of it, or
-        still all zeros. Without TP it is the pool itself, which the model then writes in place."""
+    def share_pools(self, directory: str) -> list[SharedSegment]:
+        """Move the KV pool into shared memory (kv_transfer/shm.py) that same-host peers map, and return
+        the segments, rank 0's first (`close` removes them; at TP 1 the KV sender given it does). TP 1: the pool, which
+        is also what transfers read and write. A TP worker: every rank's pool, each in its own segment
+        that rank 0 makes and the rank maps and moves its pool into; rank 0 then reads and writes every
+        rank's heads itself (`rank_kv`): a same-host peer's copy lands in each rank's pool straight, and
+        `before_send` / `after_receive` become copies inside rank 0. Pages get memory as the allocator
+        first hands them out (`commit`), or are refused. Called again, it returns the same segments."""
+        if self._segments:
+            return list(self._segments)
+        used = self.allocator.high_water
+        segment, shared = shared_pool(self.pool.kv, directory, used)
+        segments = [segment]
         if self.tp is None:
-            self.pool.kv = kv
-        self.transfer_kv = kv
+            self.pool.kv = self.transfer_kv = shared
+        else:
+            pools = [shared]
+            try:
+                for _ in range(1, self.tp.size):
+                    segments.append(SharedSegment.create(shared.numel() * shared.element_size(), directory))
+                    pools.append(segments[-1].pool(tuple(shared.shape), shared.dtype))
+                    if not segments[-1].commit(used * shared[0].nbytes):
+                        raise ShmError(f"no room in {directory} for the {used} KV pages in use")
+                self.tp.share_pools([(seg.path, seg.token) for seg in segments[1:]], used)
+            except BaseException:
+                for seg in segments:
+                    seg.close()
+                raise
+            self.pool.kv = shared
+            self.rank_kv = pools
+        self._segments += segments
+        page_bytes = shared[0].nbytes
+        self.allocator.on_grow = lambda top: all(seg.commit(top * page_bytes) for seg in segments)
+        return segments
+
+    @property
+    def tp_size(self) -> int:
+        return 1 if self.tp is None else self.tp.size
+
+    @property
+    def head_split(self) -> list[range]:
+        """The KV heads each rank's pool holds (one range at TP 1)."""
+        return kv_head_ranges(self.spec.num_kv_heads, self.tp_size)
 
     def before_send(self, pages: list[int]) -> None:
-        """A TP worker gathers these pages' KV heads from its ranks into `transfer_kv`."""
-        if self.tp is not None:
+        """A TP worker gathers these pages' KV heads from its ranks into `transfer_kv`: copies inside
+        rank 0 where the ranks' pools are shared (any thread), else over the group (the loop's thread)."""
+        if self.rank_kv is not None:
+            every = [range(self.spec.num_kv_heads)]
+            copy_heads(self.rank_kv, self.head_split, pages, [self.transfer_kv], every, pages)
+        elif self.tp is not None:
             self.tp.gather_kv(self.pool.kv, self.transfer_kv, pages)
 
     def after_receive(self, pages: list[int]) -> None:
         """A TP worker hands these received pages of `transfer_kv` out to its ranks' pools."""
-        if self.tp is not None:
+        if self.rank_kv is not None:
+            every = [range(self.spec.num_kv_heads)]
+            copy_heads([self.transfer_kv], every, pages, self.rank_kv, self.head_split, pages)
+        elif self.tp is not None:
             self.tp.scatter_kv(self.pool.kv, self.transfer_kv, pages)
 
     def tp_failure(self) -> str | None:
@@ -278,6 +328,9 @@ class ModelRunner:
                 p.wait()
         self._followers = []
         self.tp = None
+        for seg in self._segments:
+            seg.close()
+        self._segments, self.rank_kv = [], None
         if self._tp_folder is not None:
             discard_tp_folder(self._tp_folder)
             self._tp_folder = None

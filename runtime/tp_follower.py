@@ -27,12 +27,15 @@ import torch
 
 from pdserve import env
 from pdserve.config import RuntimeConfig
+from pdserve.kv_transfer.layout import geometry_of as pool_geometry
+from pdserve.kv_transfer.shm import MappedPool
 from pdserve.launch.supervisor import die_with
 from pdserve.runtime.tp_group import (
     CMD_FORWARD,
     CMD_GATHER_KV,
     CMD_SCATTER_KV,
     CMD_SETUP,
+    CMD_SHARE_POOL,
     CMD_STOP,
     KV_DTYPES,
     ForwardCommand,
@@ -140,6 +143,14 @@ def follow(folder: str, rank: int) -> None:
             group.give_kv(pool.kv, payload)
         elif head[0] == CMD_SCATTER_KV:
             group.take_kv(pool.kv, payload)
+        elif head[0] == CMD_SHARE_POOL:
+            path, token = group.pool_segment()
+            shape = pool_geometry(pool.kv)
+            mapped = MappedPool.open(path, token, num_pages, shape, os.path.dirname(path), writable=True)
+            used = min(max(head[2], 0), num_pages)
+            mapped.pool[:used].copy_(pool.kv[:used])
+            pool.kv = mapped.pool
+            group.shared()
         elif head[0] == CMD_STOP:
             return
         else:

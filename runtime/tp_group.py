@@ -40,7 +40,8 @@ RANK_TIMEOUT_S = 300.0
 # with rank 0 (PR_SET_PDEATHSIG) instead.
 IDLE_WAIT = timedelta(days=365)
 
-CMD_FORWARD, CMD_GATHER_KV, CMD_SCATTER_KV, CMD_STOP, CMD_SETUP = 1, 2, 3, 4, 5
+CMD_FORWARD, CMD_GATHER_KV, CMD_SCATTER_KV, CMD_STOP, CMD_SETUP, CMD_SHARE_POOL = 1, 2, 3, 4, 5, 6
+POOLS_FILE = "pools"  # in the rendezvous folder: each other rank's pool segment, `path token` per line
 _MODES = list(ForwardMode)
 KV_DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 HEADER = 6
@@ -124,6 +125,7 @@ class TPGroup:
         """`folder`: rank 0's rendezvous folder (tp_follower.spawn_followers); `alive`: whether every
         other rank still runs (rank 0 asks its children), checked while an all-reduce waits."""
         self.rank, self.size, self.layout, self.device = rank, layout.size, layout, device
+        self.folder = folder
         self._alive = alive
         with open(os.path.join(folder, "allreduce")) as f:
             segment = f.read().strip()
@@ -276,6 +278,25 @@ class TPGroup:
     def setup(self, num_pages: int, kv_dtype: torch.dtype, page_size: int) -> None:
         """Rank 0: the pool every other rank builds (its own KV heads of the same pages)."""
         self.send_command([CMD_SETUP, 0, num_pages, KV_DTYPES.index(kv_dtype), page_size, 0], [])
+
+    def share_pools(self, segments: list[tuple[str, bytes]], used_pages: int) -> None:
+        """Rank 0: rank r (1..) moves its pool into the segment `segments[r - 1]` (path, token), its
+        first `used_pages` pages copied; returns once every rank has (the others run `pool_segment`
+        and `shared`)."""
+        with open(os.path.join(self.folder, POOLS_FILE), "w") as f:  # the folder is rank 0's, mode 0700
+            f.writelines(f"{path} {token.hex()}\n" for path, token in segments)
+        self.send_command([CMD_SHARE_POOL, 0, used_pages, 0, 0, 0], [])
+        self.shared()
+
+    def pool_segment(self) -> tuple[str, bytes]:
+        """Another rank: the (path, token) of the segment its pool moves into."""
+        with open(os.path.join(self.folder, POOLS_FILE)) as f:
+            path, token = f.read().splitlines()[self.rank - 1].split()
+        return path, bytes.fromhex(token)
+
+    def shared(self) -> None:
+        """Every rank: wait until all have moved their pools (a one-element all-reduce over the group)."""
+        self._timed("kv", self._pg.allreduce([torch.zeros(1)], AllreduceOptions()), time.perf_counter())
 
     def stop(self) -> None:
         self.send_command([CMD_STOP, 0, 0, 0, 0, 0], [])

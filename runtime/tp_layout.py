@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING, Any, cast
 import torch
 from torch import nn
 
+from pdserve.kv_transfer.layout import kv_head_ranges
 from pdserve.runtime.model_config import ModelSpec
 
 if TYPE_CHECKING:
@@ -83,11 +84,7 @@ class TPLayout:
 
     def kv_heads(self, rank: int) -> range:
         """The KV heads rank `rank` holds (in the pool and in its share of qkv)."""
-        if self.num_kv_heads >= self.size:
-            per = self.num_kv_heads // self.size
-            return range(rank * per, (rank + 1) * per)
-        head = rank * self.num_kv_heads // self.size
-        return range(head, head + 1)
+        return kv_head_ranges(self.num_kv_heads, self.size)[rank]
 
     def mlp_rows(self, rank: int) -> range:
         per = self.intermediate_size // self.size

@@ -1,9 +1,11 @@
 """Prefill <-> decode channel: the KV hand-off's control messages (pyzmq; codec and version: codec.py).
 
 A receiver (decode) connects one DEALER to a sender's (prefill) bootstrap ROUTER. r = receiver, s = sender:
-  Hello     r->s  the receiver's id and pair identity; s compares identities and the protocol version
-  HelloAck  s->r  ok, or the reason of the refusal; on success the group generation to build, and the
-                  sender's shared-memory segment if it has one (`shm`, kv_transfer/shm.py)
+  Hello     r->s  the receiver's id, pair identity and TP size; s compares identities and the protocol
+                  version, and checks that its TP layout maps onto the receiver's
+  HelloAck  s->r  ok, or the reason of the refusal; on success the group generation to build, the
+                  sender's TP size, and its shared-memory segments if it has them (`shm`: one per rank,
+                  kv_transfer/shm.py)
   PageList  r->s  the decode's pre-allocated page list for a room; with `skip_pages`, the decode already
                   holds the room's first pages (its prefix cache) and lists pages for the rest only
   PrefixMismatch  s->r  the skipped prefix's hash is not this prompt's: send a full page list instead
@@ -25,20 +27,34 @@ from pydantic import Field, model_validator
 
 from pdserve.protocol.codec import Codec, Msg
 
+MAX_TP = 64  # ranks of one worker a peer may announce
+
 
 class Hello(Msg):
     kind: Literal["hello"] = "hello"
     receiver_id: str
     # Model fingerprint plus the pool's page geometry and the backend (kv_transfer.handshake).
     identity: dict[str, str | int]
+    # The receiver's TP size: its ranks' pools hold kv_head_ranges(kv_heads, tp_size) (kv_transfer.layout).
+    tp_size: int = Field(1, ge=1, le=MAX_TP)
+
+
+class ShmSegmentRef(Msg):
+    """One more rank's pool of a TP sender, in its own segment."""
+
+    path: str = Field(max_length=512)
+    token: str = Field(pattern=r"^[0-9a-f]{64}$")
 
 
 class ShmOffer(Msg):
-    """The sender's KV pool in shared memory: the receiver maps `path` if it holds `token` (hex)."""
+    """The sender's KV pool in shared memory: the receiver maps `path` if it holds `token` (hex). A TP
+    sender offers each rank's pool: `path` is rank 0's (its header holds the fence), `ranks` the others'
+    in rank order, each of num_pages pages of that rank's KV heads."""
 
     path: str = Field(max_length=512)
     token: str = Field(pattern=r"^[0-9a-f]{64}$")
     num_pages: int = Field(ge=1)
+    ranks: list[ShmSegmentRef] = Field(default_factory=list, max_length=MAX_TP - 1)
 
 
 class HelloAck(Msg):
@@ -49,6 +65,13 @@ class HelloAck(Msg):
     mismatch: bool = False
     gen: int = 0
     shm: ShmOffer | None = None
+    tp_size: int = Field(1, ge=1, le=MAX_TP)  # the sender's, as Hello.tp_size
+
+    @model_validator(mode="after")
+    def _a_segment_per_rank(self) -> HelloAck:
+        if self.shm is not None and len(self.shm.ranks) != self.tp_size - 1:
+            raise ValueError(f"a TP-{self.tp_size} sender offers {len(self.shm.ranks) + 1} segments")
+        return self
 
 
 class PageList(Msg):
