@@ -10,7 +10,15 @@ time.monotonic() clocks agree. Each transport (--transports) runs in its own pai
 over the gloo pair group, `shm` with the prefill's pool in shared memory, copied by the decode
 (kv_transfer/shm.py); the ratio column is shm over dist throughput.
 
+`--prefill-tp P --decode-tp D` give each side the pools of a TP worker's ranks, each its KV heads
+(kv_transfer/layout.py kv_head_ranges; `--kv-heads` for a model other than the bundled one's 3): over
+shared memory each decode rank's pool takes its heads straight from the prefill rank's segment holding
+them; over the pair group the prefill's rank 0 gathers every head into its full-head pool per room and
+the decode scatters them out to its ranks after the room lands (both inside the timed span, as in a
+worker, where the ranks' pools are shared with rank 0).
+
     python -P -m pdserve.bench.bench_transfer [--tokens 1024 4096 16384] [--reps 3] [--transports dist shm]
+        [--prefill-tp 1 --decode-tp 3 --kv-heads 3]
 """
 
 from __future__ import annotations
@@ -24,32 +32,53 @@ import time
 import torch
 
 from pdserve.kv_transfer import KVReceiver, KVSender, TransferConfig, TransferState
-from pdserve.kv_transfer.shm import shared_pool
+from pdserve.kv_transfer.layout import describe_split, kv_head_ranges, mapping_error
+from pdserve.kv_transfer.shm import copy_heads, shared_pool
 from pdserve.protocol.kv_trailer import FirstToken
 
 LAYERS, KV_HEADS, HEAD_DIM, PAGE_SIZE = 30, 3, 64, 16
-FINGERPRINT = {
-    "architecture": "LlamaForCausalLM",
-    "num_layers": LAYERS,
-    "kv_heads": KV_HEADS,
-    "head_dim": HEAD_DIM,
-    "dtype": "float32",
-    "page_size": PAGE_SIZE,
-    "weights_hash": "bench",
-}
 
 
-def _pool(num_pages: int) -> torch.Tensor:
-    return torch.randn(num_pages, LAYERS, 2, PAGE_SIZE, KV_HEADS, HEAD_DIM)  # [N, L, 2, P, H, D]
+def _fingerprint(kv_heads: int) -> dict[str, str | int]:
+    return {
+        "architecture": "LlamaForCausalLM",
+        "num_layers": LAYERS,
+        "kv_heads": kv_heads,
+        "head_dim": HEAD_DIM,
+        "dtype": "float32",
+        "page_size": PAGE_SIZE,
+        "weights_hash": "bench",
+    }
 
 
-def _prefill(conn, num_pages: int, config: TransferConfig) -> None:
+def _pool(num_pages: int, kv_heads: int) -> torch.Tensor:
+    return torch.randn(num_pages, LAYERS, 2, PAGE_SIZE, kv_heads, HEAD_DIM)  # [N, L, 2, P, H, D]
+
+
+def _prefill(conn, num_pages: int, config: TransferConfig, tp: int, kv_heads: int) -> None:
     torch.set_num_threads(1)
-    kv = _pool(num_pages)
-    segment = None
-    if config.transport != "dist":
-        segment, kv = shared_pool(kv)
-    sender = KVSender(kv, FINGERPRINT, "127.0.0.1", 0, config, segment=segment)
+    kv = _pool(num_pages, kv_heads)
+    fp = _fingerprint(kv_heads)
+    if tp == 1:
+        segment = None
+        if config.transport != "dist":
+            segment, kv = shared_pool(kv)
+        sender = KVSender(kv, fp, "127.0.0.1", 0, config, segment=segment)
+        segments = []
+    else:  # a TP worker's rank 0: every rank's pool in its segment, the full-head pool for the pair group
+        heads = kv_head_ranges(kv_heads, tp)
+        parts = [kv[:, :, :, :, h.start : h.stop].contiguous() for h in heads]
+        segments, pools = [], []
+        for part in parts:
+            seg, pool = shared_pool(part)
+            segments.append(seg)
+            pools.append(pool)
+        every = [range(kv_heads)]
+
+        def gather(pages: list[int]) -> None:
+            copy_heads(pools, heads, pages, [kv], every, pages)
+
+        sender = KVSender(kv, fp, "127.0.0.1", 0, config, tp_size=tp, rank_segments=segments, prepare=gather)
     sender.start()
     listener = socket.create_server(("127.0.0.1", 0))
     conn.send((sender.addr, listener.getsockname()[1]))
@@ -75,12 +104,18 @@ def _prefill(conn, num_pages: int, config: TransferConfig) -> None:
             break
     raw.close()
     sender.close()
+    for seg in segments:
+        seg.close()
 
 
-def _decode(conn, num_pages: int, config: TransferConfig, prefill_addr: str, raw_port: int) -> None:
+def _decode(
+    conn, num_pages: int, config: TransferConfig, prefill_addr: str, raw_port: int, tp: int, kv_heads: int
+) -> None:
     torch.set_num_threads(1)
-    kv = _pool(num_pages)
-    receiver = KVReceiver(kv, FINGERPRINT, config)
+    kv = _pool(num_pages, kv_heads)
+    heads = kv_head_ranges(kv_heads, tp)
+    pools = None if tp == 1 else [torch.zeros(*kv.shape[:4], len(h), HEAD_DIM) for h in heads]
+    receiver = KVReceiver(kv, _fingerprint(kv_heads), config, tp_size=tp, rank_pools=pools)
     receiver.start()
     receiver.connect(prefill_addr)
     raw = socket.create_connection(("127.0.0.1", raw_port))
@@ -100,8 +135,10 @@ def _decode(conn, num_pages: int, config: TransferConfig, prefill_addr: str, raw
             while not results:
                 time.sleep(0.0002)  # a worker's loop polls between steps; never spin on the GIL
                 results = receiver.poll()
-            t_done = time.monotonic()
             assert results[0].state == TransferState.SUCCESS, results[0]
+            if pools is not None and not results[0].shm:  # the decode worker's scatter to its ranks
+                copy_heads([kv], [range(kv_heads)], pages, pools, heads, pages)
+            t_done = time.monotonic()
             conn.send((t_done, results[0].num_bytes, results[0].shm))
         elif cmd[0] == "raw":
             nbytes, got = cmd[1], 0
@@ -129,15 +166,18 @@ def _run(transport: str, args: argparse.Namespace) -> dict[tuple[int, str], tupl
     ctx = mp.get_context("spawn")
     p_conn, p_child = ctx.Pipe()
     d_conn, d_child = ctx.Pipe()
-    prefill = ctx.Process(target=_prefill, args=(p_child, max_pages, config), daemon=True)
+    tp = (args.prefill_tp, args.kv_heads)
+    prefill = ctx.Process(target=_prefill, args=(p_child, max_pages, config, *tp), daemon=True)
     prefill.start()
     prefill_addr, raw_port = p_conn.recv()
     decode = ctx.Process(
-        target=_decode, args=(d_child, max_pages, config, prefill_addr, raw_port), daemon=True
+        target=_decode,
+        args=(d_child, max_pages, config, prefill_addr, raw_port, args.decode_tp, args.kv_heads),
+        daemon=True,
     )
     decode.start()
     assert d_conn.recv() == "ready"
-    page_bytes = LAYERS * 2 * PAGE_SIZE * KV_HEADS * HEAD_DIM * 4
+    page_bytes = LAYERS * 2 * PAGE_SIZE * args.kv_heads * HEAD_DIM * 4
     out = {}
     seq = 0
     for tokens, order in [(t, o) for t in args.tokens for o in ("random", "runs")]:
@@ -157,7 +197,7 @@ def _run(transport: str, args: argparse.Namespace) -> dict[tuple[int, str], tupl
             p_conn.send(("send", room, src, tokens))
             t_send = p_conn.recv()
             t_done, got_bytes, via_shm = d_conn.recv()
-            assert got_bytes == nbytes, (got_bytes, nbytes)
+            assert got_bytes >= nbytes, (got_bytes, nbytes)  # more where decode ranks share heads
             assert via_shm == (transport != "dist"), f"{transport}: the transfer went the other way"
             d_conn.send(("raw", nbytes))
             p_conn.send(("raw", nbytes))
@@ -183,11 +223,22 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--reps", type=int, default=5)
     parser.add_argument("--chunk-mib", type=int, default=TransferConfig().chunk_bytes >> 20)
     parser.add_argument("--transports", nargs="+", choices=["dist", "shm"], default=["dist", "shm"])
+    parser.add_argument("--prefill-tp", type=int, default=1, help="the prefill worker's TP size")
+    parser.add_argument("--decode-tp", type=int, default=1, help="the decode worker's TP size")
+    parser.add_argument("--kv-heads", type=int, default=KV_HEADS, help="the model's KV heads")
     args = parser.parse_args(argv)
+    error = mapping_error(args.kv_heads, args.prefill_tp, args.decode_tp)
+    if error is not None:
+        parser.error(error)
 
-    page_bytes = LAYERS * 2 * PAGE_SIZE * KV_HEADS * HEAD_DIM * 4
-    print(f"KV geometry: {LAYERS} layers x {KV_HEADS} kv heads x head_dim {HEAD_DIM}, fp32, page {PAGE_SIZE} tokens "
+    page_bytes = LAYERS * 2 * PAGE_SIZE * args.kv_heads * HEAD_DIM * 4
+    print(f"KV geometry: {LAYERS} layers x {args.kv_heads} kv heads x head_dim {HEAD_DIM}, fp32, page {PAGE_SIZE} tokens "
           f"= {page_bytes / 2**10:.0f} KiB/page; chunk {args.chunk_mib} MiB; torch threads 1 per process")  # fmt: skip
+    if (args.prefill_tp, args.decode_tp) != (1, 1):
+        p_split, d_split = (describe_split(args.kv_heads, n) for n in (args.prefill_tp, args.decode_tp))
+        shares = [len(h) / args.kv_heads for h in kv_head_ranges(args.kv_heads, args.decode_tp)]
+        print(f"prefill {p_split} -> decode {d_split}: each decode rank receives "
+              + " | ".join(f"{s:.0%}" for s in shares) + " of a page's bytes (MiB column: all ranks)")  # fmt: skip
     print("medians over rounds; GB/s from send->success = sender.send() called to receiver.poll() reporting")
     print(
         "SUCCESS (page list already at the prefill node); dist = loopback gloo pair group, shm = shared memory"

@@ -156,11 +156,41 @@ def _healthy(url: str) -> bool:
         return False
 
 
+def tp_split_error(args: argparse.Namespace) -> str | None:
+    """Why --prefill-tp or --decode-tp cannot split the model, before any worker starts (a worker
+    would refuse it and be restarted again and again); None when both can."""
+    sizes = {"--prefill-tp": args.prefill_tp, "--decode-tp": args.decode_tp}
+    for flag, n in sizes.items():
+        if n < 1:
+            return f"{flag} must be >= 1"
+    if all(n == 1 for n in sizes.values()):
+        return None
+    from pdserve.model_source import ModelSourceError, resolve_model_source
+    from pdserve.runtime.loader import load_hf_config, model_folder
+    from pdserve.runtime.model_config import ModelSpec
+    from pdserve.runtime.tp_layout import TPLayout, TPLayoutError
+
+    try:
+        spec = ModelSpec.from_hf_config(load_hf_config(model_folder(resolve_model_source(args.model_path))))
+    except (ModelSourceError, OSError, ValueError) as e:
+        return f"cannot read the model to check its TP split: {e}"
+    for flag, n in sizes.items():
+        try:
+            TPLayout.of(spec, n)
+        except TPLayoutError as e:
+            return f"{flag} {n}: {e}"
+    return None
+
+
 def main(args: argparse.Namespace) -> int:
     for name in ("num_prefill", "num_decode"):
         if getattr(args, name) < 1:
             print(f"pdserve up: --{name.replace('_', '-')} must be >= 1", file=sys.stderr)
             return 2
+    why = tp_split_error(args)
+    if why:
+        print(f"pdserve up: {why}", file=sys.stderr)
+        return 2
     if args.max_restarts < 0 or not args.restart_backoff > 0:
         print("pdserve up: --max-restarts must be >= 0 and --restart-backoff > 0", file=sys.stderr)
         return 2

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
+import subprocess
 import sys
 from pathlib import Path
 
@@ -263,3 +264,26 @@ def test_up_binds_internal_sockets_to_loopback_and_hands_the_secret_by_environme
     assert all("/run/secret" in argv for _, argv in worker_commands(with_file))
     monkeypatch.setenv("PDSERVE_CLUSTER_SECRET", "x" * 32)
     assert secret_env(args) == {}
+
+
+@pytest.mark.parametrize(
+    "flags, says",
+    [
+        (["--prefill-tp", "2"], "--prefill-tp 2: TP size 2 does not split 9 query heads and 3 KV heads"),
+        (["--decode-tp", "0"], "--decode-tp must be >= 1"),
+    ],
+)
+def test_up_refuses_a_tp_size_the_model_does_not_split_before_starting_anything(
+    flags, says, tmp_path
+) -> None:
+    """The bundled model splits only over 3: `pdserve up` says so and exits 2, no worker started (one
+    would refuse the split and be restarted in a loop)."""
+    out = subprocess.run(
+        [sys.executable, "-P", "-m", "pdserve.cli", "up", "--log-dir", str(tmp_path), *flags],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert out.returncode == 2, out.stderr
+    assert f"pdserve up: {says}" in out.stderr
+    assert not list(tmp_path.iterdir())  # no child ever wrote a log
