@@ -1,6 +1,7 @@
 """Tensor-parallel workers in a real cluster: `pdserve up --prefill-tp 3` and `--decode-tp 3` (the
 bundled model's 3 KV heads split over 3 ranks, each rank a process in the worker's gloo group) serve
-transformers' greedy tokens, with the KV handed between a TP-3 and a TP-1 worker in both directions,
+transformers' greedy tokens, with the KV handed between a TP-3 and a TP-1 worker in both directions and
+between two TP-3 workers (each decode rank's head copied from the prefill rank holding it),
 through NGRAM speculation, a cached prefix and a grammar; one rank killed mid-stream takes its
 worker down as one unit, its streams move to the other decode worker, and the unit comes back whole.
 """
@@ -33,7 +34,9 @@ def _generate_ids(url: str, ids: list[int], n: int, **params) -> dict:
     return r.json()
 
 
-@pytest.fixture(scope="module", params=[(3, 1), (1, 3)], ids=["prefill-tp3", "decode-tp3-ngram"])
+@pytest.fixture(
+    scope="module", params=[(3, 1), (1, 3), (3, 3)], ids=["prefill-tp3", "decode-tp3-ngram", "both-tp3-ngram"]
+)
 def tp_cluster(request, tmp_path_factory):
     prefill_tp, decode_tp = request.param
     extra = ["--prefill-tp", str(prefill_tp), "--decode-tp", str(decode_tp)]
