@@ -22,6 +22,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
 
@@ -37,12 +38,17 @@ from pdserve.runtime.tp_group import (
     CMD_SETUP,
     CMD_SHARE_POOL,
     CMD_STOP,
+    CMD_WEIGHTS_CANCEL,
+    CMD_WEIGHTS_COMMIT,
+    CMD_WEIGHTS_STAGE,
     KV_DTYPES,
     ForwardCommand,
     TPGroup,
     TPGroupBroken,
 )
 from pdserve.runtime.tp_shm import make_segment
+from pdserve.runtime.weight_update import Copies, apply, stage_rank_cut
+from pdserve.side_threads import serial_openmp
 
 log = logging.getLogger(__name__)
 
@@ -134,6 +140,9 @@ def follow(folder: str, rank: int) -> None:
 
         cpu_library.load()
     log.info("TP rank %d of %d ready: %s", rank, cfg.tp_size, loaded.tp_layout.describe())
+    # live weight updates: this rank's cut staged on a side thread, swapped in at rank 0's commit
+    stager = ThreadPoolExecutor(1, thread_name_prefix="weights", initializer=serial_openmp)
+    staging: Future[Copies] | None = None
     while True:
         head, payload = group.next_command()
         if head[0] == CMD_FORWARD:
@@ -151,6 +160,23 @@ def follow(folder: str, rank: int) -> None:
             mapped.pool[:used].copy_(pool.kv[:used])
             pool.kv = mapped.pool
             group.shared()
+        elif head[0] == CMD_WEIGHTS_STAGE:  # in the background: forwards go on meanwhile
+            shard = (loaded.tp_layout, rank, spec.head_dim)
+            staging = stager.submit(stage_rank_cut, model, spec, group.staged_request(), shard)
+        elif head[0] == CMD_WEIGHTS_COMMIT:
+            copies, why = None, "rank 0 committed an update this rank was never asked to stage"
+            if staging is not None:
+                try:
+                    copies, why = staging.result(), ""
+                except Exception as exc:  # noqa: BLE001 - reported to rank 0, which refuses the commit
+                    why = f"{type(exc).__name__}: {exc}"
+            staging = None
+            if why:
+                group.say_failed(why)
+            if group.failed_ranks(bool(why)) == 0 and copies is not None:
+                apply(copies)
+        elif head[0] == CMD_WEIGHTS_CANCEL:
+            staging = None
         elif head[0] == CMD_STOP:
             return
         else:

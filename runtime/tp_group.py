@@ -15,6 +15,7 @@ with their rank 0: tp_follower.py).
 
 from __future__ import annotations
 
+import json
 import os
 import time
 from collections.abc import Callable
@@ -41,6 +42,9 @@ RANK_TIMEOUT_S = 300.0
 IDLE_WAIT = timedelta(days=365)
 
 CMD_FORWARD, CMD_GATHER_KV, CMD_SCATTER_KV, CMD_STOP, CMD_SETUP, CMD_SHARE_POOL = 1, 2, 3, 4, 5, 6
+# Live weight updates (runtime/weight_update.py): stage a checkpoint's cut in the background, swap, drop.
+CMD_WEIGHTS_STAGE, CMD_WEIGHTS_COMMIT, CMD_WEIGHTS_CANCEL = 7, 8, 9
+WEIGHTS_FILE = "weights.json"  # in the rendezvous folder: what CMD_WEIGHTS_STAGE stages
 POOLS_FILE = "pools"  # in the rendezvous folder: each other rank's pool segment, `path token` per line
 _MODES = list(ForwardMode)
 KV_DTYPES = [torch.float32, torch.bfloat16, torch.float16]
@@ -297,6 +301,44 @@ class TPGroup:
     def shared(self) -> None:
         """Every rank: wait until all have moved their pools (a one-element all-reduce over the group)."""
         self._timed("kv", self._pg.allreduce([torch.zeros(1)], AllreduceOptions()), time.perf_counter())
+
+    def weights(self, cmd: int, what: dict[str, object] | None = None) -> None:
+        """Rank 0: a weights command to the other ranks; `what` (CMD_WEIGHTS_STAGE) goes through the
+        rendezvous folder (rank 0's, mode 0700): {"folder" or "model_path", "load_format", "require_all"}."""
+        if what is not None:
+            path = os.path.join(self.folder, WEIGHTS_FILE)
+            with open(path + ".tmp", "w") as f:
+                json.dump(what, f)
+            os.replace(path + ".tmp", path)
+        self.send_command([cmd, 0, 0, 0, 0, 0], [])
+
+    def staged_request(self) -> dict[str, object]:
+        """Another rank: what CMD_WEIGHTS_STAGE asks it to stage."""
+        with open(os.path.join(self.folder, WEIGHTS_FILE)) as f:
+            what: dict[str, object] = json.load(f)
+        return what
+
+    def say_failed(self, why: str) -> None:
+        """Another rank: why it could not stage its cut (rank 0 reads it with `why_failed`)."""
+        with open(os.path.join(self.folder, f"weights-error-{self.rank}"), "w") as f:
+            f.write(why[:2000])
+
+    def why_failed(self) -> list[str]:
+        """Rank 0: what the ranks that could not stage their cut said (and forget it)."""
+        out = []
+        for r in range(1, self.size):
+            path = os.path.join(self.folder, f"weights-error-{r}")
+            if os.path.exists(path):
+                with open(path) as f:
+                    out.append(f"TP rank {r}: {f.read()}")
+                os.unlink(path)
+        return out
+
+    def failed_ranks(self, failed: bool) -> int:
+        """Every rank: how many ranks could not stage their cut (each says whether it did)."""
+        t = torch.tensor([float(failed)])
+        self._timed("command", self._pg.allreduce([t], AllreduceOptions()), time.perf_counter())
+        return int(t.item())
 
     def stop(self) -> None:
         self.send_command([CMD_STOP, 0, 0, 0, 0, 0], [])

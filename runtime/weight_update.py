@@ -12,11 +12,17 @@ The gateway drives each update in two phases over every worker (`gateway/weights
 - `cancel` drops what was staged. `pause` / `resume` stop and restart forward steps (the loop asks
   `paused`), so that a trainer can update between its steps without aborting anything.
 Replies go back as `WeightsReply`: at once, or from `poll` when a background job ends.
+
+A tensor-parallel worker's rank 0 does all of this for its own cut and has the other ranks follow
+(runtime/tp_follower.py): they stage their cuts on a side thread when it prepares (from the checkpoint, or
+from a file of the trainer's tensors in rank 0's private folder), and at the commit every rank swaps, or,
+if any could not stage, none does.
 """
 
 from __future__ import annotations
 
 import logging
+import os
 import time
 from collections.abc import Callable, Iterable
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -24,6 +30,7 @@ from dataclasses import dataclass, fields
 from typing import TYPE_CHECKING
 
 import torch
+from safetensors.torch import save_file
 
 from pdserve.model_source import ModelSourceError, resolve_model_source
 from pdserve.protocol import gateway as m
@@ -31,6 +38,8 @@ from pdserve.runtime.loader import iter_weights, load_hf_config, model_folder
 from pdserve.runtime.model_config import ModelSpec
 from pdserve.runtime.models.llama import CausalLM
 from pdserve.runtime.radix_cache import RadixCache
+from pdserve.runtime.tp_group import CMD_WEIGHTS_CANCEL, CMD_WEIGHTS_COMMIT, CMD_WEIGHTS_STAGE, TPGroup
+from pdserve.runtime.tp_layout import TPLayout
 from pdserve.runtime.weights_group import WeightsGroup
 from pdserve.side_threads import serial_openmp
 
@@ -131,6 +140,32 @@ def _assemble_fused(copies: Copies) -> Copies:
     return out
 
 
+def apply(copies: Copies) -> None:
+    """Put staged values into their parameters (between two forward steps)."""
+    with torch.no_grad():
+        for param, rows, value in copies:
+            if rows is None and value.is_contiguous() and value.stride() == param.stride():
+                param.data = value  # the staged tensor becomes the parameter: no copy
+            else:
+                (param if rows is None else param[rows]).copy_(value)
+    if any(p.is_cuda for p, _, _ in copies[:1]):
+        torch.cuda.synchronize()
+
+
+def stage_rank_cut(
+    model: CausalLM, spec: ModelSpec, what: dict[str, object], shard: tuple[TPLayout, int, int]
+) -> Copies:
+    """A TP rank other than 0: its cut of what rank 0 stages (`TPGroup.weights`), from the checkpoint
+    or from the file rank 0 wrote of the tensors a trainer broadcast."""
+    model_path = what.get("model_path")
+    if isinstance(model_path, str):
+        load_format = what.get("load_format")
+        folder = check_checkpoint(spec, model_path, load_format if isinstance(load_format, str) else None)
+    else:
+        folder = str(what["folder"])
+    return stage(model, iter_weights(folder, shard), require_all=bool(what.get("require_all")))
+
+
 def check_checkpoint(spec: ModelSpec, model_path: str, load_format: str | None) -> str:
     """The checkpoint folder of `model_path` if its config fits the running model; else WeightUpdateError.
     Reads only the config (a GGUF file is dequantized into the cache first, as at start)."""
@@ -174,13 +209,13 @@ class WeightUpdater:
         local_host: str,
         on_commit: Callable[[], None],
         quantization: str = "none",
-        tp_size: int = 1,
+        tp: TPGroup | None = None,
     ) -> None:
         self.model, self.spec, self.cache = model, spec, cache
         # Quantized linears hold int8/int4 copies, not the checkpoint's tensors: updates are refused.
         self.quantization = quantization
-        # A TP worker's ranks hold cuts of the tensors, in other processes: updates are refused too.
-        self.tp_size = tp_size
+        # A TP worker's rank 0: the other ranks stage and swap their cuts of every update with it.
+        self.tp = tp
         self.local_host = local_host
         self.on_commit = on_commit
         self.version = "default"
@@ -203,7 +238,7 @@ class WeightUpdater:
             local_host,
             on_commit,
             runner.loaded.quantization,
-            runner.cfg.tp_size,
+            runner.tp,
         )
 
     def close(self) -> None:
@@ -222,12 +257,6 @@ class WeightUpdater:
                 f"{self.quantization} (restart it on the new checkpoint instead)"
             )
             return self._reply(cmd, False, why, t0)
-        if op in ("prepare_disk", "prepare_distributed") and self.tp_size > 1:
-            why = (
-                f"live weight updates are not supported on a tensor-parallel worker (--tp-size {self.tp_size}); "
-                "restart it on the new checkpoint instead"
-            )
-            return self._reply(cmd, False, why, t0)
         if op in ("prepare_disk", "prepare_distributed", "init_group"):
             if self._jobs:
                 return self._reply(cmd, False, "another weights operation is running on this worker", t0)
@@ -237,11 +266,20 @@ class WeightUpdater:
                 "init_group": self._join,
             }[op]
             self._jobs.append((cmd, self._pool.submit(job, cmd), t0))
+            if op == "prepare_disk" and self.tp is not None:  # the other ranks stage their cuts meanwhile
+                what: dict[str, object] = {
+                    "model_path": cmd.model_path,
+                    "load_format": cmd.load_format,
+                    "require_all": True,
+                }
+                self.tp.weights(CMD_WEIGHTS_STAGE, what)
             return None
         if op == "commit":
             return self._commit(cmd, t0)
         if op == "cancel":
             self._staged = None
+            if self.tp is not None:
+                self.tp.weights(CMD_WEIGHTS_CANCEL)
             return self._reply(cmd, True, "", t0)
         if op == "destroy_group":
             g = self.groups.pop(cmd.group_name, None)
@@ -273,6 +311,9 @@ class WeightUpdater:
                 continue
             if isinstance(result, list):  # staged weights
                 self._staged = Staged(cmd.op_id, result, time.monotonic() - t0)
+                if cmd.op == "prepare_distributed" and self.tp is not None:
+                    folder = os.path.join(self.tp.folder, "weights-update")
+                    self.tp.weights(CMD_WEIGHTS_STAGE, {"folder": folder, "require_all": False})
             out.append(self._reply(cmd, True, "", t0))
         return out
 
@@ -280,7 +321,11 @@ class WeightUpdater:
 
     def _load(self, cmd: m.WeightsCommand) -> Copies:
         folder = check_checkpoint(self.spec, cmd.model_path, cmd.load_format)
-        return stage(self.model, iter_weights(folder), require_all=True)
+        return stage(self.model, iter_weights(folder, self._shard()), require_all=True)
+
+    def _shard(self) -> tuple[TPLayout, int, int] | None:
+        """This rank's cut of each checkpoint tensor (TP), or None: all of it."""
+        return None if self.tp is None else (self.tp.layout, 0, self.spec.head_dim)
 
     def _receive(self, cmd: m.WeightsCommand) -> Copies:
         """Receive every announced tensor (all of them, so the trainer's broadcasts never hang on a
@@ -293,7 +338,14 @@ class WeightUpdater:
             t = torch.empty(shape, dtype=parse_dtype(dtype), device=group.device)
             group.broadcast(t)
             received.append((name, t))
-        return stage(self.model, received, require_all=False)
+        if self.tp is None:
+            return stage(self.model, received, require_all=False)
+        # A TP worker: the whole tensors go to a file of its private folder, from which every rank,
+        # this one too, reads its own cut (the others when `poll` tells them to).
+        folder = os.path.join(self.tp.folder, "weights-update")
+        os.makedirs(folder, exist_ok=True)
+        save_file({n: t.cpu().contiguous() for n, t in received}, os.path.join(folder, "update.safetensors"))
+        return stage(self.model, iter_weights(folder, self._shard()), require_all=False)
 
     def _join(self, cmd: m.WeightsCommand) -> None:
         g = cmd.group
@@ -317,14 +369,12 @@ class WeightUpdater:
         if staged is None or staged.op_id != cmd.op_id:
             return self._reply(cmd, False, "nothing prepared for this update on this worker", t0)
         self._staged = None
-        with torch.no_grad():
-            for param, rows, value in staged.copies:
-                if rows is None and value.is_contiguous() and value.stride() == param.stride():
-                    param.data = value  # the staged tensor becomes the parameter: no copy
-                else:
-                    (param if rows is None else param[rows]).copy_(value)
-        if any(p.is_cuda for p, _, _ in staged.copies[:1]):
-            torch.cuda.synchronize()
+        if self.tp is not None:  # every rank swaps its cut, or none does
+            self.tp.weights(CMD_WEIGHTS_COMMIT)
+            if self.tp.failed_ranks(False):
+                why = "; ".join(self.tp.why_failed()) or "a TP rank could not stage its cut"
+                return self._reply(cmd, False, f"nothing changed: {why}", t0)
+        apply(staged.copies)
         if cmd.weight_version:
             self.version = cmd.weight_version
         if self.cache is not None:

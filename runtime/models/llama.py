@@ -306,19 +306,25 @@ class CausalLM(nn.Module):
             logits = self.tp.all_gather_columns(logits)[:, : self.spec.vocab_size]
         return logits
 
+    def _fused_sizes(self) -> dict[str, list[int]]:
+        """The rows of each part of the fused parameters, as this model holds them (a tensor-parallel
+        rank: its own heads and MLP width, runtime/tp_layout.py)."""
+        first = cast("DecoderLayer", self.model.layers[0])
+        attn, hd = first.self_attn, first.self_attn.hd
+        return {
+            "qkv_proj": [attn.nq * hd, attn.nkv * hd, attn.nkv * hd],
+            "gate_up_proj": [first.mlp.gate_up_proj.weight.shape[0] // 2] * 2,
+        }
+
     def weight_target(self, name: str) -> tuple[str, slice | None] | None:
-        """Where checkpoint tensor `name` (an HF name) goes: the parameter and, for a fused one, its rows;
-        None for a tensor the model does not store (rotary tables, a tied head)."""
+        """Where checkpoint tensor `name` (an HF name; a TP rank's cut of it) goes: the parameter and,
+        for a fused one, its rows; None for a tensor the model does not store (rotary tables, a tied
+        head)."""
         if "rotary_emb" in name or (name == "lm_head.weight" and self.lm_head is None):
             return None
-        s = self.spec
-        sizes = {
-            ".qkv_proj.": [s.num_heads * s.head_dim] + [s.num_kv_heads * s.head_dim] * 2,
-            ".gate_up_proj.": [s.intermediate_size] * 2,
-        }
         for frag, (fused, idx) in _STACKED.items():
             if frag in name:
-                part = sizes[fused]
+                part = self._fused_sizes()[fused.strip(".")]
                 start = sum(part[:idx])
                 return name.replace(frag, fused), slice(start, start + part[idx])
         return name, None
@@ -327,29 +333,17 @@ class CausalLM(nn.Module):
         """Copy checkpoint tensors (HF names) into the fused parameters; every parameter must be set."""
         params = dict(self.named_parameters())
         loaded: set[str] = set()
-        # the fused parameters' parts, as this model holds them (a tensor-parallel rank: its own heads and
-        # MLP width, runtime/tp_layout.py)
-        first = cast("DecoderLayer", self.model.layers[0])
-        attn, hd = first.self_attn, first.self_attn.hd
-        sizes = {
-            "qkv_proj": [attn.nq * hd, attn.nkv * hd, attn.nkv * hd],
-            "gate_up_proj": [first.mlp.gate_up_proj.weight.shape[0] // 2] * 2,
-        }
+        sizes = self._fused_sizes()
         for name, tensor in weights:
-            if "rotary_emb" in name:
+            where = self.weight_target(name)
+            if where is None:
                 continue
-            if name == "lm_head.weight" and self.lm_head is None:
-                continue  # tied: the embedding is the head
-            target, shard = name, None
-            for frag, (fused, idx) in _STACKED.items():
-                if frag in name:
-                    target, shard = name.replace(frag, fused), idx
-                    break
+            target, rows = where
             if target not in params:
                 raise KeyError(f"checkpoint tensor {name!r} has no place in {self.spec.architecture}")
             param = params[target]
             with torch.no_grad():
-                if shard is None:
+                if rows is None:
                     if param.shape != tensor.shape:
                         raise ValueError(
                             f"{name}: checkpoint shape {tuple(tensor.shape)} != {tuple(param.shape)}"
@@ -357,15 +351,14 @@ class CausalLM(nn.Module):
                     param.copy_(tensor)
                     loaded.add(target)
                 else:
-                    part = sizes[target.split(".")[-2]]
-                    start = sum(part[:shard])
-                    param[start : start + part[shard]].copy_(tensor)
-                    loaded.add(f"{target}#{shard}")
+                    param[rows].copy_(tensor)
+                    loaded.add(f"{target}#{rows.start}")
         missing = []
         for pname in params:
             fused = pname.split(".")[-2] if pname.count(".") >= 1 else ""
             if fused in sizes:
-                missing += [f"{pname}#{i}" for i in range(len(sizes[fused])) if f"{pname}#{i}" not in loaded]
+                starts = [sum(sizes[fused][:i]) for i in range(len(sizes[fused]))]
+                missing += [f"{pname}#{i}" for i, st in enumerate(starts) if f"{pname}#{st}" not in loaded]
             elif pname not in loaded:
                 missing.append(pname)
         if missing:

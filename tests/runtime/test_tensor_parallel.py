@@ -248,3 +248,111 @@ def test_a_worker_whose_model_does_not_split_leaves_nothing_behind(bundled) -> N
     with pytest.raises(TPLayoutError, match="TP size 2 does not split 9 query heads"):
         Engine(RuntimeConfig(device="cpu", dtype="float32", tp_size=2, max_total_tokens=4096))
     assert (followers(), segments()) == before
+
+
+def _wait_reply(up, timeout: float = 120.0):
+    import time
+
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        replies = up.poll()
+        if replies:
+            return replies[0]
+        time.sleep(0.02)
+    raise AssertionError("no reply from the weights job")
+
+
+def test_live_weight_updates_reach_every_rank(tiny_folders, tmp_path) -> None:
+    """A TP-2 worker's updates: every rank stages its cut of a new checkpoint (from disk, and of the
+    tensors a trainer broadcasts) and swaps it in at the commit, so the worker then gives the new
+    weights' tokens; a commit a rank has nothing staged for changes nothing, on any rank."""
+    import shutil
+    import socket
+    import threading
+
+    from safetensors.torch import load_file, save_file
+
+    from pdserve.protocol import gateway as m
+    from pdserve.runtime.weight_update import WeightUpdater
+    from pdserve.runtime.weights_group import WeightsGroup
+
+    old = tiny_folders["llama-untied"]
+    new = str(tmp_path / "new")
+    shutil.copytree(old, new)
+    (weights,) = [f for f in os.listdir(new) if f.endswith(".safetensors")]
+    tensors = load_file(os.path.join(new, weights))
+    g = torch.Generator().manual_seed(7)
+    changed = {
+        k: v + 0.05 * torch.randn(v.shape, generator=g) if v.dim() == 2 else v for k, v in tensors.items()
+    }
+    save_file(changed, os.path.join(new, weights))
+
+    def tokens(e: Engine) -> list[list[int]]:
+        return [o.output_ids for o in e.generate(PROMPTS[:2], GREEDY)]
+
+    want_new = tokens(e := _engine(new, 1))
+    e.runner.close()
+    tp = _engine(old, 2)
+    want_old = tokens(tp)
+    assert want_old != want_new
+    up = WeightUpdater.for_runner(tp.runner, tp.cache, "127.0.0.1", lambda: None)
+    try:
+        # From disk: rank 0 stages in the background, rank 1 alongside; the commit swaps both.
+        assert up.on_command(m.WeightsCommand(op_id="d", op="prepare_disk", model_path=new)) is None
+        reply = _wait_reply(up)
+        assert reply.ok, reply.message
+        assert up.on_command(m.WeightsCommand(op_id="d", op="commit", weight_version="v2")).ok  # type: ignore[union-attr]
+        assert tokens(tp) == want_new
+
+        # Nothing staged on rank 1 for this commit: refused, and no rank changes.
+        from pdserve.runtime.weight_update import Staged, stage
+
+        up._staged = Staged("x", stage(tp.runner.model, [("model.norm.weight", torch.zeros(64))], False), 0.0)
+        reply = up.on_command(m.WeightsCommand(op_id="x", op="commit", weight_version="v3"))
+        assert reply is not None and not reply.ok and "TP rank 1" in reply.message
+        assert up.version == "v2" and tokens(tp) == want_new
+
+        # From a trainer's broadcast (its rank 0 here, a thread): back to the old weights, whole tensors
+        # that each rank cuts.
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        group = m.WeightsGroup(
+            master_address="127.0.0.1", master_port=port, rank=1, world_size=2, group_name="t", backend="gloo"
+        )
+        trainer: list[WeightsGroup] = []
+        t = threading.Thread(
+            target=lambda: trainer.append(
+                WeightsGroup(
+                    master_address="127.0.0.1",
+                    master_port=port,
+                    rank=0,
+                    world_size=2,
+                    group_name="t",
+                    backend="gloo",
+                )
+            )
+        )
+        t.start()
+        assert up.on_command(m.WeightsCommand(op_id="g", op="init_group", group=group)) is None
+        assert _wait_reply(up).ok
+        t.join(30)
+        names = sorted(tensors)
+        cmd = m.WeightsCommand(
+            op_id="b",
+            op="prepare_distributed",
+            group_name="t",
+            names=names,
+            dtypes=[str(tensors[n].dtype) for n in names],
+            shapes=[list(tensors[n].shape) for n in names],
+        )
+        assert up.on_command(cmd) is None
+        for n in names:
+            trainer[0].broadcast(tensors[n].clone())
+        reply = _wait_reply(up)
+        assert reply.ok, reply.message
+        assert up.on_command(m.WeightsCommand(op_id="b", op="commit", weight_version="v4")).ok  # type: ignore[union-attr]
+        assert tokens(tp) == want_old
+    finally:
+        up.close()
+        tp.runner.close()

@@ -77,15 +77,6 @@ def test_a_quantized_worker_refuses_updates_before_loading_anything(loaded):
     up.close()
 
 
-def test_a_tensor_parallel_worker_refuses_updates_before_loading_anything(loaded):
-    up = WeightUpdater(loaded.model, loaded.spec, None, "127.0.0.1", lambda: None, tp_size=2)
-    for op in ("prepare_disk", "prepare_distributed"):
-        reply = up.on_command(m.WeightsCommand(op_id=op, op=op, model_path=loaded.folder))
-        assert reply is not None and not reply.ok and "tensor-parallel worker (--tp-size 2)" in reply.message
-    assert up.version == "default" and up._staged is None and not up._jobs
-    up.close()
-
-
 def test_a_worker_updater_reads_the_resolved_quantization(loaded):
     """The config says `auto`; the updater goes by what was loaded: the fp32 reference accepts updates,
     the default (the GGUF's own int4) refuses them."""
