@@ -54,7 +54,7 @@ typecheck: $(STAMP)
 	@ln -s $(CURDIR)/pdserve/* $(TYPECHECK_TREE)/pdserve/
 	@for p in runtime kv_transfer prefill decode kernels gateway; do ln -s $(CURDIR)/$$p $(TYPECHECK_TREE)/pdserve/$$p; done
 	@ln -s $(CURDIR)/benchmarks $(TYPECHECK_TREE)/pdserve/bench
-	$(BIN)/python -m mypy $(addprefix $(TYPECHECK_TREE)/pdserve/,*.py protocol worker launch runtime kv_transfer prefill decode gateway) \
+	$(BIN)/python -m mypy $(addprefix $(TYPECHECK_TREE)/pdserve/,*.py protocol worker launch plan runtime kv_transfer prefill decode gateway) \
 		| sed -E -e 's#^$(TYPECHECK_TREE)/pdserve/(runtime|kv_transfer|prefill|decode|kernels|gateway)/#\1/#' \
 			-e 's#^$(TYPECHECK_TREE)/pdserve/bench/#benchmarks/#' -e 's#^$(TYPECHECK_TREE)/##'
 

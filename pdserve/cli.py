@@ -94,11 +94,22 @@ def main(argv: list[str] | None = None) -> int:
     bench = sub.add_parser("bench", help="benchmarks: " + ", ".join(BENCHMARKS))
     bench.add_argument("which", choices=sorted(BENCHMARKS))
     bench.add_argument("rest", nargs=argparse.REMAINDER, help="the benchmark's own flags")
+    plan = sub.add_parser(
+        "plan", help="the prefill/decode split with the best goodput, simulated from this host's profile"
+    )
+    plan.add_argument(
+        "rest", nargs=argparse.REMAINDER, help="pdserve plan's own flags (pdserve plan -- --help)"
+    )
 
     roles = {}
     for name, (module, help_text) in ROLES.items():
         p = sub.add_parser(name, help=help_text)
         roles[name] = (module, p)
+    if argv and argv[0] == "plan":  # its own parser, all its flags
+        from pdserve.plan.cli import main as plan_main
+
+        logging.basicConfig(level="WARNING", format="%(asctime)s %(name)s %(levelname)s %(message)s")
+        return plan_main(argv[1:])
     # Only the chosen role's flags are built, so `pdserve generate` never imports the gateway.
     if argv and argv[0] in roles:
         module, p = roles[argv[0]]
@@ -121,6 +132,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "bench":
         mod = importlib.import_module(BENCHMARKS[args.which])
         return int(mod.main(args.rest) or 0)
+
     return 2
 
 

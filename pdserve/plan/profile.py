@@ -1,0 +1,83 @@
+"""What the simulator knows of a host: times measured with the real runner, saved as JSON.
+
+- prefill: one prompt of n tokens, no cached prefix, at each of `prefill_tokens`;
+- decode: one step of a batch of b requests at context c, at each (b, c) of `decode_batch` x
+  `decode_context`;
+- transfer: the KV hand-off's seconds per prompt token (a page copy through shared memory, as between two
+  workers of one host).
+
+Between the measured points times are interpolated linearly (bilinearly for decode steps); past the last
+point they are extrapolated from the last two.
+"""
+
+from __future__ import annotations
+
+import bisect
+import json
+from dataclasses import asdict, dataclass, field
+
+
+def _interp(xs: list[int], ys: list[float], x: float) -> float:
+    """Piecewise-linear through (xs, ys), extended beyond both ends by the outer segments."""
+    if len(xs) == 1:
+        return ys[0] * x / xs[0] if xs[0] else ys[0]
+    i = min(max(bisect.bisect_left(xs, x), 1), len(xs) - 1)
+    x0, x1, y0, y1 = xs[i - 1], xs[i], ys[i - 1], ys[i]
+    return max(0.0, y0 + (y1 - y0) * (x - x0) / (x1 - x0))
+
+
+@dataclass
+class Profile:
+    host: str
+    model: str
+    dtype: str
+    quantization: str
+    threads: int
+    prefill_tokens: list[int]
+    prefill_s: list[float]
+    decode_batch: list[int]
+    decode_context: list[int]
+    decode_s: list[list[float]]  # [batch index][context index]
+    transfer_s_per_token: float
+    chunked_prefill_size: int = 8192
+    max_running_requests: int = 48
+    notes: list[str] = field(default_factory=list)
+
+    def prefill(self, tokens: int) -> float:
+        """Seconds of one prefill forward over `tokens` prompt tokens (a batch's, summed)."""
+        return _interp(self.prefill_tokens, self.prefill_s, tokens)
+
+    def decode(self, batch: int, context: float) -> float:
+        """Seconds of one decode step of `batch` requests at mean context `context`."""
+        per_batch = [_interp(self.decode_context, row, context) for row in self.decode_s]
+        return _interp(self.decode_batch, per_batch, batch)
+
+    def transfer(self, tokens: int) -> float:
+        return self.transfer_s_per_token * tokens
+
+    def save(self, path: str) -> None:
+        with open(path, "w") as f:
+            json.dump(asdict(self), f, indent=1)
+
+    @classmethod
+    def load(cls, path: str) -> Profile:
+        with open(path) as f:
+            data = json.load(f)
+        profile = cls(**data)
+        profile.check()
+        return profile
+
+    def check(self) -> None:
+        """ValueError naming what is wrong with a hand-written or damaged profile."""
+        if len(self.prefill_tokens) != len(self.prefill_s) or not self.prefill_tokens:
+            raise ValueError("prefill_tokens and prefill_s must be lists of one length, not empty")
+        if len(self.decode_s) != len(self.decode_batch) or any(
+            len(row) != len(self.decode_context) for row in self.decode_s
+        ):
+            raise ValueError("decode_s must be len(decode_batch) rows of len(decode_context) seconds")
+        for name in ("prefill_tokens", "decode_batch", "decode_context"):
+            xs = getattr(self, name)
+            if sorted(set(xs)) != xs or xs[0] < 1:
+                raise ValueError(f"{name} must be increasing positive numbers")
+        if min(self.prefill_s) < 0 or min(min(r) for r in self.decode_s) < 0 or self.transfer_s_per_token < 0:
+            raise ValueError("times must not be negative")

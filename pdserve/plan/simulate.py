@@ -1,0 +1,225 @@
+"""A discrete-event simulator of a pdserve cluster, driven by a host's measured profile (profile.py).
+
+What it models, as pdserve runs:
+- the gateway sends each request, as it arrives, to the prefill worker with the fewest requests queued or
+  in its forward, and to the decode worker with the fewest requests assigned and not finished;
+- a prefill worker runs one forward at a time over the requests queued, first come first served, up to
+  `chunked_prefill_size` tokens and `max_running_requests` (a longer prompt alone); each request's first
+  token leaves when the forward ends (TTFT), and its KV reaches the decode worker `transfer(prompt)` later;
+- a decode worker runs one step at a time over its running requests (continuous batching: requests whose
+  KV has landed join at the next step, up to `max_running_requests`; one token each per step);
+- compute: on one CPU host every worker's forwards share the cores (`pdserve up` gives each worker all of
+  them and the forwards take turns between layers), so the active forwards progress at 1/k of the profile's
+  speed each (processor sharing); with `shared=False` each worker has a device of its own.
+Not modelled: retraction (the pool is taken as large enough), chunked prefill's interleaving with other
+prompts, the prefix cache, speculative decoding, network time between hosts.
+"""
+
+from __future__ import annotations
+
+import heapq
+import random
+from collections import deque
+from dataclasses import dataclass, field
+
+from pdserve.plan.profile import Profile
+
+
+@dataclass(frozen=True)
+class Arrival:
+    at: float
+    prompt: int
+    output: int
+
+
+@dataclass
+class Outcome:
+    arrival: float
+    prompt: int
+    output: int
+    first: float = -1.0  # when the first token left
+    done: float = -1.0  # when the last did
+
+    @property
+    def ttft(self) -> float:
+        return self.first - self.arrival
+
+    @property
+    def tpot(self) -> float:
+        return (self.done - self.first) / (self.output - 1) if self.output > 1 else 0.0
+
+
+def poisson_workload(
+    rate: float, n: int, prompt: int, output: int, seed: int = 0, range_ratio: float = 1.0
+) -> list[Arrival]:
+    """`n` requests arriving at `rate` per second (exponential gaps), lengths uniform in
+    [ratio * len, len] (bench serving's random dataset)."""
+    rng = random.Random(seed)
+    t, out = 0.0, []
+    for _ in range(n):
+        t += rng.expovariate(rate)
+        p = rng.randint(max(1, int(prompt * range_ratio)), prompt)
+        o = rng.randint(max(1, int(output * range_ratio)), output)
+        out.append(Arrival(t, p, o))
+    return out
+
+
+@dataclass
+class _Job:
+    worker: _Worker
+    work: float  # seconds left at the profile's speed
+    requests: list[_Running]
+
+
+@dataclass
+class _Running:
+    outcome: Outcome
+    context: int
+    left: int  # tokens still to produce
+    decode_worker: int  # where the gateway sent its decode leg
+
+
+@dataclass
+class _Worker:
+    role: str
+    index: int
+    queue: deque[_Running] = field(default_factory=deque)
+    running: list[_Running] = field(default_factory=list)
+    job: _Job | None = None
+    assigned: int = 0  # decode: requests sent here and not finished; prefill: queued or in the forward
+
+
+class _Pending:
+    """Workers to look at once the current instant's events are all in, in the order they were added."""
+
+    def __init__(self) -> None:
+        self._workers: dict[tuple[str, int], _Worker] = {}
+
+    def add(self, index: int, w: _Worker) -> None:
+        self._workers.setdefault((w.role, index), w)
+
+    def take(self) -> list[_Worker]:
+        out = list(self._workers.values())
+        self._workers.clear()
+        return out
+
+    def __bool__(self) -> bool:
+        return bool(self._workers)
+
+
+def simulate(
+    profile: Profile, num_prefill: int, num_decode: int, arrivals: list[Arrival], shared: bool = True
+) -> list[Outcome]:
+    """Every request's first and last token times on a cluster of that split."""
+    prefill = [_Worker("prefill", i) for i in range(num_prefill)]
+    decode = [_Worker("decode", i) for i in range(num_decode)]
+    outcomes = [Outcome(a.at, a.prompt, a.output) for a in arrivals]
+    events: list[tuple[float, int, str, int]] = []  # (time, seq, "arrive" | "kv", request or KV key)
+    seq = 0
+    for i, a in enumerate(arrivals):
+        heapq.heappush(events, (a.at, seq, "arrive", i))
+        seq += 1
+    jobs: list[_Job] = []
+    t = 0.0
+
+    def start_prefill(w: _Worker) -> None:
+        batch: list[_Running] = []
+        tokens = 0
+        while w.queue and len(batch) < profile.max_running_requests:
+            n = w.queue[0].outcome.prompt
+            if batch and tokens + n > profile.chunked_prefill_size:
+                break
+            batch.append(w.queue.popleft())
+            tokens += n
+        w.job = _Job(w, profile.prefill(tokens), batch)
+        jobs.append(w.job)
+
+    def start_decode(w: _Worker) -> None:
+        while w.queue and len(w.running) < profile.max_running_requests:
+            w.running.append(w.queue.popleft())
+        context = sum(r.context for r in w.running) / len(w.running)
+        w.job = _Job(w, profile.decode(len(w.running), context), list(w.running))
+        jobs.append(w.job)
+
+    def finish(job: _Job, now: float) -> None:
+        nonlocal seq
+        w = job.worker
+        w.job = None
+        jobs.remove(job)
+        if w.role == "prefill":
+            for r in job.requests:
+                w.assigned -= 1
+                r.outcome.first = now
+                if r.left == 0:
+                    r.outcome.done = now
+                    decode[r.decode_worker].assigned -= 1
+                    continue
+                heapq.heappush(events, (now + profile.transfer(r.outcome.prompt), seq, "kv", seq))
+                kv_waiting[seq] = r
+                seq += 1
+            pending.add(w.index, w)
+            return
+        for r in job.requests:
+            r.left -= 1
+            r.context += 1
+            if r.left == 0:
+                r.outcome.done = now
+                w.running.remove(r)
+                w.assigned -= 1
+        pending.add(w.index, w)
+
+    kv_waiting: dict[int, _Running] = {}
+    pending = _Pending()  # workers to start once every event of this instant is in (a batch forms)
+    while events or jobs or pending:
+        if pending and (not events or events[0][0] > t):
+            for w in pending.take():
+                if w.job is None and w.role == "prefill" and w.queue:
+                    start_prefill(w)
+                elif w.job is None and w.role == "decode" and (w.queue or w.running):
+                    start_decode(w)
+            continue
+        k = len(jobs) if shared else 1
+        next_job = min(jobs, key=lambda j: j.work) if jobs else None
+        t_job = t + next_job.work * k if next_job is not None else float("inf")
+        t_event = events[0][0] if events else float("inf")
+        now = min(t_job, t_event)
+        for j in jobs:
+            j.work -= (now - t) / k
+        t = now
+        if next_job is not None and t_job <= t_event:
+            finish(next_job, t)
+            continue
+        _, _, kind, i = heapq.heappop(events)
+        if kind == "arrive":
+            o = outcomes[i]
+            p = min(prefill, key=lambda w: (w.assigned, w.index))
+            d = min(decode, key=lambda w: (w.assigned, w.index))
+            r = _Running(o, o.prompt + 1, o.output - 1, d.index)
+            p.assigned += 1
+            d.assigned += 1
+            p.queue.append(r)
+            pending.add(p.index, p)
+        else:
+            r = kv_waiting.pop(i)
+            d = decode[r.decode_worker]
+            d.queue.append(r)
+            pending.add(d.index, d)
+    return outcomes
+
+
+def goodput(outcomes: list[Outcome], ttft_slo: float, tpot_slo: float) -> dict[str, float]:
+    """bench goodput's measures (benchmarks/bench_goodput.py) over a simulated run that starts at 0."""
+    n = len(outcomes)
+    duration = max((o.done for o in outcomes), default=0.0)
+    ttft_ok = [o.ttft <= ttft_slo for o in outcomes]
+    tpot_ok = [o.tpot <= tpot_slo for o in outcomes]
+    good = sum(a and b for a, b in zip(ttft_ok, tpot_ok))
+    return {
+        "requests": n,
+        "good": good,
+        "duration_s": duration,
+        "goodput": good / duration if duration > 0 else 0.0,
+        "attainment": good / n if n else 0.0,
+        "ttft_attainment": sum(ttft_ok) / n if n else 0.0,
+        "tpot_attainment": sum(tpot_ok) / n if n else 0.0,
+    }

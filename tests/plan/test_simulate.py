@@ -1,0 +1,92 @@
+"""The cluster simulator against cases computed by hand: one request, a fixed batch, and two forwards
+sharing one host's cores."""
+
+from __future__ import annotations
+
+import pytest
+
+from pdserve.plan.profile import Profile
+from pdserve.plan.simulate import Arrival, goodput, poisson_workload, simulate
+
+
+def _profile(prefill_s=(1.0, 1.0), decode_s=((0.1, 0.1), (0.1, 0.1)), transfer=0.0, **kw) -> Profile:
+    return Profile(
+        host="test",
+        model="m",
+        dtype="float32",
+        quantization="none",
+        threads=2,
+        prefill_tokens=[1, 1000],
+        prefill_s=list(prefill_s),
+        decode_batch=[1, 8],
+        decode_context=[1, 1000],
+        decode_s=[list(r) for r in decode_s],
+        transfer_s_per_token=transfer,
+        **kw,
+    )
+
+
+def test_interpolation_between_and_past_the_measured_points() -> None:
+    p = _profile(prefill_s=(0.1, 10.0), decode_s=((0.01, 0.02), (0.05, 0.06)))
+    assert p.prefill(1) == pytest.approx(0.1) and p.prefill(1000) == pytest.approx(10.0)
+    assert p.prefill(500.5) == pytest.approx(5.05)
+    assert p.prefill(1999) == pytest.approx(19.9)  # the last segment, extended
+    assert p.decode(1, 1) == pytest.approx(0.01) and p.decode(8, 1000) == pytest.approx(0.06)
+    assert p.decode(4.5, 500.5) == pytest.approx((0.015 + 0.055) / 2)
+
+
+def test_one_request_alone() -> None:
+    """TTFT is one prefill; every later token one batch-1 step after the KV lands."""
+    p = _profile(prefill_s=(0.0, 0.999), transfer=0.002)  # prefill(n) = 0.001 (n - 1)
+    (o,) = simulate(p, 1, 1, [Arrival(0.5, 101, 11)])
+    assert o.ttft == pytest.approx(0.1)
+    assert o.done == pytest.approx(0.5 + 0.1 + 101 * 0.002 + 10 * 0.1)
+    assert o.tpot == pytest.approx((101 * 0.002 + 1.0) / 10)
+
+
+def test_a_fixed_batch_prefills_together_and_decodes_together() -> None:
+    p = _profile(prefill_s=(0.0, 0.999), decode_s=((0.1, 0.1), (0.8, 0.8)))  # step(b) = 0.1 b
+    outs = simulate(p, 1, 1, [Arrival(0.0, 50, 5)] * 4)
+    for o in outs:
+        assert o.ttft == pytest.approx(0.001 * 199)  # one forward over 4 x 50 tokens
+        assert o.done == pytest.approx(0.199 + 4 * 0.4)  # four steps of batch 4
+    # Over the chunk budget: the fourth prompt waits for the next forward.
+    p.chunked_prefill_size = 150
+    outs = simulate(p, 1, 1, [Arrival(0.0, 50, 1)] * 4)
+    assert [o.ttft for o in outs] == pytest.approx([0.149] * 3 + [0.149 + 0.049])
+
+
+def test_two_forwards_on_one_host_share_its_cores() -> None:
+    """A decodes while B prefills: both run at half speed (worked out in the module's terms)."""
+    p = _profile()  # prefill 1 s whatever the length, steps 0.1 s
+    a, b = simulate(p, 1, 1, [Arrival(0.0, 10, 3), Arrival(1.0, 10, 3)])
+    assert a.ttft == pytest.approx(1.0) and a.done == pytest.approx(1.4)
+    assert b.ttft == pytest.approx(1.2) and b.done == pytest.approx(2.4)
+    # Each worker on a device of its own: nothing shared.
+    a, b = simulate(p, 1, 1, [Arrival(0.0, 10, 3), Arrival(1.0, 10, 3)], shared=False)
+    assert (a.ttft, a.done, b.ttft, b.done) == pytest.approx((1.0, 1.2, 1.0, 2.2))
+
+
+def test_routing_spreads_requests_and_goodput_counts_the_ones_within_targets() -> None:
+    p = _profile()
+    outs = simulate(p, 2, 1, [Arrival(0.0, 10, 2), Arrival(0.0, 10, 2)], shared=False)
+    assert [o.ttft for o in outs] == pytest.approx([1.0, 1.0])  # one prefill worker each
+    g = goodput(outs, ttft_slo=1.0, tpot_slo=0.11)
+    assert g["good"] == 2 and g["goodput"] == pytest.approx(2 / 1.1)
+    assert goodput(outs, ttft_slo=0.5, tpot_slo=0.11)["good"] == 0
+
+
+def test_poisson_workload_is_seeded_and_sized() -> None:
+    w = poisson_workload(4.0, 400, 512, 64, seed=3, range_ratio=0.5)
+    assert w == poisson_workload(4.0, 400, 512, 64, seed=3, range_ratio=0.5)
+    assert len(w) == 400 and all(256 <= a.prompt <= 512 and 32 <= a.output <= 64 for a in w)
+    assert 80 < w[-1].at < 120  # ~100 s of arrivals at 4/s
+
+
+def test_a_damaged_profile_is_refused(tmp_path) -> None:
+    p = _profile()
+    p.decode_s = [[0.1]]
+    path = tmp_path / "p.json"
+    p.save(str(path))
+    with pytest.raises(ValueError, match="decode_s must be"):
+        Profile.load(str(path))
