@@ -2,7 +2,8 @@
 requests per second, and for each rate the requests per second that met both SLOs, a request's TTFT
 within --ttft-slo and its TPOT within --tpot-slo (seconds), with the share that did (SLO attainment).
 The best rate's goodput is the server's. Every server runs the same requests in one run, interleaved,
-the order alternating per rate (the workload, target and launch flags are `pdserve bench serving`'s):
+the order alternating per rate; each rate draws prompts of its own (seed + 1000 x its index), so that
+none is answered from the prefix cache an earlier rate filled (the workload, target and launch flags are `pdserve bench serving`'s):
 
     pdserve bench goodput --launch-pdserve --launch-llama-server PATH --rates 1,2,4,8 \\
         --ttft-slo 1.0 --tpot-slo 0.1 --dataset random --random-input-len 512 --random-output-len 64 \\
@@ -15,6 +16,7 @@ failed meets no target.
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import json
 import os
@@ -79,8 +81,15 @@ async def _run(args, targets: list[Target]) -> dict[str, list[dict]]:
     out: dict[str, list[dict]] = {t.name: [] for t in targets}
     rates = [float(x) for x in args.rates.split(",")]
     for k, rate in enumerate(rates):
+        # Prompts of their own at each rate (the same for every server): a rate must not be served from
+        # the prefix cache an earlier rate filled.
+        level = (
+            prompts
+            if k == 0
+            else _prompts(argparse.Namespace(**{**vars(args), "seed": args.seed + 1000 * k}), n, tok)
+        )
         for t in targets if k % 2 == 0 else targets[::-1]:
-            res, dur = await run_level(cfg, t, prompts, concurrency, rate, args.seed + k, count_tokens)
+            res, dur = await run_level(cfg, t, level, concurrency, rate, args.seed + k, count_tokens)
             row = {"rate": rate, **goodput(res, dur, args.ttft_slo, args.tpot_slo)}
             out[t.name].append(row)
             print(

@@ -32,6 +32,11 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--profile", help="a profile JSON (from --profile-out); default: measure this host now")
     p.add_argument("--profile-out", help="measure this host, save the profile here, and stop")
+    p.add_argument(
+        "--url",
+        help="measure through this running cluster (1 prefill + 1 decode worker, idle) instead of in this "
+        "process: its requests' whole cost, HTTP and the workers' loops included",
+    )
     p.add_argument("--model-path", default=None, help="default: the bundled SmolLM2-135M-Instruct")
     p.add_argument("--dtype", default="auto")
     p.add_argument("--quantization", default="auto")
@@ -67,9 +72,13 @@ def plan(profile: Profile, args: argparse.Namespace) -> dict[int, tuple[tuple[in
         f"{'split':>6} {'rate':>6} {'goodput':>8} {'attain':>7} {'TTFT p50':>9} {'p90':>7} {'TPOT p50':>9} {'p90':>7}"
     )
     best: dict[int, tuple[tuple[int, int], dict[str, float]]] = {}
+    ranked: dict[
+        int, tuple[float, float]
+    ] = {}  # worker count -> the best split's (goodput, summed over rates)
     for n in args.workers:
         for p in range(1, n):
             split = (p, n - p)
+            rows = []
             for rate in args.rates:
                 arrivals = poisson_workload(
                     rate, args.num_prompts, prompt, output, args.seed, args.range_ratio
@@ -82,8 +91,13 @@ def plan(profile: Profile, args: argparse.Namespace) -> dict[int, tuple[tuple[in
                     + f" {rate:>6g} {g['goodput']:>8.3f} {g['attainment']:>7.0%} {_pct(ttft, 50):>9.3f}"
                     f" {_pct(ttft, 90):>7.3f} {_pct(tpot, 50):>9.4f} {_pct(tpot, 90):>7.4f}"
                 )
-                if n not in best or g["goodput"] > best[n][1]["goodput"]:
-                    best[n] = (split, g)
+                rows.append(g)
+            # The best split has the highest goodput at its best rate; between equals, the one that keeps
+            # more of it at the other rates (the more robust to a rate it was not planned for).
+            top = max(rows, key=lambda g: (g["goodput"], -g["rate"]))
+            key = (round(top["goodput"], 6), sum(g["goodput"] for g in rows))
+            if n not in ranked or key > ranked[n]:
+                ranked[n], best[n] = key, (split, top)
     for n, ((p, d), g) in best.items():
         print(f"best split of {n} workers: {p}P{d}D, goodput {g['goodput']:.3f} req/s at {g['rate']:g} req/s")
     return best
@@ -103,12 +117,15 @@ def main(argv: list[str] | None = None) -> int:
             parser.error(f"--profile {args.profile}: {e}")
     else:
         from pdserve.config import RuntimeConfig
-        from pdserve.plan.measure import measure
+        from pdserve.plan.measure import measure, measure_cluster
 
         print("measuring this host's profile...", file=sys.stderr, flush=True)
-        profile = measure(
-            RuntimeConfig(model_path=args.model_path, dtype=args.dtype, quantization=args.quantization)
-        )
+        if args.url:
+            profile = measure_cluster(args.url.rstrip("/"))
+        else:
+            profile = measure(
+                RuntimeConfig(model_path=args.model_path, dtype=args.dtype, quantization=args.quantization)
+            )
         if args.profile_out:
             profile.save(args.profile_out)
             print(f"profile saved to {args.profile_out}")

@@ -111,3 +111,108 @@ def measure(cfg: RuntimeConfig, rounds: int = 2, steps: int = 4) -> Profile:
         )
     finally:
         runner.close()
+
+
+def measure_cluster(url: str, vocab: int = 32000, rounds: int = 2, steps: int = 24) -> Profile:
+    """The same profile measured through a running cluster's `/generate` (one prefill and one decode
+    worker idle but for these requests): a prompt's time to its first token, and the time between
+    tokens of `b` streams decoding together. Unlike `measure`, it carries everything a request costs
+    besides the forward (HTTP, tokens through the gateway, the workers' loops), as a cluster serves."""
+    import statistics
+    import threading
+
+    import httpx
+
+    rng = random.Random()  # fresh prompts: none may come from the prefix cache of an earlier run
+
+    def stream(n: int, out_tokens: int, times: list[float]) -> None:
+        ids = [rng.randrange(100, vocab) for _ in range(n)]
+        sp = {"max_new_tokens": out_tokens, "temperature": 0, "ignore_eos": True}
+        t0 = time.perf_counter()
+        with httpx.stream(
+            "POST",
+            url + "/generate",
+            json={"input_ids": ids, "sampling_params": sp, "stream": True},
+            timeout=300,
+        ) as r:
+            if r.status_code != 200:
+                raise RuntimeError(f"{url}/generate answered {r.status_code}: {r.read()[:200]!r}")
+            for line in r.iter_lines():
+                if line.startswith("data: ") and line != "data: [DONE]":
+                    times.append(time.perf_counter() - t0)
+
+    def ttft(n: int) -> float:
+        times: list[float] = []
+        stream(n, 1, times)
+        return times[0]
+
+    def step(b: int, c: int) -> float:
+        """Median gap between tokens while all `b` streams decode (after the last first token)."""
+        runs: list[list[float]] = [[] for _ in range(b)]
+        threads = [threading.Thread(target=stream, args=(c, steps, runs[i])) for i in range(b)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        start = max(r[0] for r in runs)
+        gaps = [y - x for r in runs for x, y in zip(r, r[1:]) if x >= start]
+        return statistics.median(gaps) if gaps else 0.0
+
+    ttft(16)  # warm-up
+    prefill_s = [min(ttft(n) for _ in range(rounds)) for n in PREFILL_TOKENS]
+    batches, contexts = [1, 4, 16], [64, 512]
+    decode_s = [[min(step(b, c) for _ in range(rounds)) for c in contexts] for b in batches]
+    profile = Profile(
+        host=f"{_cpu_name()}, {os.cpu_count()} cores (through {url})",
+        model="as served",
+        dtype="as served",
+        quantization="as served",
+        threads=0,
+        prefill_tokens=PREFILL_TOKENS,
+        prefill_s=prefill_s,
+        decode_batch=batches,
+        decode_context=contexts,
+        decode_s=decode_s,
+        transfer_s_per_token=0.0,  # inside the measured time to the first token's successors
+        notes=[f"measured by pdserve plan --profile-out --url {url}: requests through the cluster"],
+    )
+    # A burst of BURST prompts at once: prefill and decode forwards overlap; the efficiency at which
+    # the simulator then reproduces the burst's mean time to the last token is the host's.
+    runs: list[list[float]] = [[] for _ in range(BURST)]
+    threads = [
+        threading.Thread(target=stream, args=(BURST_PROMPT, BURST_OUTPUT, runs[i])) for i in range(BURST)
+    ]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    profile.shared_efficiency = fit_efficiency(profile, statistics.mean(r[-1] for r in runs))
+    profile.notes.append(f"shared_efficiency fitted to a burst of {BURST} x {BURST_PROMPT}-token prompts")
+    return profile
+
+
+BURST, BURST_PROMPT, BURST_OUTPUT = 6, 768, 16
+
+
+def fit_efficiency(profile: Profile, measured_e2e: float) -> float:
+    """The shared_efficiency at which the simulated burst's mean time to the last token is the measured
+    one (bisection; the simulated time falls as the efficiency rises)."""
+    from pdserve.plan.simulate import Arrival, simulate
+
+    burst = [Arrival(0.0, BURST_PROMPT, BURST_OUTPUT)] * BURST
+
+    def mean_e2e(e: float) -> float:
+        profile.shared_efficiency = e
+        outs = simulate(profile, 1, 1, burst)
+        return sum(o.done for o in outs) / len(outs)
+
+    if mean_e2e(1.0) >= measured_e2e:  # as fast as perfect sharing, or no overlap to tell by
+        return 1.0
+    lo, hi = 0.05, 1.0
+    for _ in range(30):
+        mid = (lo + hi) / 2
+        if mean_e2e(mid) > measured_e2e:
+            lo = mid
+        else:
+            hi = mid
+    return round(hi, 4)

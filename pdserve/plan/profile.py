@@ -41,6 +41,10 @@ class Profile:
     transfer_s_per_token: float
     chunked_prefill_size: int = 8192
     max_running_requests: int = 48
+    # One host's forwards, k > 1 at once, progress at shared_efficiency / k each (1: perfect sharing).
+    # Lock hand-offs, thread wake-ups and the serving path's own CPU make it less on a busy CPU host;
+    # `pdserve plan --url` fits it to a burst of requests through the cluster.
+    shared_efficiency: float = 1.0
     notes: list[str] = field(default_factory=list)
 
     def prefill(self, tokens: int) -> float:
@@ -81,3 +85,5 @@ class Profile:
                 raise ValueError(f"{name} must be increasing positive numbers")
         if min(self.prefill_s) < 0 or min(min(r) for r in self.decode_s) < 0 or self.transfer_s_per_token < 0:
             raise ValueError("times must not be negative")
+        if not 0 < self.shared_efficiency <= 1:
+            raise ValueError("shared_efficiency must be in (0, 1]")

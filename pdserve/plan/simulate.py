@@ -9,8 +9,9 @@ What it models, as pdserve runs:
 - a decode worker runs one step at a time over its running requests (continuous batching: requests whose
   KV has landed join at the next step, up to `max_running_requests`; one token each per step);
 - compute: on one CPU host every worker's forwards share the cores (`pdserve up` gives each worker all of
-  them and the forwards take turns between layers), so the active forwards progress at 1/k of the profile's
-  speed each (processor sharing); with `shared=False` each worker has a device of its own.
+  them and the forwards take turns between layers), so k active forwards progress at e/k of the profile's
+  speed each (processor sharing at the profile's `shared_efficiency` e); with `shared=False` each worker
+  has a device of its own.
 Not modelled: retraction (the pool is taken as large enough), chunked prefill's interleaving with other
 prompts, the prefix cache, speculative decoding, network time between hosts.
 """
@@ -178,13 +179,14 @@ def simulate(
                 elif w.job is None and w.role == "decode" and (w.queue or w.running):
                     start_decode(w)
             continue
-        k = len(jobs) if shared else 1
+        # each active forward's speed: alone 1; k sharing one host's cores, shared_efficiency / k
+        speed = profile.shared_efficiency / len(jobs) if shared and len(jobs) > 1 else 1.0
         next_job = min(jobs, key=lambda j: j.work) if jobs else None
-        t_job = t + next_job.work * k if next_job is not None else float("inf")
+        t_job = t + next_job.work / speed if next_job is not None else float("inf")
         t_event = events[0][0] if events else float("inf")
         now = min(t_job, t_event)
         for j in jobs:
-            j.work -= (now - t) / k
+            j.work -= (now - t) * speed
         t = now
         if next_job is not None and t_job <= t_event:
             finish(next_job, t)

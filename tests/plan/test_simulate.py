@@ -90,3 +90,20 @@ def test_a_damaged_profile_is_refused(tmp_path) -> None:
     p.save(str(path))
     with pytest.raises(ValueError, match="decode_s must be"):
         Profile.load(str(path))
+
+
+def test_shared_efficiency_slows_overlapping_forwards_and_is_fitted_back() -> None:
+    from pdserve.plan.measure import BURST, BURST_OUTPUT, BURST_PROMPT, fit_efficiency
+
+    p = _profile()
+    p.shared_efficiency = 0.5
+    a, b = simulate(p, 1, 1, [Arrival(0.0, 10, 3), Arrival(1.0, 10, 3)])
+    # as in the half-speed case above, at a quarter of the speed while both run
+    assert a.done == pytest.approx(1.8) and b.ttft == pytest.approx(0.8 + 0.8)  # 0.2 of it shared, 0.8 alone
+    p.chunked_prefill_size = BURST_PROMPT  # one prompt a forward: the burst's prefills overlap its decodes
+    burst = simulate(p, 1, 1, [Arrival(0.0, BURST_PROMPT, BURST_OUTPUT)] * BURST)
+    measured = sum(o.done for o in burst) / BURST
+    assert fit_efficiency(_profile(chunked_prefill_size=BURST_PROMPT), measured) == pytest.approx(
+        0.5, abs=0.01
+    )
+    assert fit_efficiency(_profile(chunked_prefill_size=BURST_PROMPT), 0.001) == 1.0  # faster than perfect
