@@ -23,6 +23,7 @@ import sys
 import time
 
 from pdserve.config import RuntimeConfig
+from pdserve.plan.measure import best_of
 from pdserve.runtime.engine import Engine
 from pdserve.runtime.request import Request
 from pdserve.sampling_params import SamplingParams
@@ -47,29 +48,20 @@ def _prompt(rng: random.Random, n: int) -> list[int]:
     return [rng.randrange(100, 40000) for _ in range(n)]
 
 
-def _best(fn, rounds: int) -> float:
-    times = []
-    for _ in range(rounds):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return min(times)
-
-
 def measure(engine: Engine, args: argparse.Namespace, rng: random.Random) -> dict[str, float]:
     out: dict[str, float] = {}
     one = SamplingParams(max_new_tokens=1, temperature=0.0)
     engine.generate([_prompt(rng, 32)], one)  # warm-up
     for n in args.lengths:
         run = lambda n=n: engine.generate([_prompt(rng, n)], one)  # noqa: E731
-        out[f"prefill {n} tokens (ms)"] = 1e3 * _best(run, args.rounds)
+        out[f"prefill {n} tokens (ms)"] = 1e3 * best_of(run, args.rounds)
     tp = engine.runner.tp
     for b in args.batches:
         d = SamplingParams(max_new_tokens=1 + args.decode_tokens, temperature=0.0, ignore_eos=True)
         before = dict(tp.seconds) if tp is not None else {}
         t0 = time.perf_counter()
-        base = _best(lambda b=b: engine.generate([_prompt(rng, 16) for _ in range(b)], one), 1)
-        full = _best(lambda b=b, d=d: engine.generate([_prompt(rng, 16) for _ in range(b)], d), 1)
+        base = best_of(lambda b=b: engine.generate([_prompt(rng, 16) for _ in range(b)], one), 1)
+        full = best_of(lambda b=b, d=d: engine.generate([_prompt(rng, 16) for _ in range(b)], d), 1)
         wall = time.perf_counter() - t0
         out[f"decode batch {b} (tok/s)"] = b * args.decode_tokens / max(full - base, 1e-9)
         if tp is not None:
@@ -84,8 +76,8 @@ def measure(engine: Engine, args: argparse.Namespace, rng: random.Random) -> dic
             pages = req.pages
             rank_bytes = len(pages) * runner.pool.kv[0].nbytes
             full_bytes = len(pages) * runner.transfer_kv[0].nbytes
-            g = _best(lambda pages=pages: runner.before_send(pages), args.rounds)
-            s = _best(lambda pages=pages: runner.after_receive(pages), args.rounds)
+            g = best_of(lambda pages=pages: runner.before_send(pages), args.rounds)
+            s = best_of(lambda pages=pages: runner.after_receive(pages), args.rounds)
             runner.release(req)
             out[f"hand-off {n} tokens: bytes per rank (MB)"] = rank_bytes / 1e6
             out[f"hand-off {n} tokens: gather (ms)"] = 1e3 * g

@@ -37,7 +37,8 @@ def _cpu_name() -> str:
     return platform.processor() or platform.machine()
 
 
-def _best(fn: Callable[[], object], rounds: int) -> float:
+def best_of(fn: Callable[[], object], rounds: int) -> float:
+    """The least seconds `fn()` took over `rounds` calls."""
     times = []
     for _ in range(rounds):
         t0 = time.perf_counter()
@@ -86,12 +87,12 @@ def measure(cfg: RuntimeConfig, rounds: int = 2, steps: int = 4) -> Profile:
     try:
         prefill(32)  # warm-up: kernels built, first touches
         decode(1, 64)
-        prefill_s = [_best(functools.partial(prefill, n), rounds) for n in PREFILL_TOKENS]
+        prefill_s = [best_of(functools.partial(prefill, n), rounds) for n in PREFILL_TOKENS]
         decode_s = [[min(decode(b, c) for _ in range(rounds)) for c in DECODE_CONTEXT] for b in DECODE_BATCH]
         kv = runner.pool.kv
         pages = min(kv.shape[0] // 2, 256)
         dst = torch.empty_like(kv[:pages])
-        seconds = _best(lambda: copy_pages(kv, list(range(pages)), dst, list(range(pages))), rounds)
+        seconds = best_of(lambda: copy_pages(kv, list(range(pages)), dst, list(range(pages))), rounds)
         transfer = seconds / (pages * runner.page_size)
         return Profile(
             host=f"{_cpu_name()}, {os.cpu_count()} cores",
