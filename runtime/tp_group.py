@@ -300,7 +300,8 @@ class TPGroup:
 
     def shared(self) -> None:
         """Every rank: wait until all have moved their pools (a one-element all-reduce over the group)."""
-        self._timed("kv", self._pg.allreduce([torch.zeros(1)], AllreduceOptions()), time.perf_counter())
+        one = torch.zeros(1, device=self.device)
+        self._timed("kv", self._pg.allreduce([one], AllreduceOptions()), time.perf_counter())
 
     def weights(self, cmd: int, what: dict[str, object] | None = None) -> None:
         """Rank 0: a weights command to the other ranks; `what` (CMD_WEIGHTS_STAGE) goes through the
@@ -336,7 +337,7 @@ class TPGroup:
 
     def failed_ranks(self, failed: bool) -> int:
         """Every rank: how many ranks could not stage their cut (each says whether it did)."""
-        t = torch.tensor([float(failed)])
+        t = torch.tensor([float(failed)], device=self.device)  # NCCL reduces only device tensors
         self._timed("command", self._pg.allreduce([t], AllreduceOptions()), time.perf_counter())
         return int(t.item())
 
