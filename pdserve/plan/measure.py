@@ -58,9 +58,12 @@ def measure(cfg: RuntimeConfig, rounds: int = 2, steps: int = 4) -> Profile:
             cfg,
             max_total_tokens=max(cfg.max_total_tokens or 0, longest + 64),
             max_running_requests=max(cfg.max_running_requests, max(DECODE_BATCH)),
-            context_length=max(cfg.context_length or 0, max(PREFILL_TOKENS + DECODE_CONTEXT) + steps + 2),
         )
     )
+    # the points the model's context allows (past them, the profile extrapolates)
+    limit = runner.context_length
+    prefill_tokens = [n for n in PREFILL_TOKENS if n <= limit] or [limit]
+    contexts = [c for c in DECODE_CONTEXT if c + steps + 1 <= limit] or [limit - steps - 1]
     rng = random.Random(0)
     vocab = runner.spec.vocab_size
     sp = SamplingParams(max_new_tokens=steps + 1)
@@ -85,10 +88,10 @@ def measure(cfg: RuntimeConfig, rounds: int = 2, steps: int = 4) -> Profile:
         return seconds
 
     try:
-        prefill(32)  # warm-up: kernels built, first touches
-        decode(1, 64)
-        prefill_s = [best_of(functools.partial(prefill, n), rounds) for n in PREFILL_TOKENS]
-        decode_s = [[min(decode(b, c) for _ in range(rounds)) for c in DECODE_CONTEXT] for b in DECODE_BATCH]
+        prefill(min(32, limit))  # warm-up: kernels built, first touches
+        decode(1, contexts[0])
+        prefill_s = [best_of(functools.partial(prefill, n), rounds) for n in prefill_tokens]
+        decode_s = [[min(decode(b, c) for _ in range(rounds)) for c in contexts] for b in DECODE_BATCH]
         kv = runner.pool.kv
         pages = min(kv.shape[0] // 2, 256)
         dst = torch.empty_like(kv[:pages])
@@ -100,10 +103,10 @@ def measure(cfg: RuntimeConfig, rounds: int = 2, steps: int = 4) -> Profile:
             dtype=str(runner.geometry.dtype).removeprefix("torch."),
             quantization=runner.loaded.quantization,
             threads=torch.get_num_threads(),
-            prefill_tokens=PREFILL_TOKENS,
+            prefill_tokens=prefill_tokens,
             prefill_s=prefill_s,
             decode_batch=DECODE_BATCH,
-            decode_context=DECODE_CONTEXT,
+            decode_context=contexts,
             decode_s=decode_s,
             transfer_s_per_token=transfer,
             chunked_prefill_size=cfg.chunked_prefill_size,
