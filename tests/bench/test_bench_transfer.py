@@ -5,15 +5,16 @@ from __future__ import annotations
 
 import re
 import subprocess
-import sys
 
 import pytest
+
+from pdserve.launch.supervisor import pdserve_command
 
 pytestmark = pytest.mark.timeout(300)
 
 
 def _bench(*args: str) -> subprocess.CompletedProcess[str]:
-    cmd = [sys.executable, "-P", "-m", "pdserve.bench.bench_transfer", "--tokens", "64", "--reps", "1", *args]
+    cmd = pdserve_command("bench", "transfer", "--tokens", "64", "--reps", "1", *args)
     return subprocess.run(cmd, capture_output=True, text=True, timeout=240)
 
 

@@ -13,6 +13,8 @@ from pathlib import Path
 
 import pytest
 
+from pdserve.launch.supervisor import pdserve_command
+
 REPO = Path(__file__).resolve().parents[2]
 
 
@@ -279,7 +281,7 @@ def test_up_refuses_a_tp_size_the_model_does_not_split_before_starting_anything(
     """The bundled model splits only over 3: `pdserve up` says so and exits 2, no worker started (one
     would refuse the split and be restarted in a loop)."""
     out = subprocess.run(
-        [sys.executable, "-P", "-m", "pdserve.cli", "up", "--log-dir", str(tmp_path), *flags],
+        pdserve_command("up", "--log-dir", str(tmp_path), *flags),
         capture_output=True,
         text=True,
         timeout=120,

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import json
 import subprocess
-import sys
 
 import pytest
 
+from pdserve.launch.supervisor import pdserve_command
 from pdserve.plan.profile import Profile
 
 pytestmark = pytest.mark.timeout(600)
@@ -15,7 +15,7 @@ pytestmark = pytest.mark.timeout(600)
 
 def _plan(*args: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
-        [sys.executable, "-P", "-m", "pdserve.cli", "plan", *args],
+        pdserve_command("plan", *args),
         capture_output=True,
         text=True,
         timeout=500,
