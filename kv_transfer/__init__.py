@@ -8,8 +8,9 @@ state.py), on the I/O loop both ends share (io_loop.py). The two transports, beh
 pair group (dist_transport.py) and, on one host, the prefill's pool in shared memory copied by the decode
 (shm_transport.py, shm.py; TransferConfig.transport). Tensor-parallel workers: the handshake carries both
 TP sizes, and on one host each decode rank's pool takes its KV heads from the prefill rank holding them
-(layout.kv_head_ranges, shm.copy_heads); the pair group carries every head from and to rank 0's pool. Byte layout: layout.py. Wire messages:
-pdserve/protocol (kv_control.py, kv_trailer.py). Mailbox items: mailbox.py.
+(layout.kv_head_ranges, shm.copy_heads); the pair group carries every head from and to rank 0's pool.
+Byte layout: layout.py. Wire messages: pdserve/protocol (kv_control.py, kv_trailer.py). Mailbox items:
+mailbox.py.
 """
 
 from pdserve.kv_transfer.config import TransferConfig, default_backend

@@ -315,10 +315,7 @@ class ReceiverIO(RoomBook[RecvRoom, _Peer]):
         if self.o._tp_size > 1 and pools is None:  # a TP worker whose ranks' pools are not mapped here
             mapped = None
         dst = RankPools(pools or [self.o._kv], self.o._head_split)
-        if mapped is None:
-            peer.shm = ShmReceive(peer.addr, dst, self.o._mailbox, None)
-        else:
-            peer.shm = ShmReceive(peer.addr, dst, self.o._mailbox, mapped[0], mapped[1])
+        peer.shm = ShmReceive(peer.addr, dst, self.o._mailbox, mapped)
         peer.ready = True
         for future in peer.futures:
             if not future.done():

@@ -248,9 +248,8 @@ class MappedPool:
         finally:
             os.close(fd)
         with warnings.catch_warnings():
-            warnings.simplefilter(
-                "ignore"
-            )  # a read-only buffer unless writable: the decode never writes to it
+            # a read-only buffer unless writable: the decode never writes to it
+            warnings.simplefilter("ignore")
             data = torch.frombuffer(mm, dtype=torch.uint8)
         header = data[:HEADER_BYTES]
         if bytes(header[: len(MAGIC)].numpy()) != MAGIC or bytes(header[_TOKEN].numpy()) != token:

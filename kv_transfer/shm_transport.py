@@ -116,14 +116,11 @@ class ShmReceive(ReceiveTransport[ShmJob]):
     straight from the prefill rank that holds them."""
 
     def __init__(
-        self,
-        addr: str,
-        dst: RankPools,
-        mailbox: Mailbox,
-        src: MappedPool | None,
-        src_ranks: RankPools | None = None,
+        self, addr: str, dst: RankPools, mailbox: Mailbox, src: tuple[MappedPool, RankPools] | None
     ) -> None:
-        self.src, self._src_ranks = src, src_ranks
+        """`src`: map_segment's answer, the prefill's rank-0 segment (its fence) and every rank's pool."""
+        self.src: MappedPool | None = None if src is None else src[0]
+        self._src_ranks: RankPools | None = None if src is None else src[1]
         self._addr, self._dst, self._mailbox = addr, dst, mailbox
 
     def accept(self, live: RecvRoom | None, msg: kc.Announce) -> tuple[ShmJob | None, str | None]:
