@@ -13,7 +13,6 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
 
 
 def main(args: argparse.Namespace) -> int:
-    from pdserve.decode.worker import DecodeWorker
     from pdserve.worker.common import run_worker
 
-    return run_worker("decode", args, DecodeWorker)
+    return run_worker("decode", args)

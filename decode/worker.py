@@ -32,7 +32,14 @@ from pdserve.runtime.runner import ModelRunner, append_samples
 from pdserve.runtime.weight_update import WeightUpdater
 from pdserve.worker.admission import Admission
 from pdserve.worker.cache_events import CacheEvents
-from pdserve.worker.common import connect_link, loop_wait, make_clock, paused_for_weights, serve_until_drained
+from pdserve.worker.common import (
+    accept_switch,
+    connect_link,
+    loop_wait,
+    make_clock,
+    paused_for_weights,
+    serve_until_drained,
+)
 from pdserve.worker.drain import DrainSignal
 from pdserve.worker.kv_endpoints import receiver_for
 from pdserve.worker.link import WorkerLink
@@ -42,17 +49,21 @@ log = logging.getLogger(__name__)
 
 
 class DecodeWorker:
-    def __init__(self, cfg: WorkerConfig, signals: DrainSignal | None = None):
+    def __init__(
+        self, cfg: WorkerConfig, signals: DrainSignal | None = None, runner: ModelRunner | None = None
+    ):
         self.cfg = cfg
         self.clock = make_clock(cfg)
         self.signals = signals or DrainSignal()
-        self.runner = ModelRunner(cfg.runtime)
+        self.runner = runner or ModelRunner(cfg.runtime)  # a role switch hands the last role's runner on
+        self.switch: m.SwitchRole | None = None  # taken from the gateway: drain, then serve that role
         self.stepper = make_stepper(self.runner)
         rc = cfg.runtime
         lookahead = 1 + (rc.speculative_num_draft_tokens if rc.speculative_algorithm else 0)
         cache = None
         if not rc.disable_radix_cache:
             cache = RadixCache(self.runner.allocator, rc.page_size, record_events=True)
+        self.cache = cache
         self.sched = DecodeScheduler(self.runner.pages, rc.max_running_requests, lookahead, cache)
         self.cache_events = CacheEvents(cfg.worker_id, "decode", cache)
         transfer_cfg = worker_transfer_config(cfg, self.runner.transfer_kv)
@@ -68,7 +79,8 @@ class DecodeWorker:
             "decode", self.runner, self.signals, self.clock, self._enter, self._fail, self._transfer_ended
         )
 
-    def serve(self) -> None:
+    def serve(self) -> m.SwitchRole | None:
+        """Serve until drained; the switch taken, if that is why (the caller closes the runner)."""
         if self.runner.compiled is not None:  # compile before taking requests, not at the first one
             self.runner.compiled.warm_up()
         self.receiver.start()
@@ -82,12 +94,13 @@ class DecodeWorker:
                 self.step,
                 lambda: len(self.sched) + len(self.admission),
                 lambda: self.receiver.io_failure() or self.runner.tp_failure(),
+                lambda: self.switch is not None,
             )
         finally:
             self.weights.close()
             self.receiver.close()
             self.link.close()
-            self.runner.close()
+        return self.switch if not self.signals.draining.is_set() else None
 
     def _transfer_ended(self) -> None:
         if self.link is not None:
@@ -247,6 +260,8 @@ class DecodeWorker:
             reply = self.weights.on_command(msg)
             if reply is not None:
                 self.link.send(reply)
+        elif isinstance(msg, m.SwitchRole):
+            self.switch = accept_switch(self.cfg, msg, self.switch)
         elif isinstance(msg, m.FlushCache):
             assert self.link is not None
             self.link.send(self.cache_events.flush(msg.flush_id, len(self.sched)))

@@ -3,7 +3,7 @@
 Three kinds of path:
 - inference (every path not listed below: `/generate`, `/v1/*`, SGLang's info endpoints, the docs):
   the API key (`--api-key`, else PDSERVE_API_KEY) or the admin key;
-- operational (`ADMIN_PATHS`: `/workers`, `/flush_cache`, `/abort_request`, the weight endpoints of
+- operational (`ADMIN_PATHS`: `/workers` and what is under it (`POST /workers/{id}/role`), `/flush_cache`, `/abort_request`, the weight endpoints of
   gateway/weights_api.py, and the timeline page `/dashboard` with its `/dashboard/data`): the admin key
   (`--admin-api-key`, else PDSERVE_ADMIN_API_KEY); with no admin key, the API key. A browser cannot send
   a bearer token when it opens a page, so the dashboard's paths also take the key as HTTP Basic's
@@ -62,10 +62,15 @@ class ApiKeys:
             protected = self.protect_health if path == "/health" else self.protect_metrics
             if not protected:
                 return ()
-        if path in ADMIN_PATHS:
+        if is_admin_path(path):
             key = self.admin_api_key or self.api_key
             return (key,) if key else ()
         return tuple(k for k in (self.api_key, self.admin_api_key) if k) if self.api_key else ()
+
+
+def is_admin_path(path: str) -> bool:
+    """An operational path: one of ADMIN_PATHS, or under /workers/ (a worker's own: its role)."""
+    return path in ADMIN_PATHS or path.startswith("/workers/")
 
 
 def bearer_token(headers: list[tuple[bytes, bytes]], basic: bool = False) -> bytes | None:
@@ -115,7 +120,7 @@ class ApiKeyMiddleware:
             if not ok:
                 what = (
                     "the admin API key"
-                    if scope["path"] in ADMIN_PATHS and self.keys.admin_api_key
+                    if is_admin_path(scope["path"]) and self.keys.admin_api_key
                     else "an API key"
                 )
                 body = error_body(

@@ -1,5 +1,5 @@
-"""The cluster's own endpoints: /health, /workers, /flush_cache, and /metrics (`metrics_router`, served
-with --enable-metrics)."""
+"""The cluster's own endpoints: /health, /workers, a worker's role (`POST /workers/{id}/role`),
+/flush_cache, and /metrics (`metrics_router`, served with --enable-metrics)."""
 
 from __future__ import annotations
 
@@ -9,8 +9,12 @@ from typing import Any
 from fastapi import APIRouter, Query, Request
 from fastapi.responses import JSONResponse, Response
 
-from pdserve.gateway.errors import error_body
+from pdserve.gateway.errors import ApiError, error_body, parse_json_body
 from pdserve.gateway.metrics import CONTENT_TYPE
+from pdserve.gateway.protocol import parse_body
+from pdserve.gateway.request_body import read_body
+from pdserve.gateway.request_models import LenientModel
+from pdserve.gateway.role_switch import Switch, SwitchRefused
 from pdserve.gateway.state import gateway_state
 from pdserve.gateway.workers import WorkerInfo
 from pdserve.protocol.gateway import Role
@@ -47,14 +51,36 @@ async def workers(request: Request, include_down: bool = Query(False, alias="all
     """Registered workers (healthy or draining); `?all=1` adds those lost recently (down)."""
     registry = gateway_state(request).registry
     listed = registry.all() + (registry.down(time.monotonic()) if include_down else [])
-    return {"workers": [_worker(w) for w in listed]}
+    switches = gateway_state(request).control.switches.pending
+    return {"workers": [_worker(w, switches.get(w.worker_id)) for w in listed]}
 
 
-def _worker(w: WorkerInfo) -> dict[str, Any]:
+class RoleBody(LenientModel):
+    role: Role
+
+
+@router.post("/workers/{worker_id}/role", status_code=202)
+async def switch_role(worker_id: str, request: Request) -> dict[str, Any]:
+    """Move a worker to the other role in place (gateway/role_switch.py): 202 once it is draining;
+    404 for an unknown worker; 409 during another switch, for the role it has, or for the last worker
+    of its role. `GET /workers` shows the switch until the worker registers in its new role."""
+    state = gateway_state(request)
+    raw = await read_body(request, 4096, state.cfg.request_body_timeout_s)
+    body = parse_body(RoleBody, parse_json_body(raw) if raw.strip() else {})
+    try:
+        s = state.control.switch_role(worker_id, body.role)
+    except SwitchRefused as e:
+        raise ApiError(e.status, e.message, "role" if e.status == 409 else None) from None
+    return {"worker_id": worker_id, "state": "switching"} | s.view()
+
+
+def _worker(w: WorkerInfo, switch: Switch | None = None) -> dict[str, Any]:
     return {
         "worker_id": w.worker_id,
         "role": w.role,
-        "state": w.state,
+        "state": "switching" if switch is not None else w.state,
+        "epoch": w.reg.epoch,
+        "switch": switch.view() if switch is not None else None,
         "restarts": w.restarts,
         "registered_at": w.registered_at,
         "draining": w.draining,

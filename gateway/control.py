@@ -34,7 +34,8 @@ from pdserve.cluster_auth import ClusterKeys, load_keys, secure_server, start_au
 from pdserve.gateway.answers import Answers
 from pdserve.gateway.config import GatewayConfig
 from pdserve.gateway.metrics import GatewayMetrics
-from pdserve.gateway.registration import refusal
+from pdserve.gateway.registration import Refusal, refusal
+from pdserve.gateway.role_switch import SWITCH_TIMEOUT_S, RoleSwitches, Switch
 from pdserve.gateway.rooms import (
     Room,
     RoomAborted,
@@ -58,6 +59,8 @@ from pdserve.protocol.gateway import (
     Register,
     RegisterAck,
     RequestFailed,
+    Role,
+    SwitchRole,
     TokenBatch,
     WeightsCommand,
     WeightsReply,
@@ -94,6 +97,7 @@ class ControlPlane:
         self._tasks: list[asyncio.Task[None]] = []
         self.bound_port: int | None = None
         self.answers = Answers(registry, self.send)
+        self.switches = RoleSwitches(registry, SWITCH_TIMEOUT_S)
         # Called with each worker accepted by a Register (gateway/weights.py: bring it to the cluster's weights).
         self.on_registered: list[Callable[[WorkerInfo], None]] = []
 
@@ -148,6 +152,15 @@ class ControlPlane:
         self._sock = self._ctx = None
 
     # ---- sending -----------------------------------------------------------------------------
+
+    def switch_role(self, worker_id: str, role: Role) -> Switch:
+        """Start moving a worker to `role` in place (gateway/role_switch.py; raises SwitchRefused)."""
+        s = self.switches.begin(worker_id, role)
+        w = self.registry.get(worker_id)
+        assert w is not None
+        self.send(w, SwitchRole(role=role, epoch=s.epoch))
+        self._update_worker_gauges()
+        return s
 
     def send(self, worker: WorkerInfo, msg: Message) -> None:
         """Queue a message for a worker; never blocks, safe in `finally` blocks."""
@@ -236,6 +249,11 @@ class ControlPlane:
             self._on_register(identity, msg, t_recv)
             return
         worker = self.registry.by_identity(identity)
+        if worker is None and (retired := self.switches.retired(identity)) is not None:
+            # A frame of a role the worker has left: never taken for its new role's.
+            log.warning("%s from %s of stale epoch %d dropped", msg.kind, retired[0], retired[1])
+            self.metrics.stale_epoch_frames.inc()
+            return
         if worker is None:
             # Not pinged any more, the worker re-registers by itself once it hears nothing.
             log.warning("%s from unregistered peer %r dropped", msg.kind, identity)
@@ -270,18 +288,31 @@ class ControlPlane:
             log.warning("unexpected %s from worker %s", msg.kind, worker.worker_id)
 
     def _on_register(self, identity: bytes, reg: Register, t_recv: float) -> None:
-        refused = refusal(self.cfg, self.registry, identity, reg, time.monotonic(), self._ping)
+        stale, switch = self.switches.check_register(reg)
+        refused = (
+            Refusal(stale)
+            if stale is not None
+            else refusal(
+                self.cfg, self.registry, identity, reg, time.monotonic(), self._ping, switch is not None
+            )
+        )
         if refused is not None:
             ack = RegisterAck(accepted=False, reason=refused.reason, retry=refused.retry)
             self._outbox.put_nowait((identity, encode(ack)))
             return
         old = self.registry.get(reg.worker_id)
         if old is not None:
-            # Same id again: a restarted worker has lost whatever it held.
-            fail_rooms_of(self.rooms, old, f"{old.role} worker {old.worker_id} re-registered (restarted)")
-            self.answers.end_waits_on(old, "re-registered (restarted)")
-        w = self.registry.add(reg, identity, time.monotonic())
+            # Same id again: a restarted worker has lost whatever it held; a switched one has finished
+            # what it held, unless its drain ran out of time.
+            why = f"switched to {reg.role}" if switch is not None else "re-registered (restarted)"
+            fail_rooms_of(self.rooms, old, f"{old.role} worker {old.worker_id} {why}")
+            self.answers.end_waits_on(old, why)
+        w = self.registry.add(reg, identity, time.monotonic(), restart=switch is None)
         w.clock.add_one_way(reg.t_send, t_recv)
+        if switch is not None:
+            self.switches.completed(switch, old)
+            self.metrics.role_switches.labels(switch.from_role, switch.to_role).inc()
+            self.metrics.worker_gone(reg.worker_id, switch.from_role)
         log.info("worker %s registered as %s (%s)", reg.worker_id, reg.role, reg.bootstrap_addr or "-")
         self._outbox.put_nowait((identity, encode(RegisterAck(accepted=True))))
         # A first round trip right away so the offset estimate does not wait a heartbeat interval.

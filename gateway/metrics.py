@@ -108,6 +108,17 @@ class GatewayMetrics:
             "pdserve_pending_generations", "Generations (prompts x n) admitted and not finished", registry=r
         )
         self.workers = Gauge("pdserve_workers", "Workers in rotation", ["role"], registry=r)
+        self.role_switches = Counter(
+            "pdserve_role_switches",
+            "Workers that switched role in place",
+            ["from_role", "to_role"],
+            registry=r,
+        )
+        self.stale_epoch_frames = Counter(
+            "pdserve_stale_epoch_frames",
+            "Control frames dropped from a connection a role switch retired",
+            registry=r,
+        )
         labels = ["worker", "role"]
         self.queued = Gauge("pdserve_worker_queue_depth", "Requests queued on a worker", labels, registry=r)
         self.running = Gauge(

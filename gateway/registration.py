@@ -32,12 +32,16 @@ def refusal(
     reg: Register,
     now: float,
     ping: Callable[[WorkerInfo], None],
+    switching: bool = False,
 ) -> Refusal | None:
     """Why the connection `identity` may not register as `reg` (None: it may). `now`: time.monotonic();
-    `ping` probes the live holder of the id claimed (see `_holder_gone`)."""
+    `ping` probes the live holder of the id claimed (see `_holder_gone`). `switching`: `reg` completes
+    a role switch (its epoch is the one the gateway gave), so the id's old connection is the same
+    process's, closed, and is not waited for."""
     old = registry.get(reg.worker_id)
     if (
-        old is not None
+        not switching
+        and old is not None
         and old.identity != identity
         and now - old.last_seen <= cfg.heartbeat_timeout_s
         and not _holder_gone(cfg, old, now, ping)

@@ -158,14 +158,15 @@ class WorkerRegistry:
                 return f"model fingerprint mismatch in: {', '.join(diff)}"
         return None
 
-    def add(self, reg: Register, identity: bytes, now_mono: float) -> WorkerInfo:
-        """Register `reg`; the same id again (live or down) is a restart."""
+    def add(self, reg: Register, identity: bytes, now_mono: float, restart: bool = True) -> WorkerInfo:
+        """Register `reg`; the same id again (live or down) is a restart, unless `restart` is False (the
+        same process in its new role: gateway/role_switch.py)."""
         before = self._workers.get(reg.worker_id) or self._down.pop(reg.worker_id, None)
         w = WorkerInfo(reg.worker_id, reg.role, identity, reg, last_seen=now_mono)
         w.weight_version = reg.weight_version
         w.stale_weights = reg.weight_version != self.weight_version
         if before is not None:
-            w.restarts = before.restarts + 1
+            w.restarts = before.restarts + (1 if restart else 0)
         self._workers[reg.worker_id] = w
         return w
 

@@ -52,6 +52,7 @@ class KVSender(Endpoint):
         tp_size: int = 1,
         rank_segments: list[SharedSegment] | None = None,
         prepare: Callable[[list[int]], None] | None = None,
+        owns_segment: bool = True,
     ) -> None:
         """`segment`: the shared-memory segment `kv` lives in (shm.shared_pool), offered to decode
         nodes on this host unless config.transport is "dist".
@@ -60,7 +61,9 @@ class KVSender(Endpoint):
         pools (rank 0's first, whose header holds the fence): a same-host decode node copies each of its
         ranks' heads straight from the rank that holds them (the runner removes them; the sender fences
         them when it closes). `kv` is then the full-head pool the pair
-        group sends from, which `prepare(pages)` fills before each such send (on a pair thread)."""
+        group sends from, which `prepare(pages)` fills before each such send (on a pair thread).
+        `owns_segment` False: `segment` outlives the sender (a worker's runner, which switches roles,
+        removes it); the sender only fences it when it closes."""
         super().__init__(kv, fingerprint, config, tp_size)
         segments = [segment] if segment is not None else list(rank_segments or [])
         if segment is not None:
@@ -71,7 +74,7 @@ class KVSender(Endpoint):
             raise ValueError(f"{len(segments)} shared-memory segments for {tp_size} ranks")
         # A pool's segment is closed (removed) with the sender, offered or not; a TP worker's rank
         # segments belong to its runner, and the sender only fences them when it closes.
-        self._own_segments = [segment] if segment is not None else []
+        self._own_segments = [segment] if segment is not None and owns_segment else []
         self._segments = segments if config.transport != "dist" else []
         self._prepare = prepare
         self._host, self._port = host, bootstrap_port

@@ -121,6 +121,8 @@ class WorkerConfig:
 
     role: str  # "prefill" | "decode"
     runtime: RuntimeConfig
+    # 0 in the launch role; the gateway's epoch after each role switch (pdserve/protocol/gateway.py).
+    epoch: int = 0
     # The gateway's control socket, host:port (its --control-port).
     gateway_addr: str = "127.0.0.1:30001"
     worker_id: str = ""
@@ -156,7 +158,7 @@ class WorkerConfig:
 def worker_config_from_args(args: argparse.Namespace, role: str) -> WorkerConfig:
     import uuid
 
-    names = {f.name for f in fields(WorkerConfig)} - {"role", "runtime"}
+    names = {f.name for f in fields(WorkerConfig)} - {"role", "runtime", "epoch"}
     kw = {k: v for k, v in vars(args).items() if k in names}
     kw["worker_id"] = kw.get("worker_id") or f"{role}-{uuid.uuid4().hex[:8]}"
     if "/" in kw["worker_id"]:

@@ -13,7 +13,6 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
 
 
 def main(args: argparse.Namespace) -> int:
-    from pdserve.prefill.worker import PrefillWorker
     from pdserve.worker.common import run_worker
 
-    return run_worker("prefill", args, PrefillWorker)
+    return run_worker("prefill", args)

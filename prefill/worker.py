@@ -36,7 +36,14 @@ from pdserve.runtime.runner import ModelRunner, sample_first_tokens
 from pdserve.runtime.weight_update import WeightUpdater
 from pdserve.worker.admission import Admission
 from pdserve.worker.cache_events import CacheEvents
-from pdserve.worker.common import connect_link, loop_wait, make_clock, paused_for_weights, serve_until_drained
+from pdserve.worker.common import (
+    accept_switch,
+    connect_link,
+    loop_wait,
+    make_clock,
+    paused_for_weights,
+    serve_until_drained,
+)
 from pdserve.worker.drain import DrainSignal
 from pdserve.worker.kv_endpoints import sender_for
 from pdserve.worker.link import WorkerLink
@@ -46,14 +53,17 @@ log = logging.getLogger(__name__)
 
 
 class PrefillWorker:
-    def __init__(self, cfg: WorkerConfig, signals: DrainSignal | None = None):
+    def __init__(
+        self, cfg: WorkerConfig, signals: DrainSignal | None = None, runner: ModelRunner | None = None
+    ):
         self.cfg = cfg
         # Test hook (--test-stall-kv-send): hold each finished prefill this long before its KV is
         # handed to the sender, as a stuck transfer path would.
         self.stall_kv_send_s = cfg.stall_kv_send_s
         self.clock = make_clock(cfg)
         self.signals = signals or DrainSignal()
-        self.runner = ModelRunner(cfg.runtime)
+        self.runner = runner or ModelRunner(cfg.runtime)  # a role switch hands the last role's runner on
+        self.switch: m.SwitchRole | None = None  # taken from the gateway: drain, then serve that role
         rc = cfg.runtime
         # Prompt pages enter the prefix cache when their KV transfer ends (`retire`), not before:
         # until then they are the request's.
@@ -82,7 +92,8 @@ class PrefillWorker:
         # An exception in one request's work fails that request (code internal), not the worker.
         self.faults = StepFaults(cfg.worker_id, "prefill", self.runner.spec.vocab_size)
 
-    def serve(self) -> None:
+    def serve(self) -> m.SwitchRole | None:
+        """Serve until drained; the switch taken, if that is why (the caller closes the runner)."""
         self.sender.start()
         self.link = connect_link(
             self.cfg, self.runner, self.clock, self.signals, self.weights, self.sender.addr
@@ -96,12 +107,13 @@ class PrefillWorker:
                 self.step,
                 lambda: len(self.rooms) + len(self.admission),
                 lambda: self.sender.io_failure() or self.runner.tp_failure(),
+                lambda: self.switch is not None,
             )
         finally:
             self.weights.close()
             self.sender.close()
             self.link.close()
-            self.runner.close()
+        return self.switch if not self.signals.draining.is_set() else None
 
     def step(self) -> None:
         self._receive()
@@ -151,6 +163,8 @@ class PrefillWorker:
             reply = self.weights.on_command(msg)
             if reply is not None:
                 self.link.send(reply)
+        elif isinstance(msg, m.SwitchRole):
+            self.switch = accept_switch(self.cfg, msg, self.switch)
         elif isinstance(msg, m.FlushCache):
             self.link.send(self.cache_events.flush(msg.flush_id, len(self.rooms)))
 

@@ -248,7 +248,7 @@ class ModelRunner:
 
     def share_pools(self, directory: str) -> list[SharedSegment]:
         """Move the KV pool into shared memory (kv_transfer/shm.py) that same-host peers map, and return
-        the segments, rank 0's first (`close` removes them; at TP 1 so does the KV sender given it).
+        the segments, rank 0's first (`close` removes them; the KV senders built on them only fence them).
         TP 1: the pool, which is also what transfers read and write. A TP worker: every rank's pool, each
         in its own segment that rank 0 makes and the rank maps and moves its pool into; rank 0 then reads
         and writes every rank's heads itself (`rank_kv`): a same-host peer's copy lands in each rank's

@@ -22,7 +22,8 @@ from pydantic import BaseModel, ConfigDict, TypeAdapter, ValidationError
 # 10: PrefillDone.first (the first token reaches the gateway from the prefill node, before its KV lands).
 # 11: requests without a decode leg (max_new_tokens 0 or 1): GenerateRequest.decode_worker "" (validated),
 #     PrefillDone.first finished with no token for max_new_tokens 0.
-PROTOCOL_VERSION = 11
+# 12: role switching in place (SwitchRole; Register.epoch).
+PROTOCOL_VERSION = 12
 
 M = TypeVar("M", bound=BaseModel)
 

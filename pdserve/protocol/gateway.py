@@ -45,6 +45,9 @@ class Register(_Msg):
     weight_version: str = "default"
     # Processes its model is split over (--tp-size); routing weighs its load per rank.
     tp_size: int = Field(1, ge=1, le=1024)
+    # 0: a process starting in its launch role; N > 0: the role a `SwitchRole` of epoch N gave it. The
+    # gateway refuses an epoch older than the one it last gave this worker id.
+    epoch: int = Field(0, ge=0)
 
 
 class RegisterAck(_Msg):
@@ -81,6 +84,15 @@ class Deregister(_Msg):
 
     kind: Literal["deregister"] = "deregister"
     worker_id: str
+
+
+class SwitchRole(_Msg):
+    """Gateway -> worker: drain the current role (the gateway routes it nothing new), then serve `role`
+    on the same weights and register again with `epoch`."""
+
+    kind: Literal["switch_role"] = "switch_role"
+    role: Role
+    epoch: int = Field(ge=1)
 
 
 # ---- prefix cache -------------------------------------------------------------------------
@@ -288,6 +300,7 @@ Message = Annotated[
         Ping,
         Pong,
         Deregister,
+        SwitchRole,
         GenerateRequest,
         AbortRequest,
         PrefillDone,

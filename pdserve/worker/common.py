@@ -1,8 +1,14 @@
-"""What prefill and decode workers share: the clock, registration, the entry point and the drain loop."""
+"""What prefill and decode workers share: the clock, registration, the entry point and the drain loop.
+
+A worker process serves one role at a time. `SwitchRole` from the gateway (POST /workers/{id}/role)
+drains the current role exactly as a SIGTERM would, but the process stays: `run_worker` builds the
+other role's worker on the same `ModelRunner` (weights, KV pool, kernels; nothing reloaded), with its
+prefix cache emptied, and that worker registers again under the switch's epoch."""
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import logging
 import sys
 import time
@@ -45,13 +51,17 @@ def paused_for_weights(link: WorkerLink, weights: WeightUpdater, cache_events: C
 
 
 if TYPE_CHECKING:
+    from pdserve.runtime.radix_cache import RadixCache
     from pdserve.runtime.runner import ModelRunner
     from pdserve.runtime.weight_update import WeightUpdater
     from pdserve.worker.cache_events import CacheEvents
 
 
 class _Worker(Protocol):
-    def serve(self) -> None: ...
+    runner: ModelRunner
+    cache: RadixCache | None
+
+    def serve(self) -> m.SwitchRole | None: ...
 
 
 def make_clock(cfg: WorkerConfig) -> Callable[[], float]:
@@ -78,6 +88,7 @@ def register_factory(
             model_name=cfg.runtime.model_path or "default",
             max_total_tokens=runner.max_total_tokens,
             tp_size=runner.cfg.tp_size,
+            epoch=cfg.epoch,
             max_running_requests=cfg.runtime.max_running_requests,
             context_length=runner.context_length,
             vocab_size=spec.vocab_size,
@@ -104,25 +115,71 @@ def connect_link(
     return link
 
 
-def run_worker(
-    role: str, args: argparse.Namespace, worker_cls: Callable[[WorkerConfig, DrainSignal], _Worker]
-) -> int:
-    """Entry of `pdserve prefill|decode`: build the worker, serve until drained; CLI errors exit 2."""
+def run_worker(role: str, args: argparse.Namespace) -> int:
+    """Entry of `pdserve prefill|decode`: build the worker, serve until drained, and again in the other
+    role after each switch (same runner); CLI errors exit 2."""
     signals = DrainSignal()
     signals.install()
+    runner: ModelRunner | None = None
     try:
         cfg = worker_config_from_args(args, role)
         warn_if_open(
             cfg.keys, "this worker's control link" + (" and KV bootstrap port" if role == "prefill" else "")
         )
-        worker_cls(cfg, signals).serve()
+        while True:
+            worker = _worker_class(cfg.role)(cfg, signals, runner)
+            runner = worker.runner
+            switch = worker.serve()
+            if switch is None:
+                return 0
+            if worker.cache is not None:  # the new role starts with an empty prefix cache
+                worker.cache.invalidate()
+            held = runner.allocator.num_pages - runner.allocator.num_free
+            logging.getLogger(f"pdserve.{cfg.role}").info(
+                "role switch: %s -> %s (epoch %d) on the same weights; %d KV pages still held",
+                cfg.role,
+                switch.role,
+                switch.epoch,
+                held,
+            )
+            cfg = dataclasses.replace(cfg, role=switch.role, epoch=switch.epoch)
     except (ValueError, ModelSourceError, RegistrationRefused, TimeoutError) as e:
         print(f"pdserve {role}: {e}", file=sys.stderr)
         return 2
     except (EngineDead, StepFailed) as e:
         print(f"pdserve {role}: {e}", file=sys.stderr)
         return 1
-    return 0
+    finally:
+        if runner is not None:
+            runner.close()
+
+
+def _worker_class(role: str) -> Callable[[WorkerConfig, DrainSignal, ModelRunner | None], _Worker]:
+    if role == "prefill":
+        from pdserve.prefill.worker import PrefillWorker
+
+        return PrefillWorker
+    from pdserve.decode.worker import DecodeWorker
+
+    return DecodeWorker
+
+
+def accept_switch(cfg: WorkerConfig, msg: m.SwitchRole, current: m.SwitchRole | None) -> m.SwitchRole | None:
+    """The switch a worker of `cfg` takes from `msg` (`current`: one it took already). A switch to the
+    role it has, or of an epoch not newer than its own, is logged and ignored."""
+    log = logging.getLogger(f"pdserve.{cfg.role}")
+    if current is not None or msg.role == cfg.role or msg.epoch <= cfg.epoch:
+        log.warning(
+            "ignoring a switch to %s (epoch %d): this worker is %s at epoch %d%s",
+            msg.role,
+            msg.epoch,
+            cfg.role,
+            cfg.epoch,
+            ", switching already" if current is not None else "",
+        )
+        return current
+    log.info("switching to %s (epoch %d): draining this role first", msg.role, msg.epoch)
+    return msg
 
 
 def serve_until_drained(
@@ -132,6 +189,7 @@ def serve_until_drained(
     step: Callable[[], None],
     outstanding: Callable[[], int],
     failure: Failure | None = None,
+    switching: Callable[[], bool] = lambda: False,
 ) -> None:
     """Run `step` until stopped; on drain: deregister, keep stepping until nothing is outstanding
     (or the drain timeout), then return. Serves the health port meanwhile, when one is set.
@@ -142,7 +200,9 @@ def serve_until_drained(
 
     An exception out of `step` (the workers fail the requests whose work raised, see step_faults.py;
     what is left is the loop's own work) is logged and the loop goes on; `BLIND_FAILURE_LIMIT` of
-    them in a row raise `StepFailed`, so that a worker broken for good exits and is restarted."""
+    them in a row raise `StepFailed`, so that a worker broken for good exits and is restarted.
+
+    `switching` (a `SwitchRole` taken): drain the same way, then return, the process staying up."""
     log = logging.getLogger(f"pdserve.{cfg.role}")
     failed_steps = 0
     failure = failure or (lambda: None)
@@ -154,13 +214,16 @@ def serve_until_drained(
             if dead is None and (dead := failure()) is not None:
                 log.error("%s: leaving rotation and draining", dead)
                 signals.draining.set()
-            if signals.draining.is_set() and drain_deadline is None:
+            if (signals.draining.is_set() or switching()) and drain_deadline is None:
                 drain_deadline = time.monotonic() + cfg.drain_timeout_s
                 link.load.draining = True
                 link.send(m.Deregister(worker_id=cfg.worker_id))
                 log.info("draining: %d requests left", outstanding())
             if drain_deadline is not None and (not outstanding() or time.monotonic() > drain_deadline):
-                log.info("drained; exiting")
+                log.info(
+                    "drained; %s",
+                    "switching role" if switching() and not signals.draining.is_set() else "exiting",
+                )
                 break
             try:
                 step()

@@ -45,6 +45,7 @@ def sender_for(runner: ModelRunner, host: str, port: int, config: TransferConfig
         rank_segments=segments if ranks else None,
         # the pair group sends every head from rank 0's full-head pool, gathered per room as it goes
         prepare=runner.before_send if ranks else None,
+        owns_segment=False,  # the runner removes it (`close`): a role switch builds a new sender on it
     )
 
 

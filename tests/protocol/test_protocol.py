@@ -121,6 +121,7 @@ GATEWAY_SAMPLES: list[BaseModel] = [
         prefill_bootstrap_addr="127.0.0.1:7000",
         decode_worker="d0",
     ),
+    gw.SwitchRole(role="decode", epoch=2),
 ]
 
 KV_SAMPLES: list[BaseModel] = [
