@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import sys
 
 from pdserve.gateway.config import add_cli_args as _add_cli_args
 from pdserve.gateway.config import config_from_args
@@ -15,5 +16,10 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
 def main(args: argparse.Namespace) -> int:
     from pdserve.gateway.server import run
 
-    run(config_from_args(args))
+    try:
+        cfg = config_from_args(args)
+    except ValueError as e:
+        print(f"pdserve gateway: {e}", file=sys.stderr)
+        return 2
+    run(cfg)
     return 0

@@ -10,6 +10,7 @@ from typing import Any
 from pdserve import env
 from pdserve.cluster_auth import add_secret_arg
 from pdserve.config import GRAMMAR_COMPILE_TIMEOUT_S
+from pdserve.gateway.elastic import ElasticConfig
 from pdserve.gateway.function_call import PARSER_NAMES
 from pdserve.gateway.reasoning import REASONING_PARSERS
 from pdserve.gateway.workers import POLICIES, Policy
@@ -84,6 +85,8 @@ class GatewayConfig:
     otlp_traces_protocol: str | None = None
     # Finished requests the dashboard keeps (gateway/dashboard.py).
     dashboard_requests: int = 200
+    # The elastic controller (gateway/elastic.py, --elastic); None: the split changes only by hand.
+    elastic: ElasticConfig | None = None
 
 
 def add_cli_args(parser: argparse.ArgumentParser) -> None:
@@ -95,6 +98,7 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
     _add_routing_args(parser, d)
     _add_grammar_args(parser, d)
     add_trace_args(parser)
+    add_elastic_args(parser)
     parser.add_argument(
         "--dashboard-requests",
         type=int,
@@ -300,6 +304,50 @@ def add_trace_args(parser: argparse.ArgumentParser) -> None:
     )
 
 
+# --elastic-* flag -> ElasticConfig field (each flag's default is the field's).
+ELASTIC_FLAGS = {
+    "--elastic-ttft-slo": ("ttft_slo", float, "seconds to the first token the controller aims for"),
+    "--elastic-tpot-slo": ("tpot_slo", float, "seconds per output token after the first it aims for"),
+    "--elastic-interval": ("interval_s", float, "seconds between its checks"),
+    "--elastic-window": ("window_s", float, "seconds of finished requests each check reads"),
+    "--elastic-cooldown": ("cooldown_s", float, "seconds after a switch before the next may begin"),
+    "--elastic-confirm": ("confirm", int, "checks in a row that must agree before a switch"),
+    "--elastic-min-per-role": ("min_per_role", int, "workers each role keeps at least"),
+}
+
+
+def add_elastic_args(parser: argparse.ArgumentParser) -> None:
+    """The elastic controller's flags; `pdserve up` takes them too."""
+    d = ElasticConfig()
+    parser.add_argument(
+        "--elastic",
+        action="store_true",
+        help="move workers between prefill and decode, one at a time, from the measured TTFT/TPOT misses, "
+        "prefill queue and decode batch fill (gateway/elastic.py)",
+    )
+    for flag, (name, kind, text) in ELASTIC_FLAGS.items():
+        parser.add_argument(flag, type=kind, default=getattr(d, name), help=f"{text} (default: %(default)s)")
+
+
+def elastic_flags(args: argparse.Namespace) -> list[str]:
+    """The elastic flags of a parsed `pdserve up`, for its gateway (none without --elastic)."""
+    if not args.elastic:
+        return []
+    out = ["--elastic"]
+    for flag in ELASTIC_FLAGS:
+        out += [flag, str(getattr(args, flag[2:].replace("-", "_")))]
+    return out
+
+
+def elastic_config(args: argparse.Namespace) -> ElasticConfig | None:
+    """The controller's settings from parsed flags (None without --elastic); ValueError names a bad one."""
+    if not args.elastic:
+        return None
+    return ElasticConfig(
+        **{name: getattr(args, flag[2:].replace("-", "_")) for flag, (name, _, _) in ELASTIC_FLAGS.items()}
+    )
+
+
 def config_from_args(args: argparse.Namespace) -> GatewayConfig:
     return GatewayConfig(
         host=args.host,
@@ -340,6 +388,7 @@ def config_from_args(args: argparse.Namespace) -> GatewayConfig:
         otlp_traces_endpoint=args.otlp_traces_endpoint,
         otlp_traces_protocol=args.otlp_traces_protocol,
         dashboard_requests=args.dashboard_requests,
+        elastic=elastic_config(args),
     )
 
 

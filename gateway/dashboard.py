@@ -60,7 +60,9 @@ def _worker_json(w: WorkerInfo, hits: dict[str, list[int]]) -> dict[str, Any]:
     }
 
 
-def dashboard_data(registry: WorkerRegistry, recent: RecentRequests) -> dict[str, Any]:
+def dashboard_data(
+    registry: WorkerRegistry, recent: RecentRequests, elastic: dict[str, Any] | None = None
+) -> dict[str, Any]:
     reqs = list(recent)
     hits: dict[str, list[int]] = {}
     for t in reqs:
@@ -73,6 +75,7 @@ def dashboard_data(registry: WorkerRegistry, recent: RecentRequests) -> dict[str
         "phases": list(PHASES),
         "workers": [_worker_json(w, hits) for w in workers],
         "requests": [t.to_json() for t in reversed(reqs)],  # newest first
+        "elastic": elastic,  # the controller's signals and decisions (--elastic), else null
     }
 
 
@@ -102,5 +105,6 @@ def encode_dashboard_data(data: dict[str, Any]) -> bytes:
 @router.get("/dashboard/data", include_in_schema=False)
 async def dashboard_json(request: Request) -> Response:
     gw = gateway_state(request)
-    data = encode_dashboard_data(dashboard_data(gw.registry, gw.recent))
+    elastic = gw.elastic.view() if gw.elastic is not None else None
+    data = encode_dashboard_data(dashboard_data(gw.registry, gw.recent, elastic))
     return Response(data, media_type="application/json")

@@ -6,6 +6,8 @@ starts and stops the control plane. `run(cfg)` serves it with uvicorn.
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import dataclasses
 import logging
 import socket
@@ -31,6 +33,7 @@ from pdserve.gateway.config import GatewayConfig
 from pdserve.gateway.connections import IdleTimeoutProtocol, raise_open_files_limit
 from pdserve.gateway.control import ControlPlane
 from pdserve.gateway.dashboard import RecentRequests
+from pdserve.gateway.elastic import ElasticController
 from pdserve.gateway.errors import install_error_handlers
 from pdserve.gateway.generation import Generations
 from pdserve.gateway.metrics import GatewayMetrics
@@ -68,6 +71,17 @@ def _gateway_state(cfg: GatewayConfig, tok: Tokenizer) -> GatewayState:
         if cfg.enable_trace
         else None
     )
+    elastic = (
+        ElasticController(
+            cfg.elastic,
+            registry,
+            lambda: recent,
+            control.switch_role,
+            lambda: bool(control.switches.pending),
+        )
+        if cfg.elastic is not None
+        else None
+    )
     return GatewayState(
         cfg=cfg,
         tokenizer=tok,
@@ -84,6 +98,7 @@ def _gateway_state(cfg: GatewayConfig, tok: Tokenizer) -> GatewayState:
         recent=recent,
         tracing=tracing,
         weights=WeightUpdates(control, registry),
+        elastic=elastic,
     )
 
 
@@ -94,11 +109,16 @@ def create_app(cfg: GatewayConfig, tokenizer: Tokenizer | None = None) -> FastAP
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
         await gw.control.start()
+        elastic = asyncio.create_task(gw.elastic.run(), name="elastic") if gw.elastic is not None else None
         if cfg.port_file:
             write_port_file(cfg.port_file, {"port": cfg.port, "control_port": gw.control.bound_port or 0})
         try:
             yield
         finally:
+            if elastic is not None:
+                elastic.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await elastic
             await gw.control.stop()
             gw.constraints.close()
             if gw.tracing is not None:

@@ -13,6 +13,7 @@ if TYPE_CHECKING:
     from pdserve.gateway.config import GatewayConfig
     from pdserve.gateway.control import ControlPlane
     from pdserve.gateway.dashboard import RecentRequests
+    from pdserve.gateway.elastic import ElasticController
     from pdserve.gateway.generation import Generations
     from pdserve.gateway.metrics import GatewayMetrics
     from pdserve.gateway.serving import Admission
@@ -41,6 +42,7 @@ class GatewayState:
     tracing: Tracing | None  # OpenTelemetry export (--enable-trace)
     weights: WeightUpdates  # live weight updates over every worker
     responses: ResponseStore = field(default_factory=ResponseStore)  # /v1/responses with `store`
+    elastic: ElasticController | None = None  # --elastic
 
 
 def gateway_state(request: Request) -> GatewayState:

@@ -21,7 +21,7 @@ import tempfile
 import urllib.request
 
 from pdserve import env
-from pdserve.gateway.config import add_trace_args
+from pdserve.gateway.config import add_elastic_args, add_trace_args, elastic_config, elastic_flags
 from pdserve.launch.cpu_share import CpuShare, cpu_share
 from pdserve.launch.flag import GATEWAY_CHILD, UP, WORKER_CHILD
 from pdserve.launch.flags import add_flags, passed_on
@@ -55,6 +55,7 @@ def start_gateway(sup: Supervisor, gateway: Child, port_file: str) -> tuple[int,
 def add_cli_args(parser: argparse.ArgumentParser) -> None:
     add_flags(parser, UP)
     add_trace_args(parser)
+    add_elastic_args(parser)
 
 
 def _control_port(args: argparse.Namespace) -> int:
@@ -66,7 +67,7 @@ def _control_port(args: argparse.Namespace) -> int:
 def gateway_command(args: argparse.Namespace, port_file: str | None = None) -> list[str]:
     argv = pdserve_command("gateway", "--host", args.host, "--port", str(args.port))
     argv += ["--control-host", args.internal_host, "--control-port", str(_control_port(args))]
-    argv += passed_on(args, UP, GATEWAY_CHILD) + _trace_flags(args)
+    argv += passed_on(args, UP, GATEWAY_CHILD) + _trace_flags(args) + elastic_flags(args)
     if port_file:
         argv += ["--port-file", port_file]
     return argv
@@ -190,6 +191,11 @@ def main(args: argparse.Namespace) -> int:
     why = tp_split_error(args)
     if why:
         print(f"pdserve up: {why}", file=sys.stderr)
+        return 2
+    try:
+        elastic_config(args)
+    except ValueError as e:
+        print(f"pdserve up: {e}", file=sys.stderr)
         return 2
     if args.max_restarts < 0 or not args.restart_backoff > 0:
         print("pdserve up: --max-restarts must be >= 0 and --restart-backoff > 0", file=sys.stderr)
