@@ -67,13 +67,36 @@ def best(rows: list[dict]) -> dict:
     return max(rows, key=lambda r: (r["goodput"], -r["rate"]))
 
 
+def _workload(args, n: int, tok, seed: int) -> list:
+    """`n` prompts drawn with `seed`; with --shift-to IN,OUT the second half has IN-token prompts and
+    OUT-token outputs instead (the trace changes shape halfway)."""
+    first = _prompts(
+        argparse.Namespace(**{**vars(args), "seed": seed}), n - n // 2 if args.shift_to else n, tok
+    )
+    if not args.shift_to:
+        return first
+    i, o = args.shift_to
+    shifted = {**vars(args), "seed": seed + 500, "random_input_len": i, "random_output_len": o}
+    return first + _prompts(argparse.Namespace(**shifted), n // 2, tok)
+
+
+def _shape(text: str) -> tuple[int, int]:
+    try:
+        i, o = (int(x) for x in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not IN,OUT (two token counts)") from None
+    if i < 1 or o < 1:
+        raise argparse.ArgumentTypeError("IN and OUT must be >= 1")
+    return i, o
+
+
 async def _run(args, targets: list[Target]) -> dict[str, list[dict]]:
     cfg = RunConfig(args.backend, args.temperature, args.request_timeout, args.fresh_connections)
     need_tok = args.dataset == "random" or args.no_usage or args.tokenizer is not None
     tok = load_tokenizer(args.tokenizer) if need_tok else None
     count_tokens = (lambda s: len(tok.encode(s, add_special_tokens=False))) if tok else None
     n = int(str(args.num_prompts).split(",")[0])
-    prompts = _prompts(args, n, tok)
+    prompts = _workload(args, n, tok, args.seed)
     for i, t in enumerate(targets):
         t = t if t.model else replace(t, model=_model_id(t.url))
         targets[i] = await warm_up(cfg, t, prompts, args.warmup_requests, count_tokens)
@@ -83,11 +106,7 @@ async def _run(args, targets: list[Target]) -> dict[str, list[dict]]:
     for k, rate in enumerate(rates):
         # Prompts of their own at each rate (the same for every server): a rate must not be served from
         # the prefix cache an earlier rate filled.
-        level = (
-            prompts
-            if k == 0
-            else _prompts(argparse.Namespace(**{**vars(args), "seed": args.seed + 1000 * k}), n, tok)
-        )
+        level = prompts if k == 0 else _workload(args, n, tok, args.seed + 1000 * k)
         for t in targets if k % 2 == 0 else targets[::-1]:
             res, dur = await run_level(cfg, t, level, concurrency, rate, args.seed + k, count_tokens)
             row = {"rate": rate, **goodput(res, dur, args.ttft_slo, args.tpot_slo)}
@@ -126,12 +145,22 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--rates", default="1,2,4", help="request rates to sweep (Poisson arrivals per second)")
     p.add_argument("--ttft-slo", type=float, required=True, help="seconds to the first token")
     p.add_argument("--tpot-slo", type=float, required=True, help="seconds per output token after the first")
+    p.add_argument(
+        "--shift-to",
+        type=_shape,
+        default=None,
+        metavar="IN,OUT",
+        help="--dataset random: the second half of each rate's requests has IN-token prompts and OUT-token "
+        "outputs (a trace that changes shape halfway, for --elastic)",
+    )
     p.set_defaults(max_concurrency="", dataset="random")
     args = check_args(p, p.parse_args(argv))
     if args.dataset == "multiturn" or args.plot:
         p.error("goodput runs single requests (not --dataset multiturn) and draws no plots (--plot)")
     if args.ttft_slo <= 0 or args.tpot_slo <= 0:
         p.error("--ttft-slo and --tpot-slo must be > 0")
+    if args.shift_to and args.dataset != "random":
+        p.error("--shift-to changes the random dataset's lengths: use it with --dataset random")
     try:
         if any(float(x) <= 0 for x in args.rates.split(",")):
             raise ValueError

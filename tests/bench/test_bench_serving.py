@@ -170,3 +170,25 @@ def test_goodput_counts_requests_within_both_targets():
     assert (g["attainment"], g["ttft_attainment"], g["tpot_attainment"]) == (0.25, 0.5, 0.5)
     rows = [{"rate": 1.0, "goodput": 0.9}, {"rate": 2.0, "goodput": 1.7}, {"rate": 4.0, "goodput": 1.7}]
     assert best(rows)["rate"] == 2.0  # a tie goes to the lower rate
+
+
+def test_goodput_shift_to_changes_the_random_workloads_second_half():
+    import argparse
+
+    from pdserve.bench.bench_goodput import _shape, _workload
+    from pdserve.bench.serving_workload import load_tokenizer
+
+    tok = load_tokenizer(None)
+    args = argparse.Namespace(
+        dataset="random", random_input_len=200, random_output_len=8, random_range_ratio=1.0,
+        output_len=None, seed=3, shift_to=(20, 96),
+    )  # fmt: skip
+    prompts = _workload(args, 5, tok, seed=3)
+    assert [p.output_len for p in prompts] == [8, 8, 8, 96, 96]
+    sizes = [len(tok.encode(p.text, add_special_tokens=False)) for p in prompts]
+    assert all(150 <= n <= 250 for n in sizes[:3]) and all(10 <= n <= 40 for n in sizes[3:]), sizes
+    assert [
+        p.output_len for p in _workload(argparse.Namespace(**{**vars(args), "shift_to": None}), 4, tok, 3)
+    ] == [8] * 4
+    with pytest.raises(argparse.ArgumentTypeError):
+        _shape("64")
