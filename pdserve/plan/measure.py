@@ -16,6 +16,7 @@ import torch
 from pdserve.config import RuntimeConfig
 from pdserve.kv_transfer.shm import copy_pages
 from pdserve.plan.profile import Profile
+from pdserve.plan.simulate import Arrival, poisson_workload, simulate
 from pdserve.runtime.batch import ForwardMode
 from pdserve.runtime.request import Request
 from pdserve.runtime.runner import ModelRunner
@@ -180,35 +181,48 @@ def measure_cluster(url: str, vocab: int = 32000, rounds: int = 2, steps: int = 
         transfer_s_per_token=0.0,  # inside the measured time to the first token's successors
         notes=[f"measured by pdserve plan --profile-out --url {url}: requests through the cluster"],
     )
-    # A burst of BURST prompts at once: prefill and decode forwards overlap; the efficiency at which
-    # the simulator then reproduces the burst's mean time to the last token is the host's.
-    runs: list[list[float]] = [[] for _ in range(BURST)]
+    # Open-loop arrivals, as a cluster is used: prefill and decode forwards overlap, and the serving path's
+    # own CPU (HTTP, tokens through the gateway, this client) takes its share of the cores. The efficiency
+    # at which the simulator reproduces the trace's mean time to the last token is the host's.
+    arrivals = fit_trace(profile)
+    runs: list[list[float]] = [[] for _ in arrivals]
     threads = [
-        threading.Thread(target=stream, args=(BURST_PROMPT, BURST_OUTPUT, runs[i])) for i in range(BURST)
+        threading.Thread(target=stream, args=(a.prompt, a.output, runs[i])) for i, a in enumerate(arrivals)
     ]
-    for t in threads:
+    t0 = time.perf_counter()
+    for a, t in zip(arrivals, threads):
+        time.sleep(max(0.0, a.at - (time.perf_counter() - t0)))
         t.start()
     for t in threads:
         t.join()
-    profile.shared_efficiency = fit_efficiency(profile, statistics.mean(r[-1] for r in runs))
-    profile.notes.append(f"shared_efficiency fitted to a burst of {BURST} x {BURST_PROMPT}-token prompts")
+    measured = statistics.mean(r[-1] for r in runs)
+    profile.shared_efficiency = fit_efficiency(profile, arrivals, measured)
+    profile.notes.append(
+        f"shared_efficiency fitted to {len(arrivals)} Poisson arrivals at {FIT_LOAD:.0%} of the lone-request "
+        f"capacity ({FIT_PROMPT * 3 // 4}-token prompts, {FIT_OUTPUT * 3 // 4}-token answers on average)"
+    )
     return profile
 
 
-BURST, BURST_PROMPT, BURST_OUTPUT = 6, 768, 16
+# The trace `--url` fits the efficiency to: FIT_N Poisson arrivals of prompts and answers uniform in
+# [len / 2, len], at FIT_LOAD of the rate at which lone requests, back to back, would keep the cluster busy.
+FIT_N, FIT_PROMPT, FIT_OUTPUT, FIT_LOAD = 24, 1024, 32, 0.7
 
 
-def fit_efficiency(profile: Profile, measured_e2e: float) -> float:
-    """The shared_efficiency at which the simulated burst's mean time to the last token is the measured
-    one (bisection; the simulated time falls as the efficiency rises)."""
-    from pdserve.plan.simulate import Arrival, simulate
+def fit_trace(profile: Profile, seed: int = 0) -> list[Arrival]:
+    mean_prompt, mean_output = FIT_PROMPT * 3 / 4, FIT_OUTPUT * 3 / 4
+    busy = profile.prefill(int(mean_prompt)) + mean_output * profile.decode(1, mean_prompt)
+    return poisson_workload(FIT_LOAD / busy, FIT_N, FIT_PROMPT, FIT_OUTPUT, seed, 0.5)
 
-    burst = [Arrival(0.0, BURST_PROMPT, BURST_OUTPUT)] * BURST
+
+def fit_efficiency(profile: Profile, arrivals: list[Arrival], measured_e2e: float) -> float:
+    """The shared_efficiency at which the simulated 1P1D cluster's mean time to the last token over
+    `arrivals` is `measured_e2e` (bisection; the simulated time falls as the efficiency rises)."""
 
     def mean_e2e(e: float) -> float:
         profile.shared_efficiency = e
-        outs = simulate(profile, 1, 1, burst)
-        return sum(o.done for o in outs) / len(outs)
+        outs = simulate(profile, 1, 1, arrivals)
+        return sum(o.done - o.arrival for o in outs) / len(outs)
 
     if mean_e2e(1.0) >= measured_e2e:  # as fast as perfect sharing, or no overlap to tell by
         return 1.0

@@ -43,7 +43,7 @@ class Profile:
     max_running_requests: int = 48
     # One host's forwards, k > 1 at once, progress at shared_efficiency / k each (1: perfect sharing).
     # Lock hand-offs, thread wake-ups and the serving path's own CPU make it less on a busy CPU host;
-    # `pdserve plan --url` fits it to a burst of requests through the cluster.
+    # `pdserve plan --url` fits it to open-loop (Poisson) arrivals through the cluster (measure.fit_trace).
     shared_efficiency: float = 1.0
     notes: list[str] = field(default_factory=list)
 

@@ -93,17 +93,22 @@ def test_a_damaged_profile_is_refused(tmp_path) -> None:
 
 
 def test_shared_efficiency_slows_overlapping_forwards_and_is_fitted_back() -> None:
-    from pdserve.plan.measure import BURST, BURST_OUTPUT, BURST_PROMPT, fit_efficiency
+    from pdserve.plan.measure import fit_efficiency, fit_trace
 
     p = _profile()
     p.shared_efficiency = 0.5
     a, b = simulate(p, 1, 1, [Arrival(0.0, 10, 3), Arrival(1.0, 10, 3)])
     # as in the half-speed case above, at a quarter of the speed while both run
     assert a.done == pytest.approx(1.8) and b.ttft == pytest.approx(0.8 + 0.8)  # 0.2 of it shared, 0.8 alone
-    p.chunked_prefill_size = BURST_PROMPT  # one prompt a forward: the burst's prefills overlap its decodes
-    burst = simulate(p, 1, 1, [Arrival(0.0, BURST_PROMPT, BURST_OUTPUT)] * BURST)
-    measured = sum(o.done for o in burst) / BURST
-    assert fit_efficiency(_profile(chunked_prefill_size=BURST_PROMPT), measured) == pytest.approx(
-        0.5, abs=0.01
-    )
-    assert fit_efficiency(_profile(chunked_prefill_size=BURST_PROMPT), 0.001) == 1.0  # faster than perfect
+
+    # The open-loop trace `--url` runs, simulated at efficiency 0.5, gives a mean time to the last token
+    # from which the fit finds 0.5 again.
+    def linear(e: float = 1.0) -> Profile:  # prefill time in proportion to the prompt, 20 ms steps
+        return _profile(prefill_s=(0.001, 1.0), decode_s=((0.02, 0.02), (0.03, 0.03)), shared_efficiency=e)
+
+    trace = fit_trace(linear())
+    assert len(trace) == 24 and all(512 <= a.prompt <= 1024 and 16 <= a.output <= 32 for a in trace)
+    outs = simulate(linear(0.5), 1, 1, trace)
+    measured = sum(o.done - o.arrival for o in outs) / len(outs)
+    assert fit_efficiency(linear(), trace, measured) == pytest.approx(0.5, abs=0.01)
+    assert fit_efficiency(linear(), trace, 0.001) == 1.0  # faster than perfect
