@@ -121,7 +121,11 @@ def main(argv: list[str] | None = None) -> int:
 
         print("measuring this host's profile...", file=sys.stderr, flush=True)
         if args.url:
-            profile = measure_cluster(args.url.rstrip("/"))
+            from pdserve.model_source import resolve_model_source
+            from pdserve.runtime.loader import load_hf_config, model_folder
+
+            config = load_hf_config(model_folder(resolve_model_source(args.model_path)))
+            profile = measure_cluster(args.url.rstrip("/"), config.num_hidden_layers)
         else:
             profile = measure(
                 RuntimeConfig(model_path=args.model_path, dtype=args.dtype, quantization=args.quantization)

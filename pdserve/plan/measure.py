@@ -19,7 +19,7 @@ from pdserve.plan.profile import Profile
 from pdserve.plan.simulate import Arrival, poisson_workload, simulate
 from pdserve.runtime.batch import ForwardMode
 from pdserve.runtime.request import Request
-from pdserve.runtime.runner import ModelRunner
+from pdserve.runtime.runner import OFFER_TURN_MIN_TOKENS, ModelRunner
 from pdserve.sampling_params import SamplingParams
 
 PREFILL_TOKENS = [16, 128, 512, 1024, 2048]
@@ -112,13 +112,16 @@ def measure(cfg: RuntimeConfig, rounds: int = 2, steps: int = 4) -> Profile:
             transfer_s_per_token=transfer,
             chunked_prefill_size=cfg.chunked_prefill_size,
             max_running_requests=cfg.max_running_requests,
+            sharing="turns",
+            layers=runner.spec.num_layers,
+            offer_min_tokens=OFFER_TURN_MIN_TOKENS,
             notes=["measured by pdserve plan --profile-out: one process, every core, no HTTP"],
         )
     finally:
         runner.close()
 
 
-def measure_cluster(url: str, vocab: int = 32000, rounds: int = 2, steps: int = 24) -> Profile:
+def measure_cluster(url: str, layers: int, vocab: int = 32000, rounds: int = 2, steps: int = 24) -> Profile:
     """The same profile measured through a running cluster's `/generate` (one prefill and one decode
     worker idle but for these requests): a prompt's time to its first token, and the time between
     tokens of `b` streams decoding together. Unlike `measure`, it carries everything a request costs
@@ -179,6 +182,9 @@ def measure_cluster(url: str, vocab: int = 32000, rounds: int = 2, steps: int = 
         decode_context=contexts,
         decode_s=decode_s,
         transfer_s_per_token=0.0,  # inside the measured time to the first token's successors
+        sharing="turns",
+        layers=layers,
+        offer_min_tokens=OFFER_TURN_MIN_TOKENS,
         notes=[f"measured by pdserve plan --profile-out --url {url}: requests through the cluster"],
     )
     # Open-loop arrivals, as a cluster is used: prefill and decode forwards overlap, and the serving path's

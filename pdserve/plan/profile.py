@@ -45,6 +45,12 @@ class Profile:
     # Lock hand-offs, thread wake-ups and the serving path's own CPU make it less on a busy CPU host;
     # `pdserve plan --url` fits it to open-loop (Poisson) arrivals through the cluster (measure.fit_trace).
     shared_efficiency: float = 1.0
+    # How one host's forwards share its cores (simulate.py): "turns" (`pdserve up`'s default: one forward
+    # at a time, long ones offering their turn between `layers` equal slices when they have at least
+    # `offer_min_tokens` tokens) or "processor" (all at once, each at 1/k of the speed).
+    sharing: str = "processor"
+    layers: int = 1
+    offer_min_tokens: int = 256
     notes: list[str] = field(default_factory=list)
 
     def prefill(self, tokens: int) -> float:
@@ -87,3 +93,5 @@ class Profile:
             raise ValueError("times must not be negative")
         if not 0 < self.shared_efficiency <= 1:
             raise ValueError("shared_efficiency must be in (0, 1]")
+        if self.sharing not in ("turns", "processor") or self.layers < 1 or self.offer_min_tokens < 1:
+            raise ValueError('sharing must be "turns" or "processor", layers and offer_min_tokens >= 1')

@@ -8,10 +8,13 @@ What it models, as pdserve runs:
   token leaves when the forward ends (TTFT), and its KV reaches the decode worker `transfer(prompt)` later;
 - a decode worker runs one step at a time over its running requests (continuous batching: requests whose
   KV has landed join at the next step, up to `max_running_requests`; one token each per step);
-- compute: on one CPU host every worker's forwards share the cores (`pdserve up` gives each worker all of
-  them and the forwards take turns between layers), so k active forwards progress at e/k of the profile's
-  speed each (processor sharing at the profile's `shared_efficiency` e); with `shared=False` each worker
-  has a device of its own.
+- compute: on one CPU host every worker's forwards share the cores. With the profile's `sharing` "turns"
+  (what `pdserve up` does, runtime/forward_turns.py) one forward computes at a time, the others waiting in
+  arrival order; a forward of at least `offer_min_tokens` offers its turn between layers (`layers` equal
+  slices), where one waiting forward runs whole before it goes on. With "processor", k active forwards
+  progress at 1/k of the profile's speed each. Either way, while more than one forward is active they run
+  at the profile's `shared_efficiency` e of its speed (lock hand-offs, caches, the serving path's own CPU);
+  with `shared=False` each worker has a device of its own.
 Not modelled: retraction (the pool is taken as large enough), chunked prefill's interleaving with other
 prompts, the prefix cache, speculative decoding, network time between hosts.
 """
@@ -70,6 +73,47 @@ class _Job:
     worker: _Worker
     work: float  # seconds left at the profile's speed
     requests: list[_Running]
+    slice: float = 0.0  # "turns": the work between two offers of its turn (0: it never offers)
+    to_offer: float = 0.0  # the work left before its next offer
+
+    def __post_init__(self) -> None:
+        self.to_offer = self.slice or self.work
+
+
+class _Turns:
+    """One host's cores under "turns": the forward holding the turn computes; `paused` are forwards that
+    offered theirs between layers (the last resumes first), `waiting` those not begun, in arrival order."""
+
+    def __init__(self) -> None:
+        self.holder: _Job | None = None
+        self.paused: list[_Job] = []
+        self.waiting: deque[_Job] = deque()
+
+    def add(self, job: _Job) -> None:
+        if self.holder is None:
+            self.holder = job
+        else:
+            self.waiting.append(job)
+
+    def due(self) -> float:
+        """Work the holder does before its next offer or its end."""
+        assert self.holder is not None
+        return min(self.holder.work, self.holder.to_offer)
+
+    def reached(self) -> _Job | None:
+        """The holder did its `due()`: the job that ended, or None at an offer."""
+        h = self.holder
+        assert h is not None
+        if h.work <= 1e-12:
+            self.holder = (
+                self.paused.pop() if self.paused else (self.waiting.popleft() if self.waiting else None)
+            )
+            return h
+        h.to_offer = h.slice
+        if self.waiting:  # the offer is taken: one waiting forward runs whole, then this one goes on
+            self.paused.append(h)
+            self.holder = self.waiting.popleft()
+        return None
 
 
 @dataclass
@@ -121,7 +165,13 @@ def simulate(
         heapq.heappush(events, (a.at, seq, "arrive", i))
         seq += 1
     jobs: list[_Job] = []
+    turns = _Turns() if shared and profile.sharing == "turns" else None
     t = 0.0
+
+    def start(job: _Job) -> None:
+        jobs.append(job)
+        if turns is not None:
+            turns.add(job)
 
     def start_prefill(w: _Worker) -> None:
         batch: list[_Running] = []
@@ -132,15 +182,17 @@ def simulate(
                 break
             batch.append(w.queue.popleft())
             tokens += n
-        w.job = _Job(w, profile.prefill(tokens), batch)
-        jobs.append(w.job)
+        work = profile.prefill(tokens)
+        offers = turns is not None and tokens >= profile.offer_min_tokens and profile.layers > 1
+        w.job = _Job(w, work, batch, work / profile.layers if offers else 0.0)
+        start(w.job)
 
     def start_decode(w: _Worker) -> None:
         while w.queue and len(w.running) < profile.max_running_requests:
             w.running.append(w.queue.popleft())
         context = sum(r.context for r in w.running) / len(w.running)
         w.job = _Job(w, profile.decode(len(w.running), context), list(w.running))
-        jobs.append(w.job)
+        start(w.job)
 
     def finish(job: _Job, now: float) -> None:
         nonlocal seq
@@ -179,18 +231,34 @@ def simulate(
                 elif w.job is None and w.role == "decode" and (w.queue or w.running):
                     start_decode(w)
             continue
-        # each active forward's speed: alone 1; k sharing one host's cores, shared_efficiency / k
-        speed = profile.shared_efficiency / len(jobs) if shared and len(jobs) > 1 else 1.0
-        next_job = min(jobs, key=lambda j: j.work) if jobs else None
-        t_job = t + next_job.work / speed if next_job is not None else float("inf")
+        # While more than one forward is active they run at shared_efficiency of the profile's speed; under
+        # "processor" sharing each then gets 1/k of it, under "turns" only the turn's holder computes.
+        eff = profile.shared_efficiency if shared and len(jobs) > 1 else 1.0
         t_event = events[0][0] if events else float("inf")
-        now = min(t_job, t_event)
-        for j in jobs:
-            j.work -= (now - t) * speed
-        t = now
-        if next_job is not None and t_job <= t_event:
-            finish(next_job, t)
-            continue
+        if turns is not None:
+            h = turns.holder
+            t_job = t + turns.due() / eff if h is not None else float("inf")
+            now = min(t_job, t_event)
+            if h is not None:
+                h.work -= (now - t) * eff
+                h.to_offer -= (now - t) * eff
+            t = now
+            if h is not None and t_job <= t_event:
+                ended = turns.reached()
+                if ended is not None:
+                    finish(ended, t)
+                continue
+        else:
+            speed = eff / len(jobs) if shared and len(jobs) > 1 else 1.0
+            next_job = min(jobs, key=lambda j: j.work) if jobs else None
+            t_job = t + next_job.work / speed if next_job is not None else float("inf")
+            now = min(t_job, t_event)
+            for j in jobs:
+                j.work -= (now - t) * speed
+            t = now
+            if next_job is not None and t_job <= t_event:
+                finish(next_job, t)
+                continue
         _, _, kind, i = heapq.heappop(events)
         if kind == "arrive":
             o = outcomes[i]

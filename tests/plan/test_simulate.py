@@ -112,3 +112,28 @@ def test_shared_efficiency_slows_overlapping_forwards_and_is_fitted_back() -> No
     measured = sum(o.done - o.arrival for o in outs) / len(outs)
     assert fit_efficiency(linear(), trace, measured) == pytest.approx(0.5, abs=0.01)
     assert fit_efficiency(linear(), trace, 0.001) == 1.0  # faster than perfect
+
+
+def test_turns_a_long_prefill_lets_one_waiting_step_run_between_its_layers() -> None:
+    """pdserve up's sharing: one forward at a time, waiting forwards in arrival order; a prefill of at
+    least offer_min_tokens offers its turn every 1/layers of its work, and one waiting forward runs whole
+    there before it goes on. (Arrivals off the 0.1 s grid: no two events at one instant.)"""
+    p = _profile(sharing="turns", layers=10, offer_min_tokens=256)  # prefill 1 s, steps 0.1 s
+    # A decodes (3 tokens: two steps) while B prefills: A's first step holds the turn when B arrives (to
+    # 1.1); B then offers at 1.2, where A's second step runs (to 1.3), and goes on to 2.2.
+    a, b = simulate(p, 1, 1, [Arrival(0.0, 300, 3), Arrival(1.05, 300, 3)])
+    assert a.ttft == pytest.approx(1.0) and a.done == pytest.approx(1.3)
+    assert b.ttft == pytest.approx(2.2 - 1.05) and b.done == pytest.approx(2.4)
+    # Two decode workers stepping (C, D: 4 steps each) while E prefills: at each of E's offers one step
+    # runs, C's and D's in turn: E is paused 6 times (1.3 ... 2.3), so its prefill ends at 2.8.
+    c, d, e = simulate(p, 1, 2, [Arrival(0.0, 100, 5), Arrival(0.0, 100, 5), Arrival(1.05, 300, 2)])
+    assert (c.ttft, d.ttft) == pytest.approx((1.0, 1.0))
+    assert (c.done, d.done) == pytest.approx((2.2, 2.4))
+    assert e.ttft == pytest.approx(2.8 - 1.05)
+    # A short prompt (< offer_min_tokens) never offers: A's second step waits for B's whole forward.
+    a, b = simulate(p, 1, 1, [Arrival(0.0, 100, 3), Arrival(1.05, 100, 3)])
+    assert a.done == pytest.approx(2.2) and b.ttft == pytest.approx(2.1 - 1.05)
+    # An efficiency below 1 slows every forward while two are active (from 1.05 on).
+    p.shared_efficiency = 0.5
+    a, b = simulate(p, 1, 1, [Arrival(0.0, 300, 3), Arrival(1.05, 300, 3)])
+    assert a.done == pytest.approx(1.15 + 0.2 + 0.2)
