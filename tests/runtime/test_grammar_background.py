@@ -51,8 +51,11 @@ def test_a_compile_runs_beside_the_caller(tokenizer, bundled):
     took = time.perf_counter() - t0
     fut.result()
     assert took > 1.0, f"the grammar compiled in {took:.2f} s: not heavy enough to show a stall"
-    # The pause bound leaves room for a loaded shared machine; a compile on this thread would be `took`.
-    assert longest < 0.5, f"the caller stopped for {longest:.2f} s during a {took:.2f} s compile"
+    # A compile on this thread would stop it for all of `took`. The bound leaves room for a loaded shared
+    # machine, where the compile itself stretches (41 s once under the parallel suite) and so do the pauses
+    # the OS scheduler makes: 0.5 s, or 5% of the compile when that is longer.
+    bound = max(0.5, 0.05 * took)
+    assert longest < bound, f"the caller stopped for {longest:.2f} s during a {took:.2f} s compile"
     assert turns > 100
     assert (b.stats.misses, b.stats.hits) == (1, 0)
     b.close()
