@@ -4,6 +4,7 @@ from 1P2D to 2P1D, and back when it turns answer-heavy, with no request lost; ev
 
 from __future__ import annotations
 
+import re
 import threading
 import time
 
@@ -12,7 +13,8 @@ import pytest
 from harness import start_up
 from reliability.calls import body, generate, workers
 
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
+# Serial: it drives a cluster hard for a minute, which would skew (and be skewed by) a parallel neighbour.
+pytestmark = [pytest.mark.slow, pytest.mark.serial, pytest.mark.timeout(600)]
 
 ELASTIC = [
     "--elastic",
@@ -74,6 +76,10 @@ def test_the_split_follows_the_traffic(tmp_path):
         assert "prefill pressure" in data["decisions"][-1]["reason"]
         metrics = httpx.get(c.url + "/metrics", timeout=10).text
         for a, b in (("decode", "prefill"), ("prefill", "decode")):
-            assert f'pdserve_role_switches_total{{from_role="{a}",to_role="{b}"}} 1.0' in metrics
+            # at least the two moves above (the controller may have moved again since)
+            found = re.search(
+                rf'pdserve_role_switches_total{{from_role="{a}",to_role="{b}"}} ([0-9.]+)', metrics
+            )
+            assert found and float(found.group(1)) >= 1.0, (a, b)
     finally:
         c.stop()
