@@ -326,7 +326,13 @@ def add_elastic_args(parser: argparse.ArgumentParser) -> None:
         "prefill queue and decode batch fill (gateway/elastic.py)",
     )
     for flag, (name, kind, text) in ELASTIC_FLAGS.items():
-        parser.add_argument(flag, type=kind, default=getattr(d, name), help=f"{text} (default: %(default)s)")
+        parser.add_argument(
+            flag,
+            dest=f"elastic_{name}",
+            type=kind,
+            default=getattr(d, name),
+            help=f"{text} (default: %(default)s)",
+        )
 
 
 def elastic_flags(args: argparse.Namespace) -> list[str]:
@@ -334,8 +340,8 @@ def elastic_flags(args: argparse.Namespace) -> list[str]:
     if not args.elastic:
         return []
     out = ["--elastic"]
-    for flag in ELASTIC_FLAGS:
-        out += [flag, str(getattr(args, flag[2:].replace("-", "_")))]
+    for flag, (name, _, _) in ELASTIC_FLAGS.items():
+        out += [flag, str(getattr(args, f"elastic_{name}"))]
     return out
 
 
@@ -343,9 +349,7 @@ def elastic_config(args: argparse.Namespace) -> ElasticConfig | None:
     """The controller's settings from parsed flags (None without --elastic); ValueError names a bad one."""
     if not args.elastic:
         return None
-    return ElasticConfig(
-        **{name: getattr(args, flag[2:].replace("-", "_")) for flag, (name, _, _) in ELASTIC_FLAGS.items()}
-    )
+    return ElasticConfig(**{name: getattr(args, f"elastic_{name}") for name, _, _ in ELASTIC_FLAGS.values()})
 
 
 def config_from_args(args: argparse.Namespace) -> GatewayConfig:

@@ -31,9 +31,9 @@ from pdserve.protocol.gateway import Register, Role
 
 log = logging.getLogger(__name__)
 
-RETIRED_KEEP = 64
+RETIRED_KEEP = 64  # connections retired by switches whose stray frames are still recognised
 # A switch not completed after this is given up: the workers' default --drain-timeout (600 s) and a minute.
-SWITCH_TIMEOUT_S = 660.0  # connections retired by switches whose stray frames are still recognised
+SWITCH_TIMEOUT_S = 660.0
 
 
 @dataclass
@@ -63,7 +63,7 @@ class RoleSwitches:
         self.registry = registry
         self.timeout_s = timeout_s
         self.pending: dict[str, Switch] = {}
-        self.epochs: dict[str, int] = {}  # worker id -> the last epoch given (by a switch)
+        self.epochs: dict[str, int] = {}  # worker id -> the last epoch given by a switch or registered
         self._retired: OrderedDict[bytes, tuple[str, int]] = OrderedDict()  # identity -> (id, epoch)
 
     def begin(self, worker_id: str, role: Role, now: float | None = None) -> Switch:

@@ -79,6 +79,10 @@ class _Job:
     def __post_init__(self) -> None:
         self.to_offer = self.slice or self.work
 
+    def due(self) -> float:
+        """Work before its next offer or its end."""
+        return min(self.work, self.to_offer)
+
 
 class _Turns:
     """One host's cores under "turns": the forward holding the turn computes; `paused` are forwards that
@@ -95,13 +99,8 @@ class _Turns:
         else:
             self.waiting.append(job)
 
-    def due(self) -> float:
-        """Work the holder does before its next offer or its end."""
-        assert self.holder is not None
-        return min(self.holder.work, self.holder.to_offer)
-
     def reached(self) -> _Job | None:
-        """The holder did its `due()`: the job that ended, or None at an offer."""
+        """The holder did its `due()` work: the job that ended, or None at an offer."""
         h = self.holder
         assert h is not None
         if h.work <= 1e-12:
@@ -236,29 +235,21 @@ def simulate(
         eff = profile.shared_efficiency if shared and len(jobs) > 1 else 1.0
         t_event = events[0][0] if events else float("inf")
         if turns is not None:
-            h = turns.holder
-            t_job = t + turns.due() / eff if h is not None else float("inf")
-            now = min(t_job, t_event)
-            if h is not None:
-                h.work -= (now - t) * eff
-                h.to_offer -= (now - t) * eff
-            t = now
-            if h is not None and t_job <= t_event:
-                ended = turns.reached()
-                if ended is not None:
-                    finish(ended, t)
-                continue
+            running, speed = ([turns.holder] if turns.holder is not None else []), eff
         else:
-            speed = eff / len(jobs) if shared and len(jobs) > 1 else 1.0
-            next_job = min(jobs, key=lambda j: j.work) if jobs else None
-            t_job = t + next_job.work / speed if next_job is not None else float("inf")
-            now = min(t_job, t_event)
-            for j in jobs:
-                j.work -= (now - t) * speed
-            t = now
-            if next_job is not None and t_job <= t_event:
-                finish(next_job, t)
-                continue
+            running, speed = jobs, (eff / len(jobs) if shared and len(jobs) > 1 else 1.0)
+        nxt = min(running, key=_Job.due) if running else None
+        t_job = t + nxt.due() / speed if nxt is not None else float("inf")
+        now = min(t_job, t_event)
+        for j in running:
+            j.work -= (now - t) * speed
+            j.to_offer -= (now - t) * speed
+        t = now
+        if nxt is not None and t_job <= t_event:
+            ended = turns.reached() if turns is not None else nxt
+            if ended is not None:
+                finish(ended, t)
+            continue
         _, _, kind, i = heapq.heappop(events)
         if kind == "arrive":
             o = outcomes[i]

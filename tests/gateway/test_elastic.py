@@ -11,7 +11,8 @@ from pdserve.gateway.elastic import ElasticConfig, ElasticController, measure, w
 from pdserve.gateway.request_trace import RequestTrace
 from pdserve.gateway.role_switch import Switch, SwitchRefused
 from pdserve.gateway.workers import WorkerRegistry
-from pdserve.protocol import gateway as m
+
+from .test_control import _register
 
 CFG = ElasticConfig(ttft_slo=1.0, tpot_slo=0.1, window_s=30, cooldown_s=10, confirm=2, min_samples=4)
 
@@ -20,19 +21,7 @@ def _registry(prefill: int, decode: int) -> WorkerRegistry:
     reg = WorkerRegistry()
     for role, n in (("prefill", prefill), ("decode", decode)):
         for i in range(n):
-            r = m.Register(
-                worker_id=f"{role}-{i}",
-                role=role,
-                bootstrap_addr="127.0.0.1:9" if role == "prefill" else None,
-                fingerprint={"a": 1},
-                model_name="x",
-                max_total_tokens=4096,
-                max_running_requests=8,
-                context_length=2048,
-                vocab_size=100,
-                t_send=0.0,
-            )
-            reg.add(r, f"{role}-{i}".encode(), time.monotonic())
+            reg.add(_register(f"{role}-{i}", role=role), f"{role}-{i}".encode(), time.monotonic())
     return reg
 
 
