@@ -18,10 +18,9 @@ from pdserve.config import WorkerConfig
 from pdserve.decode.room import DecodeRoom
 from pdserve.decode.scheduler import DecodeScheduler
 from pdserve.decode.stepper import make_stepper
-from pdserve.kv_transfer import TransferState
+from pdserve.kv_transfer import TransferResult, TransferState
 from pdserve.kv_transfer.config import worker_transfer_config
 from pdserve.protocol import gateway as m
-from pdserve.protocol.kv_trailer import FirstToken
 from pdserve.protocol.records import DecodeEvents, PrefillEvents, RequestStats
 from pdserve.protocol.vocabulary import FailCode
 from pdserve.runtime.batch import ForwardMode
@@ -158,9 +157,7 @@ class DecodeWorker:
                 log.warning("room %s: cached prefix refused, asking again in full: %s", res.room, res.error)
                 continue
             try:
-                out = self._on_transfer_end(
-                    res.room, res.state, res.metadata, res.error, res.num_bytes, res.direct, res.shm
-                )
+                out = self._on_transfer_end(res)
             except Exception as exc:  # noqa: BLE001 - a request fails, never the worker
                 self.faults.lone(exc, res.room, "taking a request's first token")
                 self._fail_internal(res.room, exc)
@@ -283,25 +280,21 @@ class DecodeWorker:
             msg = f"the request passed its deadline on decode worker {self.cfg.worker_id} ({state})"
             self._fail(r.rid, FailCode.DEADLINE, msg)
 
-    def _on_transfer_end(
-        self,
-        room: str,
-        state: TransferState,
-        first: FirstToken | None,
-        error: str | None,
-        num_bytes: int,
-        direct: bool = False,
-        shm: bool = False,
-    ) -> m.TokenOutput | None:
+    def _on_transfer_end(self, res: TransferResult) -> m.TokenOutput | None:
+        room, first, shm = res.room, res.metadata, res.shm
         rec = self.rooms.get(room)
         if rec is not None and rec.dropped:  # aborted or failed: dropped whatever the transfer did
             self.sched.kv_failed(room)
             self._forget(room)
             return None
-        if state is not TransferState.SUCCESS or first is None:
+        if res.state is not TransferState.SUCCESS or first is None:
             if self.sched.kv_failed(room) is not None:
                 self._forget(room)
-                self._fail(room, FailCode.TRANSFER, f"KV transfer failed: {error}")
+                if res.corrupt:
+                    log.error("room %s: %s; failed, never decoded", room, res.error)
+                    self._fail(room, FailCode.KV_CORRUPT, f"KV transfer corrupt: {res.error}")
+                else:
+                    self._fail(room, FailCode.TRANSFER, f"KV transfer failed: {res.error}")
             return None
         r = self.sched.kv_arrived(room)
         if r is None:
@@ -313,8 +306,8 @@ class DecodeWorker:
             r.kv_cacheable = False  # its prompt's KV is another version's
         rec = self.rooms[room]
         rec.events["kv_ready"] = self.clock()
-        rec.transfer_bytes = num_bytes
-        rec.kv_path = "shm" if shm else f"{self.kv_backend}/{'direct' if direct else 'staged'}"
+        rec.transfer_bytes = res.num_bytes
+        rec.kv_path = "shm" if shm else f"{self.kv_backend}/{'direct' if res.direct else 'staged'}"
         return self._output(r, r.output_ids[:1], first=True, version=first.weight_version)
 
     def _output(

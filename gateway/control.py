@@ -270,7 +270,7 @@ class ControlPlane:
         elif isinstance(msg, PrefillDone):
             deliver_prefill_done(self.rooms, worker, msg, t_recv, self.registry)
         elif isinstance(msg, RequestFailed):
-            if msg.code == FailCode.TRANSFER:
+            if msg.code in (FailCode.TRANSFER, FailCode.KV_CORRUPT):
                 self.metrics.transfer_failures.inc()
             deliver_failure(self.rooms, worker, msg)
         elif isinstance(msg, KVEvents):

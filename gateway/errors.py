@@ -42,6 +42,7 @@ FAIL_STATUS: dict[FailCode, int] = {
     FailCode.DEADLINE: 504,
     FailCode.DRAINING: 503,
     FailCode.TRANSFER: 503,
+    FailCode.KV_CORRUPT: 503,
     FailCode.OOM: 503,
     # The worker's step raised for this request (it goes on): not run again elsewhere, and refused
     # before dispatch after two (`FailedRequests`).

@@ -293,6 +293,8 @@ class Generations:
             self.metrics.errors.labels("gateway", ev.code).inc()
             return ApiError(status, f"request aborted [{ev.code}]: {ev.message}")
         self.metrics.errors.labels(ev.role, ev.code).inc()
+        if ev.code == FailCode.KV_CORRUPT:  # once per attempt, whichever leg reported it first
+            self.metrics.kv_corrupt.inc()
         worker = room.prefill if ev.role == "prefill" else room.decode
         wid = worker.worker_id if worker is not None else "local"
         err = ApiError(status, f"{ev.role} leg ({wid}) failed [{ev.code}]: {ev.message}")

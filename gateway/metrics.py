@@ -70,6 +70,11 @@ class GatewayMetrics:
         self.transfer_failures = Counter(
             "pdserve_kv_transfer_failures", "KV transfers reported failed by a worker", registry=r
         )
+        self.kv_corrupt = Counter(
+            "pdserve_kv_corrupt",
+            "Attempts whose KV landed unlike the prefill node's checksums (never decoded; run again elsewhere)",
+            registry=r,
+        )
         self.prompt_tokens = Counter("pdserve_prompt_tokens", "Prompt tokens", registry=r)
         self.routed = Counter(
             "pdserve_routed_requests", "Request legs sent to each worker", ["role", "worker"], registry=r

@@ -23,8 +23,9 @@ from pdserve.protocol.vocabulary import FailCode
 log = logging.getLogger(__name__)
 
 # Failures that say nothing about the request itself: worth running again on another pair (the
-# client does not notice). A failed KV transfer: the KV never reached this decode worker; another may get it.
-AGAIN_CODES = frozenset({FailCode.WORKER_LOST, FailCode.DRAINING, FailCode.TRANSFER})
+# client does not notice). A failed or corrupt KV transfer: the KV never reached this decode worker intact;
+# another may get it.
+AGAIN_CODES = frozenset({FailCode.WORKER_LOST, FailCode.DRAINING, FailCode.TRANSFER, FailCode.KV_CORRUPT})
 # A request that keeps landing on failing workers ends after this many migrations.
 MAX_MIGRATIONS = 2
 
@@ -68,7 +69,7 @@ class Attempts:
                 a.error.status, f"{a.error.message} (not migrated: already migrated {self.migrations} times)"
             )
         avoid, prefer_not = set(self.avoid), set(self.prefer_not)
-        if a.code == FailCode.TRANSFER:
+        if a.code in (FailCode.TRANSFER, FailCode.KV_CORRUPT):
             # Either side may be at fault: another decode worker always, another prefill if there is one.
             avoid.add(a.decode)
             if a.prefill:

@@ -9,6 +9,7 @@ import torch
 
 from pdserve.cluster_auth import ClusterKeys
 from pdserve.config import KV_TRANSPORTS, TRANSFER_TIMEOUT_S, WAITING_TIMEOUT_S
+from pdserve.kv_transfer.checksum import CHECKSUM_MODES
 
 if TYPE_CHECKING:
     from pdserve.config import WorkerConfig
@@ -43,6 +44,8 @@ class TransferConfig:
     keys: the cluster's Curve keys (pdserve/cluster_auth.py): the bootstrap ROUTER and the decode's
         DEALERs run CurveZMQ and admit only holders of the secret (None: unauthenticated).
     max_frame_bytes: the largest bootstrap frame; a bigger one drops the connection (zmq MAXMSGSIZE).
+    kv_checksum: which pages the sender hashes for the receiver to check (checksum.py): off | sample | all.
+    corrupt_kv: test hook; the first this-many rooms sent get a bit of a page flipped after it was hashed.
     max_early_lists: page lists kept per decode peer for rooms the sender has not seen yet; beyond it
         the oldest is refused (Abort). max_early_pages bounds the pages they list, per peer.
     """
@@ -64,12 +67,16 @@ class TransferConfig:
     max_frame_bytes: int = 4 << 20
     max_early_lists: int = 1024
     max_early_pages: int = 1 << 18
+    kv_checksum: str = "sample"
+    corrupt_kv: int = 0
 
     def __post_init__(self) -> None:
         if self.backend not in BACKENDS:
             raise ValueError(f"kv transfer backend must be one of {BACKENDS}, got {self.backend!r}")
         if self.transport not in KV_TRANSPORTS:
             raise ValueError(f"kv transport must be one of {KV_TRANSPORTS}, got {self.transport!r}")
+        if self.kv_checksum not in CHECKSUM_MODES:
+            raise ValueError(f"kv checksum must be one of {CHECKSUM_MODES}, got {self.kv_checksum!r}")
         if self.max_pairs < 1:
             raise ValueError(f"max_pairs must be >= 1, got {self.max_pairs}")
         if self.chunk_bytes < 1:
@@ -94,5 +101,7 @@ def worker_transfer_config(cfg: WorkerConfig, kv: torch.Tensor) -> TransferConfi
         waiting_timeout_s=cfg.waiting_timeout_s,
         transfer_timeout_s=cfg.transfer_timeout_s,
         stall_data_s=cfg.stall_kv_data_s,
+        kv_checksum=cfg.kv_checksum,
+        corrupt_kv=cfg.corrupt_kv,
         keys=cfg.keys,
     )

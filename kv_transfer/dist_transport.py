@@ -15,6 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
+from pdserve.kv_transfer.checksum import CorruptHook, checked_indices, mismatch, page_hashes
 from pdserve.kv_transfer.config import TransferConfig
 from pdserve.kv_transfer.layout import PoolGeometry, chunk_pages, direct_runs, runs_fit
 from pdserve.kv_transfer.mailbox import Done, GroupDead, Started
@@ -36,11 +37,13 @@ class DistSend(SendTransport):
         kv: torch.Tensor,
         geometry: PoolGeometry,
         config: TransferConfig,
+        corrupt: CorruptHook,
         prepare: Callable[[list[int]], None] | None = None,
     ) -> None:
         """`prepare(pages)`: fills those pages of `kv` before they are sent (a TP worker's rank 0
         gathers its ranks' heads into its full-head pool)."""
         self._kv, self._geometry, self._config, self._prepare = kv, geometry, config, prepare
+        self._corrupt = corrupt
 
     def transfer(self, pair: SenderPair, job: SendJob) -> None:
         group = pair.live_group()
@@ -65,7 +68,14 @@ class DistSend(SendTransport):
                 self._config.direct_min_bytes,
                 self._geometry.page_bytes,
             )
-        trailer = encode_trailer(job.room, job.num_tokens, job.metadata)
+        try:
+            checked = checked_indices(len(job.src_pages), self._config.kv_checksum)
+            hashes = page_hashes(self._kv, job.src_pages, checked)
+        except (IndexError, RuntimeError) as exc:  # pages outside the pool: this room fails, the pair goes on
+            pair.post(Done(job.room, f"hashing the KV pages failed: {exc}"))
+            return
+        trailer = encode_trailer(job.room, job.num_tokens, job.metadata, hashes)
+        flipped = self._corrupt.take(self._kv, job.src_pages)
         pair.out(
             kc.Announce(
                 room=job.room,
@@ -89,6 +99,8 @@ class DistSend(SendTransport):
             pair.drop_group()
             pair.post(Done(job.room, f"sending KV failed (pair gen {group.gen} discarded): {exc}"))
             return
+        finally:
+            self._corrupt.restore(self._kv, flipped)
         pair.post(Done(job.room, None, num_bytes))
 
 
@@ -155,15 +167,20 @@ class DistReceive(ReceiveTransport[RecvJob]):
             pair.post(Done(job.room, reason))
             return
         try:
-            room, _num_tokens, metadata = decode_trailer(trailer)
+            t = decode_trailer(trailer)
         except ProtocolError as exc:
             pair.post(Done(job.room, f"unreadable transfer trailer: {exc}"))
             return
-        if room != job.room:
-            pair.post(Done(job.room, f"room id mismatch: expected {job.room}, data is for {room}"))
+        if t.room != job.room:
+            pair.post(Done(job.room, f"room id mismatch: expected {job.room}, data is for {t.room}"))
+            return
+        # A drained room (no pages here) is gone already: its Done is dropped.
+        corrupt = None if job.dst_pages is None else mismatch(self._kv, job.dst_pages, t.checksums)
+        if corrupt is not None:
+            pair.post(Done(job.room, corrupt, corrupt=True))
             return
         nbytes = job.num_pages * self._geometry.page_bytes
-        pair.post(Done(job.room, None, nbytes, metadata, direct=job.runs is not None))
+        pair.post(Done(job.room, None, nbytes, t.metadata, direct=job.runs is not None))
         if (strays := group.stray_connections()) > MAX_STRAY_CONNECTIONS:
             # gloo never closes connections that are not the peer's: the sender builds a new group, and
             # replacing this one here (its Build) closes its listener with them.

@@ -93,6 +93,7 @@ class Done:
     metadata: FirstToken | None = None
     direct: bool = False  # receiver: pool to pool (page runs), not staged chunks
     shm: bool = False  # receiver: copied out of the sender's shared-memory segment
+    corrupt: bool = False  # receiver: the pages landed, but not as the sender hashed them (checksum.py)
 
 
 @dataclass(frozen=True)

@@ -250,7 +250,7 @@ class ReceiverIO(RoomBook[RecvRoom, _Peer]):
                 shm=item.shm,
             )
         else:
-            self.finish(room, TransferState.FAILED, error=error)
+            self.finish(room, TransferState.FAILED, error=error, corrupt=item.corrupt and not room.aborted)
 
     # ---- events from prefill nodes ----------------------------------------------------------------
 

@@ -22,6 +22,7 @@ import zmq
 from typing_extensions import Unpack
 
 from pdserve.kv_transfer import mailbox as mb
+from pdserve.kv_transfer.checksum import CorruptHook
 from pdserve.kv_transfer.dist_transport import DistSend
 from pdserve.kv_transfer.handshake import compare_identities
 from pdserve.kv_transfer.layout import mapping_error, pages_for
@@ -63,8 +64,13 @@ class SenderIO(RoomBook[SendRoom, bytes]):
         self.finished: collections.OrderedDict[str, str] = collections.OrderedDict()  # room -> outcome
         self._gens = itertools.count()
         self._gen_lock = threading.Lock()
-        self.dist = DistSend(owner._kv, owner._geometry, self.cfg, owner._prepare)
-        self.shm = ShmSend(owner._segments, owner._geometry, self.cfg) if owner._segments else None
+        corrupt = CorruptHook(self.cfg.corrupt_kv)  # one count for both transports
+        self.dist = DistSend(owner._kv, owner._geometry, self.cfg, corrupt, owner._prepare)
+        self.shm = (
+            ShmSend(owner._kv, owner._segments, owner._geometry, self.cfg, corrupt)
+            if owner._segments
+            else None
+        )
 
     def next_gen(self) -> int:
         """A pair group generation never used before on this sender's store (any thread)."""
@@ -115,10 +121,11 @@ class SenderIO(RoomBook[SendRoom, bytes]):
         while len(self.finished) > _FINISHED_MEMORY:
             self.finished.popitem(last=False)
 
-    def fail(self, room: SendRoom, error: str) -> None:
+    def fail(self, room: SendRoom, error: str, corrupt: bool = False) -> None:
+        """`corrupt`: the decode found the pages unlike their checksums (shared memory's Copied)."""
         if room.peer is not None:
             self.to_peer(room.peer, kc.Abort(room=room.room, reason=error))
-        self.finish(room, TransferState.FAILED, error)
+        self.finish(room, TransferState.FAILED, error, corrupt=corrupt)
 
     def dispatch(self, room: SendRoom, peer: bytes, page_list: kc.PageList) -> None:
         """Both halves known: validate and queue the transfer on the pair's thread."""
@@ -229,7 +236,7 @@ class SenderIO(RoomBook[SendRoom, bytes]):
         if error is None:
             self.finish(room, TransferState.SUCCESS, num_bytes=item.num_bytes)
         else:
-            self.fail(room, error)
+            self.fail(room, error, corrupt=item.corrupt and not room.aborted)
 
     def abort(self, name: str, reason: str) -> None:
         """A room not started yet is cancelled (its Done follows); a started one is reported when its

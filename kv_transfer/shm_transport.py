@@ -21,6 +21,7 @@ from dataclasses import dataclass
 
 import torch
 
+from pdserve.kv_transfer.checksum import KV_CORRUPT, CorruptHook, checked_indices, mismatch, page_hashes
 from pdserve.kv_transfer.config import TransferConfig
 from pdserve.kv_transfer.layout import PoolGeometry, kv_head_ranges
 from pdserve.kv_transfer.mailbox import Done, Mailbox, Started, ToSender
@@ -40,10 +41,20 @@ class ShmSend(SendTransport):
     """The prefill node's side: announce the pages; the decode's Copied (or the timer) ends the room.
     `segments`: the pool's, or a TP worker's ranks' pools' (rank 0's first: its fence guards them all)."""
 
-    def __init__(self, segments: list[SharedSegment], geometry: PoolGeometry, config: TransferConfig) -> None:
+    def __init__(
+        self,
+        kv: torch.Tensor,
+        segments: list[SharedSegment],
+        geometry: PoolGeometry,
+        config: TransferConfig,
+        corrupt: CorruptHook,
+    ) -> None:
+        """`kv`: the pool in `segments[0]`; with one segment it holds every head, and its pages are hashed
+        (checksum.py); a TP worker's ranks' pools are not (the decode copies their heads apart)."""
         self.segment, self._segments = segments[0], segments
-        self._geometry, self._config = geometry, config
+        self._kv, self._geometry, self._config = kv, geometry, config
         self.started_timeout_s = config.transfer_timeout_s
+        self._corrupt = corrupt
 
     def offer(self) -> kc.ShmOffer:
         """What HelloAck offers every decode peer: a decode node on this host maps it."""
@@ -56,10 +67,16 @@ class ShmSend(SendTransport):
     def transfer(self, pair: SenderPair, job: SendJob) -> None:
         """The fence is read before Started: any bump for this room comes after it."""
         fence = self.segment.fence
+        mode = self._config.kv_checksum if len(self._segments) == 1 else "off"
+        try:
+            hashes = page_hashes(self._kv, job.src_pages, checked_indices(len(job.src_pages), mode))
+        except (IndexError, RuntimeError):
+            hashes = []  # pages outside the pool: the decode refuses the room before any copy
         pair.post(Started(job.room))
         if self._config.stall_data_s > 0:
             time.sleep(self._config.stall_data_s)  # test hook: the sender's copy timeout must fire
-        trailer = encode_trailer(job.room, job.num_tokens, job.metadata)
+        job.flipped = self._corrupt.take(self._kv, job.src_pages)
+        trailer = encode_trailer(job.room, job.num_tokens, job.metadata, hashes)
         pair.out(
             kc.Announce(
                 room=job.room,
@@ -78,6 +95,8 @@ class ShmSend(SendTransport):
     def give_up(self, room: SendRoom) -> str:
         """Fence first, so that a copy still under way is refused, then the pages may be freed."""
         self.segment.bump_fence()
+        if room.job is not None:
+            self._corrupt.restore(self._kv, room.job.flipped)
         return f"timed out after {self.started_timeout_s}s waiting for the decode to copy the pages"
 
     def copied(self, room: SendRoom, msg: kc.Copied) -> Done | None:
@@ -85,8 +104,9 @@ class ShmSend(SendTransport):
         (given up already, and fenced)."""
         if room.state != TransferState.TRANSFERRING or room.transport is not self or room.job is None:
             return None
+        self._corrupt.restore(self._kv, room.job.flipped)
         if msg.error:
-            return Done(room.room, msg.error)
+            return Done(room.room, msg.error, corrupt=msg.error.startswith(KV_CORRUPT))
         return Done(room.room, None, len(room.job.src_pages) * self._geometry.page_bytes)
 
 
@@ -148,6 +168,7 @@ class ShmReceive(ReceiveTransport[ShmJob]):
         the copy are never committed. The prefill node learns the outcome from Copied either way."""
         assert self.src is not None  # accept() made no job otherwise
         error: str | None = None
+        corrupt = False
         metadata = None
         nbytes = 0
         try:
@@ -158,14 +179,18 @@ class ShmReceive(ReceiveTransport[ShmJob]):
             nbytes = copy_heads(src.pools, src.heads, job.src_pages, dst.pools, dst.heads, job.dst_pages)
             if self.src.fence != job.fence:
                 raise RuntimeError("the prefill node gave up on the room during the copy")
-            room, _num_tokens, metadata = decode_trailer(job.trailer)
-            if room != job.room:
-                raise RuntimeError(f"room id mismatch: expected {job.room}, data is for {room}")
+            t = decode_trailer(job.trailer)
+            if t.room != job.room:
+                raise RuntimeError(f"room id mismatch: expected {job.room}, data is for {t.room}")
+            metadata = t.metadata
+            if len(dst.pools) == 1:  # a TP decode's ranks hold the heads apart: not hashed (checksum.py)
+                error = mismatch(dst.pools[0], job.dst_pages, t.checksums)
+                corrupt = error is not None
         except (RuntimeError, ValueError, ProtocolError) as exc:
             error = f"shared-memory copy failed: {exc}"
         pair.post(ToSender(self._addr, kc.Copied(room=job.room, seq=job.seq, error=error or "")))
         if error is not None:
-            pair.post(Done(job.room, error))
+            pair.post(Done(job.room, error, corrupt=corrupt))
         else:
             pair.post(Done(job.room, None, nbytes, metadata, shm=True))
 

@@ -66,6 +66,8 @@ class TransferResult:
     direct: bool = False
     # Receiver, SUCCESS: the pages were copied out of the prefill node's shared memory (same host).
     shm: bool = False
+    # Receiver, FAILED: the pages landed but differ from the sender's checksums (kv_transfer/checksum.py).
+    corrupt: bool = False
 
 
 class Outcome(TypedDict, total=False):
@@ -76,6 +78,7 @@ class Outcome(TypedDict, total=False):
     prefix_mismatch: bool
     direct: bool
     shm: bool
+    corrupt: bool
 
 
 R = TypeVar("R", bound="TransferRoom")
@@ -127,6 +130,7 @@ class TransferRoom:
             prefix_mismatch=outcome.get("prefix_mismatch", False),
             direct=outcome.get("direct", False),
             shm=outcome.get("shm", False),
+            corrupt=outcome.get("corrupt", False),
         )
 
 

@@ -36,6 +36,8 @@ class SendJob:
     transport: SendTransport
     # Set by the I/O thread on abort; checked before the transfer starts.
     cancelled: threading.Event = field(default_factory=threading.Event)
+    # The page whose bit the corruption test hook flipped (checksum.CorruptHook), flipped back at the end.
+    flipped: int | None = None
 
 
 class SendTransport(ABC):

@@ -16,6 +16,7 @@ QUANT_CHOICES = ("auto", *QUANT_MODES)
 # of one host, else the torch.distributed pair group; shm = the same, each fall-back a warning; dist =
 # the pair group only.
 KV_TRANSPORTS = ("auto", "shm", "dist")
+KV_CHECKSUMS = ("off", "sample", "all")  # pdserve/kv_transfer/checksum.py
 # Batch-invariant decoding (runtime/determinism.py): auto = on where it costs nothing on this host.
 DETERMINISTIC_CHOICES = ("auto", "on", "off")
 
@@ -134,6 +135,7 @@ class WorkerConfig:
     # auto: shared memory between CPU pools of one host, the pair group otherwise; shm: the same, every
     # fall-back logged as a warning; dist: the pair group only (kv_transfer/shm.py).
     kv_transport: str = "auto"
+    kv_checksum: str = "sample"
     # One KV send/recv operation (a chunk or the trailer) once data flows.
     transfer_timeout_s: float = TRANSFER_TIMEOUT_S
     # Waiting for the other side: the decode for the KV (the prefill's queue and forward included),
@@ -153,6 +155,8 @@ class WorkerConfig:
     clock_skew_s: float = 0.0
     stall_kv_send_s: float = 0.0
     stall_kv_data_s: float = 0.0
+    # (prefill) the first this-many hand-offs get a bit of a page flipped after it was hashed.
+    corrupt_kv: int = 0
 
 
 def worker_config_from_args(args: argparse.Namespace, role: str) -> WorkerConfig:

@@ -17,7 +17,7 @@ import time
 import torch
 
 from pdserve.config import WorkerConfig
-from pdserve.kv_transfer import TransferState
+from pdserve.kv_transfer import TransferResult, TransferState
 from pdserve.kv_transfer.config import worker_transfer_config
 from pdserve.prefill.room import HeldSend, PrefillRoom
 from pdserve.protocol import gateway as m
@@ -134,7 +134,7 @@ class PrefillWorker:
         assert self.link is not None
         ended = self.sender.poll()
         for res in ended:
-            self._on_transfer_end(res.room, res.state, res.error)
+            self._on_transfer_end(res)
         if ended:
             self.blocked = False  # pages came back: waiting prompts may fit now
         # No prompt it can compute (or paused): sleep until a message or a transfer's end wakes the loop.
@@ -324,7 +324,8 @@ class PrefillWorker:
                 rec.held = None
                 self.sender.send(room, held.pages, held.num_tokens, held.meta, held.hashes)
 
-    def _on_transfer_end(self, room: str, state: TransferState, error: str | None) -> None:
+    def _on_transfer_end(self, res: TransferResult) -> None:
+        room, state = res.room, res.state
         rec = self.rooms.pop(room, None)
         if rec is not None:
             ok = state is TransferState.SUCCESS
@@ -332,8 +333,11 @@ class PrefillWorker:
             if rec.reported:  # stopped after its failure was reported
                 return
         if state is TransferState.FAILED:
-            log.warning("KV transfer of %s failed: %s", room, error)
-            self._report(room, FailCode.TRANSFER, f"KV transfer failed: {error}")
+            log.warning("KV transfer of %s failed: %s", room, res.error)
+            if res.corrupt:  # the decode found the pages unlike their checksums (shared memory)
+                self._report(room, FailCode.KV_CORRUPT, f"KV transfer corrupt: {res.error}")
+            else:
+                self._report(room, FailCode.TRANSFER, f"KV transfer failed: {res.error}")
 
     def _fail_internal(self, room: str, exc: BaseException) -> None:
         """`room` fails with code `internal` through the abort path: its pages are freed, never cached."""

@@ -8,6 +8,7 @@ from pdserve.cluster_auth import SECRET_FILE_HELP
 from pdserve.config import (
     DETERMINISTIC_CHOICES,
     GRAMMAR_COMPILE_TIMEOUT_S,
+    KV_CHECKSUMS,
     KV_TRANSPORTS,
     QUANT_CHOICES,
     RuntimeConfig,
@@ -218,6 +219,15 @@ WORKER_FLAGS = [
         passed_to=TO_WORKERS,
     ),
     Flag(
+        "--kv-checksum",
+        WORKERS | {UP},
+        "which KV pages the prefill node hashes for the decode node to check after they land "
+        "(off | sample: the first, the last and every 16th | all); a mismatch fails the hand-off as kv_corrupt",
+        default=_W.kv_checksum,
+        choices=KV_CHECKSUMS,
+        passed_to=TO_WORKERS,
+    ),
+    Flag(
         "--transfer-timeout",
         WORKERS | {UP},
         "seconds one KV send/recv may take once data flows",
@@ -267,6 +277,14 @@ WORKER_FLAGS = [
         type=float,
         default=0.0,
         dest="stall_kv_send_s",
+        hidden=True,
+    ),
+    Flag(
+        "--test-corrupt-kv",
+        frozenset({PREFILL}),
+        type=int,
+        default=0,
+        dest="corrupt_kv",
         hidden=True,
     ),
     Flag(

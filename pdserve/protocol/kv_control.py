@@ -111,7 +111,7 @@ class Announce(Msg):
     num_pages: int
     chunk_pages: int
     runs: list[int] | None = None  # pool-to-pool pieces (kv_transfer.layout.direct_runs)
-    trailer_len: int
+    trailer_len: int = Field(ge=1, le=1 << 20)
     num_tokens: int
     # Shared memory: no data follows on the pair group; the receiver copies these pages of the sender's
     # segment, checks the segment's fence against `shm_fence` before and after, and reads the trailer

@@ -4,12 +4,15 @@ The trailer is UTF-8 JSON sent as raw bytes after a room's pages (kv_transfer.la
 commits the pages only if its room equals the room announced on the control channel. It travels on a
 pair that already passed the versioned handshake, so it carries no version of its own.
 
-`metadata`: the prefill node's `FirstToken`.
+`metadata`: the prefill node's `FirstToken`. `checksums`: [index in the room's page list, xxh3-64 of that
+page's bytes] for the pages the sender hashed (kv_transfer/checksum.py); the receiver checks each.
 """
 
 from __future__ import annotations
 
-from pydantic import ValidationError
+from typing import Annotated
+
+from pydantic import Field, ValidationError
 
 from pdserve.protocol.codec import MalformedFrame, Msg
 
@@ -30,15 +33,18 @@ class Trailer(Msg):
     room: str
     num_tokens: int
     metadata: FirstToken
+    checksums: list[tuple[int, Annotated[int, Field(ge=0, lt=1 << 64)]]] = []
 
 
-def encode_trailer(room: str, num_tokens: int, metadata: FirstToken) -> bytes:
-    return Trailer(room=room, num_tokens=num_tokens, metadata=metadata).model_dump_json().encode()
+def encode_trailer(
+    room: str, num_tokens: int, metadata: FirstToken, checksums: list[tuple[int, int]]
+) -> bytes:
+    t = Trailer(room=room, num_tokens=num_tokens, metadata=metadata, checksums=checksums)
+    return t.model_dump_json().encode()
 
 
-def decode_trailer(data: bytes) -> tuple[str, int, FirstToken]:
+def decode_trailer(data: bytes) -> Trailer:
     try:
-        t = Trailer.model_validate_json(data)
+        return Trailer.model_validate_json(data)
     except ValidationError as e:
         raise MalformedFrame(f"malformed KV trailer: {str(e).splitlines()[0]}: {data[:200]!r}") from None
-    return t.room, t.num_tokens, t.metadata

@@ -22,6 +22,9 @@ class FailCode(StrEnum):
     DEADLINE = "deadline"  # past GenerateRequest.deadline_s
     DRAINING = "draining"  # the worker is leaving rotation: run again elsewhere
     TRANSFER = "transfer"  # the KV transfer failed: run again elsewhere
+    # The KV landed but differs from what the prefill node hashed (kv_transfer/checksum.py): never
+    # decoded; run again elsewhere, as a failed transfer.
+    KV_CORRUPT = "kv_corrupt"
     OOM = "oom"  # no room for the request's KV
     # An exception while the worker computed for this request (pdserve/step_faults.py): the request
     # failed, the worker goes on. Not run again elsewhere: the gateway refuses it after two.

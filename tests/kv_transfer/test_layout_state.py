@@ -20,7 +20,6 @@ from pdserve.kv_transfer.layout import (
 )
 from pdserve.kv_transfer.state import TransferRoom as Room
 from pdserve.kv_transfer.state import TransferState
-from pdserve.protocol.kv_trailer import FirstToken, decode_trailer, encode_trailer
 
 
 def test_gather_chunks_then_scatter_reproduces_pages_exactly():
@@ -59,12 +58,6 @@ def test_geometry_rejects_non_pool_tensors():
         geometry_of(torch.empty(2, 3, 4, 5, 6, 7))
     with pytest.raises(ValueError, match="contiguous"):
         geometry_of(torch.empty(4, 2, 2, 5, 6, 7).transpose(0, 1))
-
-
-def test_trailer_round_trip():
-    first = FirstToken(first_token=5, logprob=-0.25, top_logprobs=[(5, -0.25), (9, -1.5)])
-    blob = encode_trailer("room-1", 17, first)
-    assert decode_trailer(blob) == ("room-1", 17, first)
 
 
 def test_state_machine_allows_only_forward_transitions():

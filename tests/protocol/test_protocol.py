@@ -182,11 +182,14 @@ def test_kv_control_message_round_trip(msg):
 
 def test_trailer_and_first_token_round_trip():
     first = FirstToken(first_token=42, logprob=-0.5, top_logprobs=[(42, -0.5), (7, -2.0)], cached_tokens=3)
-    room, tokens, meta = decode_trailer(encode_trailer("r1", 40, first))
-    assert (room, tokens) == ("r1", 40)
-    assert meta == first
-    t = Trailer(room="r1", num_tokens=40, metadata=first)
+    hashes = [(0, 0), (3, (1 << 64) - 1)]
+    t = decode_trailer(encode_trailer("r1", 40, first, hashes))
+    assert (t.room, t.num_tokens, t.metadata, t.checksums) == ("r1", 40, first, hashes)
     assert Trailer.model_validate_json(t.model_dump_json()) == t
+    with pytest.raises(ProtocolError, match="malformed KV trailer"):  # a checksum is 64 bits
+        decode_trailer(
+            encode_trailer("r1", 40, first, []).replace(b'"checksums":[]', b'"checksums":[[0,-1]]')
+        )
 
 
 @pytest.mark.parametrize(

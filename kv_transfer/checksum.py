@@ -1,0 +1,100 @@
+"""KV checksums: what the prefill node hashed is what the decode node holds, or the room fails.
+
+The sender hashes the pages it hands off (xxh3-64 over each page's bytes, right before they leave:
+after a TP worker gathered its ranks' heads, before the announcement) and sends the hashes in the
+trailer (protocol/kv_trailer.py) as [index in the room's page list, hash] pairs. The receiver hashes
+the same pages where they landed, after its copy and before the room goes running; any difference fails
+the room with `KV_CORRUPT`, which the decode worker reports as `FailCode.KV_CORRUPT` (the gateway runs
+the request again elsewhere, as a failed transfer).
+
+Modes (`--kv-checksum`): `all` hashes every page; `sample` the first, the last and every
+SAMPLE_STRIDE-th page between (a flipped byte in a random page is caught with probability about
+1/SAMPLE_STRIDE, a whole page or run overwritten almost always); `off` none. The receiver checks
+whatever the trailer lists, so the two sides need not agree on the mode.
+
+What it covers: any change to a page's bytes between the sender's hash and the receiver's check (the
+pair group's bytes, the shared-memory segment, a page the prefill node reused or overwrote too early).
+What it does not: KV computed wrong in the first place (the canaries' job, gateway/canary.py).
+"""
+
+from __future__ import annotations
+
+import threading
+
+import torch
+import xxhash
+
+from pdserve.config import KV_CHECKSUMS
+
+CHECKSUM_MODES = KV_CHECKSUMS
+SAMPLE_STRIDE = 16
+KV_CORRUPT = "KV checksum mismatch"  # the start of a corrupt room's error (kv_transfer's callers match it)
+
+
+def checked_indices(num_pages: int, mode: str) -> list[int]:
+    """Which of a room's `num_pages` transferred pages `mode` hashes, in order."""
+    if mode == "off" or num_pages == 0:
+        return []
+    if mode == "all":
+        return list(range(num_pages))
+    return sorted({0, num_pages - 1, *range(SAMPLE_STRIDE, num_pages, SAMPLE_STRIDE)})
+
+
+def page_hashes(kv: torch.Tensor, pages: list[int], indices: list[int]) -> list[tuple[int, int]]:
+    """[(i, xxh3-64 of page pages[i]'s bytes)] for each i of `indices`; `kv` is a pool [N, ...] whose
+    pages are contiguous blocks (a CUDA pool's pages are copied to the host first)."""
+    if not indices:
+        return []
+    ids = torch.tensor([pages[i] for i in indices], dtype=torch.long, device=kv.device)
+    block = kv.index_select(0, ids) if kv.is_cuda else None
+    out = []
+    for j, i in enumerate(indices):
+        page = block[j].cpu() if block is not None else kv[pages[i]]
+        out.append((i, xxhash.xxh3_64_intdigest(page.view(torch.uint8).numpy().data)))
+    return out
+
+
+def mismatch(kv: torch.Tensor, pages: list[int], expected: list[tuple[int, int]]) -> str | None:
+    """None when every listed page of `pages` in `kv` hashes as `expected` says; else the error, naming
+    the pages that differ (indices in the room's page list)."""
+    if not expected:
+        return None
+    if any(not 0 <= i < len(pages) for i, _ in expected):
+        return f"{KV_CORRUPT}: the trailer lists pages outside the room's {len(pages)}"
+    got = page_hashes(kv, pages, [i for i, _ in expected])
+    bad = [i for (i, want), (_, have) in zip(expected, got) if want != have]
+    if not bad:
+        return None
+    return (
+        f"{KV_CORRUPT} in {len(bad)} of {len(expected)} checked pages (first: page {bad[0]} of {len(pages)})"
+    )
+
+
+class CorruptHook:
+    """Test hook (`--test-corrupt-kv N`): the first N rooms a transport sends get one bit of their last
+    page flipped in this node's pool after the page was hashed, as a wire, a segment or an early reuse
+    would change it; `restore` flips it back once the room's transfer ended, so that the prefill node's
+    own prefix cache stays intact."""
+
+    def __init__(self, count: int) -> None:
+        self._left = count
+        self._lock = threading.Lock()
+
+    def take(self, kv: torch.Tensor, pages: list[int]) -> int | None:
+        """Flip a bit of `pages[-1]` if rooms are left to corrupt; the page flipped, or None."""
+        with self._lock:
+            if self._left <= 0 or not pages:
+                return None
+            self._left -= 1
+        _flip(kv, pages[-1])
+        return pages[-1]
+
+    @staticmethod
+    def restore(kv: torch.Tensor, page: int | None) -> None:
+        if page is not None:
+            _flip(kv, page)
+
+
+def _flip(kv: torch.Tensor, page: int) -> None:
+    byte = kv[page].view(torch.uint8).view(-1)[:1]
+    byte ^= 1
