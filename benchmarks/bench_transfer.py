@@ -18,7 +18,10 @@ the decode scatters them out to its ranks after the room lands (both inside the 
 worker, where the ranks' pools are shared with rank 0).
 
     python -P -m pdserve.bench.bench_transfer [--tokens 1024 4096 16384] [--reps 3] [--transports dist shm]
-        [--prefill-tp 1 --decode-tp 3 --kv-heads 3]
+        [--prefill-tp 1 --decode-tp 3 --kv-heads 3] [--kv-checksum off sample all]
+
+`--kv-checksum` runs each mode in its own pair of processes (default: off only) and prints what each
+mode adds to a hand-off's time against `off` on the same transport.
 """
 
 from __future__ import annotations
@@ -31,6 +34,7 @@ import time
 
 import torch
 
+from pdserve.config import KV_CHECKSUMS
 from pdserve.kv_transfer import KVReceiver, KVSender, TransferConfig, TransferState
 from pdserve.kv_transfer.layout import describe_split, kv_head_ranges, mapping_error
 from pdserve.kv_transfer.shm import copy_heads, shared_pool
@@ -153,8 +157,11 @@ def _decode(
     receiver.close()
 
 
-def _run(transport: str, args: argparse.Namespace) -> dict[tuple[int, str], tuple[float, float, float]]:
-    """One pair of processes on `transport`: (tokens, order) -> (kv seconds, raw seconds, raw/kv ratio)."""
+def _run(
+    transport: str, checksum: str, args: argparse.Namespace
+) -> dict[tuple[int, str], tuple[float, float, float]]:
+    """One pair of processes on `transport` with KV checksums `checksum`: (tokens, order) -> (kv seconds,
+    raw seconds, raw/kv ratio)."""
     max_pages = -(-max(args.tokens) // PAGE_SIZE)
     config = TransferConfig(
         backend="gloo",
@@ -162,6 +169,7 @@ def _run(transport: str, args: argparse.Namespace) -> dict[tuple[int, str], tupl
         waiting_timeout_s=120,
         transfer_timeout_s=120,
         chunk_bytes=args.chunk_mib << 20,
+        kv_checksum=checksum,
     )
     ctx = mp.get_context("spawn")
     p_conn, p_child = ctx.Pipe()
@@ -226,6 +234,13 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--prefill-tp", type=int, default=1, help="the prefill worker's TP size")
     parser.add_argument("--decode-tp", type=int, default=1, help="the decode worker's TP size")
     parser.add_argument("--kv-heads", type=int, default=KV_HEADS, help="the model's KV heads")
+    parser.add_argument(
+        "--kv-checksum",
+        nargs="+",
+        choices=KV_CHECKSUMS,
+        default=["off"],
+        help="checksum modes to run, each in its own pair of processes (kv_transfer/checksum.py)",
+    )
     args = parser.parse_args(argv)
     error = mapping_error(args.kv_heads, args.prefill_tp, args.decode_tp)
     if error is not None:
@@ -248,20 +263,35 @@ def main(argv: list[str] | None = None) -> None:
     )
     print("shm/dist = throughput ratio. pages: random = scattered page ids on both sides; runs = consecutive")
     print("page ids, as a fresh allocator hands them out")
-    results = {t: _run(t, args) for t in args.transports}
-    cols = "".join(f" {t + ' GB/s':>10} {t + ' ms':>9}" for t in args.transports)
-    ratio_col = f" {'shm/dist':>8}" if {"dist", "shm"} <= set(results) else ""
+    runs = [(t, c) for t in args.transports for c in args.kv_checksum]
+    results = {run: _run(*run, args) for run in runs}
+    names = {run: run[0] if len(args.kv_checksum) == 1 else "/".join(run) for run in runs}
+    cols = "".join(f" {names[r] + ' GB/s':>17} {names[r] + ' ms':>15}" for r in runs)
+    first = args.kv_checksum[0]
+    ratio = {"dist", "shm"} <= set(args.transports)
+    ratio_col = f" {'shm/dist':>8}" if ratio else ""
     print(f"{'tokens':>7} {'pages':>7} {'MiB':>8}{cols}{ratio_col} {'raw GB/s':>9}")
     for tokens, order in [(t, o) for t in args.tokens for o in ("random", "runs")]:
         nbytes = -(-tokens // PAGE_SIZE) * page_bytes
         line = f"{tokens:>7} {order:>7} {nbytes / 2**20:>8.1f}"
-        for t in args.transports:
-            kv_s = results[t][(tokens, order)][0]
-            line += f" {nbytes / kv_s / 1e9:>10.2f} {kv_s * 1e3:>9.1f}"
-        if ratio_col:
-            line += f" {results['dist'][(tokens, order)][0] / results['shm'][(tokens, order)][0]:>8.2f}"
+        for r in runs:
+            kv_s = results[r][(tokens, order)][0]
+            line += f" {nbytes / kv_s / 1e9:>17.2f} {kv_s * 1e3:>15.1f}"
+        if ratio:
+            shm_over_dist = (
+                results[("dist", first)][(tokens, order)][0] / results[("shm", first)][(tokens, order)][0]
+            )
+            line += f" {shm_over_dist:>8.2f}"
         raw_s = next(iter(results.values()))[(tokens, order)][1]
         print(line + f" {nbytes / raw_s / 1e9:>9.2f}")
+    if "off" in args.kv_checksum:  # what each mode adds to a hand-off, against no checksum on its transport
+        for t, c in [r for r in runs if r[1] != "off"]:
+            costs = [
+                f"{tokens} {order} {results[(t, c)][(tokens, order)][0] / results[(t, 'off')][(tokens, order)][0] - 1:+.1%}"
+                for tokens in args.tokens
+                for order in ("random", "runs")
+            ]
+            print(f"checksum {c} on {t}, time against off: " + ", ".join(costs))
 
 
 if __name__ == "__main__":

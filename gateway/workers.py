@@ -27,10 +27,11 @@ from __future__ import annotations
 import time
 from collections.abc import Collection, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Literal
 
 from pdserve.gateway.clock import OffsetEstimator
 from pdserve.gateway.prefix_index import PrefixIndex
+from pdserve.protocol import compat
 from pdserve.protocol.gateway import Register, Role
 
 WorkerState = Literal["healthy", "draining", "down", "stale_weights"]
@@ -131,11 +132,6 @@ class RoutingPolicy:
             raise ValueError("disaggregation thresholds must be >= 0")
 
 
-def fingerprint_mismatch(theirs: dict[str, Any], ours: dict[str, Any]) -> list[str]:
-    keys = sorted(set(theirs) | set(ours))
-    return [k for k in keys if theirs.get(k) != ours.get(k)]
-
-
 class WorkerRegistry:
     def __init__(self, policy: RoutingPolicy | None = None) -> None:
         self.policy = policy or RoutingPolicy()
@@ -153,7 +149,7 @@ class WorkerRegistry:
         for w in self._workers.values():
             if w.worker_id == reg.worker_id:
                 continue
-            diff = fingerprint_mismatch(reg.fingerprint, w.reg.fingerprint)
+            diff, _allowed = compat.compare(reg.fingerprint, w.reg.fingerprint)  # compat.MAY_DIFFER: fine
             if diff:
                 return f"model fingerprint mismatch in: {', '.join(diff)}"
         return None

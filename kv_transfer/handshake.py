@@ -1,14 +1,20 @@
 """Pair handshake: what both sides must agree on before any KV moves between them.
 
-The compared identity is the caller's model fingerprint (architecture, layers, kv heads, head dim,
-dtype, page size, weights hash) plus what this package itself depends on: the pool's page geometry and
-the transfer backend. A mismatch refuses the pair on both sides, naming every differing field. The
-protocol version is checked before, on every frame (pdserve.protocol.codec).
+The compared identity is the caller's compatibility record (pdserve/protocol/compat.py: model, weights,
+KV dtype and layout, tokenizer, protocol, ...) plus what this package itself depends on: the pool's page
+geometry and the transfer backend. A field that must be equal and differs refuses the pair on both
+sides, naming every such field; one that may differ (compat.MAY_DIFFER) is logged with the reason it is
+safe. The protocol version is checked before, on every frame (pdserve.protocol.codec).
 """
 
 from __future__ import annotations
 
+import logging
+
 from pdserve.kv_transfer.layout import PoolGeometry
+from pdserve.protocol import compat
+
+log = logging.getLogger("pdserve.kv_transfer")
 
 
 class FingerprintMismatch(RuntimeError):
@@ -28,12 +34,19 @@ def pair_identity(
 def compare_identities(
     local: dict[str, str | int], remote: dict[str, str | int], remote_name: str
 ) -> str | None:
-    """None when equal; else a message naming each differing field with both values."""
-    diffs = []
-    for key in sorted(set(local) | set(remote)):
-        mine, theirs = local.get(key, "<missing>"), remote.get(key, "<missing>")
-        if mine != theirs:
-            diffs.append(f"{key}: local={mine!r} {remote_name}={theirs!r}")
-    if not diffs:
-        return None
-    return "model fingerprint mismatch, pair refused (" + "; ".join(diffs) + ")"
+    """None when the pair may work together (differences that are safe are logged); else a message
+    naming each differing field that must be equal, with both values."""
+    refused, allowed = compat.compare(local, remote)
+    if refused:
+        return (
+            "model fingerprint mismatch, pair refused ("
+            + compat.describe(local, remote, refused, remote_name)
+            + ")"
+        )
+    if allowed:
+        log.info(
+            "kv_transfer: pair with a %s node allowed: %s",
+            remote_name,
+            compat.allowed_note(local, remote, allowed, remote_name),
+        )
+    return None

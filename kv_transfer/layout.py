@@ -25,6 +25,10 @@ from typing import Any
 
 import torch
 
+# The layout above, as the compatibility record names it (pdserve/protocol/compat.py): a change to it is a
+# new name.
+KV_LAYOUT = "page-major[N,L,2,P,H,D]"
+
 # Tags of one transfer: base tag per transfer sequence number, plus the chunk index; the trailer uses
 # the last slot. Distinct tags make a desynchronised pair time out instead of mixing rooms.
 MAX_CHUNKS = 1023

@@ -94,6 +94,38 @@ def _file_sha256(path: str) -> str:
     return h.hexdigest()
 
 
+_TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer.model",
+    "vocab.json",
+    "merges.txt",
+    "special_tokens_map.json",
+)
+
+
+def tokenizer_hashes(folder: str) -> dict[str, str]:
+    """{"tokenizer": hash of the tokenizer's files, "chat_template": hash of the chat template} of a model
+    folder ("none" where there is none), for the compatibility record (pdserve/protocol/compat.py)."""
+    tok = hashlib.sha256()
+    for name in _TOKENIZER_FILES:
+        path = os.path.join(folder, name)
+        if os.path.isfile(path):
+            tok.update(name.encode() + b"\0" + _file_sha256(path).encode())
+    template = ""
+    config = os.path.join(folder, "tokenizer_config.json")
+    if os.path.isfile(config):
+        with open(config, encoding="utf-8") as f:
+            template = json.dumps(json.load(f).get("chat_template") or "", sort_keys=True)
+    jinja = os.path.join(folder, "chat_template.jinja")
+    if os.path.isfile(jinja):
+        with open(jinja, encoding="utf-8") as f:
+            template += f.read()
+    return {
+        "tokenizer": tok.hexdigest()[:16] if tok.digest() != hashlib.sha256().digest() else "none",
+        "chat_template": hashlib.sha256(template.encode()).hexdigest()[:16] if template else "none",
+    }
+
+
 def gguf_to_folder(source: ModelSource) -> str:
     """Dequantize a GGUF file into a cached safetensors folder (once; concurrent starts wait on a lock)."""
     assert source.gguf_path is not None

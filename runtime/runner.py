@@ -16,9 +16,10 @@ from typing import Any
 import torch
 
 from pdserve.config import RuntimeConfig
-from pdserve.kv_transfer.layout import kv_head_ranges
+from pdserve.kv_transfer.layout import KV_LAYOUT, describe_split, kv_head_ranges
 from pdserve.kv_transfer.shm import SharedSegment, ShmError, copy_heads, shared_pool
 from pdserve.procfs import kb_field_bytes
+from pdserve.protocol.codec import PROTOCOL_VERSION
 from pdserve.protocol.vocabulary import finish_length
 from pdserve.runtime.attention import make_attention_backend
 from pdserve.runtime.attention_cpu import CpuAttention
@@ -35,7 +36,7 @@ from pdserve.runtime.grammar import (
 from pdserve.runtime.grammar import make_grammar_backend as _make_grammar_backend
 from pdserve.runtime.host import startup_line
 from pdserve.runtime.kv_pool import KVGeometry, KVPool, PageAllocator, RequestPages
-from pdserve.runtime.loader import LoadedModel, load_model
+from pdserve.runtime.loader import LoadedModel, load_model, tokenizer_hashes
 from pdserve.runtime.quant import dense_plan
 from pdserve.runtime.request import Request
 from pdserve.runtime.sampler import SampleOutput, Sampler
@@ -337,19 +338,32 @@ class ModelRunner:
             self._tp_folder = None
 
     def fingerprint(self) -> dict[str, str | int]:
-        """What two nodes must agree on before KV moves between them."""
-        g = self.geometry
+        """This worker's compatibility record (pdserve/protocol/compat.py: what each field means and which
+        may differ between two nodes)."""
+        g, cfg = self.geometry, self.cfg
+        spec = (
+            "none"
+            if cfg.speculative_algorithm is None
+            else f"{cfg.speculative_algorithm}/{cfg.speculative_num_draft_tokens}"
+        )
         return {
             "architecture": self.spec.architecture,
             "num_layers": g.num_layers,
             "kv_heads": self.spec.num_kv_heads,  # the wire carries every head, whatever the TP sizes
             "head_dim": g.head_dim,
-            "dtype": str(g.dtype).removeprefix("torch."),
-            "page_size": g.page_size,
             "weights_hash": self.loaded.weights_hash,
+            "weights_dtype": str(self.loaded.dtype).removeprefix("torch."),
             "quantization": self.loaded.quantization,
+            "kv_dtype": str(g.dtype).removeprefix("torch."),
+            "page_size": g.page_size,
+            "kv_layout": KV_LAYOUT,
             # a batch-invariant pair computes a prompt's KV as its decode steps would: both sides or neither
             "batch_invariant": int(self.loaded.batch_invariant),
+            **tokenizer_hashes(self.loaded.folder),
+            "protocol": PROTOCOL_VERSION,
+            "attention_backend": type(self.backend).__name__,
+            "speculative": spec,
+            "kv_heads_split": describe_split(self.spec.num_kv_heads, self.tp_size),
         }
 
     def check_fits(self, prompt_len: int, max_new_tokens: int) -> None:

@@ -34,3 +34,13 @@ def test_a_layout_that_does_not_map_is_refused() -> None:
     out = _bench("--prefill-tp", "2")
     assert out.returncode == 2
     assert "cannot map prefill layout TP 2 (TP 2 does not split 3 KV heads" in out.stderr
+
+
+def test_checksum_modes_run_side_by_side_and_report_their_cost() -> None:
+    out = _bench("--transports", "shm", "--kv-checksum", "off", "all")
+    assert out.returncode == 0, out.stderr
+    assert "shm/off GB/s" in out.stdout and "shm/all GB/s" in out.stdout, out.stdout
+    cost = re.search(
+        r"checksum all on shm, time against off: 64 random ([+-]\d+\.\d)%, 64 runs ([+-]\d+\.\d)%", out.stdout
+    )
+    assert cost is not None, out.stdout

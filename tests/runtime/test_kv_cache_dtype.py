@@ -42,7 +42,7 @@ def test_a_half_pool_gives_the_float32_pool_tokens(tiny_w4, make_engine, backend
     assert half.runner.pool.kv.dtype == torch.float16 and full.runner.pool.kv.dtype == torch.float32
     assert half.runner.geometry.bytes_per_token * 2 == full.runner.geometry.bytes_per_token
     # the fingerprint carries the pool's dtype: a decode worker with another pool refuses the KV
-    assert half.runner.fingerprint()["dtype"] == "float16"
+    assert half.runner.fingerprint()["kv_dtype"] == "float16"
     prompts = [[5, 17, 99, 3, 42, 8] * k for k in (1, 3, 7)]
     params = SamplingParams(
         max_new_tokens=12, temperature=0.0, ignore_eos=True, logprobs=True, top_logprobs_num=2
