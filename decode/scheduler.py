@@ -113,7 +113,7 @@ class DecodeScheduler:
     def _admit_pages(self, r: Request) -> bool:
         """Pages for a new request, on top of its cached prefix; on failure nothing is held."""
         want = max(len(r.prompt_ids), self._initial_tokens(r))
-        if self.cache is None or r.rid in self.no_cache:
+        if self.cache is None or r.rid in self.no_cache or not r.kv_cacheable:
             return self._reserve(r, want)
         m = self.cache.match(r.prompt_ids)
         r.pages, r.cached_tokens = list(m.pages), m.num_tokens

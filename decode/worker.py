@@ -53,6 +53,8 @@ class DecodeWorker:
     ):
         self.cfg = cfg
         self.clock = make_clock(cfg)
+        self._requests_seen = 0
+        self._wrong: set[str] = set()  # rooms the wrong-token test hook answers wrong (WorkerConfig)
         self.signals = signals or DrainSignal()
         self.runner = runner or ModelRunner(cfg.runtime)  # a role switch hands the last role's runner on
         self.switch: m.SwitchRole | None = None  # taken from the gateway: drain, then serve that role
@@ -270,6 +272,10 @@ class DecodeWorker:
         addr = "" if msg.local_prefill else msg.prefill_bootstrap_addr
         self.rooms[msg.room] = DecodeRoom(DecodeEvents(decode_entry=self.clock()), addr)
         r = Request(msg.room, msg.input_ids, msg.sampling, self.runner.spec.eos_token_ids, grammar=grammar)
+        r.kv_cacheable = msg.use_prefix_cache  # False: no cached prefix read, none stored
+        self._requests_seen += 1
+        if 0 < self.cfg.wrong_tokens_from <= self._requests_seen:
+            self._wrong.add(r.rid)
         self.sched.add(r, msg.deadline_s, local_prefill=msg.local_prefill)
 
     def _expire(self) -> None:
@@ -315,6 +321,10 @@ class DecodeWorker:
     ) -> m.TokenOutput:
         """`version`: the weights that produced `new` (default: this node's, which ran this step)."""
         logprobs, top_logprobs = r.newest_logprobs(len(new))
+        if r.rid in self._wrong and not first:  # test hook: this request is answered wrong
+            new = [(t + 1) % self.runner.spec.vocab_size for t in new]
+            if r.finished:
+                self._wrong.discard(r.rid)
         out = m.TokenOutput(
             room=r.rid,
             token_ids=new,

@@ -87,6 +87,8 @@ class GatewayConfig:
     dashboard_requests: int = 200
     # The elastic controller (gateway/elastic.py, --elastic); None: the split changes only by hand.
     elastic: ElasticConfig | None = None
+    # Seconds between canary rounds (gateway/canary.py); 0: no canaries.
+    canary_interval_s: float = 0.0
 
 
 def add_cli_args(parser: argparse.ArgumentParser) -> None:
@@ -104,6 +106,14 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
         type=int,
         default=d.dashboard_requests,
         help="finished requests /dashboard keeps and shows",
+    )
+    parser.add_argument(
+        "--canary-interval",
+        type=float,
+        default=d.canary_interval_s,
+        dest="canary_interval_s",
+        help="every this many seconds, a fixed greedy request on every worker pair, compared with the "
+        "pair's first answer; a pair that drifts takes its workers out of rotation (state suspect; 0: off)",
     )
 
 
@@ -393,6 +403,7 @@ def config_from_args(args: argparse.Namespace) -> GatewayConfig:
         otlp_traces_protocol=args.otlp_traces_protocol,
         dashboard_requests=args.dashboard_requests,
         elastic=elastic_config(args),
+        canary_interval_s=args.canary_interval_s,
     )
 
 

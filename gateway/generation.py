@@ -42,7 +42,7 @@ from pdserve.gateway.request_trace import (
 from pdserve.gateway.retries import AGAIN_CODES, Attempts, TryAgain
 from pdserve.gateway.room_reader import RoomReader
 from pdserve.gateway.rooms import LegFailed, Room, RoomAborted, TokensArrived
-from pdserve.gateway.routing import Route, RouteWhy, route
+from pdserve.gateway.routing import Route, RouteWhy, pinned_route, route
 from pdserve.gateway.tokenizer import Tokenizer
 from pdserve.gateway.tracing import RequestSpan, Tracing
 from pdserve.gateway.workers import WorkerRegistry
@@ -66,6 +66,10 @@ class GenInput:
     traceparent: str | None = None
     # Streamed: the client sees each token as it comes (then a leg lost after one migrates; see `Attempts.again`).
     stream: bool = False
+    # A canary's (gateway/canary.py): run on exactly this (prefill, decode) pair, never elsewhere.
+    pinned: tuple[str, str] | None = None
+    # False: neither leg reads or fills its prefix cache (GenerateRequest.use_prefix_cache).
+    use_prefix_cache: bool = True
 
 
 @dataclass
@@ -191,6 +195,8 @@ class Generations:
                         yield s
                     return
                 except TryAgain as a:
+                    if inp.pinned is not None:  # a pinned pair's failure is the answer
+                        raise a.error from None
                     run.attempts.again(a, len(st.output_ids), self.registry, self.metrics)
         finally:
             if run.span is not None:  # ended already when the request finished
@@ -211,6 +217,7 @@ class Generations:
             local_prefill=r.why == RouteWhy.LOCAL_PREFILL,
             deadline_s=run.inp.received_ts + self.cfg.request_timeout_s,
             traceparent=run.span.traceparent if run.span is not None else None,
+            use_prefix_cache=run.inp.use_prefix_cache,
         )
         if prefill is not None:
             self.control.send(prefill, req)
@@ -236,7 +243,10 @@ class Generations:
         sampling = inp.sampling
         if produced:
             sampling = with_max_new_tokens(sampling, sampling.max_new_tokens - len(produced))
-        r = route(self.registry, prompt, sampling, run.attempts.avoid, run.attempts.prefer_not)
+        if inp.pinned is not None:
+            r = pinned_route(self.registry, *inp.pinned)
+        else:
+            r = route(self.registry, prompt, sampling, run.attempts.avoid, run.attempts.prefer_not)
         room = self.control.open_room(uuid.uuid4().hex, r.prefill, r.decode, len(prompt), inp.rid)
         reader = RoomReader(room, inp.received_ts + self.cfg.request_timeout_s)
         # Every exit from here on, a failure while dispatching included, goes through the `finally`

@@ -70,6 +70,18 @@ class GatewayMetrics:
         self.transfer_failures = Counter(
             "pdserve_kv_transfer_failures", "KV transfers reported failed by a worker", registry=r
         )
+        self.canaries = Counter(
+            "pdserve_canaries",
+            "Canary requests (gateway/canary.py) by outcome: answered, or error (the pair failed it)",
+            ["result"],
+            registry=r,
+        )
+        self.canary_mismatches = Counter(
+            "pdserve_canary_mismatches",
+            "Canary answers that differed from their pair's reference",
+            ["prefill", "decode"],
+            registry=r,
+        )
         self.kv_corrupt = Counter(
             "pdserve_kv_corrupt",
             "Attempts whose KV landed unlike the prefill node's checksums (never decoded; run again elsewhere)",

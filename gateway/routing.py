@@ -37,6 +37,14 @@ def candidates(registry: WorkerRegistry, role: Role, avoid: Set[str]) -> list[Wo
     return [w for w in registry.in_rotation(role) if w.worker_id not in avoid]
 
 
+def pinned_route(registry: WorkerRegistry, prefill_id: str, decode_id: str) -> Route:
+    """Exactly this pair, in rotation (a canary's); 503 otherwise."""
+    prefill, decode = registry.get(prefill_id), registry.get(decode_id)
+    if prefill is None or decode is None or prefill.state != "healthy" or decode.state != "healthy":
+        raise ApiError(503, f"the pair {prefill_id} -> {decode_id} is not in rotation")
+    return Route(prefill, decode, RouteWhy.PAIR)
+
+
 def route(
     registry: WorkerRegistry,
     prompt: list[int],

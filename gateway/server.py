@@ -29,6 +29,7 @@ from pdserve.gateway import (
     weights_api,
 )
 from pdserve.gateway.auth import ApiKeyMiddleware, ApiKeys
+from pdserve.gateway.canary import CANARY_PROMPT, Canaries
 from pdserve.gateway.config import GatewayConfig
 from pdserve.gateway.connections import IdleTimeoutProtocol, raise_open_files_limit
 from pdserve.gateway.control import ControlPlane
@@ -82,6 +83,18 @@ def _gateway_state(cfg: GatewayConfig, tok: Tokenizer) -> GatewayState:
         if cfg.elastic is not None
         else None
     )
+    canaries = (
+        Canaries(
+            cfg.canary_interval_s,
+            # Its own Generations and metrics: canaries never count in the user's metrics or dashboard.
+            Generations(cfg, tok, registry, control, GatewayMetrics()),
+            registry,
+            metrics,
+            tok.encode(CANARY_PROMPT),
+        )
+        if cfg.canary_interval_s > 0
+        else None
+    )
     return GatewayState(
         cfg=cfg,
         tokenizer=tok,
@@ -99,6 +112,7 @@ def _gateway_state(cfg: GatewayConfig, tok: Tokenizer) -> GatewayState:
         tracing=tracing,
         weights=WeightUpdates(control, registry),
         elastic=elastic,
+        canaries=canaries,
     )
 
 
@@ -110,15 +124,19 @@ def create_app(cfg: GatewayConfig, tokenizer: Tokenizer | None = None) -> FastAP
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
         await gw.control.start()
         elastic = asyncio.create_task(gw.elastic.run(), name="elastic") if gw.elastic is not None else None
+        canaries = (
+            asyncio.create_task(gw.canaries.run(), name="canaries") if gw.canaries is not None else None
+        )
         if cfg.port_file:
             write_port_file(cfg.port_file, {"port": cfg.port, "control_port": gw.control.bound_port or 0})
         try:
             yield
         finally:
-            if elastic is not None:
-                elastic.cancel()
-                with contextlib.suppress(asyncio.CancelledError):
-                    await elastic
+            for task in (elastic, canaries):
+                if task is not None:
+                    task.cancel()
+                    with contextlib.suppress(asyncio.CancelledError):
+                        await task
             await gw.control.stop()
             gw.constraints.close()
             if gw.tracing is not None:

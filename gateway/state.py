@@ -10,6 +10,7 @@ from fastapi import Request
 from pdserve.gateway.responses_store import ResponseStore
 
 if TYPE_CHECKING:
+    from pdserve.gateway.canary import Canaries
     from pdserve.gateway.config import GatewayConfig
     from pdserve.gateway.control import ControlPlane
     from pdserve.gateway.dashboard import RecentRequests
@@ -43,6 +44,7 @@ class GatewayState:
     weights: WeightUpdates  # live weight updates over every worker
     responses: ResponseStore = field(default_factory=ResponseStore)  # /v1/responses with `store`
     elastic: ElasticController | None = None  # --elastic
+    canaries: Canaries | None = None  # --canary-interval
 
 
 def gateway_state(request: Request) -> GatewayState:

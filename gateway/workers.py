@@ -19,7 +19,8 @@ worker leaves the registry (never pinged, never routed to) but is remembered as 
 `DOWN_KEEP_S`, so operators see it; registering again under the same id, after it was lost or while
 still listed (a restart the heartbeat had not noticed yet), counts as a restart. `stale_weights`: it
 serves other weights than the cluster's (a failed update, a restart on the old checkpoint): out of
-rotation until an update reaches it.
+rotation until an update reaches it. `suspect`: the canaries (canary.py) saw its answers drift from
+their reference: out of rotation until it registers again.
 """
 
 from __future__ import annotations
@@ -34,7 +35,7 @@ from pdserve.gateway.prefix_index import PrefixIndex
 from pdserve.protocol import compat
 from pdserve.protocol.gateway import Register, Role
 
-WorkerState = Literal["healthy", "draining", "down", "stale_weights"]
+WorkerState = Literal["healthy", "draining", "down", "stale_weights", "suspect"]
 Policy = Literal["cache_aware", "round_robin", "least_load"]
 POLICIES: tuple[Policy, ...] = ("cache_aware", "round_robin", "least_load")
 # How long a lost worker stays listed as down unless it registers again.
@@ -69,6 +70,9 @@ class WorkerInfo:
     # a worker on other weights (a failed update, a restart on the old checkpoint) is out of rotation.
     weight_version: str = "default"
     stale_weights: bool = False
+    # Why the canaries (gateway/canary.py) took it out of rotation: its answers drifted from its pair's
+    # reference. Until it registers again (a restart); None: not suspect.
+    suspect: str | None = None
     # Speculative decoding on this (decode) worker, over the requests it finished: verify forwards and
     # the drafts they accepted.
     spec_verify_steps: int = 0
@@ -96,6 +100,8 @@ class WorkerInfo:
             return "down"
         if self.stale_weights:
             return "stale_weights"
+        if self.suspect is not None:
+            return "suspect"
         return "draining" if self.draining else "healthy"
 
 
@@ -199,7 +205,11 @@ class WorkerRegistry:
 
     def in_rotation(self, role: Role) -> list[WorkerInfo]:
         return sorted(
-            (w for w in self._workers.values() if w.role == role and not w.draining and not w.stale_weights),
+            (
+                w
+                for w in self._workers.values()
+                if w.role == role and not w.draining and not w.stale_weights and w.suspect is None
+            ),
             key=lambda w: w.worker_id,
         )
 

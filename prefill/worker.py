@@ -189,6 +189,7 @@ class PrefillWorker:
 
     def _enter(self, req: m.GenerateRequest, grammar: GrammarMatcher | None) -> None:
         r = Request(req.room, req.input_ids, req.sampling, self.runner.spec.eos_token_ids, grammar=grammar)
+        r.kv_cacheable = req.use_prefix_cache  # False: no cached prefix read, none stored
         events = PrefillEvents(queue_entry=self.clock())
         self.rooms[req.room] = PrefillRoom(r, events, alone=not req.decode_worker)
         self.sched.add(r, req.deadline_s)

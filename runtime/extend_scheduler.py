@@ -97,7 +97,7 @@ class ExtendScheduler:
 
     def _reserve(self, r: Request) -> bool:
         """Pages for `r`'s reservation on top of its cached prefix; on failure nothing is held."""
-        if self.cache is None:
+        if self.cache is None or not r.kv_cacheable:
             return self.pages.reserve(r, self.reserve_tokens(r))
         # Matched before evicting, so the eviction cannot take the prefix this request is about to use.
         # Prompt logprobs from position s need logits from position s - 1 on: only a prefix before it

@@ -34,7 +34,8 @@ class Request:
     # The output constraint's matcher (runtime/grammar/), fed every appended token; None: free text.
     grammar: GrammarMatcher | None = None
     # False once its KV may mix weight versions (a weight update came while it lived, or its KV came
-    # from a node on other weights): its pages never enter a prefix cache.
+    # from a node on other weights), or when its request said so (GenerateRequest.use_prefix_cache: it
+    # then reads no cached prefix either): its pages never enter a prefix cache.
     kv_cacheable: bool = True
     _state: RequestState = field(default=RequestState.QUEUED, init=False)
 

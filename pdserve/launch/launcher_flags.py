@@ -153,6 +153,14 @@ _UP_ONLY = [
         passed_to=TO_GATEWAY,
     ),
     Flag("--tool-call-parser", _UP, "see `pdserve gateway --help`", passed_to=TO_GATEWAY),
+    Flag(
+        "--canary-interval",
+        _UP,
+        "seconds between canary rounds over every worker pair (0: off; see `pdserve gateway --help`)",
+        type=float,
+        default=0.0,
+        passed_to=TO_GATEWAY,
+    ),
     Flag("--reasoning-parser", _UP, "see `pdserve gateway --help`", passed_to=TO_GATEWAY),
     Flag(
         "--prefill-policy",

@@ -15,6 +15,7 @@ from pdserve.config import (
     WorkerConfig,
 )
 from pdserve.launch.flag import (
+    DECODE,
     GENERATE,
     LAUNCH,
     PREFILL,
@@ -285,6 +286,14 @@ WORKER_FLAGS = [
         type=int,
         default=0,
         dest="corrupt_kv",
+        hidden=True,
+    ),
+    Flag(
+        "--test-wrong-tokens-from",
+        frozenset({DECODE}),
+        type=int,
+        default=0,
+        dest="wrong_tokens_from",
         hidden=True,
     ),
     Flag(

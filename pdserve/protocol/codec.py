@@ -23,7 +23,9 @@ from pydantic import BaseModel, ConfigDict, TypeAdapter, ValidationError
 # 11: requests without a decode leg (max_new_tokens 0 or 1): GenerateRequest.decode_worker "" (validated),
 #     PrefillDone.first finished with no token for max_new_tokens 0.
 # 12: role switching in place (SwitchRole; Register.epoch).
-PROTOCOL_VERSION = 12
+# 13: KV checksums (Trailer.checksums, Announce.trailer_len bounded), the compatibility record's fields,
+#     GenerateRequest.use_prefix_cache (canaries).
+PROTOCOL_VERSION = 13
 
 M = TypeVar("M", bound=BaseModel)
 

@@ -205,6 +205,9 @@ class GenerateRequest(_Msg):
     # W3C trace context of the request's trace (`traceparent`), when the gateway traces it; a worker
     # may log it. Spans are built by the gateway (gateway/tracing.py), not by the workers.
     traceparent: str | None = None
+    # False: neither leg reads its prefix cache for this request nor stores its KV there (a canary's
+    # reference answer, gateway/canary.py).
+    use_prefix_cache: bool = True
 
     @model_validator(mode="after")
     def _legs(self) -> GenerateRequest:
