@@ -84,6 +84,7 @@ def _worker(w: WorkerInfo, switch: Switch | None = None) -> dict[str, Any]:
         "restarts": w.restarts,
         "registered_at": w.registered_at,
         "draining": w.draining,
+        "suspect": w.suspect,  # why the canaries took it out of rotation (gateway/canary.py), or None
         "weight_version": w.weight_version,
         "bootstrap_addr": w.reg.bootstrap_addr,
         "clock_offset_s": w.clock.offset,
