@@ -11,7 +11,8 @@ import pytest
 from pdserve.gateway.workers import WorkerRegistry
 from pdserve.kv_transfer.handshake import compare_identities
 from pdserve.protocol import compat
-from pdserve.protocol.gateway import Register
+
+from .test_control import _register
 
 FIELDS = {
     "architecture", "num_layers", "kv_heads", "head_dim", "weights_hash", "weights_dtype", "quantization",
@@ -33,20 +34,6 @@ def _changed(value: str | int) -> str | int:
     return value + 1 if isinstance(value, int) else f"{value}-other"
 
 
-def _register(worker_id: str, fp: dict) -> Register:
-    return Register(
-        worker_id=worker_id,
-        role="decode",
-        fingerprint=fp,
-        model_name="m",
-        max_total_tokens=1024,
-        max_running_requests=8,
-        context_length=1024,
-        vocab_size=100,
-        t_send=0.0,
-    )
-
-
 def test_the_record_names_the_model_weights_kv_tokenizer_and_protocol(record):
     assert set(record) == FIELDS
     assert record["kv_dtype"] == record["weights_dtype"] == "float32"
@@ -59,8 +46,8 @@ def test_each_field_changed_alone_is_caught(record, key, caplog):
     other = {**record, key: _changed(record[key])}
     error = compare_identities(record, other, "decode")
     registry = WorkerRegistry()
-    registry.add(_register("decode-a", record), b"a", 0.0)
-    reason = registry.check_fingerprint(_register("decode-b", other))
+    registry.add(_register("decode-a", **record), b"a", 0.0)
+    reason = registry.check_fingerprint(_register("decode-b", **other))
     if key in compat.MAY_DIFFER:
         assert error is None and reason is None
         with caplog.at_level(logging.INFO, logger="pdserve.kv_transfer"):
