@@ -3,11 +3,13 @@ simulator (simulate.py) from this host's measured profile (profile.py, measure.p
 
     pdserve plan --profile-out host.json                      # measure this host (a minute or two)
     pdserve plan --profile host.json --workers 2 3 --workload prompt-heavy --ttft-slo 2 --tpot-slo 0.2
+    pdserve plan --gpu H100-SXM --workers 8 32 128 --rates-per-worker --rates 1 2 4 --max-splits 12
 
 For every split of each --workers count (P prefill + D decode workers, at least one of each) and every
 rate of --rates, it simulates --num-prompts Poisson arrivals and prints goodput (requests/s meeting both
 targets), SLO attainment and TTFT/TPOT percentiles; then, per worker count, the split whose best rate has
-the highest goodput. Without --profile it measures the host first.
+the highest goodput. Without --profile it measures the host first; with --gpu it plans on paper, from a
+GPU's datasheet figures (datasheet.py: one worker per GPU, the hand-off at --transfer-gbps).
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ import argparse
 import statistics
 import sys
 
+from pdserve.plan.datasheet import GPUS, MODELS, paper_profile
 from pdserve.plan.profile import Profile
 from pdserve.plan.simulate import goodput, poisson_workload, simulate
 
@@ -50,6 +53,17 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--ttft-slo", type=float, default=2.0, help="seconds")
     p.add_argument("--tpot-slo", type=float, default=0.2, help="seconds per output token after the first")
     p.add_argument("--dedicated", action="store_true", help="each worker on a device of its own (GPUs)")
+    p.add_argument(
+        "--gpu", choices=sorted(GPUS), help="plan on paper for this GPU (datasheet.py; implies --dedicated)"
+    )
+    p.add_argument(
+        "--gpu-model", choices=sorted(MODELS), default="llama-3.1-8b", help="the model --gpu serves"
+    )
+    p.add_argument("--transfer-gbps", type=float, default=25.0, help="--gpu: GB/s of one KV hand-off")
+    p.add_argument("--rates-per-worker", action="store_true", help="--rates are per worker: x each count")
+    p.add_argument(
+        "--max-splits", type=int, help="simulate at most this many splits per count, evenly spaced"
+    )
     p.add_argument("--seed", type=int, default=0)
     return p
 
@@ -58,11 +72,20 @@ def _pct(xs: list[float], q: float) -> float:
     return statistics.quantiles(xs, n=100, method="inclusive")[int(q) - 1] if len(xs) > 1 else xs[0]
 
 
+def _splits(n: int, most: int | None) -> list[int]:
+    """Prefill worker counts to try for `n` workers: all of 1..n-1, or at most `most` evenly spaced."""
+    if most is None or n - 1 <= most:
+        return list(range(1, n))
+    return sorted({round(1 + i * (n - 2) / (most - 1)) for i in range(most)})
+
+
 def plan(profile: Profile, args: argparse.Namespace) -> dict[int, tuple[tuple[int, int], dict[str, float]]]:
     """Prints the table; returns, per worker count, the best split and its best rate's row."""
     prompt, output = WORKLOADS[args.workload]
     prompt, output = args.input_len or prompt, args.output_len or output
     print(f"profile: {profile.host}; {profile.model}, {profile.dtype}, quantization {profile.quantization}")
+    for note in profile.notes:
+        print(f"  {note}")
     print(
         f"workload: prompts {int(prompt * args.range_ratio)}-{prompt} tokens, outputs "
         f"{int(output * args.range_ratio)}-{output}, {args.num_prompts} Poisson arrivals per rate; targets TTFT "
@@ -76,10 +99,10 @@ def plan(profile: Profile, args: argparse.Namespace) -> dict[int, tuple[tuple[in
         int, tuple[float, float]
     ] = {}  # worker count -> the best split's (goodput, summed over rates)
     for n in args.workers:
-        for p in range(1, n):
+        for p in _splits(n, args.max_splits):
             split = (p, n - p)
             rows = []
-            for rate in args.rates:
+            for rate in [r * n for r in args.rates] if args.rates_per_worker else args.rates:
                 arrivals = poisson_workload(
                     rate, args.num_prompts, prompt, output, args.seed, args.range_ratio
                 )
@@ -110,7 +133,17 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("--workers: a split needs at least 2 workers (one prefill, one decode)")
     if args.num_prompts < 1 or min(args.rates) <= 0 or not 0 < args.range_ratio <= 1:
         parser.error("--num-prompts must be >= 1, --rates > 0 and --range-ratio in (0, 1]")
-    if args.profile:
+    if args.max_splits is not None and args.max_splits < 2:
+        parser.error("--max-splits must be >= 2")
+    if args.transfer_gbps <= 0:
+        parser.error("--transfer-gbps must be > 0")
+    if args.gpu:
+        try:
+            profile = paper_profile(args.gpu, args.gpu_model, args.transfer_gbps)
+        except ValueError as e:
+            parser.error(str(e))
+        args.dedicated = True
+    elif args.profile:
         try:
             profile = Profile.load(args.profile)
         except (OSError, ValueError, TypeError) as e:

@@ -56,3 +56,39 @@ def test_the_search_prints_every_split_and_picks_the_one_the_workload_needs(tmp_
     path.write_text(json.dumps({**profile, "decode_s": [[0.1]]}))
     bad = _plan("--profile", str(path))
     assert bad.returncode == 2 and "decode_s must be" in bad.stderr
+
+
+def test_a_paper_profile_is_labelled_and_its_roofline_holds() -> None:
+    from pdserve.plan.datasheet import paper_profile
+
+    p = paper_profile("H100-SXM", "llama-3.1-8b", transfer_gbps=25)
+    assert "on paper" in p.host and "not measured" in p.host and any("datasheet" in n for n in p.notes)
+    # A decode step reads the weights once, whatever the batch: 16 GB at 70% of 3.35 TB/s is ~6.8 ms.
+    assert 0.006 < p.decode(1, 256) < 0.009 and p.decode(256, 256) < 2 * p.decode(1, 256)
+    # A long prefill is compute-bound: 8k tokens are ~8x the FLOPs of 1k, and more for attention.
+    assert p.prefill(8192) > 8 * (p.prefill(1024) - 0.0005)
+    # 128 KiB of KV a token over 25 GB/s.
+    assert abs(p.transfer(1000) - 1000 * 131072 / 25e9) < 1e-9
+    with pytest.raises(ValueError, match="does not fit"):
+        from pdserve.plan.datasheet import GPUS, MODELS, ModelShape
+
+        MODELS["huge"] = ModelShape(70e9, 80, 64, 8, 128)
+        try:
+            paper_profile("H100-SXM", "huge", 25)
+        finally:
+            del MODELS["huge"]
+    assert GPUS["H200"].bandwidth > GPUS["H100-SXM"].bandwidth
+
+
+def test_a_plan_on_paper_scales_rates_per_worker_and_samples_the_splits() -> None:
+    out = _plan(
+        "--gpu", "H100-SXM", "--workers", "16", "--rates-per-worker", "--rates", "1", "--max-splits", "4",
+        "--num-prompts", "60", "--input-len", "1024", "--output-len", "32", "--ttft-slo", "1", "--tpot-slo", "0.05",
+    )  # fmt: skip
+    assert out.returncode == 0, out.stderr
+    assert "H100-SXM on paper" in out.stdout and "a device per worker" in out.stdout
+    splits = sorted({line.split()[0] for line in out.stdout.splitlines() if line.strip().endswith(tuple("0123456789")) and "P" in line.split()[0] and "D" in line.split()[0]})  # fmt: skip
+    assert splits == sorted(["1P15D", "6P10D", "10P6D", "15P1D"]), out.stdout
+    rates = {line.split()[1] for line in out.stdout.splitlines() if line.split()[:1] == ["6P10D"]}
+    assert rates == {"16"}, out.stdout  # 1 a worker x 16 workers
+    assert "best split of 16 workers" in out.stdout
