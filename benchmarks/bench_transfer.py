@@ -36,6 +36,7 @@ import torch
 
 from pdserve.config import KV_CHECKSUMS
 from pdserve.kv_transfer import KVReceiver, KVSender, TransferConfig, TransferState
+from pdserve.kv_transfer.checksum import checked_indices, page_hashes
 from pdserve.kv_transfer.layout import describe_split, kv_head_ranges, mapping_error
 from pdserve.kv_transfer.shm import copy_heads, shared_pool
 from pdserve.protocol.kv_trailer import FirstToken
@@ -223,6 +224,20 @@ def _run(
     return out
 
 
+def _hash_seconds(n_pages: int, mode: str, kv_heads: int, reps: int) -> float:
+    """Median seconds to hash a room's pages as `mode` picks them (kv_transfer/checksum.py), in this
+    process, each round on pages of a pool 4x the room's that the previous rounds did not touch."""
+    kv = _pool(4 * n_pages, kv_heads)
+    indices = checked_indices(n_pages, mode)
+    times = []
+    for rep in range(max(reps, 4)):
+        start = (rep % 4) * n_pages
+        t0 = time.perf_counter()
+        page_hashes(kv, list(range(start, start + n_pages)), indices)
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -284,6 +299,17 @@ def main(argv: list[str] | None = None) -> None:
             line += f" {shm_over_dist:>8.2f}"
         raw_s = next(iter(results.values()))[(tokens, order)][1]
         print(line + f" {nbytes / raw_s / 1e9:>9.2f}")
+    for c in [
+        c for c in args.kv_checksum if c != "off"
+    ]:  # the hashing alone: steadier than two runs' difference
+        tokens = max(args.tokens)
+        per_side = _hash_seconds(-(-tokens // PAGE_SIZE), c, args.kv_heads, args.reps)
+        shares = ", ".join(
+            f"{t} {2 * per_side / results[(t, args.kv_checksum[0])][(tokens, 'runs')][0]:.1%}"
+            for t in args.transports
+        )
+        print(f"checksum {c} at {tokens} tokens: {per_side * 1e3:.2f} ms of hashing a side, both sides against "
+              f"a {args.kv_checksum[0]} hand-off of consecutive pages: {shares}")  # fmt: skip
     if "off" in args.kv_checksum:  # what each mode adds to a hand-off, against no checksum on its transport
         for t, c in [r for r in runs if r[1] != "off"]:
             costs = [

@@ -8,9 +8,11 @@ the room with `KV_CORRUPT`, which the decode worker reports as `FailCode.KV_CORR
 the request again elsewhere, as a failed transfer).
 
 Modes (`--kv-checksum`): `all` hashes every page; `sample` the first, the last and every
-SAMPLE_STRIDE-th page between (a flipped byte in a random page is caught with probability about
-1/SAMPLE_STRIDE, a whole page or run overwritten almost always); `off` none. The receiver checks
-whatever the trailer lists, so the two sides need not agree on the mode.
+SAMPLE_STRIDE-th page between (a prompt of up to 2 pages entirely; a flipped byte in a random page of a
+long one is caught with probability about 1/SAMPLE_STRIDE, a run of pages overwritten when it covers a
+hashed one); `off` none. The receiver checks whatever the trailer lists, so the two sides need not
+agree on the mode. Their cost (docs/benchmarks.md, `pdserve bench transfer --kv-checksum`): at 4,096
+tokens `sample` hashes 0.27 ms a side, 1.7% of a same-host hand-off; `all` more than doubles it.
 
 What it covers: any change to a page's bytes between the sender's hash and the receiver's check (the
 pair group's bytes, the shared-memory segment, a page the prefill node reused or overwrote too early).
@@ -27,7 +29,7 @@ import xxhash
 from pdserve.config import KV_CHECKSUMS
 
 CHECKSUM_MODES = KV_CHECKSUMS
-SAMPLE_STRIDE = 16
+SAMPLE_STRIDE = 128
 KV_CORRUPT = "KV checksum mismatch"  # the start of a corrupt room's error (kv_transfer's callers match it)
 
 

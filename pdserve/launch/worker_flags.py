@@ -223,7 +223,7 @@ WORKER_FLAGS = [
         "--kv-checksum",
         WORKERS | {UP},
         "which KV pages the prefill node hashes for the decode node to check after they land "
-        "(off | sample: the first, the last and every 16th | all); a mismatch fails the hand-off as kv_corrupt",
+        "(off | sample: the first, the last and every 128th | all); a mismatch fails the hand-off as kv_corrupt",
         default=_W.kv_checksum,
         choices=KV_CHECKSUMS,
         passed_to=TO_WORKERS,
