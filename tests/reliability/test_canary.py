@@ -35,7 +35,9 @@ def test_a_decode_worker_that_answers_wrong_leaves_rotation_and_the_others_serve
         print(f"decode-1 suspect {took:.1f} s after the references (interval {INTERVAL_S:g} s)")
         states = {wid: w["state"] for wid, w in workers(c.url).items()}
         assert states == {"prefill-0": "healthy", "decode-1": "suspect", "decode-2": "healthy"}, states
-        assert workers(c.url)["decode-1"]["suspect"].startswith("canary mismatch on prefill-0 -> decode-1: token")
+        assert workers(c.url)["decode-1"]["suspect"].startswith(
+            "canary mismatch on prefill-0 -> decode-1: token"
+        )
         assert metric(c.url, "pdserve_canary_mismatches_total") >= 1
         # Canaries never count in the user's metrics.
         assert metric(c.url, "pdserve_prompt_tokens_total") == 0
