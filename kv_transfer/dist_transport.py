@@ -50,13 +50,19 @@ class DistSend(SendTransport):
         if isinstance(group, str):
             pair.post(Done(job.room, group))
             return
-        pair.post(Started(job.room))
         if self._prepare is not None:
             try:
                 self._prepare(job.src_pages)
             except Exception as exc:  # noqa: BLE001 - this room fails, the pair goes on
                 pair.post(Done(job.room, f"gathering the KV heads of the ranks failed: {exc}"))
                 return
+        try:
+            checked = checked_indices(len(job.src_pages), self._config.kv_checksum)
+            hashes = page_hashes(self._kv, job.src_pages, checked)
+        except (IndexError, RuntimeError) as exc:  # pages outside the pool: this room fails, the pair goes on
+            pair.post(Done(job.room, f"hashing the KV pages failed: {exc}"))
+            return
+        pair.post(Started(job.room))  # after the hashes: what changes from here on is caught
         seq = pair.next_seq()
         per_chunk = chunk_pages(self._geometry, len(job.src_pages), self._config.chunk_bytes)
         runs = None
@@ -68,12 +74,6 @@ class DistSend(SendTransport):
                 self._config.direct_min_bytes,
                 self._geometry.page_bytes,
             )
-        try:
-            checked = checked_indices(len(job.src_pages), self._config.kv_checksum)
-            hashes = page_hashes(self._kv, job.src_pages, checked)
-        except (IndexError, RuntimeError) as exc:  # pages outside the pool: this room fails, the pair goes on
-            pair.post(Done(job.room, f"hashing the KV pages failed: {exc}"))
-            return
         trailer = encode_trailer(job.room, job.num_tokens, job.metadata, hashes)
         flipped = self._corrupt.take(self._kv, job.src_pages)
         pair.out(

@@ -93,7 +93,8 @@ def _flip_during_stall(sender, room: str, page: int) -> None:
 @pytest.mark.parametrize("transport", CASES)
 @pytest.mark.parametrize("mode", ["sample", "all", "off"])
 def test_a_bit_flipped_after_the_hash_fails_the_room_as_corrupt(pair, transport, mode):
-    sender, receiver = pair(transport, _config(transport, stall_data_s=0.4, kv_checksum=mode))
+    # Both transports hash before Started; the stall then holds the data back long enough for the flip.
+    sender, receiver = pair(transport, _config(transport, stall_data_s=1.5, kv_checksum=mode))
     src, dst = [3, 4, 9], [7, 8, 20]
     receiver.request("r", sender.addr, dst, 10)
     sender.send("r", src, 10, FirstToken(first_token=1))
