@@ -12,7 +12,8 @@ SAMPLE_STRIDE-th page between (a prompt of up to 2 pages entirely; a flipped byt
 long one is caught with probability about 1/SAMPLE_STRIDE, a run of pages overwritten when it covers a
 hashed one); `off` none. The receiver checks whatever the trailer lists, so the two sides need not
 agree on the mode. Their cost (docs/benchmarks.md, `pdserve bench transfer --kv-checksum`): at 4,096
-tokens `sample` hashes 0.27 ms a side, 1.7% of a same-host hand-off; `all` more than doubles it.
+tokens `sample` hashes 0.27 ms a side, 1.7% of a same-host hand-off; `all` 18.7 ms a side, +117% of
+a same-host hand-off and +50% of one over the pair group.
 
 What it covers: any change to a page's bytes between the sender's hash and the receiver's check (the
 pair group's bytes, the shared-memory segment, a page the prefill node reused or overwrote too early).
@@ -73,9 +74,9 @@ def mismatch(kv: torch.Tensor, pages: list[int], expected: list[tuple[int, int]]
 
 
 class CorruptHook:
-    """Test hook (`--test-corrupt-kv N`): the first N rooms a transport sends get one bit of their last
-    page flipped in this node's pool after the page was hashed, as a wire, a segment or an early reuse
-    would change it; `restore` flips it back once the room's transfer ended, so that the prefill node's
+    """Test hook (`--test-corrupt-kv N`): the first N rooms a sender sends (one count shared by both
+    transports) get one bit of their last page flipped in this node's pool after the page was hashed, as
+    a wire, a segment or an early reuse would change it; `restore` flips it back once the room's transfer ended, so that the prefill node's
     own prefix cache stays intact."""
 
     def __init__(self, count: int) -> None:
