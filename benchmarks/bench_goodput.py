@@ -12,6 +12,12 @@ none is answered from the prefix cache an earlier rate filled (the workload, tar
 Arrivals do not wait for earlier answers (at most --max-concurrency in flight, default unbounded): a
 server that falls behind builds a queue and misses the TTFT target, as in production. A request that
 failed meets no target.
+
+`--trace FILE` replays a recorded trace instead (benchmarks/goodput_trace.py: Mooncake's JSON lines or
+the Azure CSV), its first --num-prompts requests, with their lengths and their arrivals' shape, the clock
+scaled so that each of --rates is the mean rate. `--slo-percentile P` adds DistServe's other form: a
+rate passes when the P-th percentile of TTFT and of TPOT are within their targets, and the highest
+passing rate is reported. `--plot DIR` draws goodput and attainment against the rate.
 """
 
 from __future__ import annotations
@@ -31,9 +37,10 @@ from pdserve.bench.bench_serving import (
     build_parser,
     check_args,
 )
+from pdserve.bench.goodput_trace import TraceError, arrivals_at, load_trace
 from pdserve.bench.launch_servers import launch_all, wait_healthy
 from pdserve.bench.serving_requests import RequestResult, RunConfig, Target, run_level, warm_up
-from pdserve.bench.serving_workload import load_tokenizer
+from pdserve.bench.serving_workload import load_tokenizer, prompts_of_lengths
 
 UNBOUNDED = 1 << 16
 
@@ -43,8 +50,28 @@ def tpot(r: RequestResult) -> float:
     return (r.e2e - r.ttft) / (r.output_tokens - 1) if r.output_tokens > 1 else 0.0
 
 
-def goodput(results: list[RequestResult], duration: float, ttft_slo: float, tpot_slo: float) -> dict:
-    """Requests/s within both targets over the run's wall time, and the shares within each."""
+def percentile(xs: list[float], p: float) -> float:
+    """The p-th percentile (0-100) by linear interpolation, as numpy's default; inf for no values."""
+    if not xs:
+        return float("inf")
+    ys = sorted(xs)
+    k = (len(ys) - 1) * p / 100.0
+    lo = int(k)
+    if k == lo:
+        return ys[lo]
+    return ys[lo] + (ys[lo + 1] - ys[lo]) * (k - lo) if ys[lo + 1] != float("inf") else float("inf")
+
+
+def goodput(
+    results: list[RequestResult],
+    duration: float,
+    ttft_slo: float,
+    tpot_slo: float,
+    slo_percentile: float | None = None,
+) -> dict:
+    """Requests/s within both targets over the run's wall time, and the shares within each; with
+    `slo_percentile` P, the P-th percentile TTFT and TPOT (a failed request counts as infinitely late)
+    and whether both are within their targets (`passes`)."""
     n = len(results)
     ttft_ok = [r.ok and r.ttft <= ttft_slo for r in results]
     tpot_ok = [r.ok and tpot(r) <= tpot_slo for r in results]
@@ -59,7 +86,21 @@ def goodput(results: list[RequestResult], duration: float, ttft_slo: float, tpot
         "attainment": good / n if n else 0.0,
         "ttft_attainment": sum(ttft_ok) / n if n else 0.0,
         "tpot_attainment": sum(tpot_ok) / n if n else 0.0,
+        **(_percentiles(results, ttft_slo, tpot_slo, slo_percentile) if slo_percentile else {}),
     }
+
+
+def _percentiles(results: list[RequestResult], ttft_slo: float, tpot_slo: float, p: float) -> dict:
+    inf = float("inf")
+    ttft = percentile([r.ttft if r.ok else inf for r in results], p)
+    tp = percentile([tpot(r) if r.ok else inf for r in results], p)
+    return {"ttft_p": ttft, "tpot_p": tp, "passes": ttft <= ttft_slo and tp <= tpot_slo}
+
+
+def best_passing(rows: list[dict]) -> dict | None:
+    """The highest rate whose percentiles met both targets (DistServe's goodput form), or None."""
+    passing = [r for r in rows if r.get("passes")]
+    return max(passing, key=lambda r: r["rate"]) if passing else None
 
 
 def best(rows: list[dict]) -> dict:
@@ -92,11 +133,17 @@ def _shape(text: str) -> tuple[int, int]:
 
 async def _run(args, targets: list[Target]) -> dict[str, list[dict]]:
     cfg = RunConfig(args.backend, args.temperature, args.request_timeout, args.fresh_connections)
-    need_tok = args.dataset == "random" or args.no_usage or args.tokenizer is not None
+    need_tok = args.dataset == "random" or args.trace or args.no_usage or args.tokenizer is not None
     tok = load_tokenizer(args.tokenizer) if need_tok else None
     count_tokens = (lambda s: len(tok.encode(s, add_special_tokens=False))) if tok else None
     n = int(str(args.num_prompts).split(",")[0])
-    prompts = _workload(args, n, tok, args.seed)
+    trace = load_trace(args.trace, n) if args.trace else None
+    lengths = [(r.input_len, r.output_len) for r in trace] if trace else []
+
+    def workload(seed: int) -> list:
+        return prompts_of_lengths(lengths, seed, tok) if trace else _workload(args, n, tok, seed)
+
+    prompts = workload(args.seed)
     for i, t in enumerate(targets):
         t = t if t.model else replace(t, model=_model_id(t.url))
         targets[i] = await warm_up(cfg, t, prompts, args.warmup_requests, count_tokens)
@@ -106,21 +153,32 @@ async def _run(args, targets: list[Target]) -> dict[str, list[dict]]:
     for k, rate in enumerate(rates):
         # Prompts of their own at each rate (the same for every server): a rate must not be served from
         # the prefix cache an earlier rate filled.
-        level = prompts if k == 0 else _workload(args, n, tok, args.seed + 1000 * k)
+        level = prompts if k == 0 else workload(args.seed + 1000 * k)
+        arrivals = arrivals_at(trace, rate) if trace else None
         for t in targets if k % 2 == 0 else targets[::-1]:
-            res, dur = await run_level(cfg, t, level, concurrency, rate, args.seed + k, count_tokens)
-            row = {"rate": rate, **goodput(res, dur, args.ttft_slo, args.tpot_slo)}
+            res, dur = await run_level(
+                cfg, t, level, concurrency, rate, args.seed + k, count_tokens, arrivals
+            )
+            row = {"rate": rate, **goodput(res, dur, args.ttft_slo, args.tpot_slo, args.slo_percentile)}
             out[t.name].append(row)
+            pct = (
+                f", p{args.slo_percentile:g} TTFT {row['ttft_p']:.2f} s TPOT {row['tpot_p'] * 1000:.0f} ms"
+                f" ({'passes' if row['passes'] else 'misses'})"
+                if args.slo_percentile
+                else ""
+            )
             print(
                 f"{t.name:>12} rate {rate:6.2f}/s: goodput {row['goodput']:6.2f}/s of {row['throughput']:6.2f}/s "
                 f"served, attainment {row['attainment']:6.1%} (TTFT {row['ttft_attainment']:.0%}, "
-                f"TPOT {row['tpot_attainment']:.0%}), {row['failed']} failed",
+                f"TPOT {row['tpot_attainment']:.0%}), {row['failed']} failed{pct}",
                 flush=True,
             )
     return out
 
 
-def report(results: dict[str, list[dict]], ttft_slo: float, tpot_slo: float) -> str:
+def report(
+    results: dict[str, list[dict]], ttft_slo: float, tpot_slo: float, slo_percentile: float | None = None
+) -> str:
     names = list(results)
     lines = [f"== goodput: TTFT <= {ttft_slo:g} s and TPOT <= {tpot_slo:g} s (requests/s; attainment) =="]
     lines.append(f"{'rate/s':>8}" + "".join(f"{n:>22}" for n in names))
@@ -137,6 +195,12 @@ def report(results: dict[str, list[dict]], ttft_slo: float, tpot_slo: float) -> 
     for n in names[1:]:
         if tops[n]["goodput"] > 0:
             lines.append(f"{first} / {n}: {tops[first]['goodput'] / tops[n]['goodput']:.2f}x")
+    if slo_percentile:
+        passing = {n: best_passing(rows) for n, rows in results.items()}
+        lines.append(
+            f"highest rate with p{slo_percentile:g} TTFT and TPOT within target: "
+            + ", ".join(f"{n} {b['rate']:g}/s" if b else f"{n} none" for n, b in passing.items())
+        )
     return "\n".join(lines)
 
 
@@ -153,14 +217,36 @@ def main(argv: list[str] | None = None) -> int:
         help="--dataset random: the second half of each rate's requests has IN-token prompts and OUT-token "
         "outputs (a trace that changes shape halfway, for --elastic)",
     )
+    p.add_argument(
+        "--trace",
+        default=None,
+        metavar="FILE",
+        help="replay a trace's arrivals and lengths (.jsonl: Mooncake's; .csv: the Azure trace's), its "
+        "clock scaled to each of --rates",
+    )
+    p.add_argument(
+        "--slo-percentile",
+        type=float,
+        default=None,
+        metavar="P",
+        help="also judge each rate by the P-th percentile of TTFT and TPOT (e.g. 90) and report the "
+        "highest rate that passes",
+    )
     p.set_defaults(max_concurrency="", dataset="random")
     args = check_args(p, p.parse_args(argv))
-    if args.dataset == "multiturn" or args.plot:
-        p.error("goodput runs single requests (not --dataset multiturn) and draws no plots (--plot)")
+    if args.dataset == "multiturn":
+        p.error("goodput runs single requests (not --dataset multiturn)")
     if args.ttft_slo <= 0 or args.tpot_slo <= 0:
         p.error("--ttft-slo and --tpot-slo must be > 0")
-    if args.shift_to and args.dataset != "random":
-        p.error("--shift-to changes the random dataset's lengths: use it with --dataset random")
+    if args.slo_percentile is not None and not 0 < args.slo_percentile <= 100:
+        p.error(f"--slo-percentile {args.slo_percentile:g}: a percentile in (0, 100]")
+    if args.shift_to and (args.dataset != "random" or args.trace):
+        p.error("--shift-to changes the random dataset's lengths: use it with --dataset random, not --trace")
+    if args.trace:
+        try:
+            load_trace(args.trace, int(str(args.num_prompts).split(",")[0]))
+        except (OSError, TraceError) as e:
+            p.error(f"--trace: {e}")
     try:
         if any(float(x) <= 0 for x in args.rates.split(",")):
             raise ValueError
@@ -177,7 +263,12 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         for s in launched:
             s.stop()
-    print(report(results, args.ttft_slo, args.tpot_slo), flush=True)
+    print(report(results, args.ttft_slo, args.tpot_slo, args.slo_percentile), flush=True)
+    if args.plot:
+        from pdserve.bench.plots import write_goodput_plots
+
+        for path in write_goodput_plots(args.plot, results, vars(args)):
+            print(f"wrote {path}")
     if args.output_json:
         with open(args.output_json, "w") as f:
             json.dump(

@@ -5,6 +5,9 @@
 - throughput.png: output token throughput against concurrency, one line per target;
 - results.json: the summary, every request's TTFT and ITL samples, and each plot's axes and series
   (read back from the figures, so that a test can check what was drawn).
+
+`pdserve bench goodput --plot DIR`: goodput.png, goodput and SLO attainment against the request rate
+(two panels, one line per server), and goodput.json, the rows and each plot's axes and series.
 """
 
 from __future__ import annotations
@@ -106,3 +109,36 @@ def write_plots(
     with open(path, "w") as fh:
         json.dump(raw, fh, indent=1)
     return [*paths, path]
+
+
+def write_goodput_plots(
+    out_dir: str, results: dict[str, list[dict[str, Any]]], config: dict[str, Any]
+) -> list[str]:
+    """goodput.png and goodput.json into `out_dir` (results: bench goodput's rows per server); the paths."""
+    plt = _matplotlib()
+    os.makedirs(out_dir, exist_ok=True)
+    fig, (left, right) = plt.subplots(1, 2, figsize=(10, 3.8))
+    for name, rows in results.items():
+        rates = [r["rate"] for r in rows]
+        left.plot(rates, [r["goodput"] for r in rows], marker="o", label=name)
+        right.plot(rates, [100 * r["attainment"] for r in rows], marker="o", label=name)
+    top = max((r["rate"] for rows in results.values() for r in rows), default=1.0)
+    left.plot([0, top], [0, top], linestyle=":", color="grey", label="offered rate")
+    left.set_title("goodput against the request rate")
+    left.set_ylabel("goodput (req/s within both SLOs)")
+    right.set_title("SLO attainment against the request rate")
+    right.set_ylabel("attainment (%)")
+    right.set_ylim(0, 102)
+    for ax in (left, right):
+        ax.set_xlabel("request rate (req/s)")
+        ax.grid(True, alpha=0.3)
+        ax.legend()
+    fig.tight_layout()
+    png = os.path.join(out_dir, "goodput.png")
+    fig.savefig(png, dpi=110)
+    described = _describe(fig)
+    plt.close(fig)
+    raw = os.path.join(out_dir, "goodput.json")
+    with open(raw, "w") as fh:
+        json.dump({"config": config, "results": results, "plots": {"goodput.png": described}}, fh, indent=1)
+    return [png, raw]

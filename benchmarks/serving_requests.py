@@ -175,9 +175,16 @@ async def run_level(
     rate: float,
     seed: int,
     count_tokens: Callable[[str], int] | None,
+    arrivals: list[float] | None = None,
 ) -> tuple[list[RequestResult], float]:
-    """Send every prompt (Poisson arrivals at `rate`/s, at most `concurrency` in flight); wall time."""
-    rng = np.random.default_rng(seed)
+    """Send every prompt at its arrival time (`arrivals`: seconds from the start, e.g. a trace's; else
+    Poisson arrivals at `rate`/s), at most `concurrency` in flight; wall time. Arrivals keep to the
+    clock, so that a slow send never delays the ones after it."""
+    if arrivals is None:
+        rng = np.random.default_rng(seed)
+        n_gaps = max(len(prompts) - 1, 0)
+        gaps = [0.0] * n_gaps if rate == float("inf") else list(rng.exponential(1.0 / rate, n_gaps))
+        arrivals = [float(x) for x in np.cumsum([0.0, *gaps])][: len(prompts)]
     sem = asyncio.Semaphore(concurrency)
     async with _client(cfg, concurrency) as client:
         bar = Counter(len(prompts), f"{t.name} concurrency {concurrency}", stderr)
@@ -190,9 +197,10 @@ async def run_level(
 
         start = time.perf_counter()
         tasks = []
-        for i, p in enumerate(prompts):
-            if i and rate != float("inf"):
-                await asyncio.sleep(rng.exponential(1.0 / rate))
+        for p, at in zip(prompts, arrivals, strict=True):
+            wait = start + at - time.perf_counter()
+            if wait > 0:
+                await asyncio.sleep(wait)
             tasks.append(asyncio.create_task(one(p)))
         results = await asyncio.gather(*tasks)
         bar.close()

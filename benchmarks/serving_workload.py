@@ -58,13 +58,17 @@ def chat_prompts(n: int, output_len: int, seed: int) -> list[Prompt]:
     return out
 
 
+def _vocab(tokenizer) -> list[int]:
+    special = set(tokenizer.all_special_ids)
+    return [i for i in range(len(tokenizer)) if i not in special]
+
+
 def random_prompts(
     n: int, input_len: int, output_len: int, ratio: float, seed: int, tokenizer
 ) -> list[Prompt]:
     """SGLang's `random`: lengths uniform in [len * ratio, len], text decoded from random token ids."""
     rng = random.Random(seed)
-    special = set(tokenizer.all_special_ids)
-    vocab = [i for i in range(len(tokenizer)) if i not in special]
+    vocab = _vocab(tokenizer)
     out = []
     for _ in range(n):
         n_in = rng.randint(max(1, int(input_len * ratio)), input_len)
@@ -72,6 +76,16 @@ def random_prompts(
         ids = [rng.choice(vocab) for _ in range(n_in)]
         out.append(Prompt(tokenizer.decode(ids), None, n_out))
     return out
+
+
+def prompts_of_lengths(lengths: list[tuple[int, int]], seed: int, tokenizer) -> list[Prompt]:
+    """One prompt per (input tokens, output tokens), e.g. a trace's: text decoded from random token ids."""
+    rng = random.Random(seed)
+    vocab = _vocab(tokenizer)
+    return [
+        Prompt(tokenizer.decode([rng.choice(vocab) for _ in range(n_in)]), None, n_out)
+        for n_in, n_out in lengths
+    ]
 
 
 _QUESTIONS = [

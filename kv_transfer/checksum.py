@@ -27,9 +27,6 @@ import threading
 import torch
 import xxhash
 
-from pdserve.config import KV_CHECKSUMS
-
-CHECKSUM_MODES = KV_CHECKSUMS
 SAMPLE_STRIDE = 128
 KV_CORRUPT = "KV checksum mismatch"  # the start of a corrupt room's error (kv_transfer's callers match it)
 

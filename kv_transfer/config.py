@@ -8,8 +8,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from pdserve.cluster_auth import ClusterKeys
-from pdserve.config import KV_TRANSPORTS, TRANSFER_TIMEOUT_S, WAITING_TIMEOUT_S
-from pdserve.kv_transfer.checksum import CHECKSUM_MODES
+from pdserve.config import KV_CHECKSUMS, KV_TRANSPORTS, TRANSFER_TIMEOUT_S, WAITING_TIMEOUT_S
 
 if TYPE_CHECKING:
     from pdserve.config import WorkerConfig
@@ -75,8 +74,8 @@ class TransferConfig:
             raise ValueError(f"kv transfer backend must be one of {BACKENDS}, got {self.backend!r}")
         if self.transport not in KV_TRANSPORTS:
             raise ValueError(f"kv transport must be one of {KV_TRANSPORTS}, got {self.transport!r}")
-        if self.kv_checksum not in CHECKSUM_MODES:
-            raise ValueError(f"kv checksum must be one of {CHECKSUM_MODES}, got {self.kv_checksum!r}")
+        if self.kv_checksum not in KV_CHECKSUMS:
+            raise ValueError(f"kv checksum must be one of {KV_CHECKSUMS}, got {self.kv_checksum!r}")
         if self.max_pairs < 1:
             raise ValueError(f"max_pairs must be >= 1, got {self.max_pairs}")
         if self.chunk_bytes < 1:

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 import torch
 
-from pdserve.kv_transfer.checksum import KV_CORRUPT, CorruptHook, checked_indices, mismatch, page_hashes
+from pdserve.kv_transfer.checksum import CorruptHook, checked_indices, mismatch, page_hashes
 from pdserve.kv_transfer.config import TransferConfig
 from pdserve.kv_transfer.layout import PoolGeometry, kv_head_ranges
 from pdserve.kv_transfer.mailbox import Done, Mailbox, Started, ToSender
@@ -106,7 +106,7 @@ class ShmSend(SendTransport):
             return None
         self._corrupt.restore(self._kv, room.job.flipped)
         if msg.error:
-            return Done(room.room, msg.error, corrupt=msg.error.startswith(KV_CORRUPT))
+            return Done(room.room, msg.error, corrupt=msg.corrupt)
         return Done(room.room, None, len(room.job.src_pages) * self._geometry.page_bytes)
 
 
@@ -188,7 +188,9 @@ class ShmReceive(ReceiveTransport[ShmJob]):
                 corrupt = error is not None
         except (RuntimeError, ValueError, ProtocolError) as exc:
             error = f"shared-memory copy failed: {exc}"
-        pair.post(ToSender(self._addr, kc.Copied(room=job.room, seq=job.seq, error=error or "")))
+        pair.post(
+            ToSender(self._addr, kc.Copied(room=job.room, seq=job.seq, error=error or "", corrupt=corrupt))
+        )
         if error is not None:
             pair.post(Done(job.room, error, corrupt=corrupt))
         else:

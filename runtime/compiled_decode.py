@@ -19,7 +19,10 @@ compiled with dynamic shapes; the quantized linears' row thresholds split them b
 again is refused (the `fail_on_recompile` stance) and runs the same function eagerly, logged once and
 counted, so a serving worker never stalls for a compilation.
 Inductor caches its code on disk (`TORCHINDUCTOR_CACHE_DIR`): a restart compiles again but most of the
-work is a cache hit.
+work is a cache hit. Its cache keys miss the CPU's instruction set: code and prepacked-weight layouts
+compiled under one (say AVX-512) and reused under another (AVX2, or `PDSERVE_CPU_ISA=avx2` on the same
+host) gave wrong tokens or aborted the process. So the cache folder gets one subfolder per CPU kind
+(`_inductor_cache_per_cpu`), whether the folder is inductor's default or the user's.
 
 The fused kernels round differently from eager ones: in bfloat16 the greedy tokens can change, like
 any other change of kernels; docs/benchmarks.md reports the measured agreement.
@@ -27,14 +30,16 @@ any other change of kernels; docs/benchmarks.md reports the measured agreement.
 
 from __future__ import annotations
 
+import hashlib
 import logging
+import os
 import time
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 
-from pdserve.kernels import cpu_decode_attention
+from pdserve.kernels import cpu_decode_attention, cpu_isa
 from pdserve.runtime.batch import ForwardBatch
 from pdserve.runtime.kv_pool import KVPool
 
@@ -106,6 +111,20 @@ def _decode_step(
     return logits, torch.stack(attn.new_k), torch.stack(attn.new_v)
 
 
+def _inductor_cache_per_cpu() -> str:
+    """Point TORCHINDUCTOR_CACHE_DIR at a subfolder for this CPU's kind (its flags under the
+    PDSERVE_CPU_ISA cap, torch's capability level and version) and return it; idempotent."""
+    from torch._inductor.runtime.cache_dir_utils import default_cache_dir
+
+    key = hashlib.sha256(" ".join(sorted(cpu_isa.flags())).encode())
+    key.update(f"{torch.__version__}|{torch.backends.cpu.get_cpu_capability()}".encode())
+    leaf = f"cpu-{key.hexdigest()[:12]}"
+    base = os.environ.get("TORCHINDUCTOR_CACHE_DIR") or default_cache_dir()
+    if os.path.basename(os.path.normpath(base)) != leaf:
+        os.environ["TORCHINDUCTOR_CACHE_DIR"] = os.path.join(base, leaf)
+    return os.environ["TORCHINDUCTOR_CACHE_DIR"]
+
+
 class CompiledDecode:
     """Runs decode batches of one model and pool through one compiled function."""
 
@@ -120,6 +139,7 @@ class CompiledDecode:
         self.paged_kernel = paged_kernel
         # cpp_wrapper: the graph's calls to its kernels and to aten ops are made from generated C++, not
         # Python; at batch 1 that is ~15% of a step (docs/benchmarks.md).
+        log.info("inductor's cache: %s", _inductor_cache_per_cpu())
         self._fn = torch.compile(_decode_step, dynamic=True, options={"cpp_wrapper": True})
         self.warm = False
         self.eager_steps = 0  # steps past warm-up that no compiled graph fitted

@@ -73,6 +73,7 @@ class LoadedModel:
     spec: ModelSpec
     folder: str  # plain HF folder the weights and tokenizer were read from
     weights_hash: str
+    tokenizer_hashes: dict[str, str]  # tokenizer_hashes(folder), hashed once at load
     dtype: torch.dtype
     device: torch.device
     quantization: str = "none"  # runtime/quant.py's mode of the Linear weights
@@ -353,6 +354,7 @@ def load_model(
         spec,
         folder,
         files_hash,
+        tokenizer_hashes(folder),
         torch_dtype,
         dev,
         quantization,

@@ -8,7 +8,8 @@ Modes (SGLang's names):
   symmetric) and multiplied int8 x int8 -> int32 by `torch._int_mm` (VNNI/AMX on x86), rescaled by
   both scales. Below `W8A8_MIN_ROWS` rows the step is memory-bound and the activation quantization
   costs more than it saves, so such small batches take the weight-only int8 kernel instead. On an AMX
-  host the dense bf16 copy (below) takes over from 9 rows, leaving `_int_mm` only batches of 8.
+  host the dense bf16 copy (below) takes over from 9 rows, leaving `_int_mm` only batches of 8. A CPU
+  without int8 dot products (AVX2) runs it as w8a16: oneDNN's `_int_mm` there saturates int16 sums.
 - `w4a8`: w4a16's weights; activations quantized at run time to int8 per row and group of 32 inputs
   (symmetric) and multiplied by integer dot products (`int4_linear_a8`: llama.cpp's Q4_1 x Q8_1 on
   CPU), where the host's build has the kernel (AVX2 and up), and w4a16's kernel where the build has
@@ -48,7 +49,7 @@ from torch import nn
 
 from pdserve.config import QUANT_MODES
 from pdserve.kernels import cpu_quant_linear
-from pdserve.runtime.host import cpu_has_amx
+from pdserve.runtime.host import cpu_has_amx, cpu_has_int8_dot
 from pdserve.runtime.models.llama import CausalLM
 
 __all__ = ["QUANT_MODES", "QuantizationError", "check_quantization", "quantize_model"]
@@ -211,7 +212,10 @@ class Int8WeightOnlyLinear(nn.Module):
 
 
 class Int8DynamicLinear(Int8WeightOnlyLinear):
-    """w8a8_int8: per-token dynamic int8 activations times int8 weights, int32 accumulation."""
+    """w8a8_int8: per-token dynamic int8 activations times int8 weights, int32 accumulation. Only where
+    the CPU has int8 dot products (`cpu_has_int8_dot`): without them (AVX2) oneDNN's `_int_mm` sums
+    pairs of u8 x s8 products into saturating int16 lanes and returns wrong sums (errors of 1e4 on
+    random int8 rows), so there every row count takes the weight-only kernel (w8a16's arithmetic)."""
 
     keeps_codes = True
     qweight_t: torch.Tensor
@@ -222,10 +226,11 @@ class Int8DynamicLinear(Int8WeightOnlyLinear):
         super().__init__(weight, bias, dtype, invariant)
         assert self.qweight is not None
         self.register_buffer("qweight_t", self.qweight.t())  # [K, N] view, as _int_mm takes it
+        self.int_mm = cpu_has_int8_dot()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x2 = x.reshape(-1, x.shape[-1])
-        if self.invariant or not W8A8_MIN_ROWS <= x2.shape[0] < self.dense_min_rows:
+        if self.invariant or not self.int_mm or not W8A8_MIN_ROWS <= x2.shape[0] < self.dense_min_rows:
             return super().forward(x)
         xf = x2.float()
         xs = (xf.abs().amax(dim=1, keepdim=True) / 127.0).clamp(min=1e-10)  # [M, 1]

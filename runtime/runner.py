@@ -36,7 +36,7 @@ from pdserve.runtime.grammar import (
 from pdserve.runtime.grammar import make_grammar_backend as _make_grammar_backend
 from pdserve.runtime.host import startup_line
 from pdserve.runtime.kv_pool import KVGeometry, KVPool, PageAllocator, RequestPages
-from pdserve.runtime.loader import LoadedModel, load_model, tokenizer_hashes
+from pdserve.runtime.loader import LoadedModel, load_model
 from pdserve.runtime.quant import dense_plan
 from pdserve.runtime.request import Request
 from pdserve.runtime.sampler import SampleOutput, Sampler
@@ -359,7 +359,7 @@ class ModelRunner:
             "kv_layout": KV_LAYOUT,
             # a batch-invariant pair computes a prompt's KV as its decode steps would: both sides or neither
             "batch_invariant": int(self.loaded.batch_invariant),
-            **tokenizer_hashes(self.loaded.folder),
+            **self.loaded.tokenizer_hashes,
             "protocol": PROTOCOL_VERSION,
             "attention_backend": type(self.backend).__name__,
             "speculative": spec,

@@ -25,7 +25,7 @@ from pydantic import BaseModel, ConfigDict, TypeAdapter, ValidationError
 # 12: role switching in place (SwitchRole; Register.epoch).
 # 13: KV checksums (Trailer.checksums, Announce.trailer_len bounded), the compatibility record's fields,
 #     GenerateRequest.use_prefix_cache (canaries).
-PROTOCOL_VERSION = 13
+PROTOCOL_VERSION = 14
 
 M = TypeVar("M", bound=BaseModel)
 

@@ -138,6 +138,7 @@ class Copied(Msg):
     room: str
     seq: int
     error: str = ""
+    corrupt: bool = False  # the error is a checksum mismatch (FailCode.KV_CORRUPT), not a failed copy
 
 
 class Build(Msg):

@@ -96,8 +96,19 @@ def test_bench_against_cluster(tmp_path):
             good[name] = tmp_path / f"goodput-{name}.json"
             flags = ["--base-url", c.url, "--dataset", "chat", "--num-prompts", "4", "--output-len", "8",
                      "--ignore-eos", "--warmup-requests", "0", "--rates", "2,50", "--ttft-slo", ttft,
-                     "--tpot-slo", "30", "--output-json", str(good[name])]  # fmt: skip
+                     "--tpot-slo", "30", "--slo-percentile", "90", "--output-json", str(good[name])]  # fmt: skip
             assert goodput_main(flags) == 0
+        # A Mooncake trace replayed: arrivals at 0, 0.1, 0.2 and 1.5 s (2/s on average), lengths its own.
+        trace = tmp_path / "trace.jsonl"
+        trace.write_text("".join(
+            json.dumps({"timestamp": ms, "input_length": 12, "output_length": n, "hash_ids": [1]}) + "\n"
+            for ms, n in ((0, 3), (100, 5), (200, 2), (1500, 4))))  # fmt: skip
+        good["trace"] = tmp_path / "goodput-trace.json"
+        goodput_plots = tmp_path / "goodput-plots"
+        flags = ["--base-url", c.url, "--trace", str(trace), "--num-prompts", "10", "--ignore-eos",
+                 "--warmup-requests", "0", "--rates", "1,20", "--ttft-slo", "60", "--tpot-slo", "30",
+                 "--output-json", str(good["trace"]), "--plot", str(goodput_plots)]  # fmt: skip
+        assert goodput_main(flags) == 0
     finally:
         c.stop()
     assert rc == 0
@@ -120,6 +131,19 @@ def test_bench_against_cluster(tmp_path):
         assert abs(r["goodput"] - r["throughput"]) < 1e-9 and r["goodput"] == 4 / r["duration_s"]
     for r in tight:
         assert r["good"] == 0 and r["goodput"] == 0.0 and r["ttft_attainment"] == 0.0 and r["throughput"] > 0
+    # --slo-percentile 90: every loose rate passes, no tight one does (its p90 TTFT is over a microsecond).
+    assert all(r["passes"] and 0 < r["ttft_p"] < 60 for r in loose)
+    assert not any(r["passes"] for r in tight)
+    # The trace: its 4 requests at each rate; at 1/s (a clock 2x slower) the last arrives 3 s in, so the
+    # run lasts at least that; at 20/s (10x faster) it arrives 0.15 s in.
+    replay = json.loads(good["trace"].read_text())["results"]["server"]
+    assert [(r["rate"], r["requests"], r["good"]) for r in replay] == [(1.0, 4, 4), (20.0, 4, 4)]
+    assert replay[0]["duration_s"] >= 3.0 and replay[1]["duration_s"] < replay[0]["duration_s"] - 1.5
+    png = (goodput_plots / "goodput.png").read_bytes()
+    assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 10_000
+    drawn = json.loads((goodput_plots / "goodput.json").read_text())["plots"]["goodput.png"]
+    assert [a["xlabel"] for a in drawn] == ["request rate (req/s)"] * 2
+    assert drawn[0]["series"] == ["server", "offered rate"] and drawn[1]["series"] == ["server"]
 
     assert cmp_rc == 0
     cmp = json.loads(cmp_out.read_text())
@@ -192,3 +216,57 @@ def test_goodput_shift_to_changes_the_random_workloads_second_half():
     ] == [8] * 4
     with pytest.raises(argparse.ArgumentTypeError):
         _shape("64")
+
+
+def test_goodput_percentiles_count_a_failed_request_as_late():
+    from pdserve.bench.bench_goodput import best_passing, goodput, percentile
+    from pdserve.bench.serving_requests import RequestResult
+
+    assert percentile([3.0, 1.0, 2.0], 50) == 2.0 and percentile([1.0, 2.0], 90) == pytest.approx(1.9)
+    assert percentile([1.0, float("inf")], 50) == float("inf") and percentile([], 90) == float("inf")
+    ok = [RequestResult(ok=True, ttft=0.1 * k, e2e=0.1 * k + 1.0, output_tokens=11) for k in range(1, 10)]
+    g = goodput(ok, 1.0, ttft_slo=0.9, tpot_slo=0.11, slo_percentile=90)
+    assert g["ttft_p"] == pytest.approx(0.82) and g["tpot_p"] == pytest.approx(0.1) and g["passes"]
+    # One failed request of 10: p80 falls between the 8th and 9th TTFT, p90 on the failed one's inf.
+    with_failed = [*ok, RequestResult(ok=False)]
+    g = goodput(with_failed, 1.0, ttft_slo=0.9, tpot_slo=0.11, slo_percentile=80)
+    assert g["ttft_p"] == pytest.approx(0.82) and g["passes"]
+    g = goodput(with_failed, 1.0, ttft_slo=0.9, tpot_slo=0.11, slo_percentile=90)
+    assert g["ttft_p"] == float("inf") and not g["passes"]
+    assert "passes" not in goodput(ok, 1.0, 0.9, 0.1)
+    rows = [{"rate": 1.0, "passes": True}, {"rate": 2.0, "passes": True}, {"rate": 4.0, "passes": False}]
+    assert best_passing(rows)["rate"] == 2.0 and best_passing(rows[2:]) is None
+
+
+def test_a_trace_is_read_in_either_format_and_scaled_to_a_rate(tmp_path):
+    from pdserve.bench.goodput_trace import TraceError, arrivals_at, load_trace, mean_rate
+
+    jsonl = tmp_path / "t.jsonl"
+    jsonl.write_text('{"timestamp": 2000, "input_length": 7, "output_length": 3}\n\n'
+                     '{"timestamp": 0, "input_length": 5, "output_length": 2, "hash_ids": [4, 5]}\n'
+                     '{"timestamp": 4000, "input_length": 9, "output_length": 1}\n')  # fmt: skip
+    rows = load_trace(str(jsonl))
+    assert [(r.arrival_s, r.input_len, r.output_len) for r in rows] == [(0, 5, 2), (2, 7, 3), (4, 9, 1)]
+    assert mean_rate(rows) == 0.5 and arrivals_at(rows, 2.0) == [0.0, 0.5, 1.0]
+    assert len(load_trace(str(jsonl), limit=2)) == 2
+    azure = tmp_path / "azure.csv"
+    azure.write_text("TIMESTAMP,ContextTokens,GeneratedTokens\n"
+                     "2023-11-16 18:15:46.6805900,374,44\n2023-11-16 18:15:50.1805900,396,109\n")  # fmt: skip
+    rows = load_trace(str(azure))
+    assert [r.input_len for r in rows] == [374, 396] and rows[1].arrival_s == pytest.approx(3.5)
+    bad = {
+        "x.jsonl": (
+            '{"timestamp": 0, "input_length": 5}\n',
+            "needs timestamp, input_length and output_length",
+        ),
+        "y.jsonl": ('{"timestamp": 0, "input_length": 0, "output_length": 1}\n', "input_length must be >= 1"),
+        "z.jsonl": ("not json\n", "z.jsonl:1: not JSON"),
+        "w.jsonl": ('{"timestamp": 5, "input_length": 1, "output_length": 1}\n', "at least 2 requests"),
+        "v.csv": ("TIMESTAMP,Tokens\n1,2\n", "the header needs"),
+        "u.csv": ("TIMESTAMP,ContextTokens,GeneratedTokens\nyesterday,1,1\n1,1,1\n", "neither seconds"),
+        "t.txt": ("", "a trace is .jsonl"),
+    }
+    for name, (text, message) in bad.items():
+        (tmp_path / name).write_text(text)
+        with pytest.raises(TraceError, match=message):
+            load_trace(str(tmp_path / name))

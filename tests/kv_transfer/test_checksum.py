@@ -4,18 +4,16 @@ check off the same flip lands silently, which is what the check is for."""
 
 from __future__ import annotations
 
-import os
 import time
 
 import pytest
 import torch
-from kv_engines import FP
+from kv_engines import EnginePairs
 from kv_engines import random_pool as _pool
 from kv_engines import wait_results as _wait
 
-from pdserve.kv_transfer import KVReceiver, KVSender, TransferConfig, TransferState
+from pdserve.kv_transfer import TransferConfig, TransferState
 from pdserve.kv_transfer.checksum import KV_CORRUPT, SAMPLE_STRIDE, checked_indices, mismatch, page_hashes
-from pdserve.kv_transfer.shm import shared_pool
 from pdserve.protocol.kv_trailer import FirstToken
 
 
@@ -55,29 +53,15 @@ def _config(transport: str, **kw) -> TransferConfig:
 
 @pytest.fixture
 def pair():
-    """(sender, receiver) in this process: a real pair group, and for "shm" the sender's pool in shared
+    """(sender, receiver) for a transport: a real pair group, and for "shm" the sender's pool in shared
     memory, which the receiver maps."""
-    made, paths = [], []
+    pairs = EnginePairs()
 
     def make(transport: str, sender_config: TransferConfig, receiver_config: TransferConfig | None = None):
-        segment = None
-        kv = _pool(32, 1)
-        if transport == "shm":
-            segment, kv = shared_pool(kv)
-            paths.append(segment.path)
-        sender = KVSender(kv, FP, "127.0.0.1", 0, sender_config, segment=segment)
-        sender.start()
-        made.append(sender)
-        receiver = KVReceiver(_pool(32, 2), FP, receiver_config or _config(transport))
-        receiver.start()
-        made.append(receiver)
-        return sender, receiver
+        return pairs(sender_config, receiver_config or _config(transport), shm=transport == "shm")
 
     yield make
-    for engine in made:
-        engine.close()
-    for path in paths:
-        assert not os.path.exists(path)
+    pairs.close()
 
 
 def _flip_during_stall(sender, room: str, page: int) -> None:

@@ -7,7 +7,7 @@ import time
 
 import pytest
 import torch
-from kv_engines import FP
+from kv_engines import FP, EnginePairs
 from kv_engines import random_pool as _pool
 from kv_engines import wait_results as _wait
 
@@ -19,20 +19,15 @@ FAST = TransferConfig(bootstrap_timeout_s=5, waiting_timeout_s=0.5, transfer_tim
 
 @pytest.fixture
 def nodes():
-    made = []
+    pairs = EnginePairs()
 
     def make(config: TransferConfig = FAST, sender_config: TransferConfig | None = None):
-        sender = KVSender(_pool(32, 1), FP, "127.0.0.1", 0, sender_config or config)
-        sender.start()
-        made.append(sender)
-        receiver = KVReceiver(_pool(32, 2), FP, config)
-        receiver.start()
-        made.append(receiver)
-        return sender, receiver
+        if sender_config is None:
+            return pairs(config)
+        return pairs(sender_config, config)
 
     yield make
-    for engine in made:
-        engine.close()
+    pairs.close()
 
 
 @pytest.mark.timeout(60)

@@ -9,6 +9,8 @@ kernel (`cpu`); the eager reference is always the torch backend."""
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 
@@ -80,3 +82,20 @@ def test_a_step_no_graph_fits_runs_eagerly_and_is_counted(runners):
     before = compiled.compiled.eager_steps
     _decode_side_by_side(eager, compiled, [[7]], steps=4)
     assert compiled.compiled.eager_steps == before + 1
+
+
+def test_inductor_caches_apart_per_cpu_kind(monkeypatch: pytest.MonkeyPatch, tmp_path) -> None:
+    """Code compiled under one instruction set and reused under another gave wrong tokens or aborted:
+    each CPU kind (here: the same host capped to AVX2) gets its own cache folder under the user's."""
+    from pdserve.kernels import cpu_isa
+    from pdserve.runtime.compiled_decode import _inductor_cache_per_cpu
+
+    monkeypatch.setattr(cpu_isa, "host_flags", lambda: frozenset({"avx2", "fma", "avx512f", "amx_bf16"}))
+    folders = {}
+    for level in ("native", "avx2"):
+        monkeypatch.setenv(cpu_isa.ISA_ENV, level)
+        monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))
+        folders[level] = _inductor_cache_per_cpu()
+        assert _inductor_cache_per_cpu() == folders[level]  # once in place, left alone
+    assert folders["native"] != folders["avx2"]
+    assert all(os.path.dirname(f) == str(tmp_path) for f in folders.values())
