@@ -4,12 +4,15 @@ simulator (simulate.py) from this host's measured profile (profile.py, measure.p
     pdserve plan --profile-out host.json                      # measure this host (a minute or two)
     pdserve plan --profile host.json --workers 2 3 --workload prompt-heavy --ttft-slo 2 --tpot-slo 0.2
     pdserve plan --gpu H100-SXM --workers 8 32 128 --rates-per-worker --rates 1 2 4 --max-splits 12
+    pdserve plan --gpu H100-SXM --gpu-model llama-3.1-70b --workers 8 --tp-sizes 2 4 8 ...
 
 For every split of each --workers count (P prefill + D decode workers, at least one of each) and every
 rate of --rates, it simulates --num-prompts Poisson arrivals and prints goodput (requests/s meeting both
 targets), SLO attainment and TTFT/TPOT percentiles; then, per worker count, the split whose best rate has
 the highest goodput. Without --profile it measures the host first; with --gpu it plans on paper, from a
-GPU's datasheet figures (datasheet.py: one worker per GPU, the hand-off at --transfer-gbps).
+GPU's datasheet figures (datasheet.py: the hand-off at --transfer-gbps), and --workers counts GPUs: with
+--tp-sizes each tier's workers may span several (P x TP_p + D x TP_d GPUs, each tier's TP size its own),
+labelled e.g. `3P2D tp2/4`.
 """
 
 from __future__ import annotations
@@ -17,8 +20,9 @@ from __future__ import annotations
 import argparse
 import statistics
 import sys
+from dataclasses import dataclass
 
-from pdserve.plan.datasheet import GPUS, MODELS, paper_profile
+from pdserve.plan.datasheet import GPUS, MODELS, fits, paper_profile
 from pdserve.plan.profile import Profile
 from pdserve.plan.simulate import goodput, poisson_workload, simulate
 
@@ -60,7 +64,18 @@ def build_parser() -> argparse.ArgumentParser:
         "--gpu-model", choices=sorted(MODELS), default="llama-3.1-8b", help="the model --gpu serves"
     )
     p.add_argument("--transfer-gbps", type=float, default=25.0, help="--gpu: GB/s of one KV hand-off")
-    p.add_argument("--rates-per-worker", action="store_true", help="--rates are per worker: x each count")
+    p.add_argument(
+        "--tp-sizes",
+        type=int,
+        nargs="+",
+        default=[1],
+        help="--gpu: TP sizes a prefill or decode worker may have (each tier picks its own)",
+    )
+    p.add_argument(
+        "--rates-per-worker",
+        action="store_true",
+        help="--rates are per worker (per GPU with --gpu): x each count",
+    )
     p.add_argument(
         "--max-splits", type=int, help="simulate at most this many splits per count, evenly spaced"
     )
@@ -72,57 +87,100 @@ def _pct(xs: list[float], q: float) -> float:
     return statistics.quantiles(xs, n=100, method="inclusive")[int(q) - 1] if len(xs) > 1 else xs[0]
 
 
-def _splits(n: int, most: int | None) -> list[int]:
-    """Prefill worker counts to try for `n` workers: all of 1..n-1, or at most `most` evenly spaced."""
-    if most is None or n - 1 <= most:
-        return list(range(1, n))
-    return sorted({round(1 + i * (n - 2) / (most - 1)) for i in range(most)})
+def _spaced(xs: list[int], most: int | None) -> list[int]:
+    """`xs`, or at most `most` of them evenly spaced (the first and last kept)."""
+    if most is None or len(xs) <= most:
+        return xs
+    return sorted({xs[round(i * (len(xs) - 1) / (most - 1))] for i in range(most)})
 
 
-def plan(profile: Profile, args: argparse.Namespace) -> dict[int, tuple[tuple[int, int], dict[str, float]]]:
-    """Prints the table; returns, per worker count, the best split and its best rate's row."""
+@dataclass(frozen=True)
+class Layout:
+    """P prefill workers of TP size tp_p and D decode workers of TP size tp_d."""
+
+    p: int
+    d: int
+    tp_p: int = 1
+    tp_d: int = 1
+
+    @property
+    def devices(self) -> int:
+        return self.p * self.tp_p + self.d * self.tp_d
+
+    def label(self) -> str:
+        base = f"{self.p}P{self.d}D"
+        return base if self.tp_p == self.tp_d == 1 else f"{base} tp{self.tp_p}/{self.tp_d}"
+
+
+def layouts(n: int, tp_sizes: list[int], most: int | None) -> list[Layout]:
+    """Every layout of `n` devices (at most `most` prefill counts per pair of TP sizes, evenly spaced)."""
+    out = []
+    for tp_p in tp_sizes:
+        for tp_d in tp_sizes:
+            counts = [
+                p for p in range(1, n // tp_p + 1) if n - p * tp_p >= tp_d and (n - p * tp_p) % tp_d == 0
+            ]
+            out += [Layout(p, (n - p * tp_p) // tp_d, tp_p, tp_d) for p in _spaced(counts, most)]
+    return out
+
+
+def plan(
+    profiles: dict[int, Profile], args: argparse.Namespace
+) -> dict[int, tuple[Layout, dict[str, float]]]:
+    """Prints the table; returns, per device count, the best layout and its best rate's row. `profiles`:
+    a worker's profile per TP size (a host's: TP 1 only)."""
     prompt, output = WORKLOADS[args.workload]
     prompt, output = args.input_len or prompt, args.output_len or output
-    print(f"profile: {profile.host}; {profile.model}, {profile.dtype}, quantization {profile.quantization}")
-    for note in profile.notes:
+    first = next(iter(profiles.values()))
+    print(f"profile: {first.host}; {first.model}, {first.dtype}, quantization {first.quantization}")
+    for note in first.notes:
         print(f"  {note}")
+    for profile in list(profiles.values())[1:]:  # another TP size: its own notes
+        for note in profile.notes:
+            if note not in first.notes:
+                print(f"  {note}")
     print(
         f"workload: prompts {int(prompt * args.range_ratio)}-{prompt} tokens, outputs "
         f"{int(output * args.range_ratio)}-{output}, {args.num_prompts} Poisson arrivals per rate; targets TTFT "
         f"{args.ttft_slo} s, TPOT {args.tpot_slo} s; {'a device per worker' if args.dedicated else 'one host, shared cores'}"
     )
     print(
-        f"{'split':>6} {'rate':>6} {'goodput':>8} {'attain':>7} {'TTFT p50':>9} {'p90':>7} {'TPOT p50':>9} {'p90':>7}"
+        f"{'split':>14} {'rate':>6} {'goodput':>8} {'attain':>7} {'TTFT p50':>9} {'p90':>7} {'TPOT p50':>9} {'p90':>7}"
     )
-    best: dict[int, tuple[tuple[int, int], dict[str, float]]] = {}
+    best: dict[int, tuple[Layout, dict[str, float]]] = {}
     ranked: dict[
         int, tuple[float, float]
-    ] = {}  # worker count -> the best split's (goodput, summed over rates)
+    ] = {}  # device count -> the best layout's (goodput, summed over rates)
     for n in args.workers:
-        for p in _splits(n, args.max_splits):
-            split = (p, n - p)
+        for lay in layouts(n, sorted(profiles), args.max_splits):
             rows = []
             for rate in [r * n for r in args.rates] if args.rates_per_worker else args.rates:
                 arrivals = poisson_workload(
                     rate, args.num_prompts, prompt, output, args.seed, args.range_ratio
                 )
-                outs = simulate(profile, p, n - p, arrivals, shared=not args.dedicated)
+                outs = simulate(
+                    profiles[lay.tp_p], lay.p, lay.d, arrivals, not args.dedicated, profiles[lay.tp_d]
+                )
                 g = goodput(outs, args.ttft_slo, args.tpot_slo) | {"rate": rate}
                 ttft, tpot = [o.ttft for o in outs], [o.tpot for o in outs if o.output > 1] or [0.0]
                 print(
-                    f"{p}P{n - p}D".rjust(6)
+                    lay.label().rjust(14)
                     + f" {rate:>6g} {g['goodput']:>8.3f} {g['attainment']:>7.0%} {_pct(ttft, 50):>9.3f}"
                     f" {_pct(ttft, 90):>7.3f} {_pct(tpot, 50):>9.4f} {_pct(tpot, 90):>7.4f}"
                 )
                 rows.append(g)
-            # The best split has the highest goodput at its best rate; between equals, the one that keeps
+            # The best layout has the highest goodput at its best rate; between equals, the one that keeps
             # more of it at the other rates (the more robust to a rate it was not planned for).
             top = max(rows, key=lambda g: (g["goodput"], -g["rate"]))
             key = (round(top["goodput"], 6), sum(g["goodput"] for g in rows))
             if n not in ranked or key > ranked[n]:
-                ranked[n], best[n] = key, (split, top)
-    for n, ((p, d), g) in best.items():
-        print(f"best split of {n} workers: {p}P{d}D, goodput {g['goodput']:.3f} req/s at {g['rate']:g} req/s")
+                ranked[n], best[n] = key, (lay, top)
+    unit = "GPUs" if args.gpu else "workers"
+    for n, (lay, g) in best.items():
+        print(
+            f"best split of {n} {unit}: {lay.label()}, goodput {g['goodput']:.3f} req/s at {g['rate']:g} req/s"
+            f" ({g['goodput'] / n:.3f} per {unit[:-1]})"
+        )
     return best
 
 
@@ -137,12 +195,19 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("--max-splits must be >= 2")
     if args.transfer_gbps <= 0:
         parser.error("--transfer-gbps must be > 0")
+    if min(args.tp_sizes) < 1 or (args.tp_sizes != [1] and not args.gpu):
+        parser.error("--tp-sizes: sizes >= 1, and other than 1 only with --gpu (a host's profile is TP 1's)")
     if args.gpu:
+        sizes = [t for t in sorted(set(args.tp_sizes)) if fits(args.gpu, args.gpu_model, t)]
+        if not sizes:
+            parser.error(f"{args.gpu_model} in bf16 does not fit {args.gpu} at TP {args.tp_sizes}")
         try:
-            profile = paper_profile(args.gpu, args.gpu_model, args.transfer_gbps)
+            profiles = {t: paper_profile(args.gpu, args.gpu_model, args.transfer_gbps, t) for t in sizes}
         except ValueError as e:
             parser.error(str(e))
         args.dedicated = True
+        plan(profiles, args)
+        return 0
     elif args.profile:
         try:
             profile = Profile.load(args.profile)
@@ -167,5 +232,5 @@ def main(argv: list[str] | None = None) -> int:
             profile.save(args.profile_out)
             print(f"profile saved to {args.profile_out}")
             return 0
-    plan(profile, args)
+    plan({1: profile}, args)
     return 0

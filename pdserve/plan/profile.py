@@ -51,6 +51,10 @@ class Profile:
     sharing: str = "processor"
     layers: int = 1
     offer_min_tokens: int = 256
+    # Tokens of KV a decode worker holds (0: as many as it needs). A request joins a decode batch once its
+    # prompt and whole answer fit beside the running ones' (or alone), as the pool's admission does.
+    kv_tokens: int = 0
+    devices: int = 1  # GPUs one worker spans (its TP size); goodput per device divides by it
     notes: list[str] = field(default_factory=list)
 
     def prefill(self, tokens: int) -> float:
@@ -95,3 +99,5 @@ class Profile:
             raise ValueError("shared_efficiency must be in (0, 1]")
         if self.sharing not in ("turns", "processor") or self.layers < 1 or self.offer_min_tokens < 1:
             raise ValueError('sharing must be "turns" or "processor", layers and offer_min_tokens >= 1')
+        if self.kv_tokens < 0 or self.devices < 1:
+            raise ValueError("kv_tokens must be >= 0 and devices >= 1")

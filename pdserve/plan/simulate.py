@@ -15,8 +15,11 @@ What it models, as pdserve runs:
   progress at 1/k of the profile's speed each. Either way, while more than one forward is active they run
   at the profile's `shared_efficiency` e of its speed (lock hand-offs, caches, the serving path's own CPU);
   with `shared=False` each worker has a device of its own.
-Not modelled: retraction (the pool is taken as large enough), chunked prefill's interleaving with other
-prompts, the prefix cache, speculative decoding, network time between hosts.
+- KV room: with the profile's `kv_tokens`, a decode worker admits a request once its prompt and whole
+  answer fit beside those running (a request alone always fits), as the pool's admission reserves them.
+- prefill and decode workers may have profiles of their own (`decode_profile`: another TP size, say).
+Not modelled: retraction (admission reserves whole answers, so none is needed), chunked prefill's
+interleaving with other prompts, the prefix cache, speculative decoding, network time between hosts.
 """
 
 from __future__ import annotations
@@ -131,6 +134,7 @@ class _Worker:
     running: list[_Running] = field(default_factory=list)
     job: _Job | None = None
     assigned: int = 0  # decode: requests sent here and not finished; prefill: queued or in the forward
+    kv_reserved: int = 0  # decode: KV tokens its running requests hold (prompt and whole answer)
 
 
 class _Pending:
@@ -152,9 +156,16 @@ class _Pending:
 
 
 def simulate(
-    profile: Profile, num_prefill: int, num_decode: int, arrivals: list[Arrival], shared: bool = True
+    profile: Profile,
+    num_prefill: int,
+    num_decode: int,
+    arrivals: list[Arrival],
+    shared: bool = True,
+    decode_profile: Profile | None = None,
 ) -> list[Outcome]:
-    """Every request's first and last token times on a cluster of that split."""
+    """Every request's first and last token times on a cluster of that split; the decode workers run
+    `decode_profile` where given (a TP size of their own), else `profile`."""
+    dp = decode_profile or profile
     prefill = [_Worker("prefill", i) for i in range(num_prefill)]
     decode = [_Worker("decode", i) for i in range(num_decode)]
     outcomes = [Outcome(a.at, a.prompt, a.output) for a in arrivals]
@@ -186,11 +197,17 @@ def simulate(
         w.job = _Job(w, work, batch, work / profile.layers if offers else 0.0)
         start(w.job)
 
+    def fits(w: _Worker, r: _Running) -> bool:
+        need = r.outcome.prompt + r.outcome.output
+        return not w.running or not dp.kv_tokens or w.kv_reserved + need <= dp.kv_tokens
+
     def start_decode(w: _Worker) -> None:
-        while w.queue and len(w.running) < profile.max_running_requests:
-            w.running.append(w.queue.popleft())
+        while w.queue and len(w.running) < dp.max_running_requests and fits(w, w.queue[0]):
+            r = w.queue.popleft()
+            w.running.append(r)
+            w.kv_reserved += r.outcome.prompt + r.outcome.output
         context = sum(r.context for r in w.running) / len(w.running)
-        w.job = _Job(w, profile.decode(len(w.running), context), list(w.running))
+        w.job = _Job(w, dp.decode(len(w.running), context), list(w.running))
         start(w.job)
 
     def finish(job: _Job, now: float) -> None:
@@ -218,6 +235,7 @@ def simulate(
                 r.outcome.done = now
                 w.running.remove(r)
                 w.assigned -= 1
+                w.kv_reserved -= r.outcome.prompt + r.outcome.output
         pending.add(w.index, w)
 
     kv_waiting: dict[int, _Running] = {}

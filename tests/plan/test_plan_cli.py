@@ -91,4 +91,35 @@ def test_a_plan_on_paper_scales_rates_per_worker_and_samples_the_splits() -> Non
     assert splits == sorted(["1P15D", "6P10D", "10P6D", "15P1D"]), out.stdout
     rates = {line.split()[1] for line in out.stdout.splitlines() if line.split()[:1] == ["6P10D"]}
     assert rates == {"16"}, out.stdout  # 1 a worker x 16 workers
-    assert "best split of 16 workers" in out.stdout
+    assert "best split of 16 GPUs" in out.stdout
+
+
+def test_tp_sizes_on_paper_split_the_work_and_each_tier_picks_its_own() -> None:
+    from pdserve.plan.cli import Layout, layouts
+    from pdserve.plan.datasheet import paper_profile
+
+    one = paper_profile("H100-SXM", "llama-3.1-8b", 25)
+    two = paper_profile("H100-SXM", "llama-3.1-8b", 25, tp=2)
+    assert (one.devices, two.devices) == (1, 2) and two.kv_tokens > 2 * one.kv_tokens  # one copy of weights
+    # A decode step at TP 2 reads half the bytes on each GPU, plus 64 all-reduces of one row each.
+    assert 0.5 < (two.decode(1, 256) - 0.0005) / (one.decode(1, 256) - 0.0005) < 0.6
+    with pytest.raises(ValueError, match="does not split"):
+        paper_profile("H100-SXM", "llama-3.1-8b", 25, tp=3)
+    with pytest.raises(ValueError, match="does not fit 1 x H100-SXM"):
+        paper_profile("H100-SXM", "llama-3.1-70b", 25)
+    # 6 GPUs at TP 1 or 2: every (P, D) whose GPUs add up, each tier's TP its own.
+    got = {(x.p, x.d, x.tp_p, x.tp_d) for x in layouts(6, [1, 2], None)}
+    assert got == {(1, 5, 1, 1), (2, 4, 1, 1), (3, 3, 1, 1), (4, 2, 1, 1), (5, 1, 1, 1),
+                   (2, 2, 1, 2), (4, 1, 1, 2), (1, 4, 2, 1), (2, 2, 2, 1), (1, 2, 2, 2), (2, 1, 2, 2)}  # fmt: skip
+    assert Layout(2, 1, 2, 4).label() == "2P1D tp2/4" and Layout(3, 1).label() == "3P1D"
+    out = _plan(
+        "--gpu", "H100-SXM", "--gpu-model", "llama-3.1-70b", "--tp-sizes", "1", "2", "4", "--workers", "8",
+        "--rates", "4", "--num-prompts", "40", "--input-len", "1024", "--output-len", "32",
+        "--ttft-slo", "2", "--tpot-slo", "0.1",
+    )  # fmt: skip
+    assert out.returncode == 0, out.stderr
+    assert "TP 4: KV room" in out.stdout and "TP 1" not in out.stdout  # 141 GB of weights: not on one GPU
+    assert "best split of 8 GPUs:" in out.stdout and "per GPU" in out.stdout
+    assert "1P1D tp4/4" in out.stdout and "2P1D tp2/4" in out.stdout
+    bad = _plan("--profile", "x.json", "--tp-sizes", "2")
+    assert bad.returncode == 2 and "only with --gpu" in bad.stderr

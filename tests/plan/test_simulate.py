@@ -137,3 +137,23 @@ def test_turns_a_long_prefill_lets_one_waiting_step_run_between_its_layers() -> 
     p.shared_efficiency = 0.5
     a, b = simulate(p, 1, 1, [Arrival(0.0, 300, 3), Arrival(1.05, 300, 3)])
     assert a.done == pytest.approx(1.15 + 0.2 + 0.2)
+
+
+def test_kv_room_admits_a_request_once_its_whole_answer_fits() -> None:
+    """Room for 120 tokens, requests of 50 + 5: two decode together, the third waits for one to end;
+    decode workers of their own profile (another TP size) step at their own speed."""
+    p = _profile(prefill_s=(0.0, 0.999), decode_s=((0.1, 0.1), (0.8, 0.8)), kv_tokens=120)
+    outs = simulate(p, 1, 1, [Arrival(0.0, 50, 5)] * 3)
+    ttft = 0.001 * 149  # one forward over 3 x 50 tokens
+    assert all(o.ttft == pytest.approx(ttft) for o in outs)
+    # Two at batch 2 (0.2 s a step) for their 4 remaining tokens, then the third alone (0.1 s a step).
+    assert [o.done for o in outs] == pytest.approx([ttft + 0.8, ttft + 0.8, ttft + 0.8 + 0.4])
+    unlimited = simulate(_profile(prefill_s=(0.0, 0.999), decode_s=((0.1, 0.1), (0.8, 0.8))), 1, 1,
+                         [Arrival(0.0, 50, 5)] * 3)  # fmt: skip
+    assert all(o.done == pytest.approx(ttft + 4 * 0.3) for o in unlimited)
+    # A request larger than the room alone still runs (the pool admits it alone).
+    (big,) = simulate(p, 1, 1, [Arrival(0.0, 200, 3)])
+    assert big.done == pytest.approx(0.199 + 2 * 0.1)
+    fast = _profile(decode_s=((0.05, 0.05), (0.4, 0.4)))
+    (o,) = simulate(_profile(prefill_s=(0.0, 0.999)), 1, 1, [Arrival(0.0, 11, 3)], decode_profile=fast)
+    assert o.done == pytest.approx(0.01 + 2 * 0.05)
