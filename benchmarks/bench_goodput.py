@@ -37,7 +37,7 @@ from pdserve.bench.bench_serving import (
     build_parser,
     check_args,
 )
-from pdserve.bench.goodput_trace import TraceError, arrivals_at, load_trace
+from pdserve.bench.goodput_trace import TraceError, TraceRow, arrivals_at, load_trace
 from pdserve.bench.launch_servers import launch_all, wait_healthy
 from pdserve.bench.serving_requests import RequestResult, RunConfig, Target, run_level, warm_up
 from pdserve.bench.serving_workload import load_tokenizer, prompts_of_lengths
@@ -131,13 +131,12 @@ def _shape(text: str) -> tuple[int, int]:
     return i, o
 
 
-async def _run(args, targets: list[Target]) -> dict[str, list[dict]]:
+async def _run(args, targets: list[Target], trace: list[TraceRow] | None) -> dict[str, list[dict]]:
     cfg = RunConfig(args.backend, args.temperature, args.request_timeout, args.fresh_connections)
     need_tok = args.dataset == "random" or args.trace or args.no_usage or args.tokenizer is not None
     tok = load_tokenizer(args.tokenizer) if need_tok else None
     count_tokens = (lambda s: len(tok.encode(s, add_special_tokens=False))) if tok else None
     n = int(str(args.num_prompts).split(",")[0])
-    trace = load_trace(args.trace, n) if args.trace else None
     lengths = [(r.input_len, r.output_len) for r in trace] if trace else []
 
     def workload(seed: int) -> list:
@@ -242,9 +241,10 @@ def main(argv: list[str] | None = None) -> int:
         p.error(f"--slo-percentile {args.slo_percentile:g}: a percentile in (0, 100]")
     if args.shift_to and (args.dataset != "random" or args.trace):
         p.error("--shift-to changes the random dataset's lengths: use it with --dataset random, not --trace")
+    trace = None
     if args.trace:
         try:
-            load_trace(args.trace, int(str(args.num_prompts).split(",")[0]))
+            trace = load_trace(args.trace, int(str(args.num_prompts).split(",")[0]))
         except (OSError, TraceError) as e:
             p.error(f"--trace: {e}")
     try:
@@ -259,7 +259,7 @@ def main(argv: list[str] | None = None) -> int:
         for s in launched:
             wait_healthy(s, args.launch_timeout)
         targets = _targets(args, launched)
-        results = asyncio.run(_run(args, targets))
+        results = asyncio.run(_run(args, targets, trace))
     finally:
         for s in launched:
             s.stop()

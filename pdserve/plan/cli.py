@@ -103,10 +103,6 @@ class Layout:
     tp_p: int = 1
     tp_d: int = 1
 
-    @property
-    def devices(self) -> int:
-        return self.p * self.tp_p + self.d * self.tp_d
-
     def label(self) -> str:
         base = f"{self.p}P{self.d}D"
         return base if self.tp_p == self.tp_d == 1 else f"{base} tp{self.tp_p}/{self.tp_d}"

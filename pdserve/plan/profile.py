@@ -54,7 +54,7 @@ class Profile:
     # Tokens of KV a decode worker holds (0: as many as it needs). A request joins a decode batch once its
     # prompt and whole answer fit beside the running ones' (or alone), as the pool's admission does.
     kv_tokens: int = 0
-    devices: int = 1  # GPUs one worker spans (its TP size); goodput per device divides by it
+    devices: int = 1  # GPUs one worker spans (its TP size), as a saved profile records it
     notes: list[str] = field(default_factory=list)
 
     def prefill(self, tokens: int) -> float:
