@@ -56,6 +56,12 @@ class GatewayMetrics:
         self.retries = Counter(
             "pdserve_request_retries", "Generations retried on another pair after a lost leg", registry=r
         )
+        self.retries_withheld = Counter(
+            "pdserve_request_retries_withheld",
+            "Generations not retried: their decode gave up waiting while the prompt sat in an overloaded "
+            "prefill worker's queue, and no other prefill worker was in rotation",
+            registry=r,
+        )
         self.migrations = Counter(
             "pdserve_request_migrations",
             "Generations moved mid-stream to another pair (prompt + tokens so far) after a failed leg",

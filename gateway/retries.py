@@ -40,6 +40,13 @@ class TryAgain(Exception):
         decode = room.decode.worker_id if room.decode is not None else ""  # "": prefill only
         self.failed = prefill if ev.role == "prefill" else decode
         self.prefill, self.decode = prefill, decode
+        # A transfer that failed before the prefill finished the prompt, while requests waited in that
+        # prefill worker's queue: the decode gave up waiting behind an overloaded prefill (its
+        # `--waiting-timeout`), not on a broken link. The queue's length then, else 0.
+        self.prefill_queued = 0
+        if ev.code in (FailCode.TRANSFER, FailCode.KV_CORRUPT) and room.prefill is not None:
+            if room.prefill_done is None:
+                self.prefill_queued = room.prefill.queued
 
 
 @dataclass
@@ -72,17 +79,25 @@ class Attempts:
         if a.code in (FailCode.TRANSFER, FailCode.KV_CORRUPT):
             # Either side may be at fault: another decode worker always, another prefill if there is one.
             avoid.add(a.decode)
-            if a.prefill:
+            if a.prefill_queued:
+                # Behind an overloaded prefill: the same queue again would only add to it (under
+                # overload a retry is more load). Another prefill worker or none.
+                avoid.add(a.prefill)
+            elif a.prefill:
                 prefer_not.add(a.prefill)
         else:
             avoid.add(a.failed)
         missing = [r for r in ("prefill", "decode") if not candidates(registry, r, avoid)]
         if missing:
             what = "retried" if retry else "migrated"
-            raise ApiError(
-                a.error.status,
-                f"{a.error.message} (not {what}: no other {' and no other '.join(missing)} worker in rotation)",
-            )
+            why = f"no other {' and no other '.join(missing)} worker in rotation"
+            if a.prefill_queued and "prefill" in missing:
+                why = (
+                    f"the prompt was still queued on prefill worker {a.prefill} behind "
+                    f"{a.prefill_queued} requests, and there is no other prefill worker in rotation"
+                )
+                metrics.retries_withheld.inc()
+            raise ApiError(a.error.status, f"{a.error.message} (not {what}: {why})")
         self.avoid, self.prefer_not = avoid, prefer_not
         if retry:
             self.retries += 1

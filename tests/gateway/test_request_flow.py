@@ -549,3 +549,62 @@ def test_a_second_lost_leg_is_an_error_not_another_retry(cluster):
 def test_every_fail_code_has_its_http_status():
     assert set(FAIL_STATUS) == set(FailCode)
     assert FAIL_STATUS[FailCode.DEADLINE] == 504
+
+
+def _queued_on(cluster, worker: str, n: int) -> None:
+    """`worker` reports `n` queued requests in its heartbeats, and the gateway has heard it."""
+    w = next(w for w in cluster.workers if w.worker_id == worker)
+    w.link.load.queued = n
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        listed = {x["worker_id"]: x for x in cluster.client.get("/workers").json()["workers"]}
+        if listed[worker]["queued"] == n:
+            return
+        time.sleep(0.05)
+    raise AssertionError(f"the gateway never heard {worker} report {n} queued")
+
+
+def test_transfer_failed_behind_an_overloaded_prefill_is_not_retried_on_the_same_queue(cluster):
+    # The decode gave up waiting for the KV (its --waiting-timeout) while the prompt was still queued on
+    # the only prefill worker: another attempt there would only lengthen the queue.
+    cluster.prefill.prefill_delay_s = 60  # no PrefillDone before the failure
+    cluster.decode.fail_code = "transfer"
+    d1 = cluster.add("d1", "decode")
+    _queued_on(cluster, "p0", 7)
+    r = cluster.client.post("/generate", json={"text": "hi", "sampling_params": {"max_new_tokens": 4}})
+    assert r.status_code == 503
+    msg = r.json()["error"]["message"]
+    assert "not retried: the prompt was still queued on prefill worker p0 behind 7 requests" in msg, msg
+    assert d1.requests() == [] and len(cluster.prefill.requests()) == 1
+    metrics = cluster.client.get("/metrics").text
+    assert "pdserve_request_retries_withheld_total 1.0" in metrics
+    assert "pdserve_request_retries_total 0.0" in metrics
+
+
+def test_transfer_failed_behind_an_overloaded_prefill_is_retried_on_another_prefill(cluster):
+    # Both pairs slow and failing, so that whichever pair routing picks first, the retry must go to
+    # the other prefill worker (hard-avoided, not merely less preferred) and the other decode worker.
+    cluster.decode.fail_code = "transfer"
+    d1 = cluster.add("d1", "decode", fail_code="transfer")
+    p1 = cluster.add("p1", "prefill")
+    for p in (cluster.prefill, p1):
+        p.prefill_delay_s = 60
+        _queued_on(cluster, p.worker_id, 7)
+    r = cluster.client.post("/generate", json={"text": "hi", "sampling_params": {"max_new_tokens": 4}})
+    assert r.status_code == 503 and "transfer" in r.json()["error"]["message"]
+    assert len(cluster.prefill.requests()) == len(p1.requests()) == 1
+    assert len(cluster.decode.requests()) == len(d1.requests()) == 1
+    metrics = cluster.client.get("/metrics").text
+    assert "pdserve_request_retries_total 1.0" in metrics
+    assert "pdserve_request_retries_withheld_total 0.0" in metrics
+
+
+def test_transfer_failed_with_the_prefill_idle_is_retried_on_the_same_prefill(cluster):
+    # No queue on the prefill worker: the link, not the load, failed; the same prefill may do.
+    cluster.decode.fail_code = "transfer"
+    d1 = cluster.add("d1", "decode")
+    _queued_on(cluster, "p0", 0)
+    r = cluster.client.post("/generate", json={"text": "hi", "sampling_params": {"max_new_tokens": 4}})
+    assert r.status_code == 200, r.text
+    assert len(d1.requests()) == 1 and len(cluster.prefill.requests()) == 2
+    assert "pdserve_request_retries_total 1.0" in cluster.client.get("/metrics").text
