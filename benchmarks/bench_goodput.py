@@ -28,6 +28,7 @@ import json
 import os
 import sys
 import tempfile
+from collections.abc import Callable
 from dataclasses import asdict, replace
 
 from pdserve.bench.bench_serving import (
@@ -40,7 +41,7 @@ from pdserve.bench.bench_serving import (
 from pdserve.bench.goodput_trace import TraceError, TraceRow, arrivals_at, load_trace
 from pdserve.bench.launch_servers import launch_all, wait_healthy
 from pdserve.bench.serving_requests import RequestResult, RunConfig, Target, run_level, warm_up
-from pdserve.bench.serving_workload import load_tokenizer, prompts_of_lengths
+from pdserve.bench.serving_workload import flat_text, load_tokenizer, prompts_of_lengths
 
 UNBOUNDED = 1 << 16
 
@@ -108,6 +109,29 @@ def best(rows: list[dict]) -> dict:
     return max(rows, key=lambda r: (r["goodput"], -r["rate"]))
 
 
+def records(
+    results: list[RequestResult], prompts: list, count_tokens: Callable[[str], int] | None
+) -> list[dict]:
+    """Each request as `pdserve plan --replay` simulates it again: when it was sent, its prompt's tokens
+    as the server counted them (the chat template's included; the client's count for a failed request,
+    0 when there is none) and the output tokens asked for, and what it measured."""
+    out = []
+    for r, p in zip(results, prompts, strict=True):
+        prompt = r.prompt_tokens or (count_tokens(flat_text(p)) if count_tokens else 0)
+        out.append(
+            {
+                "sent_at": round(r.sent_at, 4),
+                "prompt_tokens": prompt,
+                "max_tokens": p.output_len,
+                "output_tokens": r.output_tokens,
+                "ok": r.ok,
+                "ttft": round(r.ttft, 4),
+                "e2e": round(r.e2e, 4),
+            }
+        )
+    return out
+
+
 def _workload(args, n: int, tok, seed: int) -> list:
     """`n` prompts drawn with `seed`; with --shift-to IN,OUT the second half has IN-token prompts and
     OUT-token outputs instead (the trace changes shape halfway)."""
@@ -159,6 +183,7 @@ async def _run(args, targets: list[Target], trace: list[TraceRow] | None) -> dic
                 cfg, t, level, concurrency, rate, args.seed + k, count_tokens, arrivals
             )
             row = {"rate": rate, **goodput(res, dur, args.ttft_slo, args.tpot_slo, args.slo_percentile)}
+            row["per_request"] = records(res, level, count_tokens)
             out[t.name].append(row)
             pct = (
                 f", p{args.slo_percentile:g} TTFT {row['ttft_p']:.2f} s TPOT {row['tpot_p'] * 1000:.0f} ms"

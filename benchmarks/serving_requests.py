@@ -44,6 +44,7 @@ class RequestResult:
     text: str = ""
     error: str = ""
     status: int = 0
+    sent_at: float = 0.0  # run_level: seconds from the run's start to the send
 
 
 @dataclass(frozen=True)
@@ -191,7 +192,9 @@ async def run_level(
 
         async def one(p: Prompt) -> RequestResult:
             async with sem:
+                sent_at = time.perf_counter() - start
                 r = await send_request(client, cfg, t, p, count_tokens)
+                r.sent_at = sent_at
                 bar.update()
                 return r
 

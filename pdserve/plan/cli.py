@@ -5,6 +5,7 @@ simulator (simulate.py) from this host's measured profile (profile.py, measure.p
     pdserve plan --profile host.json --workers 2 3 --workload prompt-heavy --ttft-slo 2 --tpot-slo 0.2
     pdserve plan --gpu H100-SXM --workers 8 32 128 --rates-per-worker --rates 1 2 4 --max-splits 12
     pdserve plan --gpu H100-SXM --gpu-model llama-3.1-70b --workers 8 --tp-sizes 2 4 8 ...
+    pdserve plan --profile host.json --replay goodput.json [--replay-fit pdserve@0.75]
 
 For every split of each --workers count (P prefill + D decode workers, at least one of each) and every
 rate of --rates, it simulates --num-prompts Poisson arrivals and prints goodput (requests/s meeting both
@@ -12,7 +13,8 @@ targets), SLO attainment and TTFT/TPOT percentiles; then, per worker count, the 
 the highest goodput. Without --profile it measures the host first; with --gpu it plans on paper, from a
 GPU's datasheet figures (datasheet.py: the hand-off at --transfer-gbps), and --workers counts GPUs: with
 --tp-sizes each tier's workers may span several (P x TP_p + D x TP_d GPUs, each tier's TP size its own),
-labelled e.g. `3P2D tp2/4`.
+labelled e.g. `3P2D tp2/4`. With --replay it simulates a measured `bench goodput` run's own requests
+instead and prints predicted against measured (replay.py).
 """
 
 from __future__ import annotations
@@ -80,6 +82,25 @@ def build_parser() -> argparse.ArgumentParser:
         "--max-splits", type=int, help="simulate at most this many splits per count, evenly spaced"
     )
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--replay",
+        metavar="FILE",
+        help="instead of a search: simulate again the requests of a `pdserve bench goodput` run (its "
+        "--output-json, or --plot's goodput.json) and print predicted against measured (replay.py)",
+    )
+    p.add_argument(
+        "--replay-split",
+        metavar="NAME=PxD",
+        action="append",
+        default=[],
+        help="--replay: the split of a server the run did not launch (--base-url's is named server), "
+        "e.g. server=1P1D",
+    )
+    p.add_argument(
+        "--replay-fit",
+        metavar="SERVER@RATE",
+        help="--replay: first fit the profile's shared efficiency to that run (e.g. pdserve@0.75)",
+    )
     return p
 
 
@@ -193,6 +214,10 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("--transfer-gbps must be > 0")
     if min(args.tp_sizes) < 1 or (args.tp_sizes != [1] and not args.gpu):
         parser.error("--tp-sizes: sizes >= 1, and other than 1 only with --gpu (a host's profile is TP 1's)")
+    if args.replay and (args.gpu or args.profile_out):
+        parser.error("--replay compares a host's run: not with --gpu or --profile-out")
+    if args.replay_fit and not args.replay:
+        parser.error("--replay-fit needs --replay")
     if args.gpu:
         sizes = [t for t in sorted(set(args.tp_sizes)) if fits(args.gpu, args.gpu_model, t)]
         if not sizes:
@@ -228,5 +253,38 @@ def main(argv: list[str] | None = None) -> int:
             profile.save(args.profile_out)
             print(f"profile saved to {args.profile_out}")
             return 0
+    if args.replay:
+        return _replay(parser, profile, args)
     plan({1: profile}, args)
+    return 0
+
+
+def _replay(parser: argparse.ArgumentParser, profile: Profile, args: argparse.Namespace) -> int:
+    from pdserve.plan.replay import ReplayError, compare, fit_efficiency, load_runs, parse_split
+
+    try:
+        splits = dict(parse_split(s) for s in args.replay_split)
+        config, runs, skipped = load_runs(args.replay, splits)
+    except ReplayError as e:
+        parser.error(f"--replay {e}")
+    for why in skipped:
+        print(f"left out: {why}")
+    if not runs:
+        parser.error(f"--replay {args.replay}: no pdserve cluster of a static split to replay")
+    print(f"profile: {profile.host}; {profile.model}; shared efficiency {profile.shared_efficiency:g}")
+    if args.replay_fit:
+        server, _, rate = args.replay_fit.rpartition("@")
+        chosen = [r for r in runs if r.server == server and f"{r.rate:g}" == rate.strip()]
+        if not chosen:
+            have = ", ".join(f"{r.server}@{r.rate:g}" for r in runs)
+            parser.error(f"--replay-fit {args.replay_fit}: no such run (the file has {have})")
+        try:
+            fitted = fit_efficiency(profile, chosen[0])
+        except ReplayError as err:
+            parser.error(f"--replay-fit {err}")
+        profile.shared_efficiency = fitted
+        print(f"shared efficiency fitted to {args.replay_fit}: {fitted:g}")
+    ttft_slo, tpot_slo = config["ttft_slo"], config["tpot_slo"]
+    print(f"targets (the run's): TTFT {ttft_slo:g} s, TPOT {tpot_slo:g} s")
+    compare(profile, runs, ttft_slo, tpot_slo)
     return 0

@@ -139,6 +139,13 @@ def test_bench_against_cluster(tmp_path):
     replay = json.loads(good["trace"].read_text())["results"]["server"]
     assert [(r["rate"], r["requests"], r["good"]) for r in replay] == [(1.0, 4, 4), (20.0, 4, 4)]
     assert replay[0]["duration_s"] >= 3.0 and replay[1]["duration_s"] < replay[0]["duration_s"] - 1.5
+    # Each request as `pdserve plan --replay` simulates it again: sent on the trace's clock, its prompt
+    # as the server counted it, the lengths the trace asked for (--ignore-eos: all of them produced).
+    sent = replay[0]["per_request"]
+    assert [r["sent_at"] for r in sent] == pytest.approx([0.0, 0.2, 0.4, 3.0], abs=0.15)
+    assert [(r["max_tokens"], r["output_tokens"], r["ok"]) for r in sent] == [
+        (3, 3, True), (5, 5, True), (2, 2, True), (4, 4, True)]  # fmt: skip
+    assert all(r["prompt_tokens"] >= 12 and 0 < r["ttft"] <= r["e2e"] for r in sent)
     png = (goodput_plots / "goodput.png").read_bytes()
     assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 10_000
     drawn = json.loads((goodput_plots / "goodput.json").read_text())["plots"]["goodput.png"]
