@@ -20,6 +20,7 @@ instead and prints predicted against measured (replay.py).
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import sys
 from dataclasses import dataclass
@@ -99,7 +100,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--replay-fit",
         metavar="SERVER@RATE",
-        help="--replay: first fit the profile's shared efficiency to that run (e.g. pdserve@0.75)",
+        help="--replay: first fit the profile's shared efficiency to that run (e.g. pdserve@0.75); with "
+        "--profile-out, save the profile so refitted",
     )
     return p
 
@@ -214,10 +216,12 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("--transfer-gbps must be > 0")
     if min(args.tp_sizes) < 1 or (args.tp_sizes != [1] and not args.gpu):
         parser.error("--tp-sizes: sizes >= 1, and other than 1 only with --gpu (a host's profile is TP 1's)")
-    if args.replay and (args.gpu or args.profile_out):
-        parser.error("--replay compares a host's run: not with --gpu or --profile-out")
+    if args.replay and args.gpu:
+        parser.error("--replay compares a host's run: not with --gpu")
     if args.replay_fit and not args.replay:
         parser.error("--replay-fit needs --replay")
+    if args.replay and args.profile_out and not (args.profile and args.replay_fit):
+        parser.error("--replay with --profile-out saves a --profile refitted by --replay-fit: give both")
     if args.gpu:
         sizes = [t for t in sorted(set(args.tp_sizes)) if fits(args.gpu, args.gpu_model, t)]
         if not sizes:
@@ -284,6 +288,14 @@ def _replay(parser: argparse.ArgumentParser, profile: Profile, args: argparse.Na
             parser.error(f"--replay-fit {err}")
         profile.shared_efficiency = fitted
         print(f"shared efficiency fitted to {args.replay_fit}: {fitted:g}")
+        if args.profile_out:  # the refitted profile, for the searches to come
+            profile.notes = [n for n in profile.notes if not n.startswith("shared_efficiency fitted")]
+            profile.notes.append(
+                f"shared_efficiency fitted to {args.replay_fit} of {os.path.basename(args.replay)} "
+                "(pdserve plan --replay-fit: a bench goodput run's own requests)"
+            )
+            profile.save(args.profile_out)
+            print(f"profile saved to {args.profile_out}")
     ttft_slo, tpot_slo = config["ttft_slo"], config["tpot_slo"]
     print(f"targets (the run's): TTFT {ttft_slo:g} s, TPOT {tpot_slo:g} s")
     compare(profile, runs, ttft_slo, tpot_slo)

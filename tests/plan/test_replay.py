@@ -84,6 +84,19 @@ def test_the_fit_recovers_the_efficiency_that_made_the_measurement(tmp_path) -> 
     _, (run,), _ = load_runs(path)
     guess = _profile(sharing="turns", layers=4, offer_min_tokens=256)
     assert fit_efficiency(guess, run) == pytest.approx(0.55, abs=0.01)
+    # Through the CLI: the refitted profile saved for the searches to come.
+    guess.shared_efficiency = 1.0
+    guess.save(str(tmp_path / "guess.json"))
+    cmd = ["plan", "--profile", str(tmp_path / "guess.json"), "--replay", path]
+    out = subprocess.run(pdserve_command(*cmd, "--replay-fit", "pdserve@4", "--profile-out", str(tmp_path / "fit.json")),
+                         capture_output=True, text=True, timeout=100)  # fmt: skip
+    assert out.returncode == 0, out.stderr
+    fitted = Profile.load(str(tmp_path / "fit.json"))
+    assert fitted.shared_efficiency == pytest.approx(0.55, abs=0.01)
+    assert fitted.notes[-1].startswith("shared_efficiency fitted to pdserve@4 of b.json")
+    bad = subprocess.run(pdserve_command(*cmd, "--profile-out", str(tmp_path / "x.json")),
+                         capture_output=True, text=True, timeout=100)  # fmt: skip
+    assert bad.returncode == 2 and "give both" in bad.stderr
     # No request succeeded: nothing to fit to.
     failed = [dict(r, ok=False) for r in reqs]
     _, (run,), _ = load_runs(_bench_json(tmp_path / "f.json", {"pdserve": [_row(4.0, failed, 0.0, 0.0)]}))
