@@ -114,7 +114,8 @@ def records(
 ) -> list[dict]:
     """Each request as `pdserve plan --replay` simulates it again: when it was sent, its prompt's tokens
     as the server counted them (the chat template's included; the client's count for a failed request,
-    0 when there is none) and the output tokens asked for, and what it measured."""
+    0 when there is none) and those its prefix cache held, the output tokens asked for, and what it
+    measured."""
     out = []
     for r, p in zip(results, prompts, strict=True):
         prompt = r.prompt_tokens or (count_tokens(flat_text(p)) if count_tokens else 0)
@@ -122,6 +123,7 @@ def records(
             {
                 "sent_at": round(r.sent_at, 4),
                 "prompt_tokens": prompt,
+                "cached_tokens": r.cached_tokens or 0,  # of those, what the server's prefix cache held
                 "max_tokens": p.output_len,
                 "output_tokens": r.output_tokens,
                 "ok": r.ok,

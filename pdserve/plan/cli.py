@@ -55,6 +55,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--input-len", type=int, help="prompt tokens (overrides --workload's)")
     p.add_argument("--output-len", type=int, help="output tokens (overrides --workload's)")
     p.add_argument("--range-ratio", type=float, default=0.5, help="lengths uniform in [ratio x len, len]")
+    p.add_argument(
+        "--cached-prefix",
+        type=int,
+        default=0,
+        help="tokens before each prompt that the prefix cache holds (a shared system prompt): read, not "
+        "computed, at the profile's prefix_s cost",
+    )
     p.add_argument("--rates", type=float, nargs="+", default=[0.25, 0.5, 1, 2, 4])
     p.add_argument("--num-prompts", type=int, default=200)
     p.add_argument("--ttft-slo", type=float, default=2.0, help="seconds")
@@ -159,8 +166,9 @@ def plan(
             if note not in first.notes:
                 print(f"  {note}")
     print(
-        f"workload: prompts {int(prompt * args.range_ratio)}-{prompt} tokens, outputs "
-        f"{int(output * args.range_ratio)}-{output}, {args.num_prompts} Poisson arrivals per rate; targets TTFT "
+        f"workload: prompts {int(prompt * args.range_ratio)}-{prompt} tokens"
+        + (f" after a cached prefix of {args.cached_prefix}" if args.cached_prefix else "")
+        + f", outputs {int(output * args.range_ratio)}-{output}, {args.num_prompts} Poisson arrivals per rate; targets TTFT "
         f"{args.ttft_slo} s, TPOT {args.tpot_slo} s; {'a device per worker' if args.dedicated else 'one host, shared cores'}"
     )
     print(
@@ -175,7 +183,7 @@ def plan(
             rows = []
             for rate in [r * n for r in args.rates] if args.rates_per_worker else args.rates:
                 arrivals = poisson_workload(
-                    rate, args.num_prompts, prompt, output, args.seed, args.range_ratio
+                    rate, args.num_prompts, prompt, output, args.seed, args.range_ratio, args.cached_prefix
                 )
                 outs = simulate(
                     profiles[lay.tp_p], lay.p, lay.d, arrivals, not args.dedicated, profiles[lay.tp_d]
@@ -210,6 +218,8 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("--workers: a split needs at least 2 workers (one prefill, one decode)")
     if args.num_prompts < 1 or min(args.rates) <= 0 or not 0 < args.range_ratio <= 1:
         parser.error("--num-prompts must be >= 1, --rates > 0 and --range-ratio in (0, 1]")
+    if args.cached_prefix < 0:
+        parser.error("--cached-prefix must be >= 0")
     if args.max_splits is not None and args.max_splits < 2:
         parser.error("--max-splits must be >= 2")
     if args.transfer_gbps <= 0:

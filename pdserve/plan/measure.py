@@ -23,6 +23,7 @@ from pdserve.runtime.runner import OFFER_TURN_MIN_TOKENS, ModelRunner
 from pdserve.sampling_params import SamplingParams
 
 PREFILL_TOKENS = [16, 128, 512, 1024, 2048]
+PREFIX_TOKENS = [512, 2048]  # cached prefixes a prefill is measured after
 DECODE_BATCH = [1, 4, 16, 48]
 DECODE_CONTEXT = [64, 512, 2048]
 
@@ -53,7 +54,7 @@ def measure(cfg: RuntimeConfig, rounds: int = 2, steps: int = 4) -> Profile:
     (the context's pages reserved, not computed: a step's time depends on how much KV it reads, not on
     its values), and a page copy between two pools for the hand-off."""
     per_request = -(-(max(DECODE_CONTEXT) + steps + 1) // cfg.page_size) * cfg.page_size  # whole pages
-    longest = max(max(PREFILL_TOKENS), max(DECODE_BATCH) * per_request)
+    longest = max(max(PREFIX_TOKENS) + max(PREFILL_TOKENS), max(DECODE_BATCH) * per_request)
     runner = ModelRunner(
         dataclasses.replace(
             cfg,
@@ -65,6 +66,7 @@ def measure(cfg: RuntimeConfig, rounds: int = 2, steps: int = 4) -> Profile:
     limit = runner.context_length
     prefill_tokens = [n for n in PREFILL_TOKENS if n <= limit] or [limit]
     contexts = [c for c in DECODE_CONTEXT if c + steps + 1 <= limit] or [limit - steps - 1]
+    prefixes = [c for c in PREFIX_TOKENS if c + max(prefill_tokens) <= limit]
     rng = random.Random(0)
     vocab = runner.spec.vocab_size
     sp = SamplingParams(max_new_tokens=steps + 1)
@@ -73,6 +75,15 @@ def measure(cfg: RuntimeConfig, rounds: int = 2, steps: int = 4) -> Profile:
         r = Request("p", [rng.randrange(vocab) for _ in range(n)], sp)
         assert runner.reserve(r, n)
         runner.forward(ForwardMode.EXTEND, [r], [r.prompt_ids]).argmax(-1)
+        runner.release(r)
+
+    def prefill_after(c: int, n: int) -> None:
+        """`n` new tokens after a cached prefix of `c` (its pages reserved, not computed: the forward
+        reads them as it would a cached prefix's)."""
+        r = Request("q", [rng.randrange(vocab) for _ in range(c + n)], sp)
+        assert runner.reserve(r, c + n)
+        r.num_computed = c
+        runner.forward(ForwardMode.EXTEND, [r], [r.prompt_ids[c:]]).argmax(-1)
         runner.release(r)
 
     def decode(b: int, c: int) -> float:
@@ -92,6 +103,10 @@ def measure(cfg: RuntimeConfig, rounds: int = 2, steps: int = 4) -> Profile:
         prefill(min(32, limit))  # warm-up: kernels built, first touches
         decode(1, contexts[0])
         prefill_s = [best_of(functools.partial(prefill, n), rounds) for n in prefill_tokens]
+        prefix_s = [
+            [best_of(functools.partial(prefill_after, c, n), rounds) for n in prefill_tokens]
+            for c in prefixes
+        ]
         decode_s = [[min(decode(b, c) for _ in range(rounds)) for c in contexts] for b in DECODE_BATCH]
         kv = runner.pool.kv
         pages = min(kv.shape[0] // 2, 256)
@@ -106,6 +121,8 @@ def measure(cfg: RuntimeConfig, rounds: int = 2, steps: int = 4) -> Profile:
             threads=torch.get_num_threads(),
             prefill_tokens=prefill_tokens,
             prefill_s=prefill_s,
+            prefix_tokens=prefixes,
+            prefix_s=prefix_s,
             decode_batch=DECODE_BATCH,
             decode_context=contexts,
             decode_s=decode_s,
@@ -133,8 +150,8 @@ def measure_cluster(url: str, layers: int, vocab: int = 32000, rounds: int = 2, 
 
     rng = random.Random()  # fresh prompts: none may come from the prefix cache of an earlier run
 
-    def stream(n: int, out_tokens: int, times: list[float]) -> None:
-        ids = [rng.randrange(100, vocab) for _ in range(n)]
+    def stream(n: int, out_tokens: int, times: list[float], prefix: tuple[int, ...] = ()) -> None:
+        ids = [*prefix, *(rng.randrange(100, vocab) for _ in range(n))]
         sp = {"max_new_tokens": out_tokens, "temperature": 0, "ignore_eos": True}
         t0 = time.perf_counter()
         with httpx.stream(
@@ -149,10 +166,16 @@ def measure_cluster(url: str, layers: int, vocab: int = 32000, rounds: int = 2, 
                 if line.startswith("data: ") and line != "data: [DONE]":
                     times.append(time.perf_counter() - t0)
 
-    def ttft(n: int) -> float:
+    def ttft(n: int, prefix: tuple[int, ...] = ()) -> float:
         times: list[float] = []
-        stream(n, 1, times)
+        stream(n, 1, times, prefix)
         return times[0]
+
+    def ttft_after(c: int, n: int) -> float:
+        """`n` new tokens after a `c`-token prefix the prefill worker has just cached."""
+        prefix = tuple(rng.randrange(100, vocab) for _ in range(c))
+        ttft(1, prefix)  # computes the prefix; the prefix cache keeps it
+        return ttft(n, prefix)
 
     def step(b: int, c: int) -> float:
         """Median gap between tokens while all `b` streams decode (after the last first token)."""
@@ -168,6 +191,7 @@ def measure_cluster(url: str, layers: int, vocab: int = 32000, rounds: int = 2, 
 
     ttft(16)  # warm-up
     prefill_s = [min(ttft(n) for _ in range(rounds)) for n in PREFILL_TOKENS]
+    prefix_s = [[min(ttft_after(c, n) for _ in range(rounds)) for n in PREFILL_TOKENS] for c in PREFIX_TOKENS]
     batches, contexts = [1, 4, 16], [64, 512]
     decode_s = [[min(step(b, c) for _ in range(rounds)) for c in contexts] for b in batches]
     profile = Profile(
@@ -178,6 +202,8 @@ def measure_cluster(url: str, layers: int, vocab: int = 32000, rounds: int = 2, 
         threads=0,
         prefill_tokens=PREFILL_TOKENS,
         prefill_s=prefill_s,
+        prefix_tokens=PREFIX_TOKENS,
+        prefix_s=prefix_s,
         decode_batch=batches,
         decode_context=contexts,
         decode_s=decode_s,

@@ -1,6 +1,7 @@
 """What the simulator knows of a host: times measured with the real runner, saved as JSON.
 
-- prefill: one prompt of n tokens, no cached prefix, at each of `prefill_tokens`;
+- prefill: one prompt of n tokens, no cached prefix, at each of `prefill_tokens`; and, where measured,
+  the same n new tokens after a cached prefix of each of `prefix_tokens` (its KV read, not computed);
 - decode: one step of a batch of b requests at context c, at each (b, c) of `decode_batch` x
   `decode_context`;
 - transfer: the KV hand-off's seconds per prompt token (a page copy through shared memory, as between two
@@ -56,10 +57,19 @@ class Profile:
     kv_tokens: int = 0
     devices: int = 1  # GPUs one worker spans (its TP size), as a saved profile records it
     notes: list[str] = field(default_factory=list)
+    # prefix_s[i][j]: seconds to prefill prefill_tokens[j] new tokens after prefix_tokens[i] cached ones.
+    # Empty (a profile from before, or one without room for a prefix): a cached prefix costs nothing.
+    prefix_tokens: list[int] = field(default_factory=list)
+    prefix_s: list[list[float]] = field(default_factory=list)
 
-    def prefill(self, tokens: int) -> float:
-        """Seconds of one prefill forward over `tokens` prompt tokens (a batch's, summed)."""
-        return _interp(self.prefill_tokens, self.prefill_s, tokens)
+    def prefill(self, tokens: int, cached: float = 0) -> float:
+        """Seconds of one prefill forward over `tokens` new prompt tokens (a batch's, summed), after a
+        cached prefix of `cached` tokens (interpolated between the measured prefixes and none)."""
+        fresh = _interp(self.prefill_tokens, self.prefill_s, tokens)
+        if cached <= 0 or not self.prefix_tokens:
+            return fresh
+        after = [_interp(self.prefill_tokens, row, tokens) for row in self.prefix_s]
+        return _interp([0, *self.prefix_tokens], [fresh, *after], cached)
 
     def decode(self, batch: int, context: float) -> float:
         """Seconds of one decode step of `batch` requests at mean context `context`."""
@@ -99,5 +109,15 @@ class Profile:
             raise ValueError("shared_efficiency must be in (0, 1]")
         if self.sharing not in ("turns", "processor") or self.layers < 1 or self.offer_min_tokens < 1:
             raise ValueError('sharing must be "turns" or "processor", layers and offer_min_tokens >= 1')
+        if len(self.prefix_s) != len(self.prefix_tokens) or any(
+            len(row) != len(self.prefill_tokens) for row in self.prefix_s
+        ):
+            raise ValueError("prefix_s must be len(prefix_tokens) rows of len(prefill_tokens) seconds")
+        if self.prefix_tokens and (
+            sorted(set(self.prefix_tokens)) != self.prefix_tokens or self.prefix_tokens[0] < 1
+        ):
+            raise ValueError("prefix_tokens must be increasing positive numbers")
+        if any(min(row) < 0 for row in self.prefix_s):
+            raise ValueError("times must not be negative")
         if self.kv_tokens < 0 or self.devices < 1:
             raise ValueError("kv_tokens must be >= 0 and devices >= 1")

@@ -1,8 +1,8 @@
 """`pdserve plan --replay FILE`: the simulator over the very requests a `pdserve bench goodput` run sent.
 
 The benchmark's JSON (`--output-json`, or `--plot`'s goodput.json) records every request: when it was sent,
-its prompt's tokens as the server counted them (the chat template's included), the output tokens asked
-for, and its measured TTFT and time to the last token. Replaying those arrivals through the simulator
+its prompt's tokens as the server counted them (the chat template's included) and those its prefix cache
+held, the output tokens asked for, and its measured TTFT and time to the last token. Replaying those arrivals through the simulator
 compares prediction and measurement on the same requests, so that what differs is the model, not two
 draws of a Poisson process or a prompt that tokenized longer than its nominal length.
 
@@ -110,11 +110,12 @@ def _run(server: str, split: tuple[int, int], row: dict[str, Any], reqs: list[di
     arrivals, ttft, e2e = [], [], []
     for r in reqs:
         out = r["output_tokens"] if r["ok"] and r["output_tokens"] > 0 else r["max_tokens"]
-        arrivals.append(Arrival(r["sent_at"], r["prompt_tokens"] or fallback, max(1, out)))
+        cached = r.get("cached_tokens", 0)
+        arrivals.append(Arrival(r["sent_at"], r["prompt_tokens"] or fallback, max(1, out), cached))
         ttft.append(r["ttft"] if r["ok"] else float("inf"))
         e2e.append(r["e2e"] if r["ok"] else float("inf"))
     t0 = min(a.at for a in arrivals)
-    arrivals = [Arrival(a.at - t0, a.prompt, a.output) for a in arrivals]
+    arrivals = [Arrival(a.at - t0, a.prompt, a.output, a.cached) for a in arrivals]
     return Run(server, split[0], split[1], row["rate"], arrivals, row, ttft, e2e)
 
 

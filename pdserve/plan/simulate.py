@@ -18,8 +18,11 @@ What it models, as pdserve runs:
 - KV room: with the profile's `kv_tokens`, a decode worker admits a request once its prompt and whole
   answer fit beside those running (a request alone always fits), as the pool's admission reserves them.
 - prefill and decode workers may have profiles of their own (`decode_profile`: another TP size, say).
+- the prefix cache: a request's `cached` prompt tokens are not computed; reading their KV costs what the
+  profile's `prefix_s` measured (nothing without it). Which requests hit is the workload's to say (a
+  replayed run's as the server reported them); routing does not follow cached prefixes.
 Not modelled: retraction (admission reserves whole answers, so none is needed), chunked prefill's
-interleaving with other prompts, the prefix cache, speculative decoding, network time between hosts.
+interleaving with other prompts, speculative decoding, network time between hosts.
 """
 
 from __future__ import annotations
@@ -37,6 +40,7 @@ class Arrival:
     at: float
     prompt: int
     output: int
+    cached: int = 0  # of the prompt's tokens, those the prefill worker's prefix cache holds
 
 
 @dataclass
@@ -44,6 +48,7 @@ class Outcome:
     arrival: float
     prompt: int
     output: int
+    cached: int = 0
     first: float = -1.0  # when the first token left
     done: float = -1.0  # when the last did
 
@@ -57,17 +62,18 @@ class Outcome:
 
 
 def poisson_workload(
-    rate: float, n: int, prompt: int, output: int, seed: int = 0, range_ratio: float = 1.0
+    rate: float, n: int, prompt: int, output: int, seed: int = 0, range_ratio: float = 1.0, cached: int = 0
 ) -> list[Arrival]:
     """`n` requests arriving at `rate` per second (exponential gaps), lengths uniform in
-    [ratio * len, len] (bench serving's random dataset)."""
+    [ratio * len, len] (bench serving's random dataset); each prompt's first `cached` tokens (a shared
+    system prompt, say) in the prefix cache, the rest drawn."""
     rng = random.Random(seed)
     t, out = 0.0, []
     for _ in range(n):
         t += rng.expovariate(rate)
         p = rng.randint(max(1, int(prompt * range_ratio)), prompt)
         o = rng.randint(max(1, int(output * range_ratio)), output)
-        out.append(Arrival(t, p, o))
+        out.append(Arrival(t, cached + p, o, cached))
     return out
 
 
@@ -168,7 +174,7 @@ def simulate(
     dp = decode_profile or profile
     prefill = [_Worker("prefill", i) for i in range(num_prefill)]
     decode = [_Worker("decode", i) for i in range(num_decode)]
-    outcomes = [Outcome(a.at, a.prompt, a.output) for a in arrivals]
+    outcomes = [Outcome(a.at, a.prompt, a.output, min(a.cached, a.prompt - 1)) for a in arrivals]
     events: list[tuple[float, int, str, int]] = []  # (time, seq, "arrive" | "kv", request or KV key)
     seq = 0
     for i, a in enumerate(arrivals):
@@ -187,12 +193,18 @@ def simulate(
         batch: list[_Running] = []
         tokens = 0
         while w.queue and len(batch) < profile.max_running_requests:
-            n = w.queue[0].outcome.prompt
+            o = w.queue[0].outcome
+            n = o.prompt - o.cached  # only the tokens after a cached prefix are computed
             if batch and tokens + n > profile.chunked_prefill_size:
                 break
             batch.append(w.queue.popleft())
             tokens += n
         work = profile.prefill(tokens)
+        for r in batch:  # what reading each cached prefix adds
+            o = r.outcome
+            if o.cached:
+                n = o.prompt - o.cached
+                work += profile.prefill(n, o.cached) - profile.prefill(n)
         offers = turns is not None and tokens >= profile.offer_min_tokens and profile.layers > 1
         w.job = _Job(w, work, batch, work / profile.layers if offers else 0.0)
         start(w.job)

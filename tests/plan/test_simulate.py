@@ -157,3 +157,25 @@ def test_kv_room_admits_a_request_once_its_whole_answer_fits() -> None:
     fast = _profile(decode_s=((0.05, 0.05), (0.4, 0.4)))
     (o,) = simulate(_profile(prefill_s=(0.0, 0.999)), 1, 1, [Arrival(0.0, 11, 3)], decode_profile=fast)
     assert o.done == pytest.approx(0.01 + 2 * 0.05)
+
+
+def test_a_cached_prefix_is_read_not_computed() -> None:
+    """prefill(n, cached): linear between no prefix and the measured ones; the simulator prefills only the
+    tokens after a request's cached prefix, at that cost."""
+    p = _profile(prefill_s=(0.0, 0.999))  # prefill(n) = 0.001 (n - 1) without a prefix
+    assert p.prefill(101, cached=500) == pytest.approx(0.1)  # no prefix measured: reading one is free
+    p.prefix_tokens, p.prefix_s = [1000], [[0.05, 1.049]]  # after 1,000 cached: 0.05 + 0.001 (n - 1)
+    assert p.prefill(1, cached=1000) == pytest.approx(0.05) and p.prefill(1000, 1000) == pytest.approx(1.049)
+    # 101 new tokens: 0.1 with no prefix, 0.15 after 1,000 cached; after 500, halfway.
+    assert p.prefill(101, cached=500) == pytest.approx(0.125)
+    (o,) = simulate(p, 1, 1, [Arrival(0.0, 601, 1, cached=500)])
+    assert o.ttft == pytest.approx(0.125)
+    # In a batch, the prefix's extra is each request's own: one forward over 2 x 101 new tokens, + 0.025.
+    outs = simulate(p, 1, 1, [Arrival(0.0, 601, 1, cached=500), Arrival(0.0, 101, 1)])
+    assert [o.ttft for o in outs] == pytest.approx([0.201 + 0.025] * 2)
+    # A workload's shared prefix: every prompt that much longer, that much of it cached.
+    w = poisson_workload(1.0, 50, 100, 8, seed=1, cached=300)
+    assert all(a.cached == 300 and 350 <= a.prompt <= 400 for a in w)
+    p.prefix_s = [[0.05]]
+    with pytest.raises(ValueError, match="prefix_s must be"):
+        p.check()
