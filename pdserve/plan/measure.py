@@ -143,14 +143,24 @@ def measure_cluster(url: str, layers: int, vocab: int = 32000, rounds: int = 2, 
     worker idle but for these requests): a prompt's time to its first token, and the time between
     tokens of `b` streams decoding together. Unlike `measure`, it carries everything a request costs
     besides the forward (HTTP, tokens through the gateway, the workers' loops), as a cluster serves."""
+    import json
     import statistics
     import threading
 
     import httpx
+    import numpy as np
 
     rng = random.Random()  # fresh prompts: none may come from the prefix cache of an earlier run
 
-    def stream(n: int, out_tokens: int, times: list[float], prefix: tuple[int, ...] = ()) -> None:
+    def stream(
+        n: int,
+        out_tokens: int,
+        times: list[float],
+        prefix: tuple[int, ...] = (),
+        counts: list[int] | None = None,
+    ) -> None:
+        """Stream one request; the time of each chunk since the send into `times` (and the tokens
+        produced so far into `counts`: a speculative step may bring several)."""
         ids = [*prefix, *(rng.randrange(100, vocab) for _ in range(n))]
         sp = {"max_new_tokens": out_tokens, "temperature": 0, "ignore_eos": True}
         t0 = time.perf_counter()
@@ -165,6 +175,9 @@ def measure_cluster(url: str, layers: int, vocab: int = 32000, rounds: int = 2, 
             for line in r.iter_lines():
                 if line.startswith("data: ") and line != "data: [DONE]":
                     times.append(time.perf_counter() - t0)
+                    if counts is not None:
+                        chunk = json.loads(line[6:])
+                        counts.append(len(chunk.get("output_ids") or []))
 
     def ttft(n: int, prefix: tuple[int, ...] = ()) -> float:
         times: list[float] = []
@@ -178,16 +191,30 @@ def measure_cluster(url: str, layers: int, vocab: int = 32000, rounds: int = 2, 
         return ttft(n, prefix)
 
     def step(b: int, c: int) -> float:
-        """Median gap between tokens while all `b` streams decode (after the last first token)."""
+        """Seconds per token of `b` streams while all of them decode: from the last stream's first
+        token to the first stream's last, each stream's tokens over that window, averaged. The
+        answers are long enough to outlast the `b` prompts' prefills, so that the window exists and
+        the batch in it is `b` (with answers of `steps` tokens the first streams end before the last
+        one starts, and the batch measured is smaller)."""
+        # The others' prefills (and 0.1 s of HTTP each) at no less than 20 ms a token of this one.
+        prefill = float(np.interp(c, PREFILL_TOKENS, prefill_s)) if b > 1 else 0.0
+        out = min(steps + int(b * (prefill + 0.1) / 0.02), 2048 - c)
         runs: list[list[float]] = [[] for _ in range(b)]
-        threads = [threading.Thread(target=stream, args=(c, steps, runs[i])) for i in range(b)]
+        counts: list[list[int]] = [[] for _ in range(b)]
+        threads = [threading.Thread(target=stream, args=(c, out, runs[i], (), counts[i])) for i in range(b)]
         for t in threads:
             t.start()
         for t in threads:
             t.join()
-        start = max(r[0] for r in runs)
-        gaps = [y - x for r in runs for x, y in zip(r, r[1:]) if x >= start]
-        return statistics.median(gaps) if gaps else 0.0
+        start, end = max(r[0] for r in runs), min(r[-1] for r in runs)
+        per_token = []
+        for times, n in zip(runs, counts):
+            inside = [(t, k) for t, k in zip(times, n) if start <= t <= end]
+            if len(inside) > 1 and inside[-1][1] > inside[0][1]:
+                per_token.append((inside[-1][0] - inside[0][0]) / (inside[-1][1] - inside[0][1]))
+        if not per_token:
+            raise RuntimeError(f"no window where all {b} streams decoded at once: a longer --steps?")
+        return statistics.fmean(per_token)
 
     ttft(16)  # warm-up
     prefill_s = [min(ttft(n) for _ in range(rounds)) for n in PREFILL_TOKENS]
