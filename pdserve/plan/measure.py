@@ -17,6 +17,7 @@ from pdserve.config import RuntimeConfig
 from pdserve.kv_transfer.shm import copy_pages
 from pdserve.plan.profile import Profile
 from pdserve.plan.simulate import Arrival, poisson_workload, simulate
+from pdserve.plan.simulate import fit_efficiency as bisect_efficiency
 from pdserve.runtime.batch import ForwardMode
 from pdserve.runtime.request import Request
 from pdserve.runtime.runner import OFFER_TURN_MIN_TOKENS, ModelRunner
@@ -283,13 +284,4 @@ def fit_efficiency(profile: Profile, arrivals: list[Arrival], measured_e2e: floa
         outs = simulate(profile, 1, 1, arrivals)
         return sum(o.done - o.arrival for o in outs) / len(outs)
 
-    if mean_e2e(1.0) >= measured_e2e:  # as fast as perfect sharing, or no overlap to tell by
-        return 1.0
-    lo, hi = 0.05, 1.0
-    for _ in range(30):
-        mid = (lo + hi) / 2
-        if mean_e2e(mid) > measured_e2e:
-            lo = mid
-        else:
-            hi = mid
-    return round(hi, 4)
+    return bisect_efficiency(mean_e2e, measured_e2e)

@@ -22,7 +22,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from pdserve.plan.profile import Profile
-from pdserve.plan.simulate import Arrival, Outcome, goodput, simulate
+from pdserve.plan.simulate import MIN_EFFICIENCY, Arrival, Outcome, goodput, simulate
+from pdserve.plan.simulate import fit_efficiency as bisect_efficiency
 
 
 class ReplayError(ValueError):
@@ -136,22 +137,13 @@ def fit_efficiency(profile: Profile, run: Run) -> float:
         outs = predict(profile, run)
         return statistics.mean(outs[i].done - outs[i].arrival for i in ok)
 
-    if mean_e2e(1.0) >= measured:
-        return 1.0
-    lo, hi = 0.05, 1.0
-    if mean_e2e(lo) < measured:  # too few overlapping forwards for any efficiency to explain it
+    if mean_e2e(MIN_EFFICIENCY) < measured:  # too few overlapping forwards for any efficiency to explain it
         raise ReplayError(
             f"{run.server} at {run.rate:g}/s: its requests took {measured:.3g} s on average to their last "
-            f"token, the profile gives at most {mean_e2e(lo):.3g} s at any shared efficiency (too few "
-            "forwards overlap there, or the profile is faster than the cluster): fit to a busier run"
+            f"token, the profile gives at most {mean_e2e(MIN_EFFICIENCY):.3g} s at any shared efficiency "
+            "(too few forwards overlap there, or the profile is faster than the cluster): fit to a busier run"
         )
-    for _ in range(30):
-        mid = (lo + hi) / 2
-        if mean_e2e(mid) > measured:
-            lo = mid
-        else:
-            hi = mid
-    return round(hi, 4)
+    return bisect_efficiency(mean_e2e, measured)
 
 
 def _pct(xs: list[float], q: float) -> float:

@@ -30,6 +30,7 @@ from __future__ import annotations
 import heapq
 import random
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from pdserve.plan.profile import Profile
@@ -314,3 +315,23 @@ def goodput(outcomes: list[Outcome], ttft_slo: float, tpot_slo: float) -> dict[s
         "ttft_attainment": sum(ttft_ok) / n if n else 0.0,
         "tpot_attainment": sum(tpot_ok) / n if n else 0.0,
     }
+
+
+# The least shared efficiency a fit considers.
+MIN_EFFICIENCY = 0.05
+
+
+def fit_efficiency(mean_e2e: Callable[[float], float], measured: float) -> float:
+    """The shared_efficiency e at which `mean_e2e(e)`, a simulated mean time to the last token that falls
+    as e rises, is `measured` (bisection): 1.0 when even e = 1 is that slow (no overlap to tell by), and
+    MIN_EFFICIENCY when even that is faster."""
+    if mean_e2e(1.0) >= measured:
+        return 1.0
+    lo, hi = MIN_EFFICIENCY, 1.0
+    for _ in range(30):
+        mid = (lo + hi) / 2
+        if mean_e2e(mid) > measured:
+            lo = mid
+        else:
+            hi = mid
+    return round(hi, 4)
