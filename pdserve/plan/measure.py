@@ -10,6 +10,7 @@ import platform
 import random
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 
@@ -139,7 +140,27 @@ def measure(cfg: RuntimeConfig, rounds: int = 2, steps: int = 4) -> Profile:
         runner.close()
 
 
-def measure_cluster(url: str, layers: int, vocab: int = 32000, rounds: int = 2, steps: int = 24) -> Profile:
+@dataclass(frozen=True)
+class ClusterPoints:
+    """What `measure_cluster` measures: prompt lengths (alone and after each cached prefix), decode
+    batches x contexts, and the fit trace's longest prompt and answer."""
+
+    prefill_tokens: tuple[int, ...] = tuple(PREFILL_TOKENS)
+    prefix_tokens: tuple[int, ...] = tuple(PREFIX_TOKENS)
+    batches: tuple[int, ...] = (1, 4, 16)
+    contexts: tuple[int, ...] = (64, 512)
+    fit_prompt: int = 1024
+    fit_output: int = 32
+
+
+def measure_cluster(
+    url: str,
+    layers: int,
+    vocab: int = 32000,
+    rounds: int = 2,
+    steps: int = 24,
+    points: ClusterPoints = ClusterPoints(),
+) -> Profile:
     """The same profile measured through a running cluster's `/generate` (one prefill and one decode
     worker idle but for these requests): a prompt's time to its first token, and the time between
     tokens of `b` streams decoding together. Unlike `measure`, it carries everything a request costs
@@ -198,7 +219,7 @@ def measure_cluster(url: str, layers: int, vocab: int = 32000, rounds: int = 2, 
         the batch in it is `b` (with answers of `steps` tokens the first streams end before the last
         one starts, and the batch measured is smaller)."""
         # The others' prefills (and 0.1 s of HTTP each) at no less than 20 ms a token of this one.
-        prefill = float(np.interp(c, PREFILL_TOKENS, prefill_s)) if b > 1 else 0.0
+        prefill = float(np.interp(c, points.prefill_tokens, prefill_s)) if b > 1 else 0.0
         out = min(steps + int(b * (prefill + 0.1) / 0.02), 2048 - c)
         runs: list[list[float]] = [[] for _ in range(b)]
         counts: list[list[int]] = [[] for _ in range(b)]
@@ -218,9 +239,10 @@ def measure_cluster(url: str, layers: int, vocab: int = 32000, rounds: int = 2, 
         return statistics.fmean(per_token)
 
     ttft(16)  # warm-up
-    prefill_s = [min(ttft(n) for _ in range(rounds)) for n in PREFILL_TOKENS]
-    prefix_s = [[min(ttft_after(c, n) for _ in range(rounds)) for n in PREFILL_TOKENS] for c in PREFIX_TOKENS]
-    batches, contexts = [1, 4, 16], [64, 512]
+    prefill_tokens, prefixes = list(points.prefill_tokens), list(points.prefix_tokens)
+    prefill_s = [min(ttft(n) for _ in range(rounds)) for n in prefill_tokens]
+    prefix_s = [[min(ttft_after(c, n) for _ in range(rounds)) for n in prefill_tokens] for c in prefixes]
+    batches, contexts = list(points.batches), list(points.contexts)
     decode_s = [[min(step(b, c) for _ in range(rounds)) for c in contexts] for b in batches]
     profile = Profile(
         host=f"{_cpu_name()}, {os.cpu_count()} cores (through {url})",
@@ -228,9 +250,9 @@ def measure_cluster(url: str, layers: int, vocab: int = 32000, rounds: int = 2, 
         dtype="as served",
         quantization="as served",
         threads=0,
-        prefill_tokens=PREFILL_TOKENS,
+        prefill_tokens=prefill_tokens,
         prefill_s=prefill_s,
-        prefix_tokens=PREFIX_TOKENS,
+        prefix_tokens=prefixes,
         prefix_s=prefix_s,
         decode_batch=batches,
         decode_context=contexts,
@@ -244,7 +266,7 @@ def measure_cluster(url: str, layers: int, vocab: int = 32000, rounds: int = 2, 
     # Open-loop arrivals, as a cluster is used: prefill and decode forwards overlap, and the serving path's
     # own CPU (HTTP, tokens through the gateway, this client) takes its share of the cores. The efficiency
     # at which the simulator reproduces the trace's mean time to the last token is the host's.
-    arrivals = fit_trace(profile)
+    arrivals = fit_trace(profile, prompt=points.fit_prompt, output=points.fit_output)
     runs: list[list[float]] = [[] for _ in arrivals]
     threads = [
         threading.Thread(target=stream, args=(a.prompt, a.output, runs[i])) for i, a in enumerate(arrivals)
@@ -259,20 +281,21 @@ def measure_cluster(url: str, layers: int, vocab: int = 32000, rounds: int = 2, 
     profile.shared_efficiency = fit_efficiency(profile, arrivals, measured)
     profile.notes.append(
         f"shared_efficiency fitted to {len(arrivals)} Poisson arrivals at {FIT_LOAD:.0%} of the lone-request "
-        f"capacity ({FIT_PROMPT * 3 // 4}-token prompts, {FIT_OUTPUT * 3 // 4}-token answers on average)"
+        f"capacity ({points.fit_prompt * 3 // 4}-token prompts, {points.fit_output * 3 // 4}-token answers "
+        "on average)"
     )
     return profile
 
 
 # The trace `--url` fits the efficiency to: FIT_N Poisson arrivals of prompts and answers uniform in
 # [len / 2, len], at FIT_LOAD of the rate at which lone requests, back to back, would keep the cluster busy.
-FIT_N, FIT_PROMPT, FIT_OUTPUT, FIT_LOAD = 24, 1024, 32, 0.7
+FIT_N, FIT_LOAD = 24, 0.7
 
 
-def fit_trace(profile: Profile, seed: int = 0) -> list[Arrival]:
-    mean_prompt, mean_output = FIT_PROMPT * 3 / 4, FIT_OUTPUT * 3 / 4
+def fit_trace(profile: Profile, seed: int = 0, prompt: int = 1024, output: int = 32) -> list[Arrival]:
+    mean_prompt, mean_output = prompt * 3 / 4, output * 3 / 4
     busy = profile.prefill(int(mean_prompt)) + mean_output * profile.decode(1, mean_prompt)
-    return poisson_workload(FIT_LOAD / busy, FIT_N, FIT_PROMPT, FIT_OUTPUT, seed, 0.5)
+    return poisson_workload(FIT_LOAD / busy, FIT_N, prompt, output, seed, 0.5)
 
 
 def fit_efficiency(profile: Profile, arrivals: list[Arrival], measured_e2e: float) -> float:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import subprocess
 
 import pytest
 from harness import start_up
@@ -14,6 +15,7 @@ from pdserve.bench.launch_servers import llama_server_argv
 from pdserve.bench.serving_report import add_memory, format_comparison, format_result, summarize
 from pdserve.bench.serving_requests import RequestResult
 from pdserve.bench.serving_workload import chat_prompts
+from pdserve.launch.supervisor import pdserve_command
 
 
 def test_llama_server_launch_line(tmp_path):
@@ -109,9 +111,28 @@ def test_bench_against_cluster(tmp_path):
                  "--warmup-requests", "0", "--rates", "1,20", "--ttft-slo", "60", "--tpot-slo", "30",
                  "--output-json", str(good["trace"]), "--plot", str(goodput_plots)]  # fmt: skip
         assert goodput_main(flags) == 0
+        # The planner's profile through this cluster, at points small enough for a test.
+        from pdserve.plan.measure import ClusterPoints, measure_cluster
+
+        points = ClusterPoints(prefill_tokens=(16, 64), prefix_tokens=(64,), batches=(1, 2), contexts=(16,),
+                               fit_prompt=64, fit_output=8)  # fmt: skip
+        profile = measure_cluster(c.url, layers=30, rounds=1, steps=6, points=points)
     finally:
         c.stop()
     assert rc == 0
+    # Every point measured and positive; the efficiency fitted within its range.
+    assert profile.prefill_tokens == [16, 64] and min(profile.prefill_s) > 0
+    assert profile.prefix_tokens == [64] and len(profile.prefix_s[0]) == 2 and min(profile.prefix_s[0]) > 0
+    assert len(profile.decode_s) == 2 and all(len(r) == 1 and r[0] > 0 for r in profile.decode_s)
+    assert 0 < profile.shared_efficiency <= 1 and "fitted to 24 Poisson arrivals" in profile.notes[-1]
+    # ... and the trace run replayed over it: both rates, predicted beside measured.
+    profile.save(str(tmp_path / "profile.json"))
+    replayed = subprocess.run(pdserve_command("plan", "--profile", str(tmp_path / "profile.json"), "--replay",
+                                              str(good["trace"]), "--replay-split", "server=1P1D"),
+                              capture_output=True, text=True, timeout=120)  # fmt: skip
+    assert replayed.returncode == 0, replayed.stderr
+    rows = [line.split() for line in replayed.stdout.splitlines() if line.split()[:2] == ["server", "1P1D"]]
+    assert [r[2] for r in rows] == ["1", "20"], replayed.stdout
     data = json.loads(out.read_text())
     (run,) = data["runs"]
     m = run["metrics"]
