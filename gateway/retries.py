@@ -40,12 +40,12 @@ class TryAgain(Exception):
         decode = room.decode.worker_id if room.decode is not None else ""  # "": prefill only
         self.failed = prefill if ev.role == "prefill" else decode
         self.prefill, self.decode = prefill, decode
-        # A transfer that failed before the prefill finished the prompt, while requests waited in that
-        # prefill worker's queue: the decode gave up waiting behind an overloaded prefill (its
+        # A transfer that failed before the prefill finished the prompt, while others waited in that
+        # prefill worker's queue besides it: the decode gave up waiting behind an overloaded prefill (its
         # `--waiting-timeout`), not on a broken link. The queue's length then, else 0.
         self.prefill_queued = 0
         if ev.code in (FailCode.TRANSFER, FailCode.KV_CORRUPT) and room.prefill is not None:
-            if room.prefill_done is None:
+            if room.prefill_done is None and room.prefill.queued > 1:
                 self.prefill_queued = room.prefill.queued
 
 
@@ -93,8 +93,8 @@ class Attempts:
             why = f"no other {' and no other '.join(missing)} worker in rotation"
             if a.prefill_queued and "prefill" in missing:
                 why = (
-                    f"the prompt was still queued on prefill worker {a.prefill} behind "
-                    f"{a.prefill_queued} requests, and there is no other prefill worker in rotation"
+                    f"the prompt was still waiting on prefill worker {a.prefill}, {a.prefill_queued} "
+                    "requests queued there, and there is no other prefill worker in rotation"
                 )
                 metrics.retries_withheld.inc()
             raise ApiError(a.error.status, f"{a.error.message} (not {what}: {why})")

@@ -574,7 +574,9 @@ def test_transfer_failed_behind_an_overloaded_prefill_is_not_retried_on_the_same
     r = cluster.client.post("/generate", json={"text": "hi", "sampling_params": {"max_new_tokens": 4}})
     assert r.status_code == 503
     msg = r.json()["error"]["message"]
-    assert "not retried: the prompt was still queued on prefill worker p0 behind 7 requests" in msg, msg
+    assert "not retried: the prompt was still waiting on prefill worker p0, 7 requests queued there" in msg, (
+        msg
+    )
     assert d1.requests() == [] and len(cluster.prefill.requests()) == 1
     metrics = cluster.client.get("/metrics").text
     assert "pdserve_request_retries_withheld_total 1.0" in metrics
@@ -600,10 +602,12 @@ def test_transfer_failed_behind_an_overloaded_prefill_is_retried_on_another_pref
 
 
 def test_transfer_failed_with_the_prefill_idle_is_retried_on_the_same_prefill(cluster):
-    # No queue on the prefill worker: the link, not the load, failed; the same prefill may do.
+    # Nothing queued on the prefill worker but this request: the link, not the load, failed; the same
+    # prefill may do.
     cluster.decode.fail_code = "transfer"
+    cluster.prefill.prefill_delay_s = 60
     d1 = cluster.add("d1", "decode")
-    _queued_on(cluster, "p0", 0)
+    _queued_on(cluster, "p0", 1)
     r = cluster.client.post("/generate", json={"text": "hi", "sampling_params": {"max_new_tokens": 4}})
     assert r.status_code == 200, r.text
     assert len(d1.requests()) == 1 and len(cluster.prefill.requests()) == 2
