@@ -235,7 +235,7 @@ def measure_cluster(
             if len(inside) > 1 and inside[-1][1] > inside[0][1]:
                 per_token.append((inside[-1][0] - inside[0][0]) / (inside[-1][1] - inside[0][1]))
         if not per_token:
-            raise RuntimeError(f"no window where all {b} streams decoded at once: a longer --steps?")
+            raise RuntimeError(f"no window where all {b} streams decoded at once: try more steps")
         return statistics.fmean(per_token)
 
     ttft(16)  # warm-up

@@ -76,6 +76,7 @@ def load_runs(
         with open(path) as f:
             doc = json.load(f)
         config, results = doc["config"], doc["results"]
+        float(config["ttft_slo"]), float(config["tpot_slo"])  # the targets its goodput was judged by
     except (OSError, ValueError, KeyError, TypeError) as e:
         raise ReplayError(f"{path}: not a bench goodput JSON ({e})") from None
     base = config.get("pdserve_args") or ""

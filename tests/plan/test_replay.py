@@ -65,7 +65,7 @@ def test_splits_come_from_the_launch_flags_and_elastic_or_foreign_servers_are_le
     assert [s.split(":")[0] for s in skipped] == ["el", "llama-server"]
     with pytest.raises(ReplayError, match="NAME=PxD"):
         parse_split("server=1x1")
-    (tmp_path / "old.json").write_text(json.dumps({"config": {"launch_pdserve": True}, "results": {
+    (tmp_path / "old.json").write_text(json.dumps({"config": {"launch_pdserve": True, "ttft_slo": 1, "tpot_slo": 1}, "results": {
         "pdserve": [{"rate": 1.0, "goodput": 1.0, "attainment": 1.0}]}}))  # fmt: skip
     with pytest.raises(ReplayError, match="carry no requests"):
         load_runs(str(tmp_path / "old.json"))
@@ -128,3 +128,6 @@ def test_the_cli_prints_predicted_against_measured(tmp_path) -> None:
     assert bad.returncode == 2 and "no such run (the file has pdserve@1)" in bad.stderr
     bad = plan("--replay", str(tmp_path / "missing.json"))
     assert bad.returncode == 2 and "not a bench goodput JSON" in bad.stderr
+    no_targets = _bench_json(tmp_path / "n.json", {"pdserve": [_row(1.0, reqs, 0.5, 0.5)]}, ttft_slo=None)
+    bad = plan("--replay", no_targets)
+    assert bad.returncode == 2 and "not a bench goodput JSON" in bad.stderr, bad.stderr
