@@ -10,7 +10,8 @@ simulator (simulate.py) from this host's measured profile (profile.py, measure.p
 For every split of each --workers count (P prefill + D decode workers, at least one of each) and every
 rate of --rates, it simulates --num-prompts Poisson arrivals and prints goodput (requests/s meeting both
 targets), SLO attainment and TTFT/TPOT percentiles; then, per worker count, the split whose best rate has
-the highest goodput. Without --profile it measures the host first; with --gpu it plans on paper, from a
+the highest goodput, and the split with DistServe's goodput, the highest rate at which --attainment of the
+requests (90%) meet both (linear between the rates). Without --profile it measures the host first; with --gpu it plans on paper, from a
 GPU's datasheet figures (datasheet.py: the hand-off at --transfer-gbps), and --workers counts GPUs: with
 --tp-sizes each tier's workers may span several (P x TP_p + D x TP_d GPUs, each tier's TP size its own),
 labelled e.g. `3P2D tp2/4`. With --replay it simulates a measured `bench goodput` run's own requests
@@ -27,7 +28,7 @@ from dataclasses import dataclass
 
 from pdserve.plan.datasheet import GPUS, MODELS, fits, paper_profile
 from pdserve.plan.profile import Profile
-from pdserve.plan.simulate import goodput, poisson_workload, simulate
+from pdserve.plan.simulate import Capacity, capacity, goodput, poisson_workload, simulate
 
 WORKLOADS = {  # name: (prompt tokens, output tokens), lengths drawn in [ratio x len, len]
     "prompt-heavy": (1024, 16),
@@ -110,6 +111,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="--replay: first fit the profile's shared efficiency to that run (e.g. pdserve@0.75); with "
         "--profile-out, save the profile so refitted",
     )
+    p.add_argument(
+        "--attainment",
+        type=float,
+        default=0.9,
+        help="the share of requests within both targets that DistServe's goodput asks of a rate: the "
+        "highest such rate is printed per split (linear between the rates tried)",
+    )
     return p
 
 
@@ -178,6 +186,7 @@ def plan(
     ranked: dict[
         int, tuple[float, float]
     ] = {}  # device count -> the best layout's (goodput, summed over rates)
+    capacities: dict[int, tuple[Layout, tuple[float, bool], Capacity]] = {}  # count -> the highest's
     for n in args.workers:
         for lay in layouts(n, sorted(profiles), args.max_splits):
             rows = []
@@ -196,6 +205,10 @@ def plan(
                     f" {_pct(ttft, 90):>7.3f} {_pct(tpot, 50):>9.4f} {_pct(tpot, 90):>7.4f}"
                 )
                 rows.append(g)
+            cap = capacity([(g["rate"], g["attainment"]) for g in rows], args.attainment)
+            print(f"{lay.label():>14} highest rate with {args.attainment:.0%} within targets: {cap} req/s")
+            if n not in capacities or (cap.rate, cap.bound != "<") > capacities[n][1]:
+                capacities[n] = (lay, (cap.rate, cap.bound != "<"), cap)
             # The best layout has the highest goodput at its best rate; between equals, the one that keeps
             # more of it at the other rates (the more robust to a rate it was not planned for).
             top = max(rows, key=lambda g: (g["goodput"], -g["rate"]))
@@ -208,6 +221,11 @@ def plan(
             f"best split of {n} {unit}: {lay.label()}, goodput {g['goodput']:.3f} req/s at {g['rate']:g} req/s"
             f" ({g['goodput'] / n:.3f} per {unit[:-1]})"
         )
+        lay, _, cap = capacities[n]
+        print(
+            f"  highest rate with {args.attainment:.0%} within targets (DistServe's goodput): {lay.label()},"
+            f" {cap} req/s ({cap.rate / n:.3f} per {unit[:-1]})"
+        )
     return best
 
 
@@ -218,6 +236,8 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("--workers: a split needs at least 2 workers (one prefill, one decode)")
     if args.num_prompts < 1 or min(args.rates) <= 0 or not 0 < args.range_ratio <= 1:
         parser.error("--num-prompts must be >= 1, --rates > 0 and --range-ratio in (0, 1]")
+    if not 0 < args.attainment <= 1:
+        parser.error("--attainment must be in (0, 1]")
     if args.cached_prefix < 0:
         parser.error("--cached-prefix must be >= 0")
     if args.max_splits is not None and args.max_splits < 2:
@@ -274,7 +294,14 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _replay(parser: argparse.ArgumentParser, profile: Profile, args: argparse.Namespace) -> int:
-    from pdserve.plan.replay import ReplayError, compare, fit_efficiency, load_runs, parse_split
+    from pdserve.plan.replay import (
+        ReplayError,
+        compare,
+        compare_capacity,
+        fit_efficiency,
+        load_runs,
+        parse_split,
+    )
 
     try:
         splits = dict(parse_split(s) for s in args.replay_split)
@@ -308,5 +335,6 @@ def _replay(parser: argparse.ArgumentParser, profile: Profile, args: argparse.Na
             print(f"profile saved to {args.profile_out}")
     ttft_slo, tpot_slo = config["ttft_slo"], config["tpot_slo"]
     print(f"targets (the run's): TTFT {ttft_slo:g} s, TPOT {tpot_slo:g} s")
-    compare(profile, runs, ttft_slo, tpot_slo)
+    rows = compare(profile, runs, ttft_slo, tpot_slo)
+    compare_capacity(rows, args.attainment)
     return 0

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from pdserve.plan.profile import Profile
-from pdserve.plan.simulate import MIN_EFFICIENCY, Arrival, Outcome, goodput, simulate
+from pdserve.plan.simulate import MIN_EFFICIENCY, Arrival, Capacity, Outcome, capacity, goodput, simulate
 from pdserve.plan.simulate import fit_efficiency as bisect_efficiency
 
 
@@ -171,5 +171,29 @@ def compare(profile: Profile, runs: list[Run], ttft_slo: float, tpot_slo: float)
             f" {_pct(run.ttft, 50):>9.2f}/{_pct(pred_ttft, 50):<9.2f} {_pct(run.ttft, 90):>7.2f}/{_pct(pred_ttft, 90):<7.2f}"
         )
         rows.append({"server": run.server, "split": run.split, "rate": run.rate, "measured": m["goodput"],
-                     "predicted": g["goodput"], "error": err})  # fmt: skip
+                     "predicted": g["goodput"], "error": err, "measured_attainment": m["attainment"],
+                     "predicted_attainment": g["attainment"]})  # fmt: skip
     return rows
+
+
+def compare_capacity(rows: list[dict[str, Any]], target: float) -> dict[str, tuple[Capacity, Capacity]]:
+    """Print, per server run at two rates or more, DistServe's goodput (the highest rate at which `target`
+    of the requests met both SLOs) measured and predicted from the same rates' rows; the pairs by server."""
+    by_server: dict[str, list[dict[str, Any]]] = {}
+    for row in rows:
+        by_server.setdefault(f"{row['server']} {row['split']}", []).append(row)
+    out = {}
+    for name, runs in by_server.items():
+        if len(runs) < 2:
+            continue
+        meas = capacity([(r["rate"], r["measured_attainment"]) for r in runs], target)
+        pred = capacity([(r["rate"], r["predicted_attainment"]) for r in runs], target)
+        if not out:
+            print(
+                f"highest rate with {target:.0%} of requests within both targets (linear between the rates):"
+            )
+            print(f"{'server':>16} {'measured':>9} {'predicted':>10} {'error':>7}")
+        err = f"{(pred.rate - meas.rate) / meas.rate:+7.0%}" if not (meas.bound or pred.bound) else "      -"
+        print(f"{name:>16} {meas!s:>9} {pred!s:>10} {err}")
+        out[name] = (meas, pred)
+    return out

@@ -335,3 +335,34 @@ def fit_efficiency(mean_e2e: Callable[[float], float], measured: float) -> float
         else:
             hi = mid
     return round(hi, 4)
+
+
+@dataclass(frozen=True)
+class Capacity:
+    """DistServe's goodput: the highest request rate at which `target` of the requests meet both SLOs.
+    `bound` is "" where the attainment crossed the target between two rates (linear between them), "<"
+    where even the lowest rate missed it, ">=" where even the highest met it."""
+
+    rate: float
+    bound: str = ""
+
+    def __str__(self) -> str:
+        return f"{self.bound}{self.rate:.3g}"
+
+
+def capacity(points: list[tuple[float, float]], target: float) -> Capacity:
+    """From (rate, attainment) points: below the first rate to miss `target`, the rate where the line
+    between it and the rate before (which met it) crosses the target. A rate that misses the target is
+    not rescued by a higher one that met it again (the noise of a short run, not capacity)."""
+    pts = sorted(points)
+    if not pts:
+        raise ValueError("no rates to find a capacity in")
+    prev: tuple[float, float] | None = None
+    for rate, att in pts:
+        if att < target:
+            if prev is None:
+                return Capacity(rate, "<")
+            (r0, a0), (r1, a1) = prev, (rate, att)
+            return Capacity(r0 + (r1 - r0) * (a0 - target) / (a0 - a1))
+        prev = (rate, att)
+    return Capacity(pts[-1][0], ">=")

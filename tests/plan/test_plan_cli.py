@@ -48,9 +48,19 @@ def test_the_search_prints_every_split_and_picks_the_one_the_workload_needs(tmp_
     out = _plan("--profile", str(path), "--workers", "3", "--input-len", "1024", "--output-len", "8",
                 "--rates", "1", "3", "--dedicated", "--ttft-slo", "1", "--tpot-slo", "0.05")  # fmt: skip
     assert out.returncode == 0, out.stderr
-    rows = [line.split() for line in out.stdout.splitlines() if line.strip()[:4] in ("1P2D", "2P1D")]
+    lines = [line.split() for line in out.stdout.splitlines() if line.strip()[:4] in ("1P2D", "2P1D")]
+    rows = [r for r in lines if r[1] != "highest"]
     assert sorted({r[0] for r in rows}) == ["1P2D", "2P1D"] and len(rows) == 4
     assert "best split of 3 workers: 2P1D" in out.stdout
+    # DistServe's goodput per split, from the same rows: 1P2D's one prefill worker keeps 90% within the
+    # targets at 1 req/s and not at 3, so its highest such rate lies between (where the line between its
+    # two attainments crosses 90%); 2P1D's two keep it at both, so that is a bound.
+    att = {(r[0], float(r[1])): float(r[3].rstrip("%")) / 100 for r in rows}
+    assert att[("1P2D", 1.0)] >= 0.9 > att[("1P2D", 3.0)] and att[("2P1D", 3.0)] >= 0.9
+    (cap,) = [r for r in lines if r[:2] == ["1P2D", "highest"]]
+    crossing = 1 + 2 * (att[("1P2D", 1.0)] - 0.9) / (att[("1P2D", 1.0)] - att[("1P2D", 3.0)])
+    assert float(cap[-2]) == pytest.approx(crossing, abs=0.01), cap
+    assert "(DistServe's goodput): 2P1D, >=3 req/s (1.000 per worker)" in out.stdout
     bad = _plan("--profile", str(path), "--workers", "1")
     assert bad.returncode == 2 and "at least 2 workers" in bad.stderr
     path.write_text(json.dumps({**profile, "decode_s": [[0.1]]}))
@@ -90,7 +100,7 @@ def test_a_plan_on_paper_scales_rates_per_worker_and_samples_the_splits() -> Non
     splits = sorted({line.split()[0] for line in out.stdout.splitlines() if line.strip().endswith(tuple("0123456789")) and "P" in line.split()[0] and "D" in line.split()[0]})  # fmt: skip
     assert splits == sorted(["1P15D", "6P10D", "10P6D", "15P1D"]), out.stdout
     rates = {line.split()[1] for line in out.stdout.splitlines() if line.split()[:1] == ["6P10D"]}
-    assert rates == {"16"}, out.stdout  # 1 a worker x 16 workers
+    assert rates == {"16", "highest"}, out.stdout  # 1 a worker x 16 workers, then its capacity line
     assert "best split of 16 GPUs" in out.stdout
 
 

@@ -9,8 +9,15 @@ import pytest
 
 from pdserve.launch.supervisor import pdserve_command
 from pdserve.plan.profile import Profile
-from pdserve.plan.replay import ReplayError, fit_efficiency, load_runs, parse_split, predict
-from pdserve.plan.simulate import Arrival, simulate
+from pdserve.plan.replay import (
+    ReplayError,
+    compare_capacity,
+    fit_efficiency,
+    load_runs,
+    parse_split,
+    predict,
+)
+from pdserve.plan.simulate import Arrival, Capacity, simulate
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -131,3 +138,19 @@ def test_the_cli_prints_predicted_against_measured(tmp_path) -> None:
     no_targets = _bench_json(tmp_path / "n.json", {"pdserve": [_row(1.0, reqs, 0.5, 0.5)]}, ttft_slo=None)
     bad = plan("--replay", no_targets)
     assert bad.returncode == 2 and "not a bench goodput JSON" in bad.stderr, bad.stderr
+
+
+def test_capacity_measured_and_predicted_from_the_same_rates(capsys) -> None:
+    def row(server: str, rate: float, measured: float, predicted: float) -> dict:
+        return {"server": server, "split": "1P1D", "rate": rate, "measured_attainment": measured,
+                "predicted_attainment": predicted}  # fmt: skip
+
+    rows = [row("pdserve", 0.5, 1.0, 1.0), row("pdserve", 1.0, 0.8, 0.95), row("pdserve", 1.5, 0.2, 0.5),
+            row("once", 1.0, 1.0, 1.0)]  # fmt: skip
+    caps = compare_capacity(rows, 0.9)
+    # Measured: 90% crossed half way from 0.5/s (100%) to 1/s (80%); predicted: from 1/s (95%) to 1.5/s
+    # (50%), a ninth of the way. A server run at one rate has no capacity to tell.
+    assert caps == {"pdserve 1P1D": (Capacity(pytest.approx(0.75)), Capacity(pytest.approx(1 + 0.5 / 9)))}
+    out = capsys.readouterr().out
+    assert "highest rate with 90% of requests within both targets" in out
+    assert out.splitlines()[-1].split() == ["pdserve", "1P1D", "0.75", "1.06", "+41%"]

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from pdserve.plan.profile import Profile
-from pdserve.plan.simulate import Arrival, goodput, poisson_workload, simulate
+from pdserve.plan.simulate import Arrival, Capacity, capacity, goodput, poisson_workload, simulate
 
 
 def _profile(prefill_s=(1.0, 1.0), decode_s=((0.1, 0.1), (0.1, 0.1)), transfer=0.0, **kw) -> Profile:
@@ -179,3 +179,15 @@ def test_a_cached_prefix_is_read_not_computed() -> None:
     p.prefix_s = [[0.05]]
     with pytest.raises(ValueError, match="prefix_s must be"):
         p.check()
+
+
+def test_capacity_is_where_attainment_crosses_the_target() -> None:
+    # 100% at 1/s, 80% at 2/s: 90% is crossed half way, at 1.5/s; the order of the points does not matter.
+    assert capacity([(2.0, 0.8), (1.0, 1.0)], 0.9) == Capacity(pytest.approx(1.5))
+    # A rate that met it again after one that missed is the noise of a short run, not capacity.
+    assert capacity([(1.0, 0.95), (2.0, 0.5), (3.0, 0.92)], 0.9).rate == pytest.approx(1 + 0.05 / 0.45)
+    # Met at every rate, or at none: bounds, printed as such.
+    assert str(capacity([(1.0, 1.0), (2.0, 0.9)], 0.9)) == ">=2"
+    assert str(capacity([(0.5, 0.3), (1.0, 0.1)], 0.9)) == "<0.5"
+    with pytest.raises(ValueError):
+        capacity([], 0.9)
