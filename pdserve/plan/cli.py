@@ -94,8 +94,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--replay",
         metavar="FILE",
+        nargs="+",
         help="instead of a search: simulate again the requests of a `pdserve bench goodput` run (its "
-        "--output-json, or --plot's goodput.json) and print predicted against measured (replay.py)",
+        "--output-json, or --plot's goodput.json) and print predicted against measured (replay.py); "
+        "several files: one rate sweep run in parts, a later file's server and rate replacing an earlier's",
     )
     p.add_argument(
         "--replay-split",
@@ -299,26 +301,26 @@ def _replay(parser: argparse.ArgumentParser, profile: Profile, args: argparse.Na
         compare,
         compare_capacity,
         fit_efficiency,
-        load_runs,
+        load_many,
         parse_split,
     )
 
     try:
         splits = dict(parse_split(s) for s in args.replay_split)
-        config, runs, skipped = load_runs(args.replay, splits)
+        config, runs, skipped = load_many(args.replay, splits)
     except ReplayError as e:
         parser.error(f"--replay {e}")
     for why in skipped:
         print(f"left out: {why}")
     if not runs:
-        parser.error(f"--replay {args.replay}: no pdserve cluster of a static split to replay")
+        parser.error(f"--replay {' '.join(args.replay)}: no pdserve cluster of a static split to replay")
     print(f"profile: {profile.host}; {profile.model}; shared efficiency {profile.shared_efficiency:g}")
     if args.replay_fit:
         server, _, rate = args.replay_fit.rpartition("@")
         chosen = [r for r in runs if r.server == server and f"{r.rate:g}" == rate.strip()]
         if not chosen:
             have = ", ".join(f"{r.server}@{r.rate:g}" for r in runs)
-            parser.error(f"--replay-fit {args.replay_fit}: no such run (the file has {have})")
+            parser.error(f"--replay-fit {args.replay_fit}: no such run (the runs are {have})")
         try:
             fitted = fit_efficiency(profile, chosen[0])
         except ReplayError as err:
@@ -328,7 +330,8 @@ def _replay(parser: argparse.ArgumentParser, profile: Profile, args: argparse.Na
         if args.profile_out:  # the refitted profile, for the searches to come
             profile.notes = [n for n in profile.notes if not n.startswith("shared_efficiency fitted")]
             profile.notes.append(
-                f"shared_efficiency fitted to {args.replay_fit} of {os.path.basename(args.replay)} "
+                f"shared_efficiency fitted to {args.replay_fit} of "
+                f"{' '.join(os.path.basename(f) for f in args.replay)} "
                 "(pdserve plan --replay-fit: a bench goodput run's own requests)"
             )
             profile.save(args.profile_out)

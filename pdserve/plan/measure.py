@@ -147,7 +147,7 @@ class ClusterPoints:
 
     prefill_tokens: tuple[int, ...] = tuple(PREFILL_TOKENS)
     prefix_tokens: tuple[int, ...] = tuple(PREFIX_TOKENS)
-    batches: tuple[int, ...] = (1, 4, 16)
+    batches: tuple[int, ...] = (1, 4, 16, 32)  # answer-heavy traffic runs 20-30 streams a decode worker
     contexts: tuple[int, ...] = (64, 512)
     fit_prompt: int = 1024
     fit_output: int = 32

@@ -106,6 +106,30 @@ def load_runs(
     return config, runs, skipped
 
 
+def load_many(
+    paths: list[str], splits: dict[str, tuple[int, int]] | None = None
+) -> tuple[dict[str, Any], list[Run], list[str]]:
+    """`load_runs` over several runs of one workload (a rate sweep run in parts): their targets must
+    agree; a server's row at a rate that an earlier file also has replaces it (a rerun counts)."""
+    config: dict[str, Any] = {}
+    runs: dict[tuple[str, float], Run] = {}
+    skipped: list[str] = []
+    for path in paths:
+        c, rs, sk = load_runs(path, splits)
+        targets = (float(c["ttft_slo"]), float(c["tpot_slo"]))
+        if config and targets != (float(config["ttft_slo"]), float(config["tpot_slo"])):
+            raise ReplayError(
+                f"{path}: targets TTFT {targets[0]:g} s, TPOT {targets[1]:g} s differ from the first file's "
+                f"({config['ttft_slo']:g} s, {config['tpot_slo']:g} s): one goodput needs one pair"
+            )
+        config = config or c
+        for r in rs:
+            runs.pop((r.server, r.rate), None)  # the rerun goes last, where its file put it
+            runs[(r.server, r.rate)] = r
+        skipped += [why for why in sk if why not in skipped]
+    return config, list(runs.values()), skipped
+
+
 def _run(server: str, split: tuple[int, int], row: dict[str, Any], reqs: list[dict[str, Any]]) -> Run:
     known = [r["prompt_tokens"] for r in reqs if r["prompt_tokens"] > 0]
     fallback = round(statistics.mean(known)) if known else 1
@@ -182,7 +206,7 @@ def compare_capacity(rows: list[dict[str, Any]], target: float) -> dict[str, tup
     by_server: dict[str, list[dict[str, Any]]] = {}
     for row in rows:
         by_server.setdefault(f"{row['server']} {row['split']}", []).append(row)
-    out = {}
+    out: dict[str, tuple[Capacity, Capacity]] = {}
     for name, runs in by_server.items():
         if len(runs) < 2:
             continue

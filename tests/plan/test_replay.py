@@ -13,6 +13,7 @@ from pdserve.plan.replay import (
     ReplayError,
     compare_capacity,
     fit_efficiency,
+    load_many,
     load_runs,
     parse_split,
     predict,
@@ -132,7 +133,7 @@ def test_the_cli_prints_predicted_against_measured(tmp_path) -> None:
     bad = plan("--replay", path, "--replay-fit", "pdserve@1")
     assert bad.returncode == 2 and "at any shared efficiency" in bad.stderr, bad.stderr
     bad = plan("--replay", path, "--replay-fit", "pdserve@2")
-    assert bad.returncode == 2 and "no such run (the file has pdserve@1)" in bad.stderr
+    assert bad.returncode == 2 and "no such run (the runs are pdserve@1)" in bad.stderr
     bad = plan("--replay", str(tmp_path / "missing.json"))
     assert bad.returncode == 2 and "not a bench goodput JSON" in bad.stderr
     no_targets = _bench_json(tmp_path / "n.json", {"pdserve": [_row(1.0, reqs, 0.5, 0.5)]}, ttft_slo=None)
@@ -154,3 +155,21 @@ def test_capacity_measured_and_predicted_from_the_same_rates(capsys) -> None:
     out = capsys.readouterr().out
     assert "highest rate with 90% of requests within both targets" in out
     assert out.splitlines()[-1].split() == ["pdserve", "1P1D", "0.75", "1.06", "+41%"]
+
+
+def test_a_sweep_run_in_parts_replays_as_one_and_a_rerun_replaces_its_rate(tmp_path) -> None:
+    one = [_request(0.0, 100, 2, 0.1, 0.2)]
+    two = [_request(0.0, 100, 2, 0.1, 0.2), _request(0.5, 100, 2, 0.1, 0.2)]
+    first = _bench_json(
+        tmp_path / "a.json", {"pdserve": [_row(0.5, one, 0.5, 0.5), _row(1.0, one, 1.0, 1.0)]}
+    )
+    rerun = _bench_json(tmp_path / "b.json", {"pdserve": [_row(0.5, two, 0.9, 1.0)]})
+    config, runs, skipped = load_many([first, rerun])
+    assert skipped == [] and config["ttft_slo"] == 1.0
+    assert [(r.rate, len(r.arrivals), r.measured["attainment"]) for r in runs] == [
+        (1.0, 1, 1.0),
+        (0.5, 2, 1.0),
+    ]
+    other = _bench_json(tmp_path / "c.json", {"pdserve": [_row(2.0, one, 1.0, 1.0)]}, tpot_slo=0.2)
+    with pytest.raises(ReplayError, match="differ from the first file's"):
+        load_many([first, other])
