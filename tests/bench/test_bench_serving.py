@@ -131,8 +131,11 @@ def test_bench_against_cluster(tmp_path):
                                               str(good["trace"]), "--replay-split", "server=1P1D"),
                               capture_output=True, text=True, timeout=120)  # fmt: skip
     assert replayed.returncode == 0, replayed.stderr
-    rows = [line.split() for line in replayed.stdout.splitlines() if line.split()[:2] == ["server", "1P1D"]]
+    lines = [line.split() for line in replayed.stdout.splitlines() if line.split()[:2] == ["server", "1P1D"]]
+    rows, (capacity,) = lines[:-1], lines[-1:]
     assert [r[2] for r in rows] == ["1", "20"], replayed.stdout
+    # Targets this loose are met at both rates: DistServe's goodput is at least the higher, both ways.
+    assert capacity[2:4] == [">=20", ">=20"], replayed.stdout
     data = json.loads(out.read_text())
     (run,) = data["runs"]
     m = run["metrics"]
