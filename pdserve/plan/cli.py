@@ -5,7 +5,7 @@ simulator (simulate.py) from this host's measured profile (profile.py, measure.p
     pdserve plan --profile host.json --workers 2 3 --workload prompt-heavy --ttft-slo 2 --tpot-slo 0.2
     pdserve plan --gpu H100-SXM --workers 8 32 128 --rates-per-worker --rates 1 2 4 --max-splits 12
     pdserve plan --gpu H100-SXM --gpu-model llama-3.1-70b --workers 8 --tp-sizes 2 4 8 ...
-    pdserve plan --profile host.json --replay goodput.json [--replay-fit pdserve@0.75]
+    pdserve plan --profile host.json --replay goodput.json [--replay-fit 'pdserve@*']
 
 For every split of each --workers count (P prefill + D decode workers, at least one of each) and every
 rate of --rates, it simulates --num-prompts Poisson arrivals and prints goodput (requests/s meeting both
@@ -110,8 +110,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--replay-fit",
         metavar="SERVER@RATE",
-        help="--replay: first fit the profile's shared efficiency to that run (e.g. pdserve@0.75); with "
-        "--profile-out, save the profile so refitted",
+        help="--replay: first fit the profile's shared efficiency to that run (e.g. pdserve@0.75), to "
+        "several pooled (pdserve@0.5,pdserve@0.75), or to every rate of a server (pdserve@*: steadier "
+        "than one run); with --profile-out, save the profile so refitted",
     )
     p.add_argument(
         "--attainment",
@@ -301,6 +302,7 @@ def _replay(parser: argparse.ArgumentParser, profile: Profile, args: argparse.Na
         compare,
         compare_capacity,
         fit_efficiency,
+        fit_runs,
         load_many,
         parse_split,
     )
@@ -316,17 +318,14 @@ def _replay(parser: argparse.ArgumentParser, profile: Profile, args: argparse.Na
         parser.error(f"--replay {' '.join(args.replay)}: no pdserve cluster of a static split to replay")
     print(f"profile: {profile.host}; {profile.model}; shared efficiency {profile.shared_efficiency:g}")
     if args.replay_fit:
-        server, _, rate = args.replay_fit.rpartition("@")
-        chosen = [r for r in runs if r.server == server and f"{r.rate:g}" == rate.strip()]
-        if not chosen:
-            have = ", ".join(f"{r.server}@{r.rate:g}" for r in runs)
-            parser.error(f"--replay-fit {args.replay_fit}: no such run (the runs are {have})")
         try:
-            fitted = fit_efficiency(profile, chosen[0])
+            chosen = fit_runs(runs, args.replay_fit)
+            fitted = fit_efficiency(profile, chosen)
         except ReplayError as err:
             parser.error(f"--replay-fit {err}")
         profile.shared_efficiency = fitted
-        print(f"shared efficiency fitted to {args.replay_fit}: {fitted:g}")
+        names = ", ".join(f"{r.server}@{r.rate:g}" for r in chosen)
+        print(f"shared efficiency fitted to {names} ({len(chosen)} runs pooled): {fitted:g}")
         if args.profile_out:  # the refitted profile, for the searches to come
             profile.notes = [n for n in profile.notes if not n.startswith("shared_efficiency fitted")]
             profile.notes.append(

@@ -143,14 +143,14 @@ def measure(cfg: RuntimeConfig, rounds: int = 2, steps: int = 4) -> Profile:
 @dataclass(frozen=True)
 class ClusterPoints:
     """What `measure_cluster` measures: prompt lengths (alone and after each cached prefix), decode
-    batches x contexts, and the fit trace's longest prompt and answer."""
+    batches x contexts, and the fit traces' shapes."""
 
     prefill_tokens: tuple[int, ...] = tuple(PREFILL_TOKENS)
     prefix_tokens: tuple[int, ...] = tuple(PREFIX_TOKENS)
     batches: tuple[int, ...] = (1, 4, 16, 32)  # answer-heavy traffic runs 20-30 streams a decode worker
     contexts: tuple[int, ...] = (64, 512)
-    fit_prompt: int = 1024
-    fit_output: int = 32
+    # The fit traces' longest (prompt, answer): one prompt-heavy, one answer-heavy, fitted pooled.
+    fit_shapes: tuple[tuple[int, int], ...] = ((1024, 32), (64, 256))
 
 
 def measure_cluster(
@@ -266,23 +266,30 @@ def measure_cluster(
     # Open-loop arrivals, as a cluster is used: prefill and decode forwards overlap, and the serving path's
     # own CPU (HTTP, tokens through the gateway, this client) takes its share of the cores. The efficiency
     # at which the simulator reproduces the trace's mean time to the last token is the host's.
-    arrivals = fit_trace(profile, prompt=points.fit_prompt, output=points.fit_output)
-    runs: list[list[float]] = [[] for _ in arrivals]
-    threads = [
-        threading.Thread(target=stream, args=(a.prompt, a.output, runs[i])) for i, a in enumerate(arrivals)
-    ]
-    t0 = time.perf_counter()
-    for a, t in zip(arrivals, threads):
-        time.sleep(max(0.0, a.at - (time.perf_counter() - t0)))
-        t.start()
-    for t in threads:
-        t.join()
-    measured = statistics.mean(r[-1] for r in runs)
-    profile.shared_efficiency = fit_efficiency(profile, arrivals, measured)
+    # The shapes pooled: prefill-heavy overlaps (long prompts offering their turn between layers) and
+    # decode-heavy ones (many streams, short prompts) slow a host differently; one efficiency for both.
+    traces = [fit_trace(profile, prompt=p, output=o) for p, o in points.fit_shapes]
+    e2e: list[float] = []
+    for arrivals in traces:
+        runs: list[list[float]] = [[] for _ in arrivals]
+        threads = [
+            threading.Thread(target=stream, args=(a.prompt, a.output, runs[i]))
+            for i, a in enumerate(arrivals)
+        ]
+        t0 = time.perf_counter()
+        for a, t in zip(arrivals, threads):
+            time.sleep(max(0.0, a.at - (time.perf_counter() - t0)))
+            t.start()
+        for t in threads:
+            t.join()
+        e2e += [r[-1] for r in runs]
+    profile.shared_efficiency = fit_efficiency(profile, traces, statistics.mean(e2e))
+    shapes = " and ".join(
+        f"{p * 3 // 4}-token prompts with {o * 3 // 4}-token answers" for p, o in points.fit_shapes
+    )
     profile.notes.append(
-        f"shared_efficiency fitted to {len(arrivals)} Poisson arrivals at {FIT_LOAD:.0%} of the lone-request "
-        f"capacity ({points.fit_prompt * 3 // 4}-token prompts, {points.fit_output * 3 // 4}-token answers "
-        "on average)"
+        f"shared_efficiency fitted to {len(traces)} traces of {FIT_N} Poisson arrivals at {FIT_LOAD:.0%} of the "
+        f"lone-request capacity, pooled ({shapes} on average)"
     )
     return profile
 
@@ -298,13 +305,13 @@ def fit_trace(profile: Profile, seed: int = 0, prompt: int = 1024, output: int =
     return poisson_workload(FIT_LOAD / busy, FIT_N, prompt, output, seed, 0.5)
 
 
-def fit_efficiency(profile: Profile, arrivals: list[Arrival], measured_e2e: float) -> float:
-    """The shared_efficiency at which the simulated 1P1D cluster's mean time to the last token over
-    `arrivals` is `measured_e2e` (bisection; the simulated time falls as the efficiency rises)."""
+def fit_efficiency(profile: Profile, traces: list[list[Arrival]], measured_e2e: float) -> float:
+    """The shared_efficiency at which the simulated 1P1D cluster's mean time to the last token over every
+    request of `traces` is `measured_e2e` (bisection; the simulated time falls as the efficiency rises)."""
 
     def mean_e2e(e: float) -> float:
         profile.shared_efficiency = e
-        outs = simulate(profile, 1, 1, arrivals)
-        return sum(o.done - o.arrival for o in outs) / len(outs)
+        times = [o.done - o.arrival for arrivals in traces for o in simulate(profile, 1, 1, arrivals)]
+        return sum(times) / len(times)
 
     return bisect_efficiency(mean_e2e, measured_e2e)

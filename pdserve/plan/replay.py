@@ -149,26 +149,48 @@ def predict(profile: Profile, run: Run) -> list[Outcome]:
     return simulate(profile, run.prefill, run.decode, run.arrivals)
 
 
-def fit_efficiency(profile: Profile, run: Run) -> float:
-    """The shared_efficiency at which the simulated cluster's mean time to the last token over `run`'s
-    requests that succeeded is the measured one (bisection; the simulated time falls as e rises)."""
-    ok = [i for i, x in enumerate(run.e2e) if x != float("inf")]
-    if not ok:
-        raise ReplayError(f"{run.server} at {run.rate:g}/s: no request succeeded, nothing to fit to")
-    measured = statistics.mean(run.e2e[i] for i in ok)
+def fit_efficiency(profile: Profile, runs: Run | list[Run]) -> float:
+    """The shared_efficiency at which the simulated cluster's mean time to the last token over the
+    requests that succeeded in `runs` (pooled: one efficiency for all of them) is the measured one
+    (bisection; the simulated time falls as e rises). Several runs, at several rates, give a steadier
+    efficiency than one: on a busy host one run's fit varies by a third from rate to rate."""
+    runs = [runs] if isinstance(runs, Run) else runs
+    oks = [[i for i, x in enumerate(run.e2e) if x != float("inf")] for run in runs]
+    for run, ok in zip(runs, oks):
+        if not ok:
+            raise ReplayError(f"{run.server} at {run.rate:g}/s: no request succeeded, nothing to fit to")
+    measured = statistics.mean(run.e2e[i] for run, ok in zip(runs, oks) for i in ok)
 
     def mean_e2e(e: float) -> float:
         profile.shared_efficiency = e
-        outs = predict(profile, run)
-        return statistics.mean(outs[i].done - outs[i].arrival for i in ok)
+        times = []
+        for run, ok in zip(runs, oks):
+            outs = predict(profile, run)
+            times += [outs[i].done - outs[i].arrival for i in ok]
+        return statistics.mean(times)
 
     if mean_e2e(MIN_EFFICIENCY) < measured:  # too few overlapping forwards for any efficiency to explain it
+        names = ", ".join(f"{run.server} at {run.rate:g}/s" for run in runs)
         raise ReplayError(
-            f"{run.server} at {run.rate:g}/s: its requests took {measured:.3g} s on average to their last "
+            f"{names}: its requests took {measured:.3g} s on average to their last "
             f"token, the profile gives at most {mean_e2e(MIN_EFFICIENCY):.3g} s at any shared efficiency "
             "(too few forwards overlap there, or the profile is faster than the cluster): fit to a busier run"
         )
     return bisect_efficiency(mean_e2e, measured)
+
+
+def fit_runs(runs: list[Run], spec: str) -> list[Run]:
+    """The runs `--replay-fit` names: SERVER@RATE, several comma-separated, or SERVER@* for every rate
+    of that server. ReplayError naming the runs there are if one names none."""
+    chosen: list[Run] = []
+    for part in spec.split(","):
+        server, _, rate = part.strip().rpartition("@")
+        found = [r for r in runs if r.server == server and (rate == "*" or f"{r.rate:g}" == rate.strip())]
+        if not found:
+            have = ", ".join(f"{r.server}@{r.rate:g}" for r in runs)
+            raise ReplayError(f"{part.strip()}: no such run (the runs are {have})")
+        chosen += [r for r in found if r not in chosen]
+    return chosen
 
 
 def _pct(xs: list[float], q: float) -> float:

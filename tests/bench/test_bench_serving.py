@@ -115,7 +115,7 @@ def test_bench_against_cluster(tmp_path):
         from pdserve.plan.measure import ClusterPoints, measure_cluster
 
         points = ClusterPoints(prefill_tokens=(16, 64), prefix_tokens=(64,), batches=(1, 2), contexts=(16,),
-                               fit_prompt=64, fit_output=8)  # fmt: skip
+                               fit_shapes=((64, 8), (16, 12)))  # fmt: skip
         profile = measure_cluster(c.url, layers=30, rounds=1, steps=6, points=points)
     finally:
         c.stop()
@@ -124,7 +124,10 @@ def test_bench_against_cluster(tmp_path):
     assert profile.prefill_tokens == [16, 64] and min(profile.prefill_s) > 0
     assert profile.prefix_tokens == [64] and len(profile.prefix_s[0]) == 2 and min(profile.prefix_s[0]) > 0
     assert len(profile.decode_s) == 2 and all(len(r) == 1 and r[0] > 0 for r in profile.decode_s)
-    assert 0 < profile.shared_efficiency <= 1 and "fitted to 24 Poisson arrivals" in profile.notes[-1]
+    assert (
+        0 < profile.shared_efficiency <= 1
+        and "fitted to 2 traces of 24 Poisson arrivals" in profile.notes[-1]
+    )
     # ... and the trace run replayed over it: both rates, predicted beside measured.
     profile.save(str(tmp_path / "profile.json"))
     replayed = subprocess.run(pdserve_command("plan", "--profile", str(tmp_path / "profile.json"), "--replay",

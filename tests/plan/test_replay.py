@@ -13,6 +13,7 @@ from pdserve.plan.replay import (
     ReplayError,
     compare_capacity,
     fit_efficiency,
+    fit_runs,
     load_many,
     load_runs,
     parse_split,
@@ -110,6 +111,38 @@ def test_the_fit_recovers_the_efficiency_that_made_the_measurement(tmp_path) -> 
     _, (run,), _ = load_runs(_bench_json(tmp_path / "f.json", {"pdserve": [_row(4.0, failed, 0.0, 0.0)]}))
     with pytest.raises(ReplayError, match="no request succeeded"):
         fit_efficiency(guess, run)
+
+
+def test_a_pooled_fit_weighs_every_run_and_names_what_it_fitted(tmp_path) -> None:
+    # Two rates "measured" at different efficiencies (a noisy host): fitted alone, each finds its own;
+    # pooled (pdserve@* or both named), one efficiency between them, weighted by the requests' times.
+    truth = {0.5: 0.45, 0.8: 0.7}
+    rows = []
+    for k, (rate, e) in enumerate(truth.items()):
+        arrivals = [Arrival(i / (rate * 4), 300 + 40 * (i % 5), 6 + i % 4) for i in range(16 + k)]
+        outs = simulate(_profile(sharing="turns", layers=4, shared_efficiency=e), 1, 1, arrivals)
+        reqs = [
+            _request(a.at, a.prompt, a.output, o.ttft, o.done - o.arrival) for a, o in zip(arrivals, outs)
+        ]
+        rows.append(_row(rate, reqs, 1.0, 1.0))
+    path = _bench_json(tmp_path / "b.json", {"pdserve": rows})
+    _, runs, _ = load_runs(path)
+    guess = _profile(sharing="turns", layers=4)
+    alone = {run.rate: fit_efficiency(guess, run) for run in runs}
+    assert alone == {r: pytest.approx(e, abs=0.01) for r, e in truth.items()}
+    assert fit_runs(runs, "pdserve@*") == runs and fit_runs(runs, "pdserve@0.8, pdserve@0.5") == runs[::-1]
+    pooled = fit_efficiency(guess, runs)
+    assert 0.46 < pooled < 0.69
+    with pytest.raises(
+        ReplayError, match=r"pdserve@1: no such run \(the runs are pdserve@0.5, pdserve@0.8\)"
+    ):
+        fit_runs(runs, "pdserve@0.5,pdserve@1")
+    guess.save(str(tmp_path / "guess.json"))
+    out = subprocess.run(pdserve_command("plan", "--profile", str(tmp_path / "guess.json"), "--replay", path,
+                                         "--replay-fit", "pdserve@*"),
+                         capture_output=True, text=True, timeout=100)  # fmt: skip
+    assert out.returncode == 0, out.stderr
+    assert f"shared efficiency fitted to pdserve@0.5, pdserve@0.8 (2 runs pooled): {pooled:g}" in out.stdout
 
 
 def test_the_cli_prints_predicted_against_measured(tmp_path) -> None:

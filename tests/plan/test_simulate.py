@@ -110,8 +110,13 @@ def test_shared_efficiency_slows_overlapping_forwards_and_is_fitted_back() -> No
     assert len(trace) == 24 and all(512 <= a.prompt <= 1024 and 16 <= a.output <= 32 for a in trace)
     outs = simulate(linear(0.5), 1, 1, trace)
     measured = sum(o.done - o.arrival for o in outs) / len(outs)
-    assert fit_efficiency(linear(), trace, measured) == pytest.approx(0.5, abs=0.01)
-    assert fit_efficiency(linear(), trace, 0.001) == 1.0  # faster than perfect
+    assert fit_efficiency(linear(), [trace], measured) == pytest.approx(0.5, abs=0.01)
+    assert fit_efficiency(linear(), [trace], 0.001) == 1.0  # faster than perfect
+    # Two traces pooled: the mean over all their requests (an answer-heavy one beside it).
+    answers = fit_trace(linear(), prompt=64, output=256)
+    assert all(32 <= a.prompt <= 64 and 128 <= a.output <= 256 for a in answers)
+    both = [o.done - o.arrival for t in (trace, answers) for o in simulate(linear(0.5), 1, 1, t)]
+    assert fit_efficiency(linear(), [trace, answers], sum(both) / len(both)) == pytest.approx(0.5, abs=0.01)
 
 
 def test_turns_a_long_prefill_lets_one_waiting_step_run_between_its_layers() -> None:

@@ -61,8 +61,9 @@ def _sleeps(mode: str) -> int:
 @pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs two CPUs for a team of two threads")
 def test_a_side_thread_with_serial_openmp_leaves_the_forward_threads_spinning() -> None:
     # Measured quiet: 299-301 sleeps without it, 0 with it. A loaded machine makes spinning threads wait
-    # too, so each side gets three tries.
+    # too (31 seen beside the rest of the suite under -n 2), so each side gets three tries and the bound
+    # for "spinning" is a quarter of the 300 regions, half of the one for "sleeping".
     # Without it, libgomp manages more threads than CPUs and stops spinning: about one sleep a region.
     assert max(_sleeps("parallel") for _ in range(3)) > 150
     # With it, the side thread's op runs inline and the forward's second thread stays awake.
-    assert min(_sleeps("serial") for _ in range(3)) < 30
+    assert min(_sleeps("serial") for _ in range(3)) < 75
