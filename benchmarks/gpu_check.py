@@ -13,10 +13,8 @@ Stages, in order, each with its own log under DIR/logs and a line in DIR/summary
               and the CUDA KV pool's hand-off over gloo (on CPU: the GPU tests collected only)
   kernel_bench  `pdserve bench kernels`: each kernel's bandwidth against the device copy, the KV
               hand-off's page gather and scatter among them
-  cpu_kernels   the C++ CPU kernels' tests on the host's CPU in a process of their own, with what tells
-              the causes of a crash apart: the toolchain and ABI, each kind of check in a fresh
-              process, a tiny extension built with and without each of the library's flags, and a
-              debugger's backtrace (benchmarks/gpu_cpp.py)
+  cpu_kernels   the C++ CPU kernels' tests on the host's CPU in a process of their own, naming each
+              test that crashed its process (benchmarks/gpu_cpu_kernels.py)
   cpu_kernels_avx2  the same tests with PDSERVE_CPU_ISA=avx2: the kernels' AVX2 forms
   parity      engine vs transformers in bf16 on the device: logits and greedy output, for tiny random
               Llama/Qwen2/Qwen3 checkpoints and the served model
@@ -52,7 +50,7 @@ from dataclasses import asdict
 from pathlib import Path
 
 from pdserve.bench.gpu_cluster import stage_cluster
-from pdserve.bench.gpu_cpp import ISA_TESTS, cpp_test_files, stage_cpu_kernels
+from pdserve.bench.gpu_cpu_kernels import ISA_TESTS, cpp_test_files, stage_cpu_kernels
 from pdserve.bench.gpu_install import stage_packaging, stage_wheels
 from pdserve.bench.gpu_run import ROOT, Run, StageResult, cli_args
 from pdserve.launch.supervisor import pdserve_command

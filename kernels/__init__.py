@@ -10,7 +10,6 @@ Triton, one concern per module:
 - kv_copy: the store of new tokens' K/V into the paged pool.
 - rmsnorm: RMSNorm with an optional fused residual add.
 - rotary: rotary embedding applied in place to q and k.
-- int8_gemm: weight-only int8 GEMM (the CUDA side of `w8a16_int8`); tested, not yet called by the runtime.
 - _online_softmax (the paged K/V loop and online softmax both attention kernels run) and _checks
   (argument checks, the paged attention wrappers' shared ones among them).
 
