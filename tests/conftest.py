@@ -16,7 +16,13 @@ from collections.abc import Callable
 
 import pytest
 
-from pdserve.kernels import cpu_isa
+# `python -m pytest` puts the working folder first on sys.path. From the checkout's root that makes its
+# top-level folders importable under their own names, and kernels/ then shadows the `kernels` package
+# that transformers probes for (it imports names from it that only that package has). pdserve is
+# always imported as installed (pdserve.kernels, ...), so the folder is taken off the path again.
+sys.path[:] = [p for p in sys.path if os.path.abspath(p or ".") != os.getcwd()]
+
+from pdserve.kernels import cpu_isa  # noqa: E402
 
 # PDSERVE_CPU_ISA=avx2 caps torch's own kernels too, which read their variables when torch starts.
 cpu_isa.apply_torch_env()
