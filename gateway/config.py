@@ -34,6 +34,9 @@ class GatewayConfig:
     tool_call_parser: str | None = None
     # Reasoning format (gateway/reasoning.py): None leaves thinking text in content.
     reasoning_parser: str | None = None
+    # A chat completion's `metadata` as the seed has it (the per-token `weight_versions` inside), or,
+    # strict, a map of strings as OpenAI types it (`weight_versions` beside it, at the top level).
+    strict_openai_metadata: bool = False
     heartbeat_interval_s: float = 1.0
     heartbeat_timeout_s: float = 5.0
     # Generations (prompts x n) in flight beyond this are refused at once with 503 + Retry-After.
@@ -135,6 +138,12 @@ def _add_serving_args(parser: argparse.ArgumentParser, d: GatewayConfig) -> None
         default=d.tool_call_parser,
         choices=PARSER_NAMES,
         help="how tool calls are found in the model's output (SGLang's names; default: hermes)",
+    )
+    parser.add_argument(
+        "--strict-openai-metadata",
+        action="store_true",
+        help="a completion's `metadata` holds strings only, as OpenAI types it (the per-token "
+        "`weight_versions` move beside it): for clients that validate it, e.g. the openai Python client",
     )
     parser.add_argument(
         "--reasoning-parser",
@@ -372,6 +381,7 @@ def config_from_args(args: argparse.Namespace) -> GatewayConfig:
         served_model_name=args.served_model_name,
         tool_call_parser=args.tool_call_parser,
         reasoning_parser=args.reasoning_parser,
+        strict_openai_metadata=args.strict_openai_metadata,
         heartbeat_interval_s=args.heartbeat_interval,
         heartbeat_timeout_s=args.heartbeat_timeout,
         max_pending_generations=args.max_pending_generations,

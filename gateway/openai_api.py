@@ -159,6 +159,7 @@ def _parse_chat(gw: GatewayState, raw: dict[str, Any], received: float) -> _Pars
         spec,
         forced,
         body.stream_reasoning,
+        strict_metadata=gw.cfg.strict_openai_metadata,
     )
     sampling = build_sampling(
         body, max_new, body.logprobs, body.top_logprobs or 0, vocab_size=gw.tokenizer.vocab_size
@@ -181,7 +182,17 @@ def _parse_completion(gw: GatewayState, raw: dict[str, Any], received: float) ->
     prompts = _completion_prompts(gw.tokenizer, body.prompt, gw.registry.context_length())
     logprobs = body.logprobs is not None
     echo = tuple(tuple(p) for p in prompts) if body.echo else ()
-    reply = Reply(rid, int(received), gw.model_name, False, body.n, logprobs, _include_usage(body), echo=echo)
+    reply = Reply(
+        rid,
+        int(received),
+        gw.model_name,
+        False,
+        body.n,
+        logprobs,
+        _include_usage(body),
+        echo=echo,
+        strict_metadata=gw.cfg.strict_openai_metadata,
+    )
     sampling = build_sampling(
         body, body.max_tokens, logprobs, body.logprobs or 0, vocab_size=gw.tokenizer.vocab_size
     )

@@ -37,6 +37,7 @@ class Reply:
     stream_reasoning: bool = True
     # Completions with `echo`: each prompt's token ids, given back before its completion.
     echo: tuple[tuple[int, ...], ...] = ()
+    strict_metadata: bool = False  # --strict-openai-metadata
 
 
 def finish_fields(st: GenState, calls: bool = False) -> tuple[str | None, int | str | None]:
@@ -80,10 +81,14 @@ def weight_segments(states: list[GenState]) -> list[Json]:
     return segs
 
 
-def metadata(segs: list[Json]) -> dict[str, str]:
-    """OpenAI's `metadata`, a map of strings: the weight version of the last token. The per-token
-    segments go in the pdserve field `weight_versions` beside it (clients ignore it)."""
-    return {"weight_version": segs[-1]["version"] if segs else "default"}
+def version_fields(segs: list[Json], strict: bool) -> Json:
+    """A response's `metadata`: the weight version of the last token and, as the seed has it, the
+    per-token segments. `strict` (--strict-openai-metadata): `metadata` is OpenAI's map of strings, and
+    the segments sit beside it in the pdserve field `weight_versions`, which typed clients ignore."""
+    last = {"weight_version": segs[-1]["version"] if segs else "default"}
+    if strict:
+        return {"metadata": last, "weight_versions": segs}
+    return {"metadata": {**last, "weight_versions": segs}}
 
 
 def _chat_logprobs(tok: Tokenizer, ids: list[int], lps: list[float], tops: TopLogprobs) -> Json:
@@ -205,6 +210,5 @@ def full_response(tok: Tokenizer, reply: Reply, states: list[GenState]) -> Json:
         "model": reply.model,
         "choices": choices,
         "usage": usage(reply, states, reasoning),
-        "metadata": metadata(segs),
-        "weight_versions": segs,
+        **version_fields(segs, reply.strict_metadata),
     }

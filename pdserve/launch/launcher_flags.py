@@ -163,6 +163,13 @@ _UP_ONLY = [
     ),
     Flag("--reasoning-parser", _UP, "see `pdserve gateway --help`", passed_to=TO_GATEWAY),
     Flag(
+        "--strict-openai-metadata",
+        _UP,
+        "`metadata` holds strings only (see `pdserve gateway --help`)",
+        switch=True,
+        passed_to=TO_GATEWAY,
+    ),
+    Flag(
         "--prefill-policy",
         _UP,
         "how the gateway picks a prefill worker (see `pdserve gateway --help`)",

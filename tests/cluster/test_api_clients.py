@@ -39,7 +39,7 @@ pytestmark = pytest.mark.timeout(600)
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory):
     c = start_up(
-        tmp_path_factory.mktemp("api-clients"), extra=["--api-key", KEY, "--admin-api-key", OTHER_KEY]
+        tmp_path_factory.mktemp("api-clients"), extra=["--api-key", KEY, "--admin-api-key", OTHER_KEY, "--strict-openai-metadata"]
     )
     try:
         c.wait_healthy()

@@ -183,7 +183,6 @@ def test_chat_completion_shape(cluster, tokenizer):
         "choices",
         "usage",
         "metadata",
-        "weight_versions",
     ]
     assert out["object"] == "chat.completion" and out["model"] == MODEL
     (choice,) = out["choices"]
@@ -211,8 +210,23 @@ def test_chat_completion_shape(cluster, tokenizer):
         "completion_tokens_details": {"reasoning_tokens": 0},
         "reasoning_tokens": 0,
     }
+    # As the seed has it: the per-token segments inside `metadata`.
+    segments = [{"version": "default", "start": 0, "end": n_out}]
+    assert out["metadata"] == {"weight_version": "default", "weight_versions": segments}
+
+
+def test_strict_openai_metadata_holds_strings_only(wire_cluster):
+    """--strict-openai-metadata: `metadata` is OpenAI's map of strings; the segments sit beside it."""
+    cluster = wire_cluster(strict_openai_metadata=True)
+    cluster.reply = "Paris."
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "Capital?"}], "max_tokens": 8}
+    out = cluster.client.post("/v1/chat/completions", json=body).json()
+    assert list(out)[-2:] == ["metadata", "weight_versions"]
     assert out["metadata"] == {"weight_version": "default"}
-    assert out["weight_versions"] == [{"version": "default", "start": 0, "end": n_out}]
+    assert out["weight_versions"][0]["version"] == "default"
+    text = {"model": MODEL, "prompt": "Capital?", "max_tokens": 8}
+    out = cluster.client.post("/v1/completions", json=text).json()
+    assert out["metadata"] == {"weight_version": "default"} and out["weight_versions"]
 
 
 def test_chat_logprobs_and_n(cluster):
