@@ -7,8 +7,15 @@ and `tool_choice` (auto, any -> "required", tool -> a named function, none; `dis
 -> parallel_tool_calls false), `stop_sequences`, `max_tokens`, `temperature`, `top_p`, `top_k`.
 It then runs the chat pipeline as it is (tools prompt, grammar for a forced tool, reasoning and
 tool-call parsers); anthropic_reply.py shapes the answer and its stream. Errors have Anthropic's
-shape, `{"type": "error", "error": {"type", "message"}}`; its clients' `x-api-key` header is taken as
-the API key (auth.py).
+shape, `{"type": "error", "error": {"type", "message"}}`, whoever raises them (errors.error_body_for);
+its clients' `x-api-key` header is taken as the API key (auth.py).
+
+What Anthropic refuses is a 400 here too: a conversation not opening with a user turn, a tool_use
+without an id or name (or an id used twice), a tool_result whose tool_use_id no tool_use of the
+message before it carries, two tools of one name, `thinking` enabled with a budget under 1024 tokens
+or not under max_tokens. Thinking blocks of earlier assistant turns are taken (the chat template
+keeps or drops them, as Anthropic strips them for models that do not think), but their characters
+count toward the prompt's length cap like every other text of the request.
 """
 
 from __future__ import annotations
@@ -17,14 +24,15 @@ import json
 from typing import Any, Literal
 
 from fastapi import APIRouter, Request
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import Response
 from pydantic import Field
 
-from pdserve.gateway.anthropic_reply import error_body, message_from_chat, message_stream
-from pdserve.gateway.errors import ApiError, bad_request
+from pdserve.gateway.anthropic_reply import message_from_chat, message_stream
+from pdserve.gateway.errors import bad_request
 from pdserve.gateway.openai_api import serve_chat_as
 from pdserve.gateway.protocol import parse_body
 from pdserve.gateway.request_models import LenientModel
+from pdserve.gateway.state import gateway_state
 
 router = APIRouter()
 Json = dict[str, Any]
@@ -61,6 +69,16 @@ class AnthropicToolChoice(LenientModel):
     disable_parallel_tool_use: bool = False
 
 
+class ThinkingConfig(LenientModel):
+    type: Literal["enabled", "disabled", "adaptive", "between_tools"]
+    budget_tokens: int | None = None
+    display: Literal["summarized", "omitted"] | None = None
+
+
+# Anthropic's floor for an extended-thinking budget.
+MIN_THINKING_BUDGET = 1024
+
+
 class MessagesBody(LenientModel):
     model: str | None = None
     max_tokens: int = Field(ge=1)
@@ -73,7 +91,7 @@ class MessagesBody(LenientModel):
     stream: bool = False
     tools: list[AnthropicTool] | None = None
     tool_choice: AnthropicToolChoice | None = None
-    thinking: dict[str, Any] | None = None
+    thinking: ThinkingConfig | None = None
     metadata: dict[str, Any] | None = None
 
 
@@ -89,8 +107,9 @@ def _text(content: str | list[Block] | None, param: str) -> str:
     return "\n".join(parts)
 
 
-def _user(m: Message, at: str) -> list[Json]:
-    """A user message: its tool results as `tool` messages, then its text (if any) as one message."""
+def _user(m: Message, at: str, calls: set[str]) -> list[Json]:
+    """A user message: its tool results as `tool` messages, then its text (if any) as one message.
+    `calls`: the tool_use ids of the message before it, the only ones a tool_result may answer."""
     if isinstance(m.content, str):
         return [{"role": "user", "content": m.content}]
     out: list[Json] = []
@@ -98,7 +117,13 @@ def _user(m: Message, at: str) -> list[Json]:
     for i, b in enumerate(m.content):
         if b.type == "tool_result":
             if not b.tool_use_id:
-                raise bad_request("a tool_result block needs tool_use_id", f"{at}.content.{i}")
+                raise bad_request("a tool_result block needs tool_use_id", f"{at}.content.{i}.tool_use_id")
+            if b.tool_use_id not in calls:
+                raise bad_request(
+                    f"unexpected tool_use_id found in tool_result blocks: {b.tool_use_id}. Each tool_result "
+                    "block must have a corresponding tool_use block in the previous message",
+                    f"{at}.content.{i}.tool_use_id",
+                )
             content = _text(b.content, f"{at}.content.{i}.content")
             out.append({"role": "tool", "tool_call_id": b.tool_use_id, "content": content})
         elif b.type == "text" and b.text is not None:
@@ -110,18 +135,32 @@ def _user(m: Message, at: str) -> list[Json]:
     return out
 
 
-def _assistant(m: Message, at: str) -> Json:
+def _tool_use(b: Block, at: str, seen: set[str]) -> Json:
+    """A tool_use block as a chat tool call; its id must be there and new (`seen`: the ids so far)."""
+    if not b.id:
+        raise bad_request("a tool_use block needs an id", f"{at}.id")
+    if not b.name:
+        raise bad_request("a tool_use block needs a name", f"{at}.name")
+    if b.id in seen:
+        raise bad_request(f"tool_use ids must be unique: {b.id} is used twice", f"{at}.id")
+    seen.add(b.id)
+    args = json.dumps(b.input or {}, ensure_ascii=False)
+    return {"id": b.id, "type": "function", "function": {"name": b.name, "arguments": args}}
+
+
+def _assistant(m: Message, at: str, seen: set[str]) -> Json:
     if isinstance(m.content, str):
         return {"role": "assistant", "content": m.content}
     texts, calls, thought = [], [], []
     for i, b in enumerate(m.content):
         if b.type == "text" and b.text is not None:
             texts.append(b.text)
-        elif b.type == "tool_use" and b.name:
-            args = json.dumps(b.input or {}, ensure_ascii=False)
-            calls.append({"id": b.id, "type": "function", "function": {"name": b.name, "arguments": args}})
+        elif b.type == "tool_use":
+            calls.append(_tool_use(b, f"{at}.content.{i}", seen))
         elif b.type == "thinking":
-            thought.append(b.thinking or "")
+            if b.thinking is None:
+                raise bad_request("a thinking block needs its thinking text", f"{at}.content.{i}.thinking")
+            thought.append(b.thinking)
         elif b.type != "redacted_thinking":
             raise bad_request(
                 f"a '{b.type}' block is not supported in an assistant message", f"{at}.content.{i}"
@@ -132,6 +171,67 @@ def _assistant(m: Message, at: str) -> Json:
     if thought:
         msg["reasoning_content"] = "\n".join(thought)
     return msg
+
+
+def _messages(body: MessagesBody) -> list[Json]:
+    """The conversation as chat messages: it opens with a user turn; tool ids are checked."""
+    if body.messages[0].role != "user":
+        raise bad_request('the first message must use the "user" role', "messages.0.role")
+    msgs: list[Json] = []
+    if body.system:
+        msgs.append({"role": "system", "content": _text(body.system, "system")})
+    seen: set[str] = set()  # every tool_use id so far
+    calls: set[str] = set()  # those of the message before
+    for i, m in enumerate(body.messages):
+        if m.role == "user":
+            msgs += _user(m, f"messages.{i}", calls)
+            calls = set()
+        else:
+            msgs.append(_assistant(m, f"messages.{i}", seen))
+            calls = {c["id"] for c in msgs[-1].get("tool_calls", [])}
+    return msgs
+
+
+def _check_chars(msgs: list[Json], max_chars: int | None) -> None:
+    """Every text of the conversation, the thinking of earlier turns included (which the template may
+    drop), within the characters the context can hold: a 1 MB thinking block is refused, not dropped
+    unseen."""
+    if max_chars is None:
+        return
+    n = sum(
+        len(m.get("content") or "")
+        + len(m.get("reasoning_content") or "")
+        + sum(len(c["function"]["arguments"]) for c in m.get("tool_calls", []))
+        for m in msgs
+    )
+    if n > max_chars:
+        raise bad_request(
+            f"the messages have {n} characters (thinking blocks included), more than the context "
+            f"length can hold ({max_chars} characters at most)",
+            "messages",
+        )
+
+
+def _check_request(body: MessagesBody) -> None:
+    """What Anthropic refuses outside the messages: tool names twice, a thinking budget out of range."""
+    names = [t.name for t in body.tools or []]
+    for i, name in enumerate(names):
+        if name in names[:i]:
+            raise bad_request(f"tool names must be unique: {name!r} is used twice", f"tools.{i}.name")
+    t = body.thinking
+    if t is not None and t.type == "enabled":
+        if t.budget_tokens is None:
+            raise bad_request("thinking of type 'enabled' needs budget_tokens", "thinking.budget_tokens")
+        if t.budget_tokens < MIN_THINKING_BUDGET:
+            raise bad_request(
+                f"budget_tokens must be at least {MIN_THINKING_BUDGET}", "thinking.budget_tokens"
+            )
+        if t.budget_tokens >= body.max_tokens:
+            raise bad_request(
+                f"max_tokens ({body.max_tokens}) must be greater than thinking.budget_tokens "
+                f"({t.budget_tokens})",
+                "thinking.budget_tokens",
+            )
 
 
 def _tool_choice(body: MessagesBody) -> tuple[Any, bool]:
@@ -147,14 +247,13 @@ def _tool_choice(body: MessagesBody) -> tuple[Any, bool]:
     return {"auto": "auto", "any": "required", "none": "none"}[tc.type], parallel
 
 
-def to_chat(raw: Json) -> Json:
-    """A Messages request body as a chat completions body."""
+def to_chat(raw: Json, max_chars: int | None = None) -> Json:
+    """A Messages request body as a chat completions body; `max_chars`: the characters the context
+    can hold (None: unchecked here)."""
     body = parse_body(MessagesBody, raw)
-    msgs: list[Json] = []
-    if body.system:
-        msgs.append({"role": "system", "content": _text(body.system, "system")})
-    for i, m in enumerate(body.messages):
-        msgs += _user(m, f"messages.{i}") if m.role == "user" else [_assistant(m, f"messages.{i}")]
+    _check_request(body)
+    msgs = _messages(body)
+    _check_chars(msgs, max_chars)
     tool_choice, parallel = _tool_choice(body)
     chat: Json = {
         "model": body.model,
@@ -177,18 +276,17 @@ def to_chat(raw: Json) -> Json:
             }
             for t in body.tools
         ]
-    if body.thinking is not None and body.thinking.get("type") == "disabled":
+    if body.thinking is not None and body.thinking.type == "disabled":
         chat["chat_template_kwargs"] = {"enable_thinking": False}
     return chat
 
 
-def error_response(e: ApiError) -> Response:
-    return JSONResponse(error_body(e.status, e.message), status_code=e.status, headers=e.headers)
-
-
 @router.post("/v1/messages")
 async def messages(request: Request) -> Response:
-    try:
-        return await serve_chat_as(request, to_chat, message_from_chat, message_stream)
-    except ApiError as e:
-        return error_response(e)
+    # Errors, raised here or by the limits before, take Anthropic's shape by path (errors.py).
+    gw = gateway_state(request)
+    context = gw.registry.context_length()
+    max_chars = context * gw.tokenizer.max_token_chars if context is not None else None
+    return await serve_chat_as(
+        request, lambda raw: to_chat(raw, max_chars), message_from_chat, message_stream
+    )

@@ -12,25 +12,10 @@ import json
 from collections.abc import AsyncGenerator
 from typing import Any
 
-from pdserve.gateway.errors import ApiError
+from pdserve.gateway.errors import ApiError, anthropic_error_body
 from pdserve.gateway.generation import GenInput
 
 Json = dict[str, Any]
-
-_ERROR_TYPES = {
-    400: "invalid_request_error",
-    401: "authentication_error",
-    403: "permission_error",
-    404: "not_found_error",
-    413: "request_too_large",
-    429: "rate_limit_error",
-    503: "overloaded_error",
-}
-
-
-def error_body(status: int, message: str) -> Json:
-    kind = _ERROR_TYPES.get(status, "invalid_request_error" if status < 500 else "api_error")
-    return {"type": "error", "error": {"type": kind, "message": message}}
 
 
 def stop_reason(finish: str | None, matched: Any) -> tuple[str | None, str | None]:
@@ -147,7 +132,7 @@ async def message_stream(
     started = False
     async for ev in events:
         if isinstance(ev, ApiError):
-            yield _event("error", {"error": error_body(ev.status, ev.message)["error"]})
+            yield _event("error", {"error": anthropic_error_body(ev.status, ev.message, ev.param)["error"]})
             return
         if not started:
             started = True

@@ -12,7 +12,8 @@ Three kinds of path:
 - `/health` and `/metrics`: open, unless `--protect-health` / `--protect-metrics` put them under the
   API key (Kubernetes probes and Prometheus scrapers usually carry none).
 Anthropic's clients send the key as `x-api-key: <key>`: taken wherever a bearer token is.
-No key configured: that kind of path is open. A refusal is a 401 with OpenAI's body (`invalid_api_key`);
+No key configured: that kind of path is open. A refusal is a 401 with OpenAI's body (`invalid_api_key`),
+or Anthropic's (`authentication_error`) on its Messages paths (errors.error_body_for);
 keys are compared in constant time (hmac.compare_digest) and never logged. A plain ASGI middleware, so
 streamed responses pass through untouched.
 """
@@ -26,7 +27,7 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
-from pdserve.gateway.errors import error_body
+from pdserve.gateway.errors import error_body_for, is_anthropic_path
 
 DASHBOARD_PATHS = frozenset({"/dashboard", "/dashboard/data"})
 ADMIN_PATHS = (
@@ -123,8 +124,11 @@ class ApiKeyMiddleware:
                     if is_admin_path(scope["path"]) and self.keys.admin_api_key
                     else "an API key"
                 )
-                body = error_body(
-                    401, f"this endpoint needs {what}: Authorization: Bearer <key>", None, "invalid_api_key"
+                how = (
+                    "x-api-key: <key>" if is_anthropic_path(scope["path"]) else "Authorization: Bearer <key>"
+                )
+                body = error_body_for(
+                    scope["path"], 401, f"this endpoint needs {what}: {how}", None, "invalid_api_key"
                 )
                 payload = json.dumps(body).encode()
                 await send(

@@ -3,6 +3,10 @@
 Every error the gateway answers has the shape
 `{"error": {"message": ..., "type": ..., "param": ..., "code": ...}}` (OpenAI's): `param` names the offending
 field (dotted path) or is null; `code` is a short string such as "model_not_found" or null.
+On the paths of Anthropic's Messages API (`is_anthropic_path`) every error, whoever raised it (a handler,
+the key check in auth.py, the body and per-client limits, an unknown route), has Anthropic's shape
+instead, `{"type": "error", "error": {"type": ..., "message": ...}}`: `error_body_for` picks the shape
+by path, the one place that does.
 """
 
 from __future__ import annotations
@@ -82,6 +86,45 @@ def bad_request(message: str, param: str | None = None) -> ApiError:
 
 def model_not_found(model: str) -> ApiError:
     return ApiError(404, f"The model '{model}' does not exist", "model", code="model_not_found")
+
+
+# Anthropic's error types by status (its clients pick their exception class by status; the type names
+# the kind of error to a reader). 503 (the gateway at its limit, no worker left) is its "overloaded".
+_ANTHROPIC_TYPES = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    403: "permission_error",
+    404: "not_found_error",
+    408: "timeout_error",
+    413: "request_too_large",
+    429: "rate_limit_error",
+    500: "api_error",
+    503: "overloaded_error",
+    504: "timeout_error",
+    529: "overloaded_error",
+}
+
+
+def is_anthropic_path(path: str) -> bool:
+    """A path of Anthropic's Messages API: `/v1/messages` and whatever is under it."""
+    return path == "/v1/messages" or path.startswith("/v1/messages/")
+
+
+def anthropic_error_body(status: int, message: str, param: str | None = None) -> dict[str, Any]:
+    """Anthropic's error shape; the offending field, which it has no slot for, leads the message."""
+    kind = _ANTHROPIC_TYPES.get(status, "invalid_request_error" if status < 500 else "api_error")
+    if param and not message.startswith(param):
+        message = f"{param}: {message}"
+    return {"type": "error", "error": {"type": kind, "message": message}}
+
+
+def error_body_for(
+    path: str, status: int, message: str, param: str | None = None, code: str | None = None
+) -> dict[str, Any]:
+    """The error body of a request to `path`: Anthropic's shape on its paths, else OpenAI's."""
+    if is_anthropic_path(path):
+        return anthropic_error_body(status, message, param)
+    return error_body(status, message, param, code)
 
 
 def error_body(
@@ -203,22 +246,26 @@ def parse_json_body(raw: bytes) -> dict[str, Any]:
     return body
 
 
+def error_response(path: str, e: ApiError) -> Response:
+    """`e` as the answer to a request to `path` (its shape by path: `error_body_for`)."""
+    body = error_body_for(path, e.status, e.message, e.param, e.code)
+    return JSONResponse(body, status_code=e.status, headers=e.headers)
+
+
 def install_error_handlers(app: FastAPI) -> None:
     # Starlette calls each handler with the exception class it was registered for.
-    async def on_api_error(_: Request, exc: Exception) -> Response:
+    async def on_api_error(request: Request, exc: Exception) -> Response:
         assert isinstance(exc, ApiError)
-        return JSONResponse(exc.body(), status_code=exc.status, headers=exc.headers)
+        return error_response(request.url.path, exc)
 
-    async def on_validation(_: Request, exc: Exception) -> Response:
+    async def on_validation(request: Request, exc: Exception) -> Response:
         assert isinstance(exc, RequestValidationError)
-        api = validation_error_to_api(exc)
-        return JSONResponse(api.body(), status_code=400)
+        return error_response(request.url.path, validation_error_to_api(exc))
 
-    async def on_http(_: Request, exc: Exception) -> Response:
+    async def on_http(request: Request, exc: Exception) -> Response:
         assert isinstance(exc, StarletteHTTPException)
-        return JSONResponse(
-            error_body(exc.status_code, str(exc.detail)), status_code=exc.status_code, headers=exc.headers
-        )
+        api = ApiError(exc.status_code, str(exc.detail), headers=exc.headers)
+        return error_response(request.url.path, api)
 
     async def on_client_gone(request: Request, _: Exception) -> Response:
         # Nobody is left to read the answer; one line, not a traceback (a client may do it at will).
@@ -231,9 +278,9 @@ def install_error_handlers(app: FastAPI) -> None:
         )
         return Response(status_code=499)
 
-    async def on_unexpected(_: Request, exc: Exception) -> Response:
+    async def on_unexpected(request: Request, exc: Exception) -> Response:
         log.exception("unhandled error in request handler")
-        return JSONResponse(error_body(500, f"internal error: {type(exc).__name__}: {exc}"), status_code=500)
+        return error_response(request.url.path, ApiError(500, f"internal error: {type(exc).__name__}: {exc}"))
 
     app.add_exception_handler(ApiError, on_api_error)
     app.add_exception_handler(RequestValidationError, on_validation)

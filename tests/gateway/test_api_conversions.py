@@ -105,3 +105,19 @@ def test_bad_responses_requests_are_400(raw):
     with pytest.raises(ApiError) as e:
         _Turn(ResponseStore(), "open").to_chat(raw)
     assert e.value.status == 400
+
+
+def test_earlier_thinking_is_taken_and_counted_toward_the_length_cap():
+    thought = {"type": "thinking", "thinking": "t" * 1000, "signature": ""}
+    raw = {
+        "max_tokens": 4,
+        "messages": [
+            {"role": "user", "content": "x"},
+            {"role": "assistant", "content": [thought, {"type": "text", "text": "ok"}]},
+            {"role": "user", "content": "more"},
+        ],
+    }
+    assert to_chat(raw, max_chars=2000)["messages"][1]["reasoning_content"] == "t" * 1000
+    with pytest.raises(ApiError) as e:  # the rest of the prompt fits; with the thinking it does not
+        to_chat(raw, max_chars=900)
+    assert e.value.status == 400 and "thinking" in e.value.message and e.value.param == "messages"
