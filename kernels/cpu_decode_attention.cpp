@@ -18,7 +18,7 @@
 // b + 1's rows, one cache line of K and one of V per step of its walks (Stager); a request that no
 // previous one staged (a thread's first) prefetches its own rows a few positions ahead, as the plain
 // path does. Batch 64 of the bundled model's shapes: 1.6-1.7x faster than prefetching each request's own
-// rows only (docs/benchmarks.md).
+// rows only (docs/cpu.md).
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>

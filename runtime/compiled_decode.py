@@ -25,7 +25,7 @@ host) gave wrong tokens or aborted the process. So the cache folder gets one sub
 (`_inductor_cache_per_cpu`), whether the folder is inductor's default or the user's.
 
 The fused kernels round differently from eager ones: in bfloat16 the greedy tokens can change, like
-any other change of kernels; docs/benchmarks.md reports the measured agreement.
+any other change of kernels; docs/cpu.md reports the measured agreement.
 """
 
 from __future__ import annotations
@@ -138,7 +138,7 @@ class CompiledDecode:
         # The C++ paged decode attention (lens per request) or a gather and SDPA (a mask).
         self.paged_kernel = paged_kernel
         # cpp_wrapper: the graph's calls to its kernels and to aten ops are made from generated C++, not
-        # Python; at batch 1 that is ~15% of a step (docs/benchmarks.md).
+        # Python; at batch 1 that is ~15% of a step (docs/cpu.md).
         log.info("inductor's cache: %s", _inductor_cache_per_cpu())
         self._fn = torch.compile(_decode_step, dynamic=True, options={"cpp_wrapper": True})
         self.warm = False

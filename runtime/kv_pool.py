@@ -16,7 +16,7 @@ that of the most pages ever held at once (requests' and the prefix cache's), wha
 
 On CPU the pool also asks Linux for transparent huge pages (`madvise(MADV_HUGEPAGE)`, before its
 first touch): decode attention reads requests' pages scattered over hundreds of MB, and huge pages
-cut its time at batch 64 by ~18% (docs/benchmarks.md; fewer TLB misses is the likely cause, not
+cut its time at batch 64 by ~18% (docs/cpu.md, "Measured"; fewer TLB misses is the likely cause, not
 measured). They are granted at the first write of each 2 MiB, so memory then grows in 2 MiB steps.
 Where the kernel or its settings refuse, the pool keeps ordinary pages.
 """
