@@ -273,7 +273,8 @@ def main(argv: list[str] | None = None) -> int:
             parser.error(f"--profile {args.profile}: {e}")
     else:
         from pdserve.config import RuntimeConfig
-        from pdserve.plan.measure import measure, measure_cluster
+        from pdserve.plan.measure import measure
+        from pdserve.plan.measure_cluster import measure_cluster
 
         print("measuring this host's profile...", file=sys.stderr, flush=True)
         if args.url:

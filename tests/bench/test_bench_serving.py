@@ -112,7 +112,7 @@ def test_bench_against_cluster(tmp_path):
                  "--output-json", str(good["trace"]), "--plot", str(goodput_plots)]  # fmt: skip
         assert goodput_main(flags) == 0
         # The planner's profile through this cluster, at points small enough for a test.
-        from pdserve.plan.measure import ClusterPoints, measure_cluster
+        from pdserve.plan.measure_cluster import ClusterPoints, measure_cluster
 
         points = ClusterPoints(prefill_tokens=(16, 64), prefix_tokens=(64,), batches=(1, 2), contexts=(16,),
                                fit_shapes=((64, 8), (16, 12)))  # fmt: skip

@@ -93,7 +93,7 @@ def test_a_damaged_profile_is_refused(tmp_path) -> None:
 
 
 def test_shared_efficiency_slows_overlapping_forwards_and_is_fitted_back() -> None:
-    from pdserve.plan.measure import fit_efficiency, fit_trace
+    from pdserve.plan.measure_cluster import fit_efficiency, fit_trace
 
     p = _profile()
     p.shared_efficiency = 0.5
