@@ -27,8 +27,9 @@ import sys
 from dataclasses import dataclass
 
 from pdserve.plan.datasheet import GPUS, MODELS, fits, paper_profile
+from pdserve.plan.goodput import Capacity, capacity, goodput
 from pdserve.plan.profile import Profile
-from pdserve.plan.simulate import Capacity, capacity, goodput, poisson_workload, simulate
+from pdserve.plan.simulate import poisson_workload, simulate
 
 WORKLOADS = {  # name: (prompt tokens, output tokens), lengths drawn in [ratio x len, len]
     "prompt-heavy": (1024, 16),

@@ -21,8 +21,9 @@ import statistics
 from dataclasses import dataclass
 from typing import Any
 
+from pdserve.plan.goodput import Capacity, capacity, goodput
 from pdserve.plan.profile import Profile
-from pdserve.plan.simulate import MIN_EFFICIENCY, Arrival, Capacity, Outcome, capacity, goodput, simulate
+from pdserve.plan.simulate import MIN_EFFICIENCY, Arrival, Outcome, simulate
 from pdserve.plan.simulate import fit_efficiency as bisect_efficiency
 
 

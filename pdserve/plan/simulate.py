@@ -162,35 +162,80 @@ class _Pending:
         return bool(self._workers)
 
 
-def simulate(
-    profile: Profile,
-    num_prefill: int,
-    num_decode: int,
-    arrivals: list[Arrival],
-    shared: bool = True,
-    decode_profile: Profile | None = None,
-) -> list[Outcome]:
-    """Every request's first and last token times on a cluster of that split; the decode workers run
-    `decode_profile` where given (a TP size of their own), else `profile`."""
-    dp = decode_profile or profile
-    prefill = [_Worker("prefill", i) for i in range(num_prefill)]
-    decode = [_Worker("decode", i) for i in range(num_decode)]
-    outcomes = [Outcome(a.at, a.prompt, a.output, min(a.cached, a.prompt - 1)) for a in arrivals]
-    events: list[tuple[float, int, str, int]] = []  # (time, seq, "arrive" | "kv", request or KV key)
-    seq = 0
-    for i, a in enumerate(arrivals):
-        heapq.heappush(events, (a.at, seq, "arrive", i))
-        seq += 1
-    jobs: list[_Job] = []
-    turns = _Turns() if shared and profile.sharing == "turns" else None
-    t = 0.0
+class _Cluster:
+    """One simulated run: the workers, the events to come (arrivals, KV landing) and the forwards under
+    way; `run` takes the next of a worker starting, a forward reaching its end or an offer, and an event."""
 
-    def start(job: _Job) -> None:
-        jobs.append(job)
-        if turns is not None:
-            turns.add(job)
+    def __init__(
+        self,
+        profile: Profile,
+        num_prefill: int,
+        num_decode: int,
+        arrivals: list[Arrival],
+        shared: bool,
+        dp: Profile,
+    ) -> None:
+        self.profile, self.dp, self.shared = profile, dp, shared
+        self.prefill = [_Worker("prefill", i) for i in range(num_prefill)]
+        self.decode = [_Worker("decode", i) for i in range(num_decode)]
+        self.outcomes = [Outcome(a.at, a.prompt, a.output, min(a.cached, a.prompt - 1)) for a in arrivals]
+        self.events: list[tuple[float, int, str, int]] = []  # (time, seq, "arrive" | "kv", request or KV key)
+        self.seq = 0
+        for i, a in enumerate(arrivals):
+            self._push(a.at, "arrive", i)
+        self.jobs: list[_Job] = []
+        self.turns = _Turns() if shared and profile.sharing == "turns" else None
+        self.t = 0.0
+        self.kv_waiting: dict[int, _Running] = {}
+        self.pending = _Pending()  # workers to start once every event of this instant is in (a batch forms)
 
-    def start_prefill(w: _Worker) -> None:
+    def _push(self, at: float, kind: str, key: int) -> None:
+        heapq.heappush(self.events, (at, self.seq, kind, key))
+        self.seq += 1
+
+    def run(self) -> list[Outcome]:
+        while self.events or self.jobs or self.pending:
+            if self.pending and (not self.events or self.events[0][0] > self.t):
+                self._start_pending()
+            elif not self._compute():
+                self._next_event()
+        return self.outcomes
+
+    # ---- admission: arrivals routed by the gateway, KV landing on a decode worker ----
+
+    def _next_event(self) -> None:
+        _, _, kind, i = heapq.heappop(self.events)
+        if kind == "arrive":
+            o = self.outcomes[i]
+            p = min(self.prefill, key=lambda w: (w.assigned, w.index))
+            d = min(self.decode, key=lambda w: (w.assigned, w.index))
+            r = _Running(o, o.prompt + 1, o.output - 1, d.index)
+            p.assigned += 1
+            d.assigned += 1
+            p.queue.append(r)
+            self.pending.add(p.index, p)
+        else:
+            r = self.kv_waiting.pop(i)
+            d = self.decode[r.decode_worker]
+            d.queue.append(r)
+            self.pending.add(d.index, d)
+
+    def _start_pending(self) -> None:
+        for w in self.pending.take():
+            if w.job is None and w.role == "prefill" and w.queue:
+                self._start_prefill(w)
+            elif w.job is None and w.role == "decode" and (w.queue or w.running):
+                self._start_decode(w)
+
+    def _start(self, job: _Job) -> None:
+        self.jobs.append(job)
+        if self.turns is not None:
+            self.turns.add(job)
+
+    # ---- a prefill turn: the queue's head, up to the chunk and batch limits ----
+
+    def _start_prefill(self, w: _Worker) -> None:
+        profile = self.profile
         batch: list[_Running] = []
         tokens = 0
         while w.queue and len(batch) < profile.max_running_requests:
@@ -206,41 +251,39 @@ def simulate(
             if o.cached:
                 n = o.prompt - o.cached
                 work += profile.prefill(n, o.cached) - profile.prefill(n)
-        offers = turns is not None and tokens >= profile.offer_min_tokens and profile.layers > 1
+        offers = self.turns is not None and tokens >= profile.offer_min_tokens and profile.layers > 1
         w.job = _Job(w, work, batch, work / profile.layers if offers else 0.0)
-        start(w.job)
+        self._start(w.job)
 
-    def fits(w: _Worker, r: _Running) -> bool:
+    def _finish_prefill(self, job: _Job, now: float) -> None:
+        w = job.worker
+        for r in job.requests:
+            w.assigned -= 1
+            r.outcome.first = now
+            if r.left == 0:
+                r.outcome.done = now
+                self.decode[r.decode_worker].assigned -= 1
+                continue
+            self.kv_waiting[self.seq] = r
+            self._push(now + self.profile.transfer(r.outcome.prompt), "kv", self.seq)
+
+    # ---- a decode step: the running requests and those the KV room admits ----
+
+    def _fits(self, w: _Worker, r: _Running) -> bool:
         need = r.outcome.prompt + r.outcome.output
-        return not w.running or not dp.kv_tokens or w.kv_reserved + need <= dp.kv_tokens
+        return not w.running or not self.dp.kv_tokens or w.kv_reserved + need <= self.dp.kv_tokens
 
-    def start_decode(w: _Worker) -> None:
-        while w.queue and len(w.running) < dp.max_running_requests and fits(w, w.queue[0]):
+    def _start_decode(self, w: _Worker) -> None:
+        while w.queue and len(w.running) < self.dp.max_running_requests and self._fits(w, w.queue[0]):
             r = w.queue.popleft()
             w.running.append(r)
             w.kv_reserved += r.outcome.prompt + r.outcome.output
         context = sum(r.context for r in w.running) / len(w.running)
-        w.job = _Job(w, dp.decode(len(w.running), context), list(w.running))
-        start(w.job)
+        w.job = _Job(w, self.dp.decode(len(w.running), context), list(w.running))
+        self._start(w.job)
 
-    def finish(job: _Job, now: float) -> None:
-        nonlocal seq
+    def _finish_decode(self, job: _Job, now: float) -> None:
         w = job.worker
-        w.job = None
-        jobs.remove(job)
-        if w.role == "prefill":
-            for r in job.requests:
-                w.assigned -= 1
-                r.outcome.first = now
-                if r.left == 0:
-                    r.outcome.done = now
-                    decode[r.decode_worker].assigned -= 1
-                    continue
-                heapq.heappush(events, (now + profile.transfer(r.outcome.prompt), seq, "kv", seq))
-                kv_waiting[seq] = r
-                seq += 1
-            pending.add(w.index, w)
-            return
         for r in job.requests:
             r.left -= 1
             r.context += 1
@@ -249,72 +292,57 @@ def simulate(
                 w.running.remove(r)
                 w.assigned -= 1
                 w.kv_reserved -= r.outcome.prompt + r.outcome.output
-        pending.add(w.index, w)
 
-    kv_waiting: dict[int, _Running] = {}
-    pending = _Pending()  # workers to start once every event of this instant is in (a batch forms)
-    while events or jobs or pending:
-        if pending and (not events or events[0][0] > t):
-            for w in pending.take():
-                if w.job is None and w.role == "prefill" and w.queue:
-                    start_prefill(w)
-                elif w.job is None and w.role == "decode" and (w.queue or w.running):
-                    start_decode(w)
-            continue
+    # ---- bookkeeping: the cores' time shared among the forwards, and forwards ending ----
+
+    def _compute(self) -> bool:
+        """Advance to the next forward's end or offer, or to the next event, whichever comes first; True
+        where it was a forward's (handled here), False where the event is next."""
         # While more than one forward is active they run at shared_efficiency of the profile's speed; under
         # "processor" sharing each then gets 1/k of it, under "turns" only the turn's holder computes.
-        eff = profile.shared_efficiency if shared and len(jobs) > 1 else 1.0
-        t_event = events[0][0] if events else float("inf")
+        jobs, turns = self.jobs, self.turns
+        eff = self.profile.shared_efficiency if self.shared and len(jobs) > 1 else 1.0
+        t_event = self.events[0][0] if self.events else float("inf")
         if turns is not None:
             running, speed = ([turns.holder] if turns.holder is not None else []), eff
         else:
-            running, speed = jobs, (eff / len(jobs) if shared and len(jobs) > 1 else 1.0)
+            running, speed = jobs, (eff / len(jobs) if self.shared and len(jobs) > 1 else 1.0)
         nxt = min(running, key=_Job.due) if running else None
-        t_job = t + nxt.due() / speed if nxt is not None else float("inf")
+        t_job = self.t + nxt.due() / speed if nxt is not None else float("inf")
         now = min(t_job, t_event)
         for j in running:
-            j.work -= (now - t) * speed
-            j.to_offer -= (now - t) * speed
-        t = now
-        if nxt is not None and t_job <= t_event:
-            ended = turns.reached() if turns is not None else nxt
-            if ended is not None:
-                finish(ended, t)
-            continue
-        _, _, kind, i = heapq.heappop(events)
-        if kind == "arrive":
-            o = outcomes[i]
-            p = min(prefill, key=lambda w: (w.assigned, w.index))
-            d = min(decode, key=lambda w: (w.assigned, w.index))
-            r = _Running(o, o.prompt + 1, o.output - 1, d.index)
-            p.assigned += 1
-            d.assigned += 1
-            p.queue.append(r)
-            pending.add(p.index, p)
+            j.work -= (now - self.t) * speed
+            j.to_offer -= (now - self.t) * speed
+        self.t = now
+        if nxt is None or t_job > t_event:
+            return False
+        ended = turns.reached() if turns is not None else nxt
+        if ended is not None:
+            self._finish(ended, now)
+        return True
+
+    def _finish(self, job: _Job, now: float) -> None:
+        w = job.worker
+        w.job = None
+        self.jobs.remove(job)
+        if w.role == "prefill":
+            self._finish_prefill(job, now)
         else:
-            r = kv_waiting.pop(i)
-            d = decode[r.decode_worker]
-            d.queue.append(r)
-            pending.add(d.index, d)
-    return outcomes
+            self._finish_decode(job, now)
+        self.pending.add(w.index, w)
 
 
-def goodput(outcomes: list[Outcome], ttft_slo: float, tpot_slo: float) -> dict[str, float]:
-    """bench goodput's measures (benchmarks/bench_goodput.py) over a simulated run that starts at 0."""
-    n = len(outcomes)
-    duration = max((o.done for o in outcomes), default=0.0)
-    ttft_ok = [o.ttft <= ttft_slo for o in outcomes]
-    tpot_ok = [o.tpot <= tpot_slo for o in outcomes]
-    good = sum(a and b for a, b in zip(ttft_ok, tpot_ok))
-    return {
-        "requests": n,
-        "good": good,
-        "duration_s": duration,
-        "goodput": good / duration if duration > 0 else 0.0,
-        "attainment": good / n if n else 0.0,
-        "ttft_attainment": sum(ttft_ok) / n if n else 0.0,
-        "tpot_attainment": sum(tpot_ok) / n if n else 0.0,
-    }
+def simulate(
+    profile: Profile,
+    num_prefill: int,
+    num_decode: int,
+    arrivals: list[Arrival],
+    shared: bool = True,
+    decode_profile: Profile | None = None,
+) -> list[Outcome]:
+    """Every request's first and last token times on a cluster of that split; the decode workers run
+    `decode_profile` where given (a TP size of their own), else `profile`."""
+    return _Cluster(profile, num_prefill, num_decode, arrivals, shared, decode_profile or profile).run()
 
 
 # The least shared efficiency a fit considers.
@@ -335,34 +363,3 @@ def fit_efficiency(mean_e2e: Callable[[float], float], measured: float) -> float
         else:
             hi = mid
     return round(hi, 4)
-
-
-@dataclass(frozen=True)
-class Capacity:
-    """DistServe's goodput: the highest request rate at which `target` of the requests meet both SLOs.
-    `bound` is "" where the attainment crossed the target between two rates (linear between them), "<"
-    where even the lowest rate missed it, ">=" where even the highest met it."""
-
-    rate: float
-    bound: str = ""
-
-    def __str__(self) -> str:
-        return f"{self.bound}{self.rate:.3g}"
-
-
-def capacity(points: list[tuple[float, float]], target: float) -> Capacity:
-    """From (rate, attainment) points: below the first rate to miss `target`, the rate where the line
-    between it and the rate before (which met it) crosses the target. A rate that misses the target is
-    not rescued by a higher one that met it again (the noise of a short run, not capacity)."""
-    pts = sorted(points)
-    if not pts:
-        raise ValueError("no rates to find a capacity in")
-    prev: tuple[float, float] | None = None
-    for rate, att in pts:
-        if att < target:
-            if prev is None:
-                return Capacity(rate, "<")
-            (r0, a0), (r1, a1) = prev, (rate, att)
-            return Capacity(r0 + (r1 - r0) * (a0 - target) / (a0 - a1))
-        prev = (rate, att)
-    return Capacity(pts[-1][0], ">=")

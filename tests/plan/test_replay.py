@@ -8,6 +8,7 @@ import subprocess
 import pytest
 
 from pdserve.launch.supervisor import pdserve_command
+from pdserve.plan.goodput import Capacity
 from pdserve.plan.profile import Profile
 from pdserve.plan.replay import (
     ReplayError,
@@ -19,7 +20,7 @@ from pdserve.plan.replay import (
     parse_split,
     predict,
 )
-from pdserve.plan.simulate import Arrival, Capacity, simulate
+from pdserve.plan.simulate import Arrival, simulate
 
 pytestmark = pytest.mark.timeout(120)
 

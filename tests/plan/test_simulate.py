@@ -5,8 +5,9 @@ from __future__ import annotations
 
 import pytest
 
+from pdserve.plan.goodput import Capacity, capacity, goodput
 from pdserve.plan.profile import Profile
-from pdserve.plan.simulate import Arrival, Capacity, capacity, goodput, poisson_workload, simulate
+from pdserve.plan.simulate import Arrival, poisson_workload, simulate
 
 
 def _profile(prefill_s=(1.0, 1.0), decode_s=((0.1, 0.1), (0.1, 0.1)), transfer=0.0, **kw) -> Profile:
