@@ -42,57 +42,81 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="pdserve plan", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    p.add_argument("--profile", help="a profile JSON (from --profile-out); default: measure this host now")
-    p.add_argument("--profile-out", help="measure this host, save the profile here, and stop")
-    p.add_argument(
+    _profile_args(p.add_argument_group("the profile: loaded, measured here, or on paper"))
+    _workload_args(p.add_argument_group("the workload and its targets"))
+    _search_args(p.add_argument_group("the search"))
+    _replay_args(p.add_argument_group("replay of a measured run (instead of a search)"))
+    return p
+
+
+def _profile_args(g: argparse._ArgumentGroup) -> None:
+    g.add_argument("--profile", help="a profile JSON (from --profile-out); default: measure this host now")
+    g.add_argument("--profile-out", help="measure this host, save the profile here, and stop")
+    g.add_argument(
         "--url",
         help="measure through this running cluster (1 prefill + 1 decode worker, idle) instead of in this "
         "process: its requests' whole cost, HTTP and the workers' loops included",
     )
-    p.add_argument("--model-path", default=None, help="default: the bundled SmolLM2-135M-Instruct")
-    p.add_argument("--dtype", default="auto")
-    p.add_argument("--quantization", default="auto")
-    p.add_argument("--workers", type=int, nargs="+", default=[2, 3], help="worker counts to split")
-    p.add_argument("--workload", choices=sorted(WORKLOADS), default="balanced")
-    p.add_argument("--input-len", type=int, help="prompt tokens (overrides --workload's)")
-    p.add_argument("--output-len", type=int, help="output tokens (overrides --workload's)")
-    p.add_argument("--range-ratio", type=float, default=0.5, help="lengths uniform in [ratio x len, len]")
-    p.add_argument(
-        "--cached-prefix",
-        type=int,
-        default=0,
-        help="tokens before each prompt that the prefix cache holds (a shared system prompt): read, not "
-        "computed, at the profile's prefix_s cost",
-    )
-    p.add_argument("--rates", type=float, nargs="+", default=[0.25, 0.5, 1, 2, 4])
-    p.add_argument("--num-prompts", type=int, default=200)
-    p.add_argument("--ttft-slo", type=float, default=2.0, help="seconds")
-    p.add_argument("--tpot-slo", type=float, default=0.2, help="seconds per output token after the first")
-    p.add_argument("--dedicated", action="store_true", help="each worker on a device of its own (GPUs)")
-    p.add_argument(
+    g.add_argument("--model-path", default=None, help="default: the bundled SmolLM2-135M-Instruct")
+    g.add_argument("--dtype", default="auto")
+    g.add_argument("--quantization", default="auto")
+    g.add_argument(
         "--gpu", choices=sorted(GPUS), help="plan on paper for this GPU (datasheet.py; implies --dedicated)"
     )
-    p.add_argument(
+    g.add_argument(
         "--gpu-model", choices=sorted(MODELS), default="llama-3.1-8b", help="the model --gpu serves"
     )
-    p.add_argument("--transfer-gbps", type=float, default=25.0, help="--gpu: GB/s of one KV hand-off")
-    p.add_argument(
+    g.add_argument("--transfer-gbps", type=float, default=25.0, help="--gpu: GB/s of one KV hand-off")
+    g.add_argument(
         "--tp-sizes",
         type=int,
         nargs="+",
         default=[1],
         help="--gpu: TP sizes a prefill or decode worker may have (each tier picks its own)",
     )
-    p.add_argument(
+
+
+def _workload_args(g: argparse._ArgumentGroup) -> None:
+    g.add_argument("--workload", choices=sorted(WORKLOADS), default="balanced")
+    g.add_argument("--input-len", type=int, help="prompt tokens (overrides --workload's)")
+    g.add_argument("--output-len", type=int, help="output tokens (overrides --workload's)")
+    g.add_argument("--range-ratio", type=float, default=0.5, help="lengths uniform in [ratio x len, len]")
+    g.add_argument(
+        "--cached-prefix",
+        type=int,
+        default=0,
+        help="tokens before each prompt that the prefix cache holds (a shared system prompt): read, not "
+        "computed, at the profile's prefix_s cost",
+    )
+    g.add_argument("--num-prompts", type=int, default=200)
+    g.add_argument("--seed", type=int, default=0)
+    g.add_argument("--ttft-slo", type=float, default=2.0, help="seconds")
+    g.add_argument("--tpot-slo", type=float, default=0.2, help="seconds per output token after the first")
+    g.add_argument(
+        "--attainment",
+        type=float,
+        default=0.9,
+        help="the share of requests within both targets that DistServe's goodput asks of a rate: the "
+        "highest such rate is printed per split (linear between the rates tried)",
+    )
+
+
+def _search_args(g: argparse._ArgumentGroup) -> None:
+    g.add_argument("--workers", type=int, nargs="+", default=[2, 3], help="worker counts to split")
+    g.add_argument("--rates", type=float, nargs="+", default=[0.25, 0.5, 1, 2, 4])
+    g.add_argument(
         "--rates-per-worker",
         action="store_true",
         help="--rates are per worker (per GPU with --gpu): x each count",
     )
-    p.add_argument(
+    g.add_argument(
         "--max-splits", type=int, help="simulate at most this many splits per count, evenly spaced"
     )
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument(
+    g.add_argument("--dedicated", action="store_true", help="each worker on a device of its own (GPUs)")
+
+
+def _replay_args(g: argparse._ArgumentGroup) -> None:
+    g.add_argument(
         "--replay",
         metavar="FILE",
         nargs="+",
@@ -100,7 +124,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--output-json, or --plot's goodput.json) and print predicted against measured (replay.py); "
         "several files: one rate sweep run in parts, a later file's server and rate replacing an earlier's",
     )
-    p.add_argument(
+    g.add_argument(
         "--replay-split",
         metavar="NAME=PxD",
         action="append",
@@ -108,21 +132,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="--replay: the split of a server the run did not launch (--base-url's is named server), "
         "e.g. server=1P1D",
     )
-    p.add_argument(
+    g.add_argument(
         "--replay-fit",
         metavar="SERVER@RATE",
         help="--replay: first fit the profile's shared efficiency to that run (e.g. pdserve@0.75), to "
         "several pooled (pdserve@0.5,pdserve@0.75), or to every rate of a server (pdserve@*: steadier "
         "than one run); with --profile-out, save the profile so refitted",
     )
-    p.add_argument(
-        "--attainment",
-        type=float,
-        default=0.9,
-        help="the share of requests within both targets that DistServe's goodput asks of a rate: the "
-        "highest such rate is printed per split (linear between the rates tried)",
-    )
-    return p
 
 
 def _pct(xs: list[float], q: float) -> float:
