@@ -255,18 +255,7 @@ def bench_kv_handoff(
     one_gather = lambda: gather_pages(kv, flat, whole)
     one_scatter = lambda: scatter_pages(kv, flat, whole)
 
-    # Correctness: the first request chunk by chunk, gathered into place and scattered back.
-    got = torch.empty((per_req, *geometry.page_shape), device=device, dtype=BF16)
-    for start, end in ranges:
-        gather_pages(kv, ids[0, start:end], got[start:end])
-    gather_ok = torch.equal(got, kv[ids[0]])
-    sent = torch.randn_like(got)
-    for index, (start, end) in enumerate(ranges):
-        view = chunk_view(staging[index % 2], geometry, end - start)
-        view.copy_(sent[start:end])
-        scatter_pages(kv, ids[0, start:end], view)
-    scatter_ok = torch.equal(kv[ids[0]], sent)
-
+    gather_ok, scatter_ok = _handoff_exact(kv, ids[0], ranges, staging)
     gbytes = 2 * requests * per_req * geometry.page_bytes / 1e9  # each page read once and written once
     problem = f"L{layers} Hkv{kv_heads} D{dim} P{page}: {requests}x{tokens} tok"
     if requests == 1:
@@ -283,6 +272,26 @@ def bench_kv_handoff(
         f"{chunk_bytes / 2**20:.3g} MiB chunk, {len(ranges)} chunks per request"
     )
     return rows
+
+
+def _handoff_exact(
+    kv: torch.Tensor, pages: torch.Tensor, ranges: list[tuple[int, int]], staging: list[torch.Tensor]
+) -> tuple[bool, bool]:
+    """Whether one request's `pages`, chunk by chunk over `ranges`, gather into place and scatter back
+    through the staging buffers exactly: (gather, scatter)."""
+    from pdserve.kv_transfer.layout import chunk_view, gather_pages, geometry_of, scatter_pages
+
+    geometry = geometry_of(kv)
+    got = torch.empty((pages.numel(), *geometry.page_shape), device=kv.device, dtype=kv.dtype)
+    for start, end in ranges:
+        gather_pages(kv, pages[start:end], got[start:end])
+    gather_ok = torch.equal(got, kv[pages])
+    sent = torch.randn_like(got)
+    for index, (start, end) in enumerate(ranges):
+        view = chunk_view(staging[index % 2], geometry, end - start)
+        view.copy_(sent[start:end])
+        scatter_pages(kv, pages[start:end], view)
+    return gather_ok, torch.equal(kv[pages], sent)
 
 
 def _print_table(rows: list[Row], copy_gbs: float) -> bool:
