@@ -11,9 +11,9 @@ Lenient where SGLang and vLLM are, strict where a wrong guess would change the a
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, field_validator, model_validator
 
 StopField = str | list[str] | None
 
@@ -27,6 +27,34 @@ def check_rid(rid: str | list[str] | None) -> str | list[str] | None:
         if len(r) > MAX_RID_CHARS:
             raise ValueError(f"a rid may have at most {MAX_RID_CHARS} characters, got {len(r)}")
     return rid
+
+
+# OpenAI's caps on `metadata` (chat completions, responses): kept with the request or the stored response.
+MAX_METADATA_KEYS = 16
+MAX_METADATA_KEY_CHARS = 64
+MAX_METADATA_VALUE_CHARS = 512
+
+
+def check_metadata(value: Any) -> Any:
+    """At most `MAX_METADATA_KEYS` keys of at most `MAX_METADATA_KEY_CHARS` characters, string values
+    of at most `MAX_METADATA_VALUE_CHARS`. Runs before the type check, so 250k keys cost one len()."""
+    if not isinstance(value, dict):
+        return value  # the type check names it
+    if len(value) > MAX_METADATA_KEYS:
+        raise ValueError(f"too many keys: expected at most {MAX_METADATA_KEYS}, got {len(value)}")
+    for k, v in value.items():
+        if isinstance(k, str) and len(k) > MAX_METADATA_KEY_CHARS:
+            raise ValueError(
+                f"key {k[:20]!r}... too long: at most {MAX_METADATA_KEY_CHARS} characters, got {len(k)}"
+            )
+        if isinstance(v, str) and len(v) > MAX_METADATA_VALUE_CHARS:
+            raise ValueError(
+                f"value of {k[:20]!r} too long: at most {MAX_METADATA_VALUE_CHARS} characters, got {len(v)}"
+            )
+    return value
+
+
+Metadata = Annotated[dict[str, str], BeforeValidator(check_metadata)]
 
 
 class LenientModel(BaseModel):
@@ -198,7 +226,7 @@ class _OpenAIBase(SamplingFields):
     _rid = field_validator("rid")(check_rid)
     # Accepted and ignored: OpenAI's storage and tagging of completions.
     store: bool | None = None
-    metadata: dict[str, Any] | None = None
+    metadata: Metadata | None = None
 
     @model_validator(mode="after")
     def _stream_options(self) -> _OpenAIBase:

@@ -8,7 +8,8 @@ skipped. `tools` (function tools only) and `tool_choice`, `parallel_tool_calls`,
 (json_object, json_schema: enforced by the grammar backend as response_format), `reasoning.effort`,
 `max_output_tokens`, `temperature`, `top_p`. With `previous_response_id`, the stored conversation up
 to that response comes first (its instructions are not carried over, as OpenAI does).
-responses_reply.py shapes the answer and its stream; responses_store.py keeps what `store` asks.
+responses_models.py holds the body's shape (and what the answer may repeat of it), responses_reply.py
+shapes the answer and its stream; responses_store.py keeps what `store` asks.
 """
 
 from __future__ import annotations
@@ -16,17 +17,16 @@ from __future__ import annotations
 import time
 from collections.abc import AsyncGenerator
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any
 
 from fastapi import APIRouter, Request
 from fastapi.responses import Response
-from pydantic import Field
 
 from pdserve.gateway.errors import ApiError, bad_request
 from pdserve.gateway.generation import GenInput
 from pdserve.gateway.openai_api import serve_chat_as
 from pdserve.gateway.protocol import parse_body
-from pdserve.gateway.request_models import LenientModel
+from pdserve.gateway.responses_models import InputItem, NamedFunction, Part, ResponsesBody, TextConfig
 from pdserve.gateway.responses_reply import ResponseStream, output_items, response_object
 from pdserve.gateway.responses_store import ResponseStore, owner_of
 from pdserve.gateway.serving import sse
@@ -34,48 +34,6 @@ from pdserve.gateway.state import gateway_state
 
 router = APIRouter()
 Json = dict[str, Any]
-
-
-class Part(LenientModel):
-    type: str
-    text: str | None = None
-
-
-class InputItem(LenientModel):
-    type: str = "message"
-    role: Literal["user", "assistant", "system", "developer"] | None = None
-    content: str | list[Part] | None = None
-    call_id: str | None = None
-    name: str | None = None
-    arguments: str | None = None
-    output: str | list[Part] | None = None
-
-
-class FunctionTool(LenientModel):
-    type: str
-    name: str = Field(min_length=1, max_length=128)
-    description: str | None = None
-    parameters: dict[str, Any] | None = None
-    strict: bool | None = None
-
-
-class ResponsesBody(LenientModel):
-    model: str | None = None
-    input: str | list[InputItem]
-    instructions: str | None = None
-    tools: list[FunctionTool] | None = None
-    tool_choice: Literal["auto", "none", "required"] | dict[str, Any] | None = None
-    parallel_tool_calls: bool = True
-    text: dict[str, Any] | None = None
-    reasoning: dict[str, Any] | None = None
-    max_output_tokens: int | None = Field(None, ge=1)
-    temperature: float | None = None
-    top_p: float | None = None
-    stream: bool = False
-    store: bool = True
-    previous_response_id: str | None = None
-    metadata: dict[str, str] | None = None
-    user: str | None = None
 
 
 def _text(content: str | list[Part] | None, param: str) -> str:
@@ -122,33 +80,24 @@ def _items(items: list[InputItem]) -> list[Json]:
     return msgs
 
 
-def _response_format(text: Json | None) -> Json | None:
-    fmt = (text or {}).get("format")
-    if not isinstance(fmt, dict) or fmt.get("type", "text") == "text":
+def _response_format(text: TextConfig | None) -> Json | None:
+    fmt = text.format.echo() if text is not None else {}
+    if fmt.get("type", "text") == "text":
         return None
-    if fmt.get("type") == "json_schema":
+    if fmt["type"] == "json_schema":
         spec = {k: fmt[k] for k in ("name", "schema", "strict") if k in fmt}
         return {"type": "json_schema", "json_schema": spec}
-    return {"type": fmt.get("type")}  # json_object, or a type the chat check refuses by name
+    return {"type": fmt["type"]}  # json_object
 
 
 def _tools(body: ResponsesBody) -> tuple[list[Json] | None, Any]:
-    for i, t in enumerate(body.tools or []):
-        if t.type != "function":
-            raise bad_request(
-                f"tools of type '{t.type}' are not supported (function only)", f"tools.{i}.type"
-            )
     tools = [
         {"type": "function", "function": t.model_dump(exclude={"type"}, exclude_none=True)}
         for t in body.tools or []
     ]
     tc = body.tool_choice
-    if isinstance(tc, dict):
-        if tc.get("type") != "function" or not isinstance(tc.get("name"), str):
-            raise bad_request(
-                "tool_choice must be auto, none, required or {type: function, name}", "tool_choice"
-            )
-        tc = {"type": "function", "function": {"name": tc["name"]}}
+    if tc is not None and not isinstance(tc, str):
+        tc = {"type": "function", "function": {"name": tc.name}}
     return tools or None, tc
 
 
@@ -174,7 +123,7 @@ class _Turn:
                     f"Previous response with id '{body.previous_response_id}' not found.",
                     "previous_response_id",
                 )
-            history = prev.messages
+            history = prev.messages()
         new = [{"role": "user", "content": body.input}] if isinstance(body.input, str) else _items(body.input)
         self.conversation = [*history, *new]
         system = [{"role": "system", "content": body.instructions}] if body.instructions else []
@@ -191,13 +140,14 @@ class _Turn:
             "tool_choice": tool_choice,
             "parallel_tool_calls": body.parallel_tool_calls,
             "response_format": _response_format(body.text),
-            "reasoning_effort": (body.reasoning or {}).get("effort"),
+            "reasoning_effort": body.reasoning.effort if body.reasoning else None,
             "user": body.user,
         }
 
     def echo(self, model: str) -> Json:
         b = self.body
         assert b is not None
+        tc = b.tool_choice
         return {
             "model": model,
             "instructions": b.instructions,
@@ -205,12 +155,15 @@ class _Turn:
             "metadata": b.metadata or {},
             "parallel_tool_calls": b.parallel_tool_calls,
             "previous_response_id": b.previous_response_id,
-            "reasoning": {"effort": (b.reasoning or {}).get("effort"), "summary": None},
+            "reasoning": {
+                "effort": b.reasoning.effort if b.reasoning else None,
+                "summary": b.reasoning.summary if b.reasoning else None,
+            },
             "store": b.store,
             "temperature": b.temperature,
-            "text": b.text or {"format": {"type": "text"}},
-            "tool_choice": b.tool_choice or "auto",
-            "tools": [t.model_dump(exclude_none=True) for t in b.tools or []],
+            "text": (b.text or TextConfig()).echo(),
+            "tool_choice": tc.echo() if isinstance(tc, NamedFunction) else tc or "auto",
+            "tools": [t.echo() for t in b.tools or []],
             "top_p": b.top_p,
             "truncation": "disabled",
             "user": b.user,
@@ -283,11 +236,11 @@ def _not_found(rid: str) -> ApiError:
 
 
 @router.get("/v1/responses/{response_id}")
-async def get_response(request: Request, response_id: str) -> Json:
+async def get_response(request: Request, response_id: str) -> Response:
     entry = gateway_state(request).responses.get(response_id, _owner(request))
     if entry is None:
         raise _not_found(response_id)
-    return entry.response
+    return Response(entry.response_json, media_type="application/json")  # stored as it is answered
 
 
 @router.delete("/v1/responses/{response_id}")
