@@ -16,26 +16,20 @@ from typing import Any
 import torch
 
 from pdserve.config import RuntimeConfig
-from pdserve.kv_transfer.layout import KV_LAYOUT, describe_split, kv_head_ranges
+from pdserve.kv_transfer.layout import kv_head_ranges
 from pdserve.kv_transfer.shm import SharedSegment, ShmError, copy_heads, shared_pool
-from pdserve.procfs import kb_field_bytes
-from pdserve.protocol.codec import PROTOCOL_VERSION
 from pdserve.protocol.vocabulary import finish_length
 from pdserve.runtime.attention import make_attention_backend
 from pdserve.runtime.attention_cpu import CpuAttention
 from pdserve.runtime.batch import ForwardMode
 from pdserve.runtime.compiled_decode import CompiledDecode
+from pdserve.runtime.fingerprint import fingerprint
 from pdserve.runtime.forward_turns import forward_turns
-from pdserve.runtime.grammar import (
-    CompileTimeout,
-    GrammarBackend,
-    GrammarMatcher,
-    InvalidGrammar,
-    apply_grammar_masks,
-)
-from pdserve.runtime.grammar import make_grammar_backend as _make_grammar_backend
+from pdserve.runtime.grammar import GrammarMatcher, apply_grammar_masks
+from pdserve.runtime.grammar.compiles import GrammarCompiles
 from pdserve.runtime.host import startup_line
 from pdserve.runtime.kv_pool import KVGeometry, KVPool, PageAllocator, RequestPages
+from pdserve.runtime.kv_sizing import describe_pool, kv_cache_dtype, pool_tokens
 from pdserve.runtime.loader import LoadedModel, load_model
 from pdserve.runtime.quant import dense_plan
 from pdserve.runtime.request import Request
@@ -47,72 +41,13 @@ from pdserve.sampling_params import SamplingParams
 
 log = logging.getLogger(__name__)
 
-# The CPU KV pool's default size (`default_cpu_pool_tokens`): at most this share of the host's available
-# memory per worker, and 32768 tokens where that cannot be read.
-CPU_POOL_MEMORY_SHARE = 0.1
-CPU_DEFAULT_MAX_TOTAL_TOKENS = 32768
 # Forwards of at least this many tokens offer their turn at the cores between layers (forward_turns.py):
 # ~150 ms and more on two cores, where a decode step waiting for all of it would stall every stream.
 OFFER_TURN_MIN_TOKENS = 256
 
 
-KV_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
-
-def kv_cache_dtype(flag: str, loaded: LoadedModel, device: torch.device) -> tuple[torch.dtype, str]:
-    """The KV pool's dtype for `--kv-cache-dtype`, and why (for the start-up line). auto: float16 for a
-    quantized model computing in float32 on CPU (half the pool's bytes; the attention converts each row
-    back to float32, F16C on x86; docs/benchmarks.md has its accuracy), else the model's dtype: an
-    unquantized float32 model stays the exactness reference. Other dtypes than the model's are CPU only
-    (the CUDA kernels store and read the model's dtype)."""
-    if flag == "auto":
-        if device.type == "cpu" and loaded.dtype == torch.float32 and loaded.quantization != "none":
-            return torch.float16, "auto: float16 for a quantized float32 model on CPU"
-        return loaded.dtype, "auto: the model's dtype"
-    if flag not in KV_DTYPES:
-        raise ValueError(f"--kv-cache-dtype {flag!r}: choose auto, {', '.join(KV_DTYPES)}")
-    dtype = KV_DTYPES[flag]
-    if dtype != loaded.dtype and device.type != "cpu":
-        raise ValueError(
-            f"--kv-cache-dtype {flag} differs from the model's dtype, which only CPU workers take"
-        )
-    return dtype, "asked"
-
-
 class ContextLengthError(ValueError):
     pass
-
-
-def mem_available_bytes(meminfo: str = "/proc/meminfo") -> int | None:
-    """The host's MemAvailable (what it can give without swapping) in bytes; None where unknown."""
-    return kb_field_bytes(meminfo, "MemAvailable")
-
-
-def default_cpu_pool_tokens(
-    context_length: int,
-    max_running_requests: int,
-    page_size: int,
-    bytes_per_token: int,
-    mem_available: int | None,
-) -> tuple[int, str]:
-    """The CPU KV pool's size in tokens when --max-total-tokens is not given, and why, in words.
-
-    What the worker can ever use, every running request at the full context length, capped at
-    CPU_POOL_MEMORY_SHARE of the host's available memory; whole pages, at least one. The pool costs
-    memory only as far as it is used (KVPool), so a large bound is cheap while idle; it is the
-    most the pool can grow to, requests' pages and the prefix cache's together (the cache keeps
-    pages until the pool runs short)."""
-    demand = context_length * max_running_requests
-    why = f"context {context_length} x {max_running_requests} running requests = {demand} tokens"
-    if mem_available is None:
-        tokens = min(demand, CPU_DEFAULT_MAX_TOTAL_TOKENS)
-        why += f", at most {CPU_DEFAULT_MAX_TOTAL_TOKENS} (MemAvailable unknown)"
-    else:
-        cap = int(mem_available * CPU_POOL_MEMORY_SHARE) // bytes_per_token
-        tokens = min(demand, cap)
-        share = f"{CPU_POOL_MEMORY_SHARE:.0%} of MemAvailable {mem_available / 2**30:.2f} GiB"
-        why += f", capped at {share} = {cap} tokens" if cap < demand else f" (under {share})"
-    return max(page_size, tokens // page_size * page_size), why
 
 
 class ModelRunner:
@@ -171,10 +106,9 @@ class ModelRunner:
         kv_dtype, kv_why = kv_cache_dtype(cfg.kv_cache_dtype, self.loaded, self.device)
         kv_heads = spec.num_kv_heads if layout is None else layout.kv_heads_per_rank
         self.geometry = KVGeometry(spec.num_layers, kv_heads, spec.head_dim, cfg.page_size, kv_dtype)
-        if cfg.max_total_tokens:
-            self.max_total_tokens, why = cfg.max_total_tokens, "--max-total-tokens"
-        else:
-            self.max_total_tokens, why = self._default_pool_tokens()
+        self.max_total_tokens, why = pool_tokens(
+            cfg, self.device, self.context_length, self.geometry.bytes_per_token
+        )
         num_pages = KVPool.pages_for(self.geometry, self.max_total_tokens)
         self.pool = KVPool(self.geometry, num_pages, self.device)
         self.allocator = PageAllocator(num_pages)
@@ -216,32 +150,12 @@ class ModelRunner:
                 else "batch-invariant decoding runs the eager kernels"
             )
             log.info("--enable-torch-compile ignored: %s", why)
-        self._grammars: GrammarBackend | None = None  # built at the first constrained request
-        self.turns = forward_turns(cfg.cpu_forward_lock if self.device.type == "cpu" else None)
-        log.info(
-            "KV pool: %d pages x %d tokens in %s (%s; %.2f GiB%s): %s",
-            num_pages,
-            cfg.page_size,
-            str(kv_dtype).removeprefix("torch."),
-            kv_why,
-            num_pages * cfg.page_size * self.geometry.bytes_per_token / 2**30,
-            ", memory taken as pages are first used" if self.device.type == "cpu" else "",
-            why,
+        self.grammars = GrammarCompiles(
+            cfg.grammar_backend, cfg.grammar_compile_timeout_s, self.loaded.folder, self.spec
         )
-
-    def _default_pool_tokens(self) -> tuple[int, str]:
-        """The pool's size in tokens without --max-total-tokens, and why (for the start-up log)."""
-        if self.device.type != "cuda":
-            return default_cpu_pool_tokens(
-                self.context_length,
-                self.cfg.max_running_requests,
-                self.cfg.page_size,
-                self.geometry.bytes_per_token,
-                mem_available_bytes(),
-            )
-        free, _ = torch.cuda.mem_get_info(self.device)
-        why = f"{self.cfg.mem_fraction_static:.2f} of free GPU memory {free / 2**30:.2f} GiB"
-        return int(free * self.cfg.mem_fraction_static) // self.geometry.bytes_per_token, why
+        self.turns = forward_turns(cfg.cpu_forward_lock if self.device.type == "cpu" else None)
+        lazy = self.device.type == "cpu"
+        log.info("KV pool: %s", describe_pool(self.geometry, num_pages, kv_why, lazy, why))
 
     @property
     def page_size(self) -> int:
@@ -338,33 +252,8 @@ class ModelRunner:
             self._tp_folder = None
 
     def fingerprint(self) -> dict[str, str | int]:
-        """This worker's compatibility record (pdserve/protocol/compat.py: what each field means and which
-        may differ between two nodes)."""
-        g, cfg = self.geometry, self.cfg
-        spec = (
-            "none"
-            if cfg.speculative_algorithm is None
-            else f"{cfg.speculative_algorithm}/{cfg.speculative_num_draft_tokens}"
-        )
-        return {
-            "architecture": self.spec.architecture,
-            "num_layers": g.num_layers,
-            "kv_heads": self.spec.num_kv_heads,  # the wire carries every head, whatever the TP sizes
-            "head_dim": g.head_dim,
-            "weights_hash": self.loaded.weights_hash,
-            "weights_dtype": str(self.loaded.dtype).removeprefix("torch."),
-            "quantization": self.loaded.quantization,
-            "kv_dtype": str(g.dtype).removeprefix("torch."),
-            "page_size": g.page_size,
-            "kv_layout": KV_LAYOUT,
-            # a batch-invariant pair computes a prompt's KV as its decode steps would: both sides or neither
-            "batch_invariant": int(self.loaded.batch_invariant),
-            **self.loaded.tokenizer_hashes,
-            "protocol": PROTOCOL_VERSION,
-            "attention_backend": type(self.backend).__name__,
-            "speculative": spec,
-            "kv_heads_split": describe_split(self.spec.num_kv_heads, self.tp_size),
-        }
+        """This worker's compatibility record (runtime/fingerprint.py)."""
+        return fingerprint(self.cfg, self.loaded, self.geometry, type(self.backend).__name__, self.tp_size)
 
     def check_fits(self, prompt_len: int, max_new_tokens: int) -> None:
         if prompt_len < 1:
@@ -423,43 +312,13 @@ class ModelRunner:
             self.forward(ForwardMode.EXTEND, [r], [(r.prompt_ids + r.output_ids)[:-1]])
 
     def grammar_matcher(self, params: SamplingParams) -> GrammarMatcher | None:
-        """A fresh matcher for the request's output constraint (None without one), waiting for its
-        compile (at most --grammar-compile-timeout); raises InvalidGrammar (a ValueError) for one that
-        does not compile in time or with --grammar-backend none. The offline engine's way; workers
-        use `grammar_future`, which does not wait."""
-        future = self.grammar_future(params)
-        if future is None or params.constraint is None:
-            return None
-        timeout = self.cfg.grammar_compile_timeout_s
-        try:
-            compiled = future.result(timeout=timeout)
-        except TimeoutError:
-            raise CompileTimeout(params.constraint[0], timeout) from None
-        return GrammarMatcher(compiled, self.spec.vocab_size)
+        """A fresh matcher for the request's constraint, waiting for its compile: the offline engine's
+        way; workers use `grammar_future`, which does not wait (runtime/grammar/compiles.py)."""
+        return self.grammars.matcher(params)
 
     def grammar_future(self, params: SamplingParams) -> Future[Any] | None:
-        """The request's compiled grammar, compiling on the backend's pool (None without a
-        constraint); the Future raises InvalidGrammar. Raises InvalidGrammar itself with
-        --grammar-backend none."""
-        constraint = params.constraint
-        if constraint is None:
-            return None
-        if self._grammars is None:
-            if self.cfg.grammar_backend == "none":
-                raise InvalidGrammar(constraint[0], "structured output is off (--grammar-backend none)")
-            from transformers import AutoTokenizer
-
-            hf = AutoTokenizer.from_pretrained(self.loaded.folder)
-            backend = _make_grammar_backend(
-                self.cfg.grammar_backend,
-                hf,
-                self.spec.vocab_size,
-                self.spec.eos_token_ids,
-                self.cfg.grammar_compile_timeout_s,
-            )
-            assert backend is not None
-            self._grammars = backend
-        return self._grammars.submit(*constraint)
+        """The request's compiled grammar, compiling beside the forwards (None without a constraint)."""
+        return self.grammars.future(params)
 
     def sample(self, reqs: list[Request], logits: torch.Tensor) -> SampleOutput:
         """One token per request from logits [len(reqs), V] (masked in place for constrained ones;

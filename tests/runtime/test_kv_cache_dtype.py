@@ -7,8 +7,8 @@ from __future__ import annotations
 import pytest
 import torch
 
+from pdserve.runtime.kv_sizing import kv_cache_dtype
 from pdserve.runtime.loader import load_model
-from pdserve.runtime.runner import kv_cache_dtype
 from pdserve.sampling_params import SamplingParams
 
 CPU = torch.device("cpu")

@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 import re
 
-from pdserve.runtime.runner import (
+from pdserve.runtime.kv_sizing import (
     CPU_DEFAULT_MAX_TOTAL_TOKENS,
     CPU_POOL_MEMORY_SHARE,
     default_cpu_pool_tokens,
