@@ -270,7 +270,8 @@ class ControlPlane:
         elif isinstance(msg, PrefillDone):
             deliver_prefill_done(self.rooms, worker, msg, t_recv, self.registry)
         elif isinstance(msg, RequestFailed):
-            if msg.code in (FailCode.TRANSFER, FailCode.KV_CORRUPT):
+            # A room closed already: the echo of the gateway's own abort (the client left), not a failure.
+            if msg.code in (FailCode.TRANSFER, FailCode.KV_CORRUPT) and msg.room in self.rooms:
                 self.metrics.transfer_failures.inc()
             deliver_failure(self.rooms, worker, msg)
         elif isinstance(msg, KVEvents):

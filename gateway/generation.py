@@ -198,6 +198,11 @@ class Generations:
                     if inp.pinned is not None:  # a pinned pair's failure is the answer
                         raise a.error from None
                     run.attempts.again(a, len(st.output_ids), self.registry, self.metrics)
+        except (asyncio.CancelledError, GeneratorExit):
+            # Cancelled or closed before its end: its client left (its legs are aborted on the way out).
+            if not st.finished:
+                self.metrics.request_aborts.labels("client_disconnect").inc()
+            raise
         finally:
             if run.span is not None:  # ended already when the request finished
                 run.span.fail("the request did not finish", time.time())
@@ -301,6 +306,8 @@ class Generations:
         status = FAIL_STATUS[ev.code]
         if isinstance(ev, RoomAborted):
             self.metrics.errors.labels("gateway", ev.code).inc()
+            if ev.code == FailCode.CLIENT_ABORT:
+                self.metrics.request_aborts.labels("abort_request").inc()
             return ApiError(status, f"request aborted [{ev.code}]: {ev.message}")
         self.metrics.errors.labels(ev.role, ev.code).inc()
         if ev.code == FailCode.KV_CORRUPT:  # once per attempt, whichever leg reported it first

@@ -20,6 +20,7 @@ class GatewayMetrics:
         self.registry = CollectorRegistry()
         self._latencies(self.registry)
         self._requests(self.registry)
+        self._aborts(self.registry)
         self._load(self.registry)
 
     def _latencies(self, r: CollectorRegistry) -> None:
@@ -66,15 +67,6 @@ class GatewayMetrics:
             "pdserve_request_migrations",
             "Generations moved mid-stream to another pair (prompt + tokens so far) after a failed leg",
             registry=r,
-        )
-        self.aborted_legs = Counter(
-            "pdserve_aborted_legs",
-            "Legs the gateway aborted on a worker, by role and reason (cancelled: the client left)",
-            ["role", "reason"],
-            registry=r,
-        )
-        self.transfer_failures = Counter(
-            "pdserve_kv_transfer_failures", "KV transfers reported failed by a worker", registry=r
         )
         self.canaries = Counter(
             "pdserve_canaries",
@@ -123,6 +115,29 @@ class GatewayMetrics:
             "pdserve_spec_correct_drafts", "Speculative draft tokens accepted", registry=r
         )
         self.spec_verify = Counter("pdserve_spec_verify", "Speculative verify forwards", registry=r)
+
+    def _aborts(self, r: CollectorRegistry) -> None:
+        """Legs and generations ended early, and failed KV transfers: a client that leaves is an
+        abort, never a transfer failure."""
+        self.aborted_legs = Counter(
+            "pdserve_aborted_legs",
+            "Legs the gateway aborted on a worker, by role and reason (cancelled: the client left)",
+            ["role", "reason"],
+            registry=r,
+        )
+        self.transfer_failures = Counter(
+            "pdserve_kv_transfer_failures",
+            "KV transfers reported failed by a worker while the gateway waited on them (a transfer "
+            "ended by the gateway's own abort, its client gone, is not one: see pdserve_request_aborts)",
+            registry=r,
+        )
+        self.request_aborts = Counter(
+            "pdserve_request_aborts",
+            "Generations ended by their client: it disconnected (client_disconnect) or /abort_request "
+            "named them (abort_request)",
+            ["reason"],
+            registry=r,
+        )
 
     def _load(self, r: CollectorRegistry) -> None:
         """What is in flight at the gateway, and each worker's load and clock."""
