@@ -39,7 +39,8 @@ pytestmark = pytest.mark.timeout(600)
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory):
     c = start_up(
-        tmp_path_factory.mktemp("api-clients"), extra=["--api-key", KEY, "--admin-api-key", OTHER_KEY, "--strict-openai-metadata"]
+        tmp_path_factory.mktemp("api-clients"),
+        extra=["--api-key", KEY, "--admin-api-key", OTHER_KEY, "--strict-openai-metadata"],
     )
     try:
         c.wait_healthy()
@@ -202,10 +203,31 @@ def test_anthropic_errors_have_anthropic_shape(cluster):
         client.messages.create(
             model=MODEL, max_tokens=4, messages=[{"role": "user", "content": [{"type": "image"}]}]
         )
-    with pytest.raises(anthropic.AuthenticationError):
+    with pytest.raises(anthropic.AuthenticationError) as e:
         anthropic.Anthropic(base_url=cluster.url, api_key="wrong", max_retries=0).messages.create(
             model=MODEL, max_tokens=4, messages=[{"role": "user", "content": "Hi"}]
         )
+    assert e.value.body["error"]["type"] == "authentication_error", e.value.body
+    # An earlier turn's thinking is taken (the template drops it) but counts toward the length cap:
+    # 1 MB of it is refused, not dropped unseen.
+    for size, ok in ((200, True), (1 << 20, False)):
+        turns = [
+            {"role": "user", "content": "Hi"},
+            {
+                "role": "assistant",
+                "content": [
+                    {"type": "thinking", "thinking": "hm " * (size // 3), "signature": ""},
+                    {"type": "text", "text": "Hello!"},
+                ],
+            },
+            {"role": "user", "content": "Say it again."},
+        ]
+        if ok:
+            assert client.messages.create(model=MODEL, max_tokens=4, messages=turns).usage.output_tokens > 0
+            continue
+        with pytest.raises(anthropic.BadRequestError) as e:
+            client.messages.create(model=MODEL, max_tokens=4, messages=turns)
+        assert "thinking blocks included" in e.value.body["error"]["message"], e.value.body
 
 
 def test_litellm_and_openai_dump_without_serializer_warnings(cluster):
