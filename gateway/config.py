@@ -1,75 +1,206 @@
-"""Gateway configuration: one frozen dataclass, built once from the command line."""
+"""Gateway configuration: one frozen dataclass, built once from the command line.
+
+Each field that a flag sets declares that flag too (`_flag`): its name, help and argparse details, and
+whether `pdserve up` takes it and hands it on. `GATEWAY_FLAGS` gathers them as rows of the flag table
+(pdserve/launch/flags.py), from which `pdserve gateway`'s parser, `pdserve up`'s and the gateway's
+command line under `pdserve up` are built. The flags the gateway shares with the workers (--model-path,
+--log-level, --grammar-backend, --grammar-compile-timeout, --cluster-secret-file) are rows of
+pdserve/launch/worker_flags.py; their fields here have the same names.
+"""
 
 from __future__ import annotations
 
 import argparse
 import types
-from dataclasses import dataclass, field, fields, is_dataclass
-from typing import Any
+from dataclasses import dataclass, field, fields, is_dataclass, replace
+from typing import Any, TypeVar
 
 from pdserve import env
-from pdserve.cluster_auth import add_secret_arg
 from pdserve.config import GRAMMAR_COMPILE_TIMEOUT_S
 from pdserve.gateway.elastic import ElasticConfig
 from pdserve.gateway.function_call import PARSER_NAMES
 from pdserve.gateway.reasoning import REASONING_PARSERS
 from pdserve.gateway.workers import POLICIES, Policy
+from pdserve.launch.flag import GATEWAY, TO_GATEWAY, UP, Flag
+from pdserve.launch.flags import add_flags, flags_of
 
 # A config field with this metadata is never shown: not in its repr, not in `public_config`.
 SECRET = types.MappingProxyType({"secret": True})
+_GW = frozenset({GATEWAY})
+_GW_UP = frozenset({GATEWAY, UP})
+T = TypeVar("T")
+
+
+def _flag(
+    value: T, name: str, help: str | None = None, *, up: bool = False, secret: bool = False, **kw: Any
+) -> T:
+    """A field set by the flag `name`; `value` is the default of both unless `kw` gives the flag its own
+    (a function, called when a parser is built). up: `pdserve up` takes it too and hands it to its
+    gateway, a secret one by environment only (up.key_env): a command line is visible in the process list."""
+    row = Flag(
+        name,
+        _GW_UP if up else _GW,
+        help,
+        passed_to=TO_GATEWAY if up and not secret else frozenset(),
+        **{"default": value, **kw},
+    )
+    meta = {"flag": row, **SECRET} if secret else {"flag": row}
+    return field(default=value, repr=not secret, metadata=meta)
 
 
 @dataclass(frozen=True)
 class GatewayConfig:
-    host: str = "0.0.0.0"
-    port: int = 30000
+    host: str = _flag(
+        "0.0.0.0",
+        "--host",
+        "the gateway's HTTP bind address (default 0.0.0.0; `pdserve up`'s: 127.0.0.1)",
+        up=True,
+        role_default={UP: "127.0.0.1"},
+    )
+    port: int = _flag(30000, "--port", type=int)
     # Where the control-plane ROUTER socket binds; workers connect DEALER sockets here.
-    control_host: str = "127.0.0.1"
-    control_port: int = 30001
+    control_host: str = _flag(
+        "127.0.0.1",
+        "--control-host",
+        "bind address of the worker (control) socket; 0.0.0.0 when workers run on other hosts",
+    )
+    control_port: int = _flag(30001, "--control-port", type=int)
     # None: the bundled default model (only its tokenizer is loaded here).
     model_path: str | None = None
-    # None: the model's own name (model_source.model_name).
-    served_model_name: str | None = None
+    served_model_name: str | None = _flag(
+        None,
+        "--served-model-name",
+        "the name clients send as `model` (default: the model's own: the bundled model's Hugging Face "
+        "id, else --model-path)",
+        up=True,
+    )
     # Tool-call format (gateway/function_call/): None means hermes when a request has tools.
-    tool_call_parser: str | None = None
+    tool_call_parser: str | None = _flag(
+        None,
+        "--tool-call-parser",
+        "how tool calls are found in the model's output (SGLang's names; default: hermes)",
+        up=True,
+        choices=tuple(PARSER_NAMES),
+    )
     # Reasoning format (gateway/reasoning.py): None leaves thinking text in content.
-    reasoning_parser: str | None = None
+    reasoning_parser: str | None = _flag(
+        None,
+        "--reasoning-parser",
+        "split <think>...</think> text into reasoning_content (default: off)",
+        up=True,
+        choices=tuple(sorted(REASONING_PARSERS)),
+    )
     # A chat completion's `metadata` as the seed has it (the per-token `weight_versions` inside), or,
     # strict, a map of strings as OpenAI types it (`weight_versions` beside it, at the top level).
-    strict_openai_metadata: bool = False
-    heartbeat_interval_s: float = 1.0
-    heartbeat_timeout_s: float = 5.0
-    # Generations (prompts x n) in flight beyond this are refused at once with 503 + Retry-After.
-    max_pending_generations: int = 512
-    # HTTP generation requests in flight per client (its API key, else its address): 429 beyond (0: no limit).
-    max_requests_per_client: int = 256
-    # One request's limits: its body, and the generations it asks for (prompts x n).
+    strict_openai_metadata: bool = _flag(
+        False,
+        "--strict-openai-metadata",
+        "a completion's `metadata` holds strings only, as OpenAI types it (the per-token "
+        "`weight_versions` move beside it): for clients that validate it, e.g. the openai Python client",
+        up=True,
+        switch=True,
+    )
+    heartbeat_interval_s: float = _flag(1.0, "--heartbeat-interval", type=float)
+    heartbeat_timeout_s: float = _flag(5.0, "--heartbeat-timeout", type=float)
+    # Past it, refused at once rather than queued: a 503 says "come back later" while the queue is full.
+    max_pending_generations: int = _flag(
+        512,
+        "--max-pending-generations",
+        "generations (prompts x n, over all requests) in flight; more is a 503 with Retry-After",
+        up=True,
+        type=int,
+        aliases=("--max-pending-requests",),
+    )
+    max_requests_per_client: int = _flag(
+        256,
+        "--max-requests-per-client",
+        "generation requests in flight per client (its API key, else its IP address); more is a 429 "
+        "(0: no limit)",
+        up=True,
+        type=int,
+    )
     # 4 MiB: nginx's default is 1 MiB; a body's JSON is parsed whole, and a 4 MiB one of the costliest
     # shape (a million empty lists) takes about 0.1 s to parse.
-    max_request_bytes: int = 4 << 20
-    max_generations_per_request: int = 256
-    # Bytes of request bodies being received or parsed, over all requests: past it a 429, so that
-    # stalled bodies cannot grow the gateway's memory without bound.
-    max_inflight_body_bytes: int = 64 << 20
-    # Slow clients: a body not all arrived within this is a 408; a connection with no request in
-    # progress (no complete headers yet, or idle between requests) is closed after idle_timeout_s.
-    request_body_timeout_s: float = 60.0
-    idle_timeout_s: float = 30.0
-    request_timeout_s: float = 600.0
-    # How long the final response waits for a late PrefillDone before stitching without it.
+    max_request_bytes: int = _flag(
+        4 << 20, "--max-request-bytes", "a larger body is a 413 (default 4 MiB)", up=True, type=int
+    )
+    max_generations_per_request: int = _flag(
+        256, "--max-generations-per-request", "prompts x n of one request; more is a 400", up=True, type=int
+    )
+    # So that stalled bodies cannot grow the gateway's memory without bound.
+    max_inflight_body_bytes: int = _flag(
+        64 << 20,
+        "--max-inflight-body-bytes",
+        "bytes of request bodies being received or parsed, over all clients; past it a 429 (default 64 MiB)",
+        up=True,
+        type=int,
+    )
+    # Slow clients: neither a body trickling in nor an idle connection holds a slot for ever.
+    request_body_timeout_s: float = _flag(
+        60.0,
+        "--request-body-timeout",
+        "seconds for a request body to arrive in full; later is a 408",
+        up=True,
+        type=float,
+    )
+    idle_timeout_s: float = _flag(
+        30.0,
+        "--idle-timeout",
+        "seconds a connection may stay open without a request in progress (headers not complete, "
+        "or idle between requests)",
+        up=True,
+        type=float,
+    )
+    request_timeout_s: float = _flag(600.0, "--request-timeout", "seconds", up=True, type=float)
+    # How long the final response waits for a late PrefillDone before stitching without it (no flag).
     prefill_done_grace_s: float = 2.0
-    enable_metrics: bool = True
+    enable_metrics: bool = _flag(
+        True, "--enable-metrics", "serve Prometheus metrics on /metrics", negatable=True
+    )
     log_level: str = "info"
     # Once both sockets are bound, their ports are written here as JSON (port 0 = any free port).
-    port_file: str | None = None
-    # Routing (gateway/workers.py RoutingPolicy): cache_aware | round_robin | least_load, per role.
-    prefill_policy: Policy = "cache_aware"
-    decode_policy: Policy = "cache_aware"
-    cache_weight: float = 1.0
-    load_weight: float = 1.0
-    # Conditional disaggregation (0: off); see RoutingPolicy.
-    disaggregation_min_prefill_tokens: int = 0
-    disaggregation_max_prefill_queue: int = 0
+    port_file: str | None = _flag(
+        None,
+        "--port-file",
+        'write {"port": HTTP port, "control_port": control port} here once both are bound '
+        "(use with --port 0 / --control-port 0)",
+    )
+    # Routing (gateway/workers.py RoutingPolicy), per role.
+    prefill_policy: Policy = _flag(
+        "cache_aware",
+        "--prefill-policy",
+        "how a prefill worker is picked: cache_aware (lowest cache-weight * uncached prompt tokens "
+        "+ load-weight * in-flight tokens), round_robin, least_load",
+        up=True,
+        choices=POLICIES,
+    )
+    decode_policy: Policy = _flag(
+        "cache_aware",
+        "--decode-policy",
+        "how a decode worker is picked (the same rules; decode workers cache prompts and outputs, "
+        "and one that holds a prompt's prefix receives only the pages after it)",
+        up=True,
+        choices=POLICIES,
+    )
+    cache_weight: float = _flag(1.0, "--cache-weight", "cache_aware: cost per uncached token", type=float)
+    load_weight: float = _flag(1.0, "--load-weight", "cache_aware: cost per in-flight token", type=float)
+    # Conditional disaggregation; see RoutingPolicy.
+    disaggregation_min_prefill_tokens: int = _flag(
+        0,
+        "--disaggregation-min-prefill-tokens",
+        "conditional disaggregation: a prompt with fewer tokens than this that the chosen decode "
+        "worker does not cache is computed on that decode worker, no prefill worker involved (0: off)",
+        up=True,
+        type=int,
+    )
+    disaggregation_max_prefill_queue: int = _flag(
+        0,
+        "--disaggregation-max-prefill-queue",
+        "conditional disaggregation: when every prefill worker has more requests in flight than "
+        "this, the decode worker computes the prompt (0: off)",
+        up=True,
+        type=int,
+    )
     # Structured output: constraints are compiled here too, so an invalid one is a 400 (xgrammar | none).
     grammar_backend: str = "xgrammar"
     # A constraint's compile runs off the event loop; one that takes longer is a 400 naming the flag.
@@ -78,253 +209,66 @@ class GatewayConfig:
     # Where the secret lives is not shown either.
     cluster_secret_file: str | None = field(default=None, repr=False, metadata=SECRET)
     # HTTP API keys (gateway/auth.py); None: that kind of endpoint is open.
-    api_key: str | None = field(default=None, repr=False, metadata=SECRET)
-    admin_api_key: str | None = field(default=None, repr=False, metadata=SECRET)
-    protect_health: bool = False
-    protect_metrics: bool = False
-    # OpenTelemetry traces (gateway/tracing.py), SGLang's flag names; the protocol None: from the endpoint.
-    enable_trace: bool = False
-    otlp_traces_endpoint: str = "localhost:4317"
-    otlp_traces_protocol: str | None = None
-    # Finished requests the dashboard keeps (gateway/dashboard.py).
-    dashboard_requests: int = 200
-    # The elastic controller (gateway/elastic.py, --elastic); None: the split changes only by hand.
-    elastic: ElasticConfig | None = None
-    # Seconds between canary rounds (gateway/canary.py); 0: no canaries.
-    canary_interval_s: float = 0.0
-
-
-def add_cli_args(parser: argparse.ArgumentParser) -> None:
-    """Gateway flags; names follow SGLang's server where one exists."""
-    d = GatewayConfig()
-    _add_serving_args(parser, d)
-    _add_access_args(parser, d)
-    _add_limit_args(parser, d)
-    _add_routing_args(parser, d)
-    _add_grammar_args(parser, d)
-    add_trace_args(parser)
-    add_elastic_args(parser)
-    parser.add_argument(
-        "--dashboard-requests",
-        type=int,
-        default=d.dashboard_requests,
-        help="finished requests /dashboard keeps and shows",
-    )
-    parser.add_argument(
-        "--canary-interval",
-        type=float,
-        default=d.canary_interval_s,
-        dest="canary_interval_s",
-        help="every this many seconds, a fixed greedy request on every worker pair, compared with the "
-        "pair's first answer; a pair that drifts takes its workers out of rotation (state suspect; 0: off)",
-    )
-
-
-def _add_serving_args(parser: argparse.ArgumentParser, d: GatewayConfig) -> None:
-    """The model, the sockets, the output parsers, metrics and logging."""
-    parser.add_argument(
-        "--model-path", default=d.model_path, help="tokenizer source (default: bundled model)"
-    )
-    parser.add_argument("--host", default=d.host)
-    parser.add_argument("--port", type=int, default=d.port)
-    parser.add_argument(
-        "--served-model-name",
-        default=d.served_model_name,
-        help="the name clients send as `model` (default: the model's own: the bundled model's Hugging Face "
-        "id, else --model-path)",
-    )
-    parser.add_argument(
-        "--tool-call-parser",
-        default=d.tool_call_parser,
-        choices=PARSER_NAMES,
-        help="how tool calls are found in the model's output (SGLang's names; default: hermes)",
-    )
-    parser.add_argument(
-        "--strict-openai-metadata",
-        action="store_true",
-        help="a completion's `metadata` holds strings only, as OpenAI types it (the per-token "
-        "`weight_versions` move beside it): for clients that validate it, e.g. the openai Python client",
-    )
-    parser.add_argument(
-        "--reasoning-parser",
-        default=d.reasoning_parser,
-        choices=sorted(REASONING_PARSERS),
-        help="split <think>...</think> text into reasoning_content (default: off)",
-    )
-    parser.add_argument(
-        "--enable-metrics",
-        action=argparse.BooleanOptionalAction,
-        default=d.enable_metrics,
-        help="serve Prometheus metrics on /metrics",
-    )
-    parser.add_argument(
-        "--log-level", default=d.log_level, choices=["critical", "error", "warning", "info", "debug"]
-    )
-    parser.add_argument(
-        "--control-host",
-        default=d.control_host,
-        help="bind address of the worker (control) socket; 0.0.0.0 when workers run on other hosts",
-    )
-    parser.add_argument("--control-port", type=int, default=d.control_port)
-    parser.add_argument(
-        "--port-file",
-        default=d.port_file,
-        help='write {"port": HTTP port, "control_port": control port} here once both are bound '
-        "(use with --port 0 / --control-port 0)",
-    )
-
-
-def _add_access_args(parser: argparse.ArgumentParser, d: GatewayConfig) -> None:
-    """The cluster secret and the HTTP API keys."""
-    add_secret_arg(parser)
-    parser.add_argument(
+    api_key: str | None = _flag(
+        None,
         "--api-key",
-        default=env.api_key(),
-        help="require `Authorization: Bearer <key>` on the inference endpoints (default: $PDSERVE_API_KEY; "
+        "require `Authorization: Bearer <key>` on the inference endpoints (default: $PDSERVE_API_KEY; "
         "prefer the variable: a flag is visible in the process list)",
+        up=True,
+        secret=True,
+        default=env.api_key,
+        role_default={UP: None},
     )
-    parser.add_argument(
+    admin_api_key: str | None = _flag(
+        None,
         "--admin-api-key",
-        default=env.admin_api_key(),
-        help="the key of /workers, /flush_cache, /abort_request and /dashboard (default: $PDSERVE_ADMIN_API_KEY; "
+        "the key of /workers, /flush_cache, /abort_request and /dashboard (default: $PDSERVE_ADMIN_API_KEY; "
         "unset: the API key)",
+        up=True,
+        secret=True,
+        default=env.admin_api_key,
+        role_default={UP: None},
     )
-    parser.add_argument("--protect-health", action="store_true", help="/health needs the API key too")
-    parser.add_argument("--protect-metrics", action="store_true", help="/metrics needs the API key too")
-
-
-def _add_limit_args(parser: argparse.ArgumentParser, d: GatewayConfig) -> None:
-    """Heartbeats, timeouts, and what requests and clients may have in flight."""
-    parser.add_argument("--heartbeat-interval", type=float, default=d.heartbeat_interval_s)
-    parser.add_argument("--heartbeat-timeout", type=float, default=d.heartbeat_timeout_s)
-    parser.add_argument(
-        "--max-pending-generations",
-        "--max-pending-requests",
-        dest="max_pending_generations",
-        type=int,
-        default=d.max_pending_generations,
-        help="generations (prompts x n, over all requests) in flight; more is a 503 with Retry-After",
-    )
-    parser.add_argument(
-        "--max-requests-per-client",
-        type=int,
-        default=d.max_requests_per_client,
-        help="generation requests in flight per client (its API key, else its IP address); more is a 429 "
-        "(0: no limit)",
-    )
-    parser.add_argument(
-        "--request-body-timeout",
-        type=float,
-        default=d.request_body_timeout_s,
-        help="seconds for a request body to arrive in full; later is a 408",
-    )
-    parser.add_argument(
-        "--idle-timeout",
-        type=float,
-        default=d.idle_timeout_s,
-        help="seconds a connection may stay open without a request in progress (headers not complete, "
-        "or idle between requests)",
-    )
-    parser.add_argument(
-        "--max-request-bytes",
-        type=int,
-        default=d.max_request_bytes,
-        help="a larger body is a 413 (default 4 MiB)",
-    )
-    parser.add_argument(
-        "--max-inflight-body-bytes",
-        type=int,
-        default=d.max_inflight_body_bytes,
-        help="bytes of request bodies being received or parsed, over all clients; past it a 429 "
-        "(default 64 MiB)",
-    )
-    parser.add_argument(
-        "--max-generations-per-request",
-        type=int,
-        default=d.max_generations_per_request,
-        help="prompts x n of one request; more is a 400",
-    )
-    parser.add_argument("--request-timeout", type=float, default=d.request_timeout_s, help="seconds")
-
-
-def _add_routing_args(parser: argparse.ArgumentParser, d: GatewayConfig) -> None:
-    """How workers are picked, and when a decode worker computes the prompt itself."""
-    parser.add_argument(
-        "--prefill-policy",
-        default=d.prefill_policy,
-        choices=POLICIES,
-        help="how a prefill worker is picked: cache_aware (lowest cache-weight * uncached prompt tokens "
-        "+ load-weight * in-flight tokens), round_robin, least_load",
-    )
-    parser.add_argument(
-        "--decode-policy",
-        default=d.decode_policy,
-        choices=POLICIES,
-        help="how a decode worker is picked (the same rules; decode workers cache prompts and outputs, "
-        "and one that holds a prompt's prefix receives only the pages after it)",
-    )
-    parser.add_argument(
-        "--disaggregation-min-prefill-tokens",
-        type=int,
-        default=d.disaggregation_min_prefill_tokens,
-        help="conditional disaggregation: a prompt with fewer tokens than this that the chosen decode "
-        "worker does not cache is computed on that decode worker, no prefill worker involved (0: off)",
-    )
-    parser.add_argument(
-        "--disaggregation-max-prefill-queue",
-        type=int,
-        default=d.disaggregation_max_prefill_queue,
-        help="conditional disaggregation: when every prefill worker has more requests in flight than "
-        "this, the decode worker computes the prompt (0: off)",
-    )
-    parser.add_argument(
-        "--cache-weight", type=float, default=d.cache_weight, help="cache_aware: cost per uncached token"
-    )
-    parser.add_argument(
-        "--load-weight", type=float, default=d.load_weight, help="cache_aware: cost per in-flight token"
-    )
-
-
-def _add_grammar_args(parser: argparse.ArgumentParser, d: GatewayConfig) -> None:
-    """Structured output's validation."""
-    parser.add_argument(
-        "--grammar-backend",
-        default=d.grammar_backend,
-        choices=["xgrammar", "none"],
-        help="validates json_schema / regex / ebnf / response_format constraints; none: refuse them",
-    )
-    parser.add_argument(
-        "--grammar-compile-timeout",
-        type=float,
-        default=d.grammar_compile_timeout_s,
-        help="seconds a constraint's grammar may take to compile; a request whose grammar takes longer "
-        "is a 400",
-    )
-
-
-def add_trace_args(parser: argparse.ArgumentParser) -> None:
-    """The tracing flags (SGLang's names); `pdserve up` takes them too."""
-    d = GatewayConfig()
-    parser.add_argument(
+    protect_health: bool = _flag(False, "--protect-health", "/health needs the API key too", switch=True)
+    protect_metrics: bool = _flag(False, "--protect-metrics", "/metrics needs the API key too", switch=True)
+    # OpenTelemetry traces (gateway/tracing.py), SGLang's flag names.
+    enable_trace: bool = _flag(
+        False,
         "--enable-trace",
-        action="store_true",
-        help="export one OpenTelemetry trace per request (spans on the gateway's clock) over OTLP",
+        "export one OpenTelemetry trace per request (spans on the gateway's clock) over OTLP",
+        up=True,
+        switch=True,
     )
-    parser.add_argument(
+    otlp_traces_endpoint: str = _flag(
+        "localhost:4317",
         "--otlp-traces-endpoint",
-        default=d.otlp_traces_endpoint,
-        help="the OTLP receiver: host:port for gRPC, http(s)://host:port[/v1/traces] for http/protobuf",
+        "the OTLP receiver: host:port for gRPC, http(s)://host:port[/v1/traces] for http/protobuf",
+        up=True,
     )
-    parser.add_argument(
+    otlp_traces_protocol: str | None = _flag(
+        None,
         "--otlp-traces-protocol",
-        default=d.otlp_traces_protocol,
-        choices=["http/protobuf", "grpc"],
-        help="default: http/protobuf for an http(s):// endpoint, else grpc",
+        "default: http/protobuf for an http(s):// endpoint, else grpc",
+        up=True,
+        choices=("http/protobuf", "grpc"),
+    )
+    dashboard_requests: int = _flag(
+        200, "--dashboard-requests", "finished requests /dashboard keeps and shows", type=int
+    )
+    # The elastic controller (gateway/elastic.py; its flags: _ELASTIC); None: the split changes only by hand.
+    elastic: ElasticConfig | None = None
+    canary_interval_s: float = _flag(
+        0.0,
+        "--canary-interval",
+        "every this many seconds, a fixed greedy request on every worker pair, compared with the "
+        "pair's first answer; a pair that drifts takes its workers out of rotation (state suspect; 0: off)",
+        up=True,
+        type=float,
     )
 
 
 # --elastic-* flag -> ElasticConfig field (each flag's default is the field's).
-ELASTIC_FLAGS = {
+_ELASTIC = {
     "--elastic-ttft-slo": ("ttft_slo", float, "seconds to the first token the controller aims for"),
     "--elastic-tpot-slo": ("tpot_slo", float, "seconds per output token after the first it aims for"),
     "--elastic-interval": ("interval_s", float, "seconds between its checks"),
@@ -335,86 +279,66 @@ ELASTIC_FLAGS = {
 }
 
 
-def add_elastic_args(parser: argparse.ArgumentParser) -> None:
-    """The elastic controller's flags; `pdserve up` takes them too."""
+def _elastic_rows() -> list[Flag]:
+    """--elastic and its settings; `pdserve up` takes them too."""
     d = ElasticConfig()
-    parser.add_argument(
-        "--elastic",
-        action="store_true",
-        help="move workers between prefill and decode, one at a time, from the measured TTFT/TPOT misses, "
-        "prefill queue and decode batch fill (gateway/elastic.py)",
-    )
-    for flag, (name, kind, text) in ELASTIC_FLAGS.items():
-        parser.add_argument(
-            flag,
-            dest=f"elastic_{name}",
-            type=kind,
-            default=getattr(d, name),
-            help=f"{text} (default: %(default)s)",
+    rows = [
+        Flag(
+            "--elastic",
+            _GW_UP,
+            "move workers between prefill and decode, one at a time, from the measured TTFT/TPOT misses, "
+            "prefill queue and decode batch fill (gateway/elastic.py)",
+            switch=True,
+            passed_to=TO_GATEWAY,
         )
+    ]
+    for flag, (name, kind, text) in _ELASTIC.items():
+        rows.append(
+            Flag(
+                flag,
+                _GW_UP,
+                f"{text} (default: %(default)s)",
+                type=kind,
+                default=getattr(d, name),
+                dest=f"elastic_{name}",
+                passed_to=TO_GATEWAY,
+            )
+        )
+    return rows
 
 
-def elastic_flags(args: argparse.Namespace) -> list[str]:
-    """The elastic flags of a parsed `pdserve up`, for its gateway (none without --elastic)."""
-    if not args.elastic:
-        return []
-    out = ["--elastic"]
-    for flag, (name, _, _) in ELASTIC_FLAGS.items():
-        out += [flag, str(getattr(args, f"elastic_{name}"))]
-    return out
+def _field_rows() -> list[Flag]:
+    """The rows declared on GatewayConfig's fields; each sets its field (argparse's dest is its name)."""
+    rows = []
+    for f in fields(GatewayConfig):
+        row = f.metadata.get("flag")
+        if row is not None:
+            # The help shows the flag's own name as its value's, not the field's (`_S` and all).
+            shown = row.metavar or (None if row.switch or row.negatable else row.attr.upper())
+            rows.append(row if row.attr == f.name else replace(row, dest=f.name, metavar=shown))
+    return rows
+
+
+# The gateway's own rows of the flag table (pdserve/launch/flags.py reads them for the gateway and `pdserve up`).
+GATEWAY_FLAGS: list[Flag] = _field_rows() + _elastic_rows()
+
+
+def add_cli_args(parser: argparse.ArgumentParser) -> None:
+    """Gateway flags; names follow SGLang's server where one exists."""
+    add_flags(parser, GATEWAY)
 
 
 def elastic_config(args: argparse.Namespace) -> ElasticConfig | None:
     """The controller's settings from parsed flags (None without --elastic); ValueError names a bad one."""
     if not args.elastic:
         return None
-    return ElasticConfig(**{name: getattr(args, f"elastic_{name}") for name, _, _ in ELASTIC_FLAGS.values()})
+    return ElasticConfig(**{name: getattr(args, f"elastic_{name}") for name, _, _ in _ELASTIC.values()})
 
 
 def config_from_args(args: argparse.Namespace) -> GatewayConfig:
-    return GatewayConfig(
-        host=args.host,
-        port=args.port,
-        control_host=args.control_host,
-        control_port=args.control_port,
-        model_path=args.model_path,
-        served_model_name=args.served_model_name,
-        tool_call_parser=args.tool_call_parser,
-        reasoning_parser=args.reasoning_parser,
-        strict_openai_metadata=args.strict_openai_metadata,
-        heartbeat_interval_s=args.heartbeat_interval,
-        heartbeat_timeout_s=args.heartbeat_timeout,
-        max_pending_generations=args.max_pending_generations,
-        max_requests_per_client=args.max_requests_per_client,
-        request_body_timeout_s=args.request_body_timeout,
-        idle_timeout_s=args.idle_timeout,
-        max_request_bytes=args.max_request_bytes,
-        max_inflight_body_bytes=args.max_inflight_body_bytes,
-        max_generations_per_request=args.max_generations_per_request,
-        request_timeout_s=args.request_timeout,
-        enable_metrics=args.enable_metrics,
-        log_level=args.log_level,
-        port_file=args.port_file,
-        prefill_policy=args.prefill_policy,
-        decode_policy=args.decode_policy,
-        disaggregation_min_prefill_tokens=args.disaggregation_min_prefill_tokens,
-        disaggregation_max_prefill_queue=args.disaggregation_max_prefill_queue,
-        cache_weight=args.cache_weight,
-        load_weight=args.load_weight,
-        grammar_backend=args.grammar_backend,
-        grammar_compile_timeout_s=args.grammar_compile_timeout,
-        cluster_secret_file=args.cluster_secret_file,
-        api_key=args.api_key,
-        admin_api_key=args.admin_api_key,
-        protect_health=args.protect_health,
-        protect_metrics=args.protect_metrics,
-        enable_trace=args.enable_trace,
-        otlp_traces_endpoint=args.otlp_traces_endpoint,
-        otlp_traces_protocol=args.otlp_traces_protocol,
-        dashboard_requests=args.dashboard_requests,
-        elastic=elastic_config(args),
-        canary_interval_s=args.canary_interval_s,
-    )
+    """Every field a flag sets (a row's namespace name is its field's), and the elastic controller's."""
+    names = {f.name for f in fields(GatewayConfig)} & {row.attr for row in flags_of(GATEWAY)}
+    return GatewayConfig(**{n: getattr(args, n) for n in names - {"elastic"}}, elastic=elastic_config(args))
 
 
 def public_config(cfg: Any) -> dict[str, Any]:

@@ -151,9 +151,3 @@ SECRET_FILE_HELP = (
     "file holding the cluster secret shared by the gateway and every worker (CurveZMQ on the "
     "control and KV bootstrap ports); default: env PDSERVE_CLUSTER_SECRET; neither: unauthenticated"
 )
-
-
-def add_secret_arg(parser: Any) -> None:
-    """The gateway's `--cluster-secret-file`; the workers and the launchers take the same flag from the
-    flag table (pdserve/launch/worker_flags.py)."""
-    parser.add_argument("--cluster-secret-file", default=None, help=SECRET_FILE_HELP)

@@ -9,10 +9,11 @@ from typing import Any
 
 from pdserve import env
 
-# The programs that take flags: the two workers, the offline engine (`pdserve generate`), `pdserve up`
-# and deploy/launch.py.
+# The programs that take flags: the two workers, the offline engine (`pdserve generate`), the gateway,
+# `pdserve up` and deploy/launch.py.
 PREFILL, DECODE, GENERATE, UP, LAUNCH = "prefill", "decode", "generate", "up", "launch"
-ROLES = frozenset({PREFILL, DECODE, GENERATE, UP, LAUNCH})
+GATEWAY = "gateway"
+ROLES = frozenset({PREFILL, DECODE, GENERATE, GATEWAY, UP, LAUNCH})
 WORKERS = frozenset({PREFILL, DECODE})
 # The model runtime's flags: every worker and the offline engine; `pdserve up` takes and forwards them.
 RUNTIME = WORKERS | {GENERATE, UP}
@@ -28,8 +29,10 @@ TO_BOTH = TO_WORKERS | TO_GATEWAY
 @dataclass(frozen=True)
 class Flag:
     """One flag. `default` may be a function, called when a parser is built (a default read from the
-    environment); `role_default` overrides it for some roles. `switch`: a store_true flag. `passed_to`:
-    a launcher that takes it hands its value to these children (unless None or a switch left off)."""
+    environment); `role_default` overrides it for some roles. `switch`: a store_true flag; `negatable`:
+    a boolean flag with its `--no-` form (on by default when `default` is). `passed_to`: a launcher that
+    takes it hands its value to these children (unless None, a switch left off, or the child's own
+    default)."""
 
     name: str
     roles: frozenset[str]
@@ -41,6 +44,7 @@ class Flag:
     dest: str | None = None
     aliases: tuple[str, ...] = ()
     switch: bool = False
+    negatable: bool = False
     # the value of the flag given bare (`--deterministic` = `--deterministic on`); None: a value is required
     const: str | None = None
     hidden: bool = False  # a test hook: no deployment sets it by accident
@@ -55,7 +59,7 @@ class Flag:
     def default_for(self, role: str) -> Any:
         """Its default in `role`'s parser (a switch: off)."""
         value = self.role_default.get(role, self.default)
-        if self.switch:
+        if self.switch or self.negatable:
             return bool(value)
         return value() if callable(value) else value
 

@@ -1,5 +1,6 @@
 """The flags of the two launchers, `pdserve up` (pdserve/launch/up.py) and deploy/launch.py: rows of the
-flag table (pdserve/launch/flags.py). The worker flags they take are rows of worker_flags.py."""
+flag table (pdserve/launch/flags.py). The worker flags they take are rows of worker_flags.py, the
+gateway flags `pdserve up` takes rows of the gateway's config (gateway/config.py)."""
 
 from __future__ import annotations
 
@@ -8,12 +9,11 @@ import sys
 
 from pdserve import env
 from pdserve.launch.cpu_share import CPU_SHARING
-from pdserve.launch.flag import LAUNCH, LAUNCHERS, TO_GATEWAY, UP, Flag, launch_env
+from pdserve.launch.flag import LAUNCH, LAUNCHERS, UP, Flag, launch_env
 from pdserve.launch.supervisor import RestartPolicy
 
 _UP = frozenset({UP})
 _LAUNCH = frozenset({LAUNCH})
-_POLICIES = ("cache_aware", "round_robin", "least_load")
 _RESTART = RestartPolicy()
 
 
@@ -107,22 +107,9 @@ _SHARED = [
     ),
 ]
 
-# `pdserve up`: its bind addresses, restarts, and the gateway flags it forwards.
+# `pdserve up`: its internal bind address and restarts. The gateway's flags it takes and forwards are
+# the gateway's own rows (gateway/config.py: `up=True`).
 _UP_ONLY = [
-    Flag("--host", _UP, "HTTP address of the gateway", default="127.0.0.1"),
-    # Handed to the gateway in its environment (PDSERVE_API_KEY, PDSERVE_ADMIN_API_KEY), never on its
-    # command line, which the process list shows: see up.key_env.
-    Flag(
-        "--api-key",
-        _UP,
-        "the gateway's inference key (see `pdserve gateway --help`; default: $PDSERVE_API_KEY, which "
-        "is better: a flag is visible in the process list)",
-    ),
-    Flag(
-        "--admin-api-key",
-        _UP,
-        "the gateway's admin key (see `pdserve gateway --help`; default: $PDSERVE_ADMIN_API_KEY)",
-    ),
     Flag(
         "--internal-host",
         _UP,
@@ -146,77 +133,6 @@ _UP_ONLY = [
         type=float,
         default=_RESTART.backoff_initial_s,
     ),
-    Flag(
-        "--served-model-name",
-        _UP,
-        "the model name clients send (default: the model's own)",
-        passed_to=TO_GATEWAY,
-    ),
-    Flag("--tool-call-parser", _UP, "see `pdserve gateway --help`", passed_to=TO_GATEWAY),
-    Flag(
-        "--canary-interval",
-        _UP,
-        "seconds between canary rounds over every worker pair (0: off; see `pdserve gateway --help`)",
-        type=float,
-        default=0.0,
-        passed_to=TO_GATEWAY,
-    ),
-    Flag("--reasoning-parser", _UP, "see `pdserve gateway --help`", passed_to=TO_GATEWAY),
-    Flag(
-        "--strict-openai-metadata",
-        _UP,
-        "`metadata` holds strings only (see `pdserve gateway --help`)",
-        switch=True,
-        passed_to=TO_GATEWAY,
-    ),
-    Flag(
-        "--prefill-policy",
-        _UP,
-        "how the gateway picks a prefill worker (see `pdserve gateway --help`)",
-        default="cache_aware",
-        choices=_POLICIES,
-        passed_to=TO_GATEWAY,
-    ),
-    Flag(
-        "--decode-policy",
-        _UP,
-        "how the gateway picks a decode worker (see `pdserve gateway --help`)",
-        default="cache_aware",
-        choices=_POLICIES,
-        passed_to=TO_GATEWAY,
-    ),
-    Flag(
-        "--disaggregation-min-prefill-tokens",
-        _UP,
-        "prompts with fewer uncached tokens are computed on the decode worker (0: off)",
-        type=int,
-        default=0,
-        passed_to=TO_GATEWAY,
-    ),
-    Flag(
-        "--disaggregation-max-prefill-queue",
-        _UP,
-        "past this many requests in flight on every prefill worker, decode computes the prompt (0: off)",
-        type=int,
-        default=0,
-        passed_to=TO_GATEWAY,
-    ),
-]
-
-# The gateway's limits `pdserve up` forwards when given.
-_LIMIT_HELP = "the gateway's limit (see `pdserve gateway --help`; default: its own)"
-_GATEWAY_LIMITS = [
-    Flag(name, _UP, _LIMIT_HELP, type=kind, passed_to=TO_GATEWAY)
-    for name, kind in (
-        ("--max-pending-generations", int),
-        ("--max-requests-per-client", int),
-        ("--max-request-bytes", int),
-        ("--max-inflight-body-bytes", int),
-        ("--max-generations-per-request", int),
-        ("--request-body-timeout", float),
-        ("--idle-timeout", float),
-        ("--request-timeout", float),
-    )
 ]
 
 # deploy/launch.py: GPU pins, multi-host topologies, fixed ports.
@@ -270,4 +186,4 @@ _LAUNCH_ONLY = [
     Flag("--python", _LAUNCH, "interpreter that has pdserve installed", default=sys.executable),
 ]
 
-LAUNCHER_FLAGS = _SHARED + _UP_ONLY + _GATEWAY_LIMITS + _LAUNCH_ONLY
+LAUNCHER_FLAGS = _SHARED + _UP_ONLY + _LAUNCH_ONLY

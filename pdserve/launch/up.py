@@ -21,7 +21,7 @@ import tempfile
 import urllib.request
 
 from pdserve import env
-from pdserve.gateway.config import add_elastic_args, add_trace_args, elastic_config, elastic_flags
+from pdserve.gateway.config import elastic_config
 from pdserve.launch.cpu_share import CpuShare, cpu_share
 from pdserve.launch.flag import GATEWAY_CHILD, UP, WORKER_CHILD
 from pdserve.launch.flags import add_flags, passed_on
@@ -53,9 +53,8 @@ def start_gateway(sup: Supervisor, gateway: Child, port_file: str) -> tuple[int,
 
 
 def add_cli_args(parser: argparse.ArgumentParser) -> None:
+    """Its own flags, the workers' it forwards and the gateway's (`up=True` in gateway/config.py)."""
     add_flags(parser, UP)
-    add_trace_args(parser)
-    add_elastic_args(parser)
 
 
 def _control_port(args: argparse.Namespace) -> int:
@@ -65,21 +64,13 @@ def _control_port(args: argparse.Namespace) -> int:
 
 
 def gateway_command(args: argparse.Namespace, port_file: str | None = None) -> list[str]:
-    argv = pdserve_command("gateway", "--host", args.host, "--port", str(args.port))
+    """The gateway's command line: its ports, and every gateway flag given to `pdserve up` (--host
+    among them, when not the gateway's own default)."""
+    argv = pdserve_command("gateway", "--port", str(args.port))
     argv += ["--control-host", args.internal_host, "--control-port", str(_control_port(args))]
-    argv += passed_on(args, UP, GATEWAY_CHILD) + _trace_flags(args) + elastic_flags(args)
+    argv += passed_on(args, UP, GATEWAY_CHILD)
     if port_file:
         argv += ["--port-file", port_file]
-    return argv
-
-
-def _trace_flags(args: argparse.Namespace) -> list[str]:
-    """The gateway's tracing flags (gateway/config.py's add_trace_args), when tracing is on."""
-    if not args.enable_trace:
-        return []
-    argv = ["--enable-trace", "--otlp-traces-endpoint", args.otlp_traces_endpoint]
-    if args.otlp_traces_protocol:
-        argv += ["--otlp-traces-protocol", args.otlp_traces_protocol]
     return argv
 
 

@@ -1,5 +1,6 @@
 """The flags of the model runtime (every worker and the offline engine) and of the prefill and decode
-workers: rows of the flag table (pdserve/launch/flags.py). SGLang's names, so its users feel at home."""
+workers, the gateway's among them where it takes the same flag: rows of the flag table
+(pdserve/launch/flags.py). SGLang's names, so its users feel at home."""
 
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ from pdserve.config import (
 )
 from pdserve.launch.flag import (
     DECODE,
+    GATEWAY,
     GENERATE,
     LAUNCH,
     PREFILL,
@@ -36,10 +38,11 @@ _W = WorkerConfig(role=PREFILL, runtime=_R)
 RUNTIME_FLAGS = [
     Flag(
         "--model-path",
-        RUNTIME | {LAUNCH},
-        "HF folder, .gguf file, or empty for the bundled SmolLM2-135M-Instruct (env PDSERVE_MODEL_PATH); "
-        "the launchers give it to the gateway too (its tokenizer)",
+        RUNTIME | {LAUNCH, GATEWAY},
+        "HF folder, .gguf file, or empty for the bundled SmolLM2-135M-Instruct (env PDSERVE_MODEL_PATH, "
+        "but not for the gateway); the gateway loads its tokenizer, and the launchers give it theirs",
         default=env.model_path,
+        role_default={GATEWAY: None},
         passed_to=TO_BOTH,
     ),
     Flag(
@@ -149,7 +152,7 @@ RUNTIME_FLAGS = [
     ),
     Flag(
         "--grammar-backend",
-        RUNTIME,
+        RUNTIME | {GATEWAY},
         "structured output (json_schema, regex, ebnf, response_format); none: refuse them",
         default=_R.grammar_backend,
         choices=("xgrammar", "none"),
@@ -157,7 +160,7 @@ RUNTIME_FLAGS = [
     ),
     Flag(
         "--grammar-compile-timeout",
-        RUNTIME | {LAUNCH},
+        RUNTIME | {LAUNCH, GATEWAY},
         "seconds a constraint's grammar may take to compile (in the background), at the gateway and "
         "each worker; a request whose grammar takes longer fails with a 400",
         type=float,
@@ -257,16 +260,16 @@ WORKER_FLAGS = [
     ),
     Flag(
         "--log-level",
-        WORKERS | {UP, LAUNCH},
-        "debug | info | warning | error (a worker: default env PDSERVE_LOG_LEVEL); the launchers "
-        "give it to their children",
+        WORKERS | {GATEWAY, UP, LAUNCH},
+        "a worker: default env PDSERVE_LOG_LEVEL; the launchers give it to their children",
         default=env.log_level,
-        role_default={UP: "info", LAUNCH: "info"},
+        role_default={GATEWAY: "info", UP: "info", LAUNCH: "info"},
+        choices=("critical", "error", "warning", "info", "debug"),
         passed_to=TO_BOTH,
     ),
     Flag(
         "--cluster-secret-file",
-        WORKERS | {UP, LAUNCH},
+        WORKERS | {GATEWAY, UP, LAUNCH},
         SECRET_FILE_HELP,
         passed_to=TO_BOTH,
     ),

@@ -3,7 +3,7 @@
 Every flag the Kubernetes manifests under deploy/k8s (container command lines and the PDSERVE_*_ARGS
 values of their ConfigMaps) and the launchers' generated command lines pass must be one the receiving
 role takes, by its exact name: argparse would accept an abbreviation, so a renamed flag could otherwise
-drift unnoticed. Workers are checked against the table, the gateway against its own parser.
+drift unnoticed. Every role, the gateway's included, is checked against the table.
 """
 
 from __future__ import annotations
@@ -19,12 +19,22 @@ from pathlib import Path
 import pytest
 import yaml
 
-from pdserve.launch.flag import DECODE, LAUNCH, LAUNCHERS, PREFILL, ROLES, TO_GATEWAY, TO_WORKERS, UP, WORKERS
-from pdserve.launch.flags import FLAGS, add_flags, flags_of
+from pdserve.launch.flag import (
+    DECODE,
+    GATEWAY,
+    LAUNCH,
+    LAUNCHERS,
+    PREFILL,
+    ROLES,
+    TO_GATEWAY,
+    TO_WORKERS,
+    UP,
+    WORKERS,
+)
+from pdserve.launch.flags import add_flags, flags_of, table
 
 REPO = Path(__file__).resolve().parents[2]
 K8S = REPO / "deploy" / "k8s"
-GATEWAY = "gateway"
 FLAG = re.compile(r"(?<![\w-])--[a-z][a-z0-9-]*")
 # The ConfigMap variables the manifests' command lines expand, and the roles that read them.
 ARGS_VARS = {
@@ -36,13 +46,7 @@ ARGS_VARS = {
 
 
 def known_flags(role: str) -> set[str]:
-    """The option strings `role` takes: the table's rows for a worker, the gateway's own parser."""
-    if role == GATEWAY:
-        from pdserve.gateway.config import add_cli_args
-
-        p = argparse.ArgumentParser()
-        add_cli_args(p)
-        return {s for a in p._actions for s in a.option_strings}
+    """The option strings `role` takes: its rows of the table."""
     return {name for f in flags_of(role) for name in (f.name, *f.aliases)}
 
 
@@ -191,7 +195,7 @@ def test_the_table_hangs_together():
         assert len(names) == len(set(names)), f"{role} declares a flag twice"
         p = argparse.ArgumentParser()
         add_flags(p, role)  # argparse refuses a clash of names or a bad row
-    for f in FLAGS:
+    for f in table():
         assert f.roles and f.roles <= ROLES, f.name
         assert f.passed_to <= TO_WORKERS | TO_GATEWAY, f.name
         assert not f.passed_to or f.roles & LAUNCHERS, f"{f.name} is passed on by no launcher"
@@ -215,3 +219,64 @@ def test_pdserve_up_hands_the_api_keys_to_the_gateway_by_environment_only():
     for _, argv in worker_commands(args, lock_path="/l"):
         assert not any("k-inference" in a or "k-admin" in a for a in argv), argv
     assert key_env(p.parse_args([])) == {}
+
+
+def _gateway_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(exit_on_error=False)
+    add_flags(p, GATEWAY)
+    return p
+
+
+def test_every_gateway_field_is_set_by_one_flag_of_its_type(monkeypatch):
+    """The gateway's flags are rows of the table declared on its config's fields: with no flags given,
+    the config is the dataclass's defaults; every field but one internal grace is some flag's."""
+    from dataclasses import fields
+
+    from pdserve.gateway.config import GatewayConfig, config_from_args
+
+    for var in ("PDSERVE_API_KEY", "PDSERVE_ADMIN_API_KEY"):
+        monkeypatch.delenv(var, raising=False)
+    assert config_from_args(_gateway_parser().parse_args([])) == GatewayConfig()
+    rows = {f.attr: f for f in flags_of(GATEWAY)}
+    unset = {f.name for f in fields(GatewayConfig)} - set(rows)
+    assert unset == {"prefill_done_grace_s"}, unset
+    for f in fields(GatewayConfig):
+        default = getattr(GatewayConfig(), f.name)
+        if f.name in rows and type(default) in (int, float):
+            assert rows[f.name].type is type(default), f"{rows[f.name].name} does not read a {type(default)}"
+
+
+def _other_value(f, default):
+    """A value of row `f` other than its default, as a command line gives it."""
+    if f.choices:
+        return next(c for c in f.choices if c != default)
+    if f.type in (int, float):
+        return str(f.type((default or 0) + 3))
+    return "/other"
+
+
+def test_pdserve_up_hands_every_gateway_flag_it_takes_to_the_gateway(monkeypatch):
+    """Each gateway flag `pdserve up` takes reaches the gateway's own parser with the value given; the
+    ones left at the gateway's default stay off its command line."""
+    from pdserve.gateway.config import config_from_args
+    from pdserve.launch.up import add_cli_args, gateway_command
+
+    for var in ("PDSERVE_API_KEY", "PDSERVE_ADMIN_API_KEY", "PDSERVE_MODEL_PATH", "PDSERVE_LOG_LEVEL"):
+        monkeypatch.delenv(var, raising=False)
+    up = argparse.ArgumentParser()
+    add_cli_args(up)
+    plain = gateway_command(up.parse_args([]))
+    given = [a for a in plain[plain.index("pdserve.cli") + 2 :] if FLAG.fullmatch(a)]
+    assert given == ["--port", "--control-host", "--control-port", "--host"], given
+    rows = [f for f in flags_of(UP) if f.passed_to & TO_GATEWAY]
+    assert {"--served-model-name", "--max-request-bytes", "--enable-trace", "--elastic-confirm"} <= {
+        f.name for f in rows
+    }
+    for f in rows:
+        flags = [f.name] if f.switch else [f.name, _other_value(f, f.default_for(GATEWAY))]
+        args = up.parse_args(flags)
+        argv = gateway_command(args)
+        gw = _gateway_parser().parse_args(argv[argv.index("pdserve.cli") + 2 :])
+        assert getattr(gw, f.attr) == getattr(args, f.attr) != f.default_for(GATEWAY), f.name
+    cfg = config_from_args(_gateway_parser().parse_args(["--elastic", "--elastic-confirm", "5"]))
+    assert cfg.elastic is not None and cfg.elastic.confirm == 5
