@@ -23,7 +23,7 @@ from pdserve.gateway.function_call import tool_call_format
 from pdserve.gateway.function_call.prompt import chat_messages
 from pdserve.gateway.function_call.schema import tool_call_schema
 from pdserve.gateway.generation import GenInput, GenState
-from pdserve.gateway.openai_reply import Json, Reply, full_response
+from pdserve.gateway.openai_reply import Reply, full_response
 from pdserve.gateway.openai_stream import StreamEvent, chunk_objects, stream_chunks
 from pdserve.gateway.protocol import build_sampling, derive_seed, parse_body, with_seed
 from pdserve.gateway.reasoning import reasoning_format
@@ -31,6 +31,7 @@ from pdserve.gateway.request_models import ChatCompletionBody, CompletionBody, N
 from pdserve.gateway.serving import check_generations, serve_generation
 from pdserve.gateway.state import GatewayState, gateway_state
 from pdserve.gateway.tokenizer import Tokenizer
+from pdserve.json_types import Json
 from pdserve.sampling_params import SamplingParams
 
 router = APIRouter()

@@ -8,15 +8,14 @@ openai_stream.py shapes the chunks themselves.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
 
 from pdserve.gateway.chat_output import ChatDelta, ChatOutput, ChatOutputSpec, reasoning_tokens
 from pdserve.gateway.function_call.schema import calls_from_constrained
 from pdserve.gateway.generation import GenState
 from pdserve.gateway.request_models import NamedToolChoice
 from pdserve.gateway.tokenizer import Tokenizer
+from pdserve.json_types import Json
 
-Json = dict[str, Any]
 TopLogprobs = list[list[tuple[int, float]]]
 
 

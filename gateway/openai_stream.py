@@ -13,9 +13,10 @@ from pdserve.gateway.chat_output import ChatDelta, ChatOutput, reasoning_tokens
 from pdserve.gateway.errors import ApiError
 from pdserve.gateway.function_call.schema import calls_from_constrained
 from pdserve.gateway.generation import Generations, GenInput, GenState
-from pdserve.gateway.openai_reply import Json, Reply, finish_fields, token_logprobs, usage
+from pdserve.gateway.openai_reply import Reply, finish_fields, token_logprobs, usage
 from pdserve.gateway.serving import SSE_DONE, merge_streams, sse
 from pdserve.gateway.tokenizer import Tokenizer
+from pdserve.json_types import Json
 
 
 def _chunk(reply: Reply, choices: list[Json], totals: Json | None = None) -> Json:
