@@ -7,27 +7,7 @@ import importlib
 import logging
 import sys
 
-BENCHMARKS = {
-    "engine": "pdserve.bench.bench_engine",
-    "serving": "pdserve.bench.bench_serving",
-    "transfer": "pdserve.bench.bench_transfer",
-    "kernels": "pdserve.bench.bench_kernels",
-    "spec": "pdserve.bench.bench_spec",
-    "grammar": "pdserve.bench.bench_grammar",
-    "control": "pdserve.bench.bench_control",
-    "auth": "pdserve.bench.bench_auth",
-    "abuse": "pdserve.bench.bench_abuse",
-    "gpu": "pdserve.bench.gpu_check",
-    "weights": "pdserve.bench.bench_weights",
-    "quant": "pdserve.bench.bench_quant",
-    "ttft": "pdserve.bench.bench_ttft",
-    "cpu": "pdserve.bench.bench_cpu",
-    "responses": "pdserve.bench.bench_responses",
-    "restart": "pdserve.bench.bench_restart",
-    "deterministic": "pdserve.bench.bench_deterministic",
-    "tp": "pdserve.bench.bench_tp",
-    "goodput": "pdserve.bench.bench_goodput",
-}
+from pdserve.bench.commands import BENCH_COMMANDS, commands_help
 
 # role -> module with `add_cli_args(parser)` and `main(args)`
 ROLES = {
@@ -91,8 +71,15 @@ def main(argv: list[str] | None = None) -> int:
     gen.add_argument("--log-level", default="warning")
     add_flags(gen, GENERATE)
 
-    bench = sub.add_parser("bench", help="benchmarks: " + ", ".join(BENCHMARKS))
-    bench.add_argument("which", choices=sorted(BENCHMARKS))
+    bench = sub.add_parser(
+        "bench",
+        help="benchmarks: " + ", ".join(BENCH_COMMANDS),
+        epilog=commands_help(),
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    bench.add_argument(
+        "which", choices=list(BENCH_COMMANDS), metavar="COMMAND", help="one of the commands below"
+    )
     bench.add_argument("rest", nargs=argparse.REMAINDER, help="the benchmark's own flags")
     plan = sub.add_parser(
         "plan", help="the prefill/decode split with the best goodput, simulated from this host's profile"
@@ -130,7 +117,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "generate":
         return _generate(args)
     if args.command == "bench":
-        mod = importlib.import_module(BENCHMARKS[args.which])
+        mod = importlib.import_module(BENCH_COMMANDS[args.which].module)
         return int(mod.main(args.rest) or 0)
 
     return 2
