@@ -30,7 +30,8 @@ from pdserve.kernels import cpu_quant_linear as ql
 from pdserve.runtime.attention import AttentionBackend
 from pdserve.runtime.batch import ForwardBatch
 from pdserve.runtime.kv_pool import KVPool
-from pdserve.runtime.quant import int4_grouped, int8_per_channel
+from pdserve.runtime.quant_int4 import int4_grouped
+from pdserve.runtime.quant_int8 import int8_per_channel
 
 LAYERS = 30
 PROJECTIONS = [(960, 576), (576, 576), (3072, 576), (576, 1536)]  # (out, in) of qkv, o, gate_up, down

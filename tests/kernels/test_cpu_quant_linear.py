@@ -10,14 +10,9 @@ import pytest
 import torch
 
 from pdserve.kernels import cpu_quant_linear as ql
-from pdserve.runtime.quant import (
-    UNPACK_MIN_ROWS,
-    Int4WeightOnlyLinear,
-    Int8WeightOnlyLinear,
-    dense_plan,
-    int4_grouped,
-    int8_per_channel,
-)
+from pdserve.runtime.quant_int4 import Int4WeightOnlyLinear, int4_grouped
+from pdserve.runtime.quant_int8 import Int8WeightOnlyLinear, int8_per_channel
+from pdserve.runtime.quant_plan import UNPACK_MIN_ROWS, dense_plan
 
 INT4, INT8 = ql.support()
 needs_int4 = pytest.mark.skipif(

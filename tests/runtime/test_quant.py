@@ -10,17 +10,10 @@ from pdserve.config import RuntimeConfig
 from pdserve.launch.flag import GENERATE
 from pdserve.launch.flags import add_flags
 from pdserve.runtime.loader import load_model
-from pdserve.runtime.quant import (
-    DENSE_MIN_ROWS,
-    DENSE_MIN_ROWS_AMX,
-    W8A8_MIN_ROWS,
-    Int4WeightOnlyLinear,
-    QuantizationError,
-    a8_multiplies_faster,
-    check_quantization,
-    int4_grouped,
-    quantized_linear,
-)
+from pdserve.runtime.quant import QuantizationError, check_quantization, quantized_linear
+from pdserve.runtime.quant_int4 import Int4WeightOnlyLinear, int4_grouped
+from pdserve.runtime.quant_int8 import W8A8_MIN_ROWS
+from pdserve.runtime.quant_plan import DENSE_MIN_ROWS, DENSE_MIN_ROWS_AMX, a8_multiplies_faster
 from pdserve.sampling_params import SamplingParams
 
 MODES = ["w8a16_int8", "w8a8_int8", "w4a16", "w4a8"]
@@ -203,7 +196,8 @@ def test_auto_serves_a_gguf_in_its_own_quantization(tiny_folders) -> None:
 def test_a_tied_embedding_reads_the_heads_int8_codes(tiny_folders) -> None:
     """Where the int8 head keeps no dense copy, a tied model's embedding is the head's codes: each row
     is q * scale, exactly the weights the head multiplies by, and the float table is gone."""
-    from pdserve.runtime.quant import PackedInt8Embedding, dense_plan, int8_per_channel
+    from pdserve.runtime.quant_int8 import PackedInt8Embedding, int8_per_channel
+    from pdserve.runtime.quant_plan import dense_plan
 
     loaded = load_model(tiny_folders["llama3-rope-tied"], dtype="float32", quantization="w4a16")
     model = loaded.model
