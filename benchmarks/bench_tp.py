@@ -55,7 +55,7 @@ def measure(engine: Engine, args: argparse.Namespace, rng: random.Random) -> dic
     for n in args.lengths:
         run = lambda n=n: engine.generate([_prompt(rng, n)], one)  # noqa: E731
         out[f"prefill {n} tokens (ms)"] = 1e3 * best_of(run, args.rounds)
-    tp = engine.runner.tp
+    tp = engine.runner.tp.group
     for b in args.batches:
         d = SamplingParams(max_new_tokens=1 + args.decode_tokens, temperature=0.0, ignore_eos=True)
         before = dict(tp.seconds) if tp is not None else {}

@@ -263,8 +263,7 @@ class PrefillWorker:
                 self._forget(r.rid)
                 continue
             self.sched.hand_off(r)
-            if self.runner.tp is not None and self.runner.rank_kv is None:
-                self.runner.before_send(r.pages)  # the ranks' heads into the pool KV leaves from
+            self.runner.hand_off(r.pages)  # a TP worker's ranks' heads into the pool KV leaves from
             meta = FirstToken(
                 first_token=r.output_ids[0],
                 logprob=r.output_logprobs[0] if r.output_logprobs else None,

@@ -1,15 +1,18 @@
-"""The model runner: model + paged KV pool + page allocator + attention backend + sampler.
+"""The model runner: it loads the model, runs forwards over the paged KV pool, and samples.
 
 Prefill workers, decode workers and the offline engine all drive a model through this one class.
 It owns no scheduling policy: callers decide which requests run, it builds the batch and runs it.
-It builds the KV pool and its allocator; schedulers allocate pages through `pages` (RequestPages).
+It builds the KV pool (sized by runtime/kv_sizing.py) and its allocator; schedulers allocate pages
+through `pages` (RequestPages). Beside it, each in its own module: tensor parallelism
+(runtime/tensor_parallel.py, a do-nothing `SingleProcess` at --tp-size 1), the pools' shared memory
+(runtime/shared_pools.py), grammar compiles (runtime/grammar/compiles.py), the compatibility record
+(runtime/fingerprint.py) and live weight updates (runtime/weight_update.py).
 """
 
 from __future__ import annotations
 
 import contextlib
 import logging
-import subprocess
 from concurrent.futures import Future
 from typing import Any
 
@@ -17,7 +20,7 @@ import torch
 
 from pdserve.config import RuntimeConfig
 from pdserve.kv_transfer.layout import kv_head_ranges
-from pdserve.kv_transfer.shm import SharedSegment, ShmError, copy_heads, shared_pool
+from pdserve.kv_transfer.shm import SharedSegment
 from pdserve.protocol.vocabulary import finish_length
 from pdserve.runtime.attention import make_attention_backend
 from pdserve.runtime.attention_cpu import CpuAttention
@@ -35,8 +38,9 @@ from pdserve.runtime.quant import dense_plan
 from pdserve.runtime.request import Request
 from pdserve.runtime.sampler import SampleOutput, Sampler
 from pdserve.runtime.sampling_batch import SamplingBatch
-from pdserve.runtime.tp_follower import discard_tp_folder, rank_threads, spawn_followers
-from pdserve.runtime.tp_group import ForwardCommand, TPGroup, TPGroupBroken
+from pdserve.runtime.shared_pools import SharedPools
+from pdserve.runtime.tensor_parallel import TensorParallel, tensor_parallel
+from pdserve.runtime.tp_group import ForwardCommand
 from pdserve.sampling_params import SamplingParams
 
 log = logging.getLogger(__name__)
@@ -54,21 +58,8 @@ class ModelRunner:
     def __init__(self, cfg: RuntimeConfig, loaded: LoadedModel | None = None):
         self.cfg = cfg
         self.device = torch.device(cfg.resolved_device())
-        threads = rank_threads(cfg)
-        if threads:
-            torch.set_num_threads(threads)
         # Tensor parallelism: ranks 1.. load their parts while this process loads its own.
-        self.tp: TPGroup | None = None
-        # Shared-memory segments of the pools (`share_pools`), and on a TP worker every rank's pool as
-        # rank 0 maps it (None: not shared; KV moves between the ranks over the group).
-        self._segments: list[SharedSegment] = []
-        self.rank_kv: list[torch.Tensor] | None = None
-        self._tp_folder: str | None = None
-        self._followers: list[subprocess.Popen[bytes]] = []
-        if loaded is not None and (loaded.tp_layout.size if loaded.tp_layout else 1) != cfg.tp_size:
-            raise ValueError(f"a model loaded for another TP size than --tp-size {cfg.tp_size}")
-        if cfg.tp_size > 1:
-            self._tp_folder, self._followers = spawn_followers(cfg)
+        self.tp: TensorParallel = tensor_parallel(cfg, loaded)
         try:
             self.loaded = loaded or load_model(
                 cfg.model_path,
@@ -79,20 +70,22 @@ class ModelRunner:
                 cfg.attention_backend,
                 cfg.tp_size,
             )
-            self.model = self.loaded.model
-            layout = self.loaded.tp_layout
-            if layout is not None and self._tp_folder is not None:
-                self.tp = TPGroup(self._tp_folder, 0, layout, self.device, lambda: self.tp_failure() is None)
-                self.model.join_group(self.tp)
-                log.info(
-                    "tensor parallel: %s, ranks 1-%d in processes %s",
-                    layout.describe(),
-                    layout.size - 1,
-                    [p.pid for p in self._followers],
-                )
+            self.tp.join(self.loaded, self.device)
         except BaseException:
-            self.close(wait_s=0)  # a model that does not split, a rank that never came: none left behind
+            self.tp.close(wait_s=0)  # a model that does not split, a rank that never came: none left behind
             raise
+        self.model = self.loaded.model
+        self.spec = self.loaded.spec
+        self.context_length = cfg.context_length or self.spec.context_length
+        self._log_model()
+        self._build_pool()
+        self._build_compute()
+        self.grammars = GrammarCompiles(
+            cfg.grammar_backend, cfg.grammar_compile_timeout_s, self.loaded.folder, self.spec
+        )
+        self.turns = forward_turns(cfg.cpu_forward_lock if self.device.type == "cpu" else None)
+
+    def _log_model(self) -> None:
         plan = dense_plan()
         dense = f"{'dense copy' if plan.keep else 'no dense copy, dequantized'} from {plan.min_rows} rows: {plan.why}"
         log.info("runtime: %s", startup_line(self.device, self.loaded.dtype, self.loaded.quantization, dense))
@@ -101,25 +94,28 @@ class ModelRunner:
             "on" if self.loaded.batch_invariant else "off",
             self.loaded.batch_invariant_why,
         )
-        self.spec = spec = self.loaded.spec
-        self.context_length = cfg.context_length or spec.context_length
+
+    def _build_pool(self) -> None:
+        """Rank 0's KV pool (its KV heads), its allocator, and the other ranks' pools of the same pages."""
+        cfg, spec = self.cfg, self.spec
         kv_dtype, kv_why = kv_cache_dtype(cfg.kv_cache_dtype, self.loaded, self.device)
-        kv_heads = spec.num_kv_heads if layout is None else layout.kv_heads_per_rank
+        kv_heads = len(self.head_split[0])
         self.geometry = KVGeometry(spec.num_layers, kv_heads, spec.head_dim, cfg.page_size, kv_dtype)
-        self.max_total_tokens, why = pool_tokens(
-            cfg, self.device, self.context_length, self.geometry.bytes_per_token
-        )
+        tokens, why = pool_tokens(cfg, self.device, self.context_length, self.geometry.bytes_per_token)
+        self.max_total_tokens = tokens
         num_pages = KVPool.pages_for(self.geometry, self.max_total_tokens)
         self.pool = KVPool(self.geometry, num_pages, self.device)
         self.allocator = PageAllocator(num_pages)
-        # What KV transfer reads and writes: the pool, or on a TP worker a pool of every KV head of the
-        # same pages, which `before_send` fills from the ranks and `after_receive` hands out to them.
-        self.transfer_kv = self.pool.kv
-        if self.tp is not None:
-            self.tp.setup(num_pages, kv_dtype, cfg.page_size)
-            full = KVGeometry(spec.num_layers, spec.num_kv_heads, spec.head_dim, cfg.page_size, kv_dtype)
-            self.transfer_kv = KVPool(full, num_pages, self.device).kv
         self.pages = RequestPages(self.allocator, cfg.page_size)
+        full = KVGeometry(spec.num_layers, spec.num_kv_heads, spec.head_dim, cfg.page_size, kv_dtype)
+        self.tp.setup_pools(self.pool, full)
+        self.shared = SharedPools()
+        lazy = self.device.type == "cpu"
+        log.info("KV pool: %s", describe_pool(self.geometry, num_pages, kv_why, lazy, why))
+
+    def _build_compute(self) -> None:
+        """The attention backend, the sampler, the C++ kernels on CPU and the compiled decode step."""
+        cfg = self.cfg
         self.backend = make_attention_backend(
             cfg.attention_backend, self.device, batch_invariant=self.loaded.batch_invariant
         )
@@ -133,127 +129,79 @@ class ModelRunner:
         self.sampler = Sampler()
         # --enable-torch-compile: decode batches through one compiled step (compiled at the first one,
         # or by a worker's `compiled.warm_up()` before it serves); extend and verify forwards stay eager.
-        self.compiled = (
-            CompiledDecode(
-                self.model,
-                self.pool,
-                cfg.max_running_requests,
-                paged_kernel=isinstance(self.backend, CpuAttention),
-            )
-            if cfg.enable_torch_compile and not self.loaded.batch_invariant and self.tp is None
-            else None
+        self.compiled: CompiledDecode | None = None
+        if not cfg.enable_torch_compile:
+            return
+        why_not = self.tp.why_not_compiled() or (
+            "batch-invariant decoding runs the eager kernels" if self.loaded.batch_invariant else None
         )
-        if cfg.enable_torch_compile and self.compiled is None:
-            why = (
-                "a TP rank's layers all-reduce"
-                if self.tp
-                else "batch-invariant decoding runs the eager kernels"
-            )
-            log.info("--enable-torch-compile ignored: %s", why)
-        self.grammars = GrammarCompiles(
-            cfg.grammar_backend, cfg.grammar_compile_timeout_s, self.loaded.folder, self.spec
-        )
-        self.turns = forward_turns(cfg.cpu_forward_lock if self.device.type == "cpu" else None)
-        lazy = self.device.type == "cpu"
-        log.info("KV pool: %s", describe_pool(self.geometry, num_pages, kv_why, lazy, why))
+        if why_not is not None:
+            log.info("--enable-torch-compile ignored: %s", why_not)
+            return
+        paged = isinstance(self.backend, CpuAttention)
+        self.compiled = CompiledDecode(self.model, self.pool, cfg.max_running_requests, paged_kernel=paged)
 
     @property
     def page_size(self) -> int:
         return self.cfg.page_size
 
-    def share_pools(self, directory: str) -> list[SharedSegment]:
-        """Move the KV pool into shared memory (kv_transfer/shm.py) that same-host peers map, and return
-        the segments, rank 0's first (`close` removes them; the KV senders built on them only fence them).
-        TP 1: the pool, which is also what transfers read and write. A TP worker: every rank's pool, each
-        in its own segment that rank 0 makes and the rank maps and moves its pool into; rank 0 then reads
-        and writes every rank's heads itself (`rank_kv`): a same-host peer's copy lands in each rank's
-        pool straight, and `before_send` / `after_receive` become copies inside rank 0. Pages get memory
-        as the allocator first hands them out (`commit`), or are refused. Called again, it returns the
-        same segments."""
-        if self._segments:
-            return list(self._segments)
-        used = self.allocator.high_water
-        segment, shared = shared_pool(self.pool.kv, directory, used)
-        segments = [segment]
-        if self.tp is None:
-            self.pool.kv = self.transfer_kv = shared
-        else:
-            pools = [shared]
-            try:
-                for _ in range(1, self.tp.size):
-                    segments.append(SharedSegment.create(shared.numel() * shared.element_size(), directory))
-                    pools.append(segments[-1].pool(tuple(shared.shape), shared.dtype))
-                    if not segments[-1].commit(used * shared[0].nbytes):
-                        raise ShmError(f"no room in {directory} for the {used} KV pages in use")
-                self.tp.share_pools([(seg.path, seg.token) for seg in segments[1:]], used)
-            except BaseException:
-                for seg in segments:
-                    seg.close()
-                raise
-            self.pool.kv = shared
-            self.rank_kv = pools
-        self._segments += segments
-        page_bytes = shared[0].nbytes
-        self.allocator.on_grow = lambda top: all(seg.commit(top * page_bytes) for seg in segments)
-        return segments
-
     @property
     def tp_size(self) -> int:
-        return 1 if self.tp is None else self.tp.size
+        return self.tp.size
 
     @property
     def head_split(self) -> list[range]:
         """The KV heads each rank's pool holds (one range at TP 1)."""
-        return kv_head_ranges(self.spec.num_kv_heads, self.tp_size)
+        return kv_head_ranges(self.spec.num_kv_heads, self.tp.size)
+
+    @property
+    def transfer_kv(self) -> torch.Tensor:
+        """What KV transfer reads and writes: the pool, or on a TP worker a pool of every KV head of
+        the same pages, which `before_send` fills from the ranks and `after_receive` hands out to them."""
+        return self.tp.transfer_kv(self.pool.kv)
+
+    @property
+    def rank_kv(self) -> list[torch.Tensor] | None:
+        """On a TP worker whose pools are shared, every rank's pool as rank 0 maps it (None: not
+        shared; KV moves between the ranks over the group)."""
+        return self.tp.rank_kv
+
+    def share_pools(self, directory: str) -> list[SharedSegment]:
+        """Move the KV pool into shared memory that same-host peers map, and return the segments, rank
+        0's first (`close` removes them). A TP worker: every rank's pool, each in its own segment, and
+        rank 0 then reads and writes every rank's heads itself (`rank_kv`): a same-host peer's copy
+        lands in each rank's pool straight, and `before_send` / `after_receive` become copies inside
+        rank 0. Pages get memory as the allocator first hands them out, or are refused. Called again,
+        it returns the same segments."""
+        return self.shared.share(self.pool, self.allocator, self.tp, directory)
 
     def before_send(self, pages: list[int]) -> None:
         """A TP worker gathers these pages' KV heads from its ranks into `transfer_kv`: copies inside
         rank 0 where the ranks' pools are shared (any thread), else over the group (the loop's thread)."""
-        if self.rank_kv is not None:
-            every = [range(self.spec.num_kv_heads)]
-            copy_heads(self.rank_kv, self.head_split, pages, [self.transfer_kv], every, pages)
-        elif self.tp is not None:
-            self.tp.gather_kv(self.pool.kv, self.transfer_kv, pages)
+        self.tp.gather_kv(self.pool.kv, pages)
+
+    def hand_off(self, pages: list[int]) -> None:
+        """These pages' KV is about to leave: a TP worker whose ranks' pools are not shared gathers their
+        heads now, on the loop's thread (shared ones are gathered per room as the sender goes)."""
+        self.tp.hand_off(self.pool.kv, pages)
 
     def after_receive(self, pages: list[int]) -> None:
         """A TP worker hands these received pages of `transfer_kv` out to its ranks' pools."""
-        if self.rank_kv is not None:
-            every = [range(self.spec.num_kv_heads)]
-            copy_heads([self.transfer_kv], every, pages, self.rank_kv, self.head_split, pages)
-        elif self.tp is not None:
-            self.tp.scatter_kv(self.pool.kv, self.transfer_kv, pages)
+        self.tp.scatter_kv(self.pool.kv, pages)
 
     def tp_failure(self) -> str | None:
         """Why this TP worker cannot serve (a rank exited), or None."""
-        for rank, p in enumerate(self._followers, start=1):
-            if p.poll() is not None:
-                return f"TP rank {rank} exited ({p.returncode})"
-        return None
+        return self.tp.failure()
 
     def close(self, wait_s: float = 10.0) -> None:
         """Stop the TP ranks (they would die with this process anyway; killed after `wait_s`) and
-        remove their folder and shared-memory segment."""
-        if self.tp is not None and self.tp_failure() is None:
-            with contextlib.suppress(TPGroupBroken):
-                self.tp.stop()
-        for p in self._followers:
-            with contextlib.suppress(subprocess.TimeoutExpired):
-                p.wait(timeout=wait_s)
-            if p.poll() is None:
-                p.kill()
-                p.wait()
-        self._followers = []
-        self.tp = None
-        for seg in self._segments:
-            seg.close()
-        self._segments, self.rank_kv = [], None
-        if self._tp_folder is not None:
-            discard_tp_folder(self._tp_folder)
-            self._tp_folder = None
+        remove their folder and the pools' shared-memory segments."""
+        self.tp.close(wait_s)
+        self.shared.close()
 
     def fingerprint(self) -> dict[str, str | int]:
         """This worker's compatibility record (runtime/fingerprint.py)."""
-        return fingerprint(self.cfg, self.loaded, self.geometry, type(self.backend).__name__, self.tp_size)
+        return fingerprint(self.cfg, self.loaded, self.geometry, type(self.backend).__name__, self.tp.size)
 
     def check_fits(self, prompt_len: int, max_new_tokens: int) -> None:
         if prompt_len < 1:
@@ -291,8 +239,7 @@ class ModelRunner:
             mode, new_tokens, [r.num_computed for r in reqs], [r.pages for r in reqs], all_logits
         )
         batch = cmd.batch(self.page_size, self.device)
-        if self.tp is not None:  # the other ranks run the same forward on their heads
-            self.tp.send_command(*cmd.encode())
+        self.tp.forward(cmd)  # the other ranks run the same forward on their heads
         with self.turns.turn() if self.turns is not None else contextlib.nullcontext() as turn:
             if self.compiled is not None and mode is ForwardMode.DECODE:
                 logits = self.compiled(batch)

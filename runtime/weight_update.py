@@ -238,7 +238,7 @@ class WeightUpdater:
             local_host,
             on_commit,
             runner.loaded.quantization,
-            runner.tp,
+            runner.tp.group,
         )
 
     def close(self) -> None:

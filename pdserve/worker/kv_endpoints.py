@@ -51,8 +51,8 @@ def sender_for(runner: ModelRunner, host: str, port: int, config: TransferConfig
 
 def receiver_for(runner: ModelRunner, config: TransferConfig) -> KVReceiver:
     """A decode worker's receiver (not started)."""
-    if runner.tp_size > 1:
-        _share(runner, config)
+    # A TP worker's rank 0 then writes each rank's heads straight into its pool (one process: no need).
+    runner.tp.share_rank_pools(lambda: _share(runner, config))
     return KVReceiver(
         runner.transfer_kv,
         runner.fingerprint(),

@@ -159,8 +159,8 @@ def test_kv_handed_between_tp_layouts_lands_as_each_ranks_heads(handoff_runners,
     assert sent.shape[4] == 2  # every KV head travels, whatever the layouts
     dst.transfer_kv[pages] = sent  # what the transport writes
     dst.after_receive(pages)
-    if dst.tp is not None:
-        heads = dst.tp.layout.kv_heads(0)
+    if dst.tp_size > 1:
+        heads = dst.head_split[0]
         assert torch.equal(dst.pool.kv[pages], sent[:, :, :, :, heads.start : heads.stop])
         dst.transfer_kv[pages] = 0
         dst.before_send(pages)
@@ -173,7 +173,7 @@ def test_a_rank_that_dies_takes_the_worker_down(tiny_folders) -> None:
     e = _engine(tiny_folders["llama-untied"], 2)
     try:
         assert e.runner.tp_failure() is None
-        follower = e.runner._followers[0]
+        follower = e.runner.tp.followers[0]
         os.kill(follower.pid, signal.SIGKILL)
         follower.wait(timeout=30)
         assert "TP rank 1 exited" in (e.runner.tp_failure() or "")
