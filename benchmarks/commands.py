@@ -58,6 +58,9 @@ BENCH_COMMANDS = types.MappingProxyType(
         "goodput": _row(
             "bench_goodput", "requests per second within TTFT and TPOT targets at each of --rates"
         ),
+        "role-switch": _row(
+            "bench_role_switch", "request latency under 8 clients with and without a role switch mid-run"
+        ),
     }
 )
 
