@@ -264,7 +264,7 @@ def install_error_handlers(app: FastAPI) -> None:
 
     async def on_http(request: Request, exc: Exception) -> Response:
         assert isinstance(exc, StarletteHTTPException)
-        api = ApiError(exc.status_code, str(exc.detail), headers=exc.headers)
+        api = ApiError(exc.status_code, str(exc.detail), headers=dict(exc.headers or {}) or None)
         return error_response(request.url.path, api)
 
     async def on_client_gone(request: Request, _: Exception) -> Response:

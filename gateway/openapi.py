@@ -15,7 +15,7 @@ from pydantic.json_schema import models_json_schema
 
 from pdserve.gateway.anthropic_api import MessagesBody
 from pdserve.gateway.request_models import ChatCompletionBody, CompletionBody, GenerateBody
-from pdserve.gateway.responses_api import ResponsesBody
+from pdserve.gateway.responses_models import ResponsesBody
 from pdserve.gateway.tokenize_api import DetokenizeBody, TokenizeBody
 
 _BODIES: dict[str, type[BaseModel]] = {

@@ -97,7 +97,7 @@ def _tools(body: ResponsesBody) -> tuple[list[Json] | None, Any]:
     ]
     tc = body.tool_choice
     if tc is not None and not isinstance(tc, str):
-        tc = {"type": "function", "function": {"name": tc.name}}
+        return tools or None, {"type": "function", "function": {"name": tc.name}}
     return tools or None, tc
 
 
