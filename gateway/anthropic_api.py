@@ -33,9 +33,9 @@ from pdserve.gateway.openai_api import serve_chat_as
 from pdserve.gateway.protocol import parse_body
 from pdserve.gateway.request_models import LenientModel
 from pdserve.gateway.state import gateway_state
+from pdserve.json_types import Json
 
 router = APIRouter()
-Json = dict[str, Any]
 
 
 class Block(LenientModel):

@@ -14,8 +14,7 @@ from typing import Any
 
 from pdserve.gateway.errors import ApiError, anthropic_error_body
 from pdserve.gateway.generation import GenInput
-
-Json = dict[str, Any]
+from pdserve.json_types import Json
 
 
 def stop_reason(finish: str | None, matched: Any) -> tuple[str | None, str | None]:

@@ -31,9 +31,9 @@ from pdserve.gateway.responses_reply import ResponseStream, output_items, respon
 from pdserve.gateway.responses_store import ResponseStore, owner_of
 from pdserve.gateway.serving import sse
 from pdserve.gateway.state import gateway_state
+from pdserve.json_types import Json
 
 router = APIRouter()
-Json = dict[str, Any]
 
 
 def _text(content: str | list[Part] | None, param: str) -> str:

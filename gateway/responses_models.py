@@ -14,8 +14,7 @@ from typing import Any, Literal
 from pydantic import ConfigDict, Field, field_validator, model_validator
 
 from pdserve.gateway.request_models import LenientModel, Metadata
-
-Json = dict[str, Any]
+from pdserve.json_types import Json
 
 
 class Part(LenientModel):

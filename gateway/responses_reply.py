@@ -12,9 +12,8 @@ from __future__ import annotations
 import json
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
 
-Json = dict[str, Any]
+from pdserve.json_types import Json
 
 
 def output_items(rid: str, msg: Json) -> list[Json]:

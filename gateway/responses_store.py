@@ -34,8 +34,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from pdserve.gateway.auth import request_key
-
-Json = dict[str, Any]
+from pdserve.json_types import Json
 
 # Memory an entry holds besides its two JSON texts (about 450 bytes measured with tracemalloc): the two
 # bytes objects' headers, the `Stored`, its id string and the two dicts' slots for it.
