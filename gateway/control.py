@@ -3,8 +3,10 @@
 Three asyncio tasks share the socket: `_recv_loop` (every inbound frame), `_send_loop` (the only
 writer, fed by a queue so sends can be issued from `finally` blocks and sync code), and
 `_heartbeat_loop` (Ping every interval; a worker silent for `heartbeat_timeout_s` is removed and the
-requests that still need it fail). Worker outputs go to the request's `Room` by room id (rooms.py);
-answers to the commands the gateway sends (cache flushes, weight updates) to their waits (answers.py).
+requests that still need it fail). Silence is counted on `LivenessClock` (liveness.py): only time the
+event loop was responsive, so a stall of the gateway's own never removes a live worker. Worker outputs
+go to the request's `Room` by room id (rooms.py); answers to the commands the gateway sends (cache
+flushes, weight updates) to their waits (answers.py).
 
 Trust: with a cluster secret the socket runs CurveZMQ and admits only peers holding the secret
 (pdserve/cluster_auth.py). Even among those, a worker speaks only for itself: it is known by the zmq
@@ -33,6 +35,7 @@ import zmq.asyncio
 from pdserve.cluster_auth import ClusterKeys, load_keys, secure_server, start_authenticator, warn_if_open
 from pdserve.gateway.answers import Answers
 from pdserve.gateway.config import GatewayConfig
+from pdserve.gateway.liveness import LivenessClock
 from pdserve.gateway.metrics import GatewayMetrics
 from pdserve.gateway.registration import Refusal, refusal
 from pdserve.gateway.role_switch import SWITCH_TIMEOUT_S, RoleSwitches, Switch
@@ -90,6 +93,7 @@ class ControlPlane:
         self._auth: zmq.auth.base.Authenticator | None = None
         self.registry = registry
         self.metrics = metrics
+        self.liveness = LivenessClock(cfg.heartbeat_interval_s)
         self.rooms: dict[str, Room] = {}
         self._ctx: zmq.asyncio.Context | None = None
         self._sock: zmq.asyncio.Socket | None = None
@@ -258,7 +262,7 @@ class ControlPlane:
             # Not pinged any more, the worker re-registers by itself once it hears nothing.
             log.warning("%s from unregistered peer %r dropped", msg.kind, identity)
             return
-        worker.last_seen = time.monotonic()
+        worker.last_seen = self.liveness.now()
         self._from_worker(worker, msg, t_recv)
 
     def _from_worker(self, worker: WorkerInfo, msg: Message, t_recv: float) -> None:
@@ -294,7 +298,7 @@ class ControlPlane:
             Refusal(stale)
             if stale is not None
             else refusal(
-                self.cfg, self.registry, identity, reg, time.monotonic(), self._ping, switch is not None
+                self.cfg, self.registry, identity, reg, self.liveness.now(), self._ping, switch is not None
             )
         )
         if refused is not None:
@@ -308,7 +312,7 @@ class ControlPlane:
             why = f"switched to {reg.role}" if switch is not None else "re-registered (restarted)"
             fail_rooms_of(self.rooms, old, f"{old.role} worker {old.worker_id} {why}")
             self.answers.end_waits_on(old, why)
-        w = self.registry.add(reg, identity, time.monotonic(), restart=switch is None)
+        w = self.registry.add(reg, identity, self.liveness.now(), restart=switch is None)
         w.clock.add_one_way(reg.t_send, t_recv)
         if switch is not None:
             self.switches.completed(switch, old)
@@ -371,23 +375,18 @@ class ControlPlane:
 
     async def _heartbeat_loop(self) -> None:
         while True:
+            self.liveness.tick()
             self.check_liveness()
             for w in self.registry.all():
                 self._ping(w)
             await asyncio.sleep(self.cfg.heartbeat_interval_s)
 
     def check_liveness(self) -> None:
-        for w in self.registry.expired(time.monotonic(), self.cfg.heartbeat_timeout_s):
-            log.error(
-                "worker %s (%s) sent nothing for %.1f s: removed",
-                w.worker_id,
-                w.role,
-                self.cfg.heartbeat_timeout_s,
-            )
+        for w in self.registry.expired(self.liveness.now(), self.cfg.heartbeat_timeout_s):
+            timeout = self.cfg.heartbeat_timeout_s
+            log.error("worker %s (%s) sent nothing for %.1f s: removed", w.worker_id, w.role, timeout)
             self.registry.mark_down(w.worker_id, time.monotonic())  # listed as down in /workers
-            self.answers.end_waits_on(
-                w, f"stopped responding to heartbeats ({self.cfg.heartbeat_timeout_s:g} s)"
-            )
+            self.answers.end_waits_on(w, f"stopped responding to heartbeats ({timeout:g} s)")
             self.metrics.worker_gone(w.worker_id, w.role)
             self._update_worker_gauges()
             fail_rooms_of(self.rooms, w, f"{w.role} worker {w.worker_id} stopped responding to heartbeats")

@@ -34,7 +34,8 @@ def refusal(
     ping: Callable[[WorkerInfo], None],
     switching: bool = False,
 ) -> Refusal | None:
-    """Why the connection `identity` may not register as `reg` (None: it may). `now`: time.monotonic();
+    """Why the connection `identity` may not register as `reg` (None: it may). `now`: the liveness clock
+    (liveness.py: a stall of the gateway's own does not make a live holder look gone);
     `ping` probes the live holder of the id claimed (see `_holder_gone`). `switching`: `reg` completes
     a role switch (its epoch is the one the gateway gave), so the id's old connection is the same
     process's, closed, and is not waited for."""

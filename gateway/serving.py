@@ -16,6 +16,7 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from pdserve.gateway.auth import request_key
+from pdserve.gateway.config import GatewayConfig
 from pdserve.gateway.errors import ApiError, parse_json_body
 from pdserve.gateway.generation import Generations, GenInput, GenState
 from pdserve.gateway.metrics import GatewayMetrics
@@ -32,6 +33,27 @@ def sse(obj: Any) -> bytes:
     return b"data: " + json.dumps(obj, ensure_ascii=False).encode() + b"\n\n"
 
 
+# The parse pool's threads that the routes of `serve_body_work` may hold at once: a flood of them leaves
+# the others to generation bodies, and a core to workers that share the gateway's machine.
+WORK_THREADS = 1
+# A list longer than this is serialized this many items at a time (`json_bytes`).
+JSON_SLICE = 32768
+
+
+def json_bytes(obj: dict[str, Any]) -> bytes:
+    """`obj` as JSON (as JSONResponse writes it), its long top-level lists serialized in slices: the C
+    encoder holds the GIL for a whole call (0.24 s for 663,552 tokens with their strings), and a thread
+    building a big answer must leave the event loop its turns."""
+
+    def value(v: Any) -> str:
+        if not isinstance(v, list) or len(v) <= JSON_SLICE:
+            return json.dumps(v, ensure_ascii=False, separators=(",", ":"))
+        items = (value(v[i : i + JSON_SLICE])[1:-1] for i in range(0, len(v), JSON_SLICE))
+        return "[" + ",".join(items) + "]"
+
+    return ("{" + ",".join(f"{json.dumps(k)}:{value(v)}" for k, v in obj.items()) + "}").encode()
+
+
 class ClientGone(Exception):
     """The HTTP client disconnected before the response was ready."""
 
@@ -39,9 +61,10 @@ class ClientGone(Exception):
 class Admission:
     """What one client, and all clients together, may have in flight.
 
-    Per client (its API key when it sends one, else its address): HTTP generation requests, from
-    the moment the headers are in, so that slow or stalled bodies hold only their own client's
-    slots (429 beyond `per_client`). Across clients: generations (prompts x n), counted once the
+    Per client (its API key when it sends one, else its address): HTTP requests of the routes whose
+    work grows with their body (generation, and the tokenizer's: `serve_body_work`), from the moment
+    the headers are in, so that slow or stalled bodies hold only their own client's slots (429 beyond
+    `per_client`). Across clients: generations (prompts x n), counted once the
     request is parsed (503 beyond `generations`), and the bytes of bodies being received or parsed
     (429 beyond `body_bytes`; 0: no limit); big bodies are parsed `PARSE_THREADS` at a time.
     """
@@ -52,12 +75,13 @@ class Admission:
         self.limit = generations
         self.per_client = per_client
         self.pending = 0  # generations admitted
-        self.requests = 0  # HTTP generation requests in flight
+        self.requests = 0  # HTTP requests counted per client, in flight
         self.clients: dict[str, int] = {}
         self.metrics = metrics
         self.body_limit = body_bytes
         self.body_bytes = 0  # of bodies being received or parsed
         self.parse_slots = asyncio.Semaphore(PARSE_THREADS)
+        self.work_slots = asyncio.Semaphore(WORK_THREADS)  # of the parse slots, for `serve_body_work`
 
     def take_body(self, n: int) -> None:
         """`n` more bytes of some request's body are held; 429 past the gateway-wide bound."""
@@ -322,3 +346,37 @@ async def serve_generation(
         if not handed_to_stream:
             admission.leave(admitted)
             admission.leave_client(client)
+
+
+async def serve_body_work(
+    request: Request, admission: Admission, cfg: GatewayConfig, work: Callable[[bytes], bytes]
+) -> Response:
+    """A request that is not a generation but whose work grows with its body (the tokenizer's routes),
+    held to generation's limits: one of its client's slots (429 beyond `--max-requests-per-client`),
+    the body within its size, time and gateway-wide bounds, then `work(body)` -> the answer's JSON
+    bytes: on the event loop for a small body (`parse_inline`), else in one of the parse pool's threads
+    (`WORK_THREADS` of them at most), decoding, computing and serializing all there."""
+    async with client_slot(request, admission, cfg):
+        raw = await read_body(request, cfg.max_request_bytes, cfg.request_body_timeout_s, admission)
+        held = len(raw)
+        try:
+            if parse_inline(raw):
+                out = work(raw)
+            else:
+                async with admission.work_slots, admission.parse_slots:
+                    out = await asyncio.to_thread(work, raw)
+        finally:
+            del raw
+            admission.give_body(held)
+        return Response(out, media_type="application/json")
+
+
+@contextlib.asynccontextmanager
+async def client_slot(request: Request, admission: Admission, cfg: GatewayConfig) -> AsyncIterator[None]:
+    """One of the request's client's slots (429 past `--max-requests-per-client`), held throughout."""
+    client = client_id(request, bool(cfg.api_key))
+    admission.enter_client(client)
+    try:
+        yield
+    finally:
+        admission.leave_client(client)

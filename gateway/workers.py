@@ -48,8 +48,9 @@ class WorkerInfo:
     role: Role
     identity: bytes  # zmq routing identity of the worker's DEALER socket
     reg: Register
-    last_seen: float  # time.monotonic() of the last frame from this worker
-    # time.monotonic() of the Ping sent when another connection claimed this id (`registration.refusal`).
+    # Liveness times (liveness.LivenessClock: seconds the gateway's event loop was responsive): its last
+    # frame, and the Ping sent when another connection claimed this id (`registration.refusal`).
+    last_seen: float
     conflict_probe: float | None = None
     clock: OffsetEstimator = field(default_factory=OffsetEstimator)
     draining: bool = False
@@ -160,11 +161,11 @@ class WorkerRegistry:
                 return f"model fingerprint mismatch in: {', '.join(diff)}"
         return None
 
-    def add(self, reg: Register, identity: bytes, now_mono: float, restart: bool = True) -> WorkerInfo:
-        """Register `reg`; the same id again (live or down) is a restart, unless `restart` is False (the
-        same process in its new role: gateway/role_switch.py)."""
+    def add(self, reg: Register, identity: bytes, now: float, restart: bool = True) -> WorkerInfo:
+        """Register `reg` (`now`: the liveness clock); the same id again (live or down) is a restart,
+        unless `restart` is False (the same process in its new role: gateway/role_switch.py)."""
         before = self._workers.get(reg.worker_id) or self._down.pop(reg.worker_id, None)
-        w = WorkerInfo(reg.worker_id, reg.role, identity, reg, last_seen=now_mono)
+        w = WorkerInfo(reg.worker_id, reg.role, identity, reg, last_seen=now)
         w.weight_version = reg.weight_version
         w.stale_weights = reg.weight_version != self.weight_version
         if before is not None:
@@ -213,8 +214,9 @@ class WorkerRegistry:
             key=lambda w: w.worker_id,
         )
 
-    def expired(self, now_mono: float, timeout_s: float) -> list[WorkerInfo]:
-        return [w for w in self._workers.values() if now_mono - w.last_seen > timeout_s]
+    def expired(self, now: float, timeout_s: float) -> list[WorkerInfo]:
+        """Workers silent for more than `timeout_s` of liveness time (`now`: the liveness clock)."""
+        return [w for w in self._workers.values() if now - w.last_seen > timeout_s]
 
     def healthy(self) -> bool:
         return bool(self.in_rotation("prefill")) and bool(self.in_rotation("decode"))

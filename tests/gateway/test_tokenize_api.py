@@ -3,6 +3,15 @@ lm-evaluation-harness's remote tokenizer, and the gateway's own tokenizer's answ
 
 from __future__ import annotations
 
+import socket
+import time
+from collections.abc import Iterator
+from urllib.parse import urlsplit
+
+import httpx
+import pytest
+from harness import start_gateway, stop_processes
+
 from pdserve.gateway.tokenizer import Tokenizer
 
 
@@ -50,3 +59,84 @@ def test_tokenize_bad_input_is_a_400(client):
     assert r.status_code == 400 and r.json()["error"]["param"] == "tokens"
     assert client.post("/tokenize", json={"model": "other", "prompt": "a"}).status_code == 404
     assert client.post("/detokenize", content=b"{").status_code == 400
+
+
+# ---- limits: /generate's caps, the client's slots ------------------------------------------------------
+
+
+def test_tokenize_and_detokenize_have_generations_length_caps(cluster, tokenizer: Tokenizer):
+    """/generate's cap on a prompt (the wire workers' 2,048-token context x the longest token's
+    characters) holds for every form of /tokenize; as many tokens at most come out of it or go into
+    /detokenize. Each refusal is a 400 naming the field."""
+    limit = 2048 * tokenizer.max_token_chars
+    over = "a" * (limit + 1)
+    for body, param in [
+        ({"prompt": over}, "prompt"),
+        ({"text": over, "return_token_strs": True}, "text"),
+        ({"messages": [{"role": "user", "content": over}]}, "messages"),
+        # Within the characters, two tokens each: past the tokens.
+        ({"prompt": "\U0001f642" * (limit // 2 + 1)}, "prompt"),
+    ]:
+        r = cluster.client.post("/tokenize", json=body)
+        assert r.status_code == 400, (param, r.text[:200])
+        err = r.json()["error"]
+        assert err["param"] == param and err["type"] == "invalid_request_error", err
+    r = cluster.client.post("/detokenize", json={"tokens": [0] * (limit + 1)})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "tokens", r.text[:200]
+    # The bounds themselves are served, and round-trip.
+    r = cluster.client.post(
+        "/tokenize", json={"prompt": "\U0001f642" * (limit // 2), "return_token_strs": True}
+    )
+    assert r.status_code == 200 and r.json()["count"] == limit == len(r.json()["token_strs"])
+    assert r.json()["max_model_len"] == 2048
+    back = cluster.client.post("/detokenize", json={"tokens": r.json()["tokens"]})
+    assert back.status_code == 200 and back.json()["text"] == "\U0001f642" * (limit // 2)
+
+
+def test_tokenize_without_workers_is_capped_too(client, tokenizer: Tokenizer):
+    """No worker in rotation tells the context length: the bundled model's is assumed."""
+    r = client.post("/tokenize", json={"prompt": "a" * (8192 * tokenizer.max_token_chars + 1)})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "prompt", r.text[:200]
+
+
+@pytest.fixture
+def limited_gateway(tmp_path) -> Iterator[str]:
+    """`pdserve gateway` as its own process, two requests per client, keys set."""
+    flags = ["--max-requests-per-client", "2", "--api-key", "user-key", "--admin-api-key", "admin-key"]
+    proc, port, _ = start_gateway(str(tmp_path), [*flags, "--log-level", "warning"])
+    try:
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        stop_processes([proc], grace_s=10)
+
+
+def _stalled(base: str, path: str, key: str) -> socket.socket:
+    """A request whose headers are in and whose body never comes: it holds its client's slot."""
+    u = urlsplit(base)
+    s = socket.create_connection((u.hostname, u.port), timeout=10)
+    head = f"POST {path} HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {key}\r\n"
+    s.sendall(head.encode() + b'Content-Type: application/json\r\nContent-Length: 100\r\n\r\n{"prompt": ')
+    return s
+
+
+@pytest.mark.timeout(120)
+def test_tokenizer_routes_count_against_the_clients_limit(limited_gateway):
+    """/tokenize and /detokenize each hold one of their client's slots from their headers on: past
+    the limit, a 429 with OpenAI's body; another client (another key) is let in meanwhile."""
+    base, key = limited_gateway, {"Authorization": "Bearer user-key"}
+    held = [_stalled(base, "/tokenize", "user-key"), _stalled(base, "/detokenize", "user-key")]
+    time.sleep(0.5)  # both in, waiting for their bodies
+    for path, body in (("/tokenize", {"prompt": "hi"}), ("/detokenize", {"tokens": [1, 2]})):
+        r = httpx.post(base + path, json=body, headers=key, timeout=30)
+        assert r.status_code == 429 and r.headers["retry-after"] == "1", (path, r.text)
+        assert r.json()["error"]["code"] == "rate_limit_exceeded"
+    other = httpx.post(
+        base + "/tokenize", json={"prompt": "hi"}, headers={"Authorization": "Bearer admin-key"}
+    )
+    assert other.status_code == 200
+    for s in held:  # gone mid-body: their slots are given back
+        s.close()
+    deadline = time.monotonic() + 10
+    while httpx.post(base + "/tokenize", json={"prompt": "hi"}, headers=key).status_code == 429:
+        assert time.monotonic() < deadline, "the slots of the requests that left were never given back"
+        time.sleep(0.1)
