@@ -20,6 +20,8 @@ from pdserve.bench.abuse_http import (
     slowloris,
     stalled_big_bodies,
 )
+from pdserve.bench.abuse_routes import largest_tokenize_flood, million_ids_detokenize, tokenize_over_the_cap
+from pdserve.bench.abuse_store import metadata_of_many_keys, one_key_fills_the_store, text_of_empty_lists
 from pdserve.bench.abuse_target import Case
 from pdserve.bench.abuse_workers import (
     heavy_grammar,
@@ -51,6 +53,12 @@ CASES: list[tuple[str, Case]] = [
     ("one key spelled 8 ways, 40 requests at once", respelled_keys_flood),
     ("6 streams dropped after one chunk", abandoned_streams),
     ("info endpoints read with the inference key", server_info_secrets),
+    ("10 of the largest /tokenize with token strings, one key", largest_tokenize_flood),
+    ("/detokenize of 1M ids", million_ids_detokenize),
+    ("/tokenize over the cap", tokenize_over_the_cap),
+    ("one key stores 13 responses of 3.9 MiB: another key's survives", one_key_fills_the_store),
+    ("responses whose text holds 1.3M empty lists", text_of_empty_lists),
+    ("metadata of 250k keys", metadata_of_many_keys),
     ("top_k 2**63; seed 2**63-1 with n 2; stop_token_ids [2**63]", overflowing_values),
     ("rid of 1 MiB with n = 128", long_rid),
     ("lone surrogate in stop, rid, prompt", lone_surrogates),

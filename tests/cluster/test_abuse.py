@@ -22,6 +22,8 @@ SHARED_WORK = {
     "SIGSTOP the prefill for 3.5 s mid-prefill",
     "16 stop strings of 1,024 characters (allowed)",
     "kill -9 the decode, then a weight update",
+    "10 of the largest /tokenize with token strings, one key",
+    "one key stores 13 responses of 3.9 MiB: another key's survives",
 }
 
 
