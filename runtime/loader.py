@@ -27,7 +27,7 @@ from safetensors import safe_open
 from pdserve import env
 from pdserve.model_source import ModelSource, ModelSourceError, resolve_model_source
 from pdserve.progress import progress
-from pdserve.runtime import cpu_calibration, quant_cache
+from pdserve.runtime import cpu_calibration, disk_cache, quant_cache
 from pdserve.runtime.determinism import DeterminismError, resolve_batch_invariance
 from pdserve.runtime.model_config import ModelSpec, rope_inv_freq
 from pdserve.runtime.models.llama import CausalLM
@@ -127,45 +127,53 @@ def tokenizer_hashes(folder: str) -> dict[str, str]:
     }
 
 
+GGUF_FORMAT = 1  # bump when what a dequantized folder holds changes
+
+
 def gguf_to_folder(source: ModelSource) -> str:
-    """Dequantize a GGUF file into a cached safetensors folder (once; concurrent starts wait on a lock)."""
+    """Dequantize a GGUF file into a cached safetensors folder (once; concurrent starts wait on a lock).
+    The folder is checked against its record (runtime/disk_cache.py) at every start: a truncated or
+    changed file in it is deleted with a warning and dequantized again, never read."""
     assert source.gguf_path is not None
-    key = _file_sha256(source.gguf_path)[:20]
-    dest = os.path.join(cache_root(), "gguf", key)
-    if os.path.isfile(os.path.join(dest, "model.safetensors")):
+    digest = _file_sha256(source.gguf_path)
+    dest = os.path.join(cache_root(), "gguf", digest[:20])
+    claims: disk_cache.Claims = {"format": GGUF_FORMAT, "source": digest, "dtype": "float32"}
+    if disk_cache.check(dest, claims):
         return dest
     os.makedirs(os.path.dirname(dest), exist_ok=True)
     with open(dest + ".lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
-        if os.path.isfile(os.path.join(dest, "model.safetensors")):
+        if disk_cache.check(dest, claims):  # another worker dequantized it meanwhile
             return dest
         log.info("dequantizing %s (once; cached in %s)", source.gguf_path, dest)
         t0 = time.monotonic()
-        from safetensors.torch import save_file
-        from transformers import AutoModelForCausalLM, AutoTokenizer
-
-        hf = AutoModelForCausalLM.from_pretrained(
-            source.folder, gguf_file=source.gguf_file, dtype=torch.float32
-        )
-        tok = AutoTokenizer.from_pretrained(source.folder, gguf_file=source.gguf_file)
         tmp = tempfile.mkdtemp(dir=os.path.dirname(dest), prefix=".tmp-")
         try:
-            state = {k: v.contiguous() for k, v in hf.state_dict().items()}
-            if getattr(hf.config, "tie_word_embeddings", False):
-                state.pop("lm_head.weight", None)
-            save_file(state, os.path.join(tmp, "model.safetensors"))
-            config = hf.config.to_dict()
-            config.pop("quantization_config", None)
-            config["architectures"] = [type(hf).__name__]
-            with open(os.path.join(tmp, "config.json"), "w") as f:
-                json.dump(config, f, indent=1)
-            tok.save_pretrained(tmp)
-            shutil.rmtree(dest, ignore_errors=True)
-            os.replace(tmp, dest)
+            _dequantize_into(source, tmp)
+            disk_cache.commit(tmp, dest, claims)
             log.info("dequantized %s in %.1f s", source.gguf_path, time.monotonic() - t0)
         finally:
             shutil.rmtree(tmp, ignore_errors=True)
     return dest
+
+
+def _dequantize_into(source: ModelSource, folder: str) -> None:
+    """The GGUF model as a plain HF folder: float32 safetensors, config.json, the tokenizer."""
+    from safetensors.torch import save_file
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    hf = AutoModelForCausalLM.from_pretrained(source.folder, gguf_file=source.gguf_file, dtype=torch.float32)
+    tok = AutoTokenizer.from_pretrained(source.folder, gguf_file=source.gguf_file)
+    state = {k: v.contiguous() for k, v in hf.state_dict().items()}
+    if getattr(hf.config, "tie_word_embeddings", False):
+        state.pop("lm_head.weight", None)
+    save_file(state, os.path.join(folder, "model.safetensors"))
+    config = hf.config.to_dict()
+    config.pop("quantization_config", None)
+    config["architectures"] = [type(hf).__name__]
+    with open(os.path.join(folder, "config.json"), "w") as f:
+        json.dump(config, f, indent=1)
+    tok.save_pretrained(folder)
 
 
 def model_folder(source: ModelSource) -> str:
@@ -327,18 +335,19 @@ def load_model(
     files_hash = weights_hash(folder)  # fails early, with the folder named, if weights are missing
     inv_freq, scaling = rope_inv_freq(config, spec.head_dim)
     stored = None
+    claims = quant_cache.claims(files_hash, quantization, torch_dtype, invariant)
     # CPU only (check_quantization); a TP rank's shard is not cached
     if quantization != "none" and env.quant_cache_enabled() and layout is None:
         stored = quant_cache.cache_path(
             cache_root(), quant_cache.cache_key(files_hash, quantization, torch_dtype, invariant)
         )
-    model = quant_cache.restore(stored, spec, torch_dtype) if stored else None
+    model = quant_cache.restore(stored, spec, torch_dtype, claims) if stored else None
     if model is None:
         shard = None if layout is None else (layout, tp_rank)
         model = _load_and_quantize(folder, spec, dev, torch_dtype, quantization, invariant, shard)
         if stored:
             try:
-                quant_cache.store(model, stored)
+                quant_cache.store(model, stored, claims)
             except OSError as e:  # a read-only or full cache folder: the next start quantizes again
                 log.warning("could not store the quantized weights in %s: %s", stored, e)
     # Attached after the dtype cast: the cos/sin table stays fp32 and is cast per use.

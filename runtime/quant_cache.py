@@ -12,6 +12,12 @@ dtype, batch invariance, this host's kernel plan (instruction set under PDSERVE_
 kernel build) and the source of the quantization code, so that a change to any of them quantizes anew.
 Each module is restored by its class with its buffers and plain attributes, then binds its kernel
 (`bind_ops`); nothing is computed.
+
+Nothing of the file is trusted before runtime/disk_cache.py has checked it: its record (written beside it,
+last) must claim this mode, dtype, batch invariance and checkpoint fingerprint and hold the digest of the
+bytes on disk, and the file itself names the same claims. A file changed since it was written, torn, or of
+another mode put under this key's name is deleted with a warning and quantized anew, once; a worker never
+maps it, so prefill and decode cannot agree on wrong weights.
 """
 
 from __future__ import annotations
@@ -28,14 +34,14 @@ import torch
 from torch import nn
 
 from pdserve.kernels import cpu_quant_linear
-from pdserve.runtime import quant
+from pdserve.runtime import disk_cache, quant
 from pdserve.runtime.host import cpu_has_amx
 from pdserve.runtime.model_config import ModelSpec
 from pdserve.runtime.models.llama import CausalLM
 
 log = logging.getLogger(__name__)
 
-FORMAT = 1  # bump when what a file holds changes shape
+FORMAT = 2  # bump when what a file holds changes shape (2: its claims inside, a record beside it)
 _CLASSES: dict[str, type[nn.Module]] = {
     c.__name__: c for c in (quant.Int8WeightOnlyLinear, quant.Int8DynamicLinear, quant.Int4WeightOnlyLinear)
 }
@@ -70,6 +76,17 @@ def cache_key(weights_hash: str, mode: str, dtype: torch.dtype, invariant: bool)
     return hashlib.sha256(json.dumps(parts, sort_keys=True).encode()).hexdigest()[:24]
 
 
+def claims(weights_hash: str, mode: str, dtype: torch.dtype, invariant: bool) -> dict[str, str | int | bool]:
+    """What a file under the key claims to be, in its record and inside it (runtime/disk_cache.py)."""
+    return {
+        "format": FORMAT,
+        "weights": weights_hash,
+        "mode": mode,
+        "dtype": str(dtype),
+        "invariant": invariant,
+    }
+
+
 def cache_path(root: str, key: str) -> str:
     return os.path.join(root, "quantized", f"{key}.pt")
 
@@ -79,8 +96,9 @@ def _module_record(m: nn.Module) -> dict[str, Any]:
     return {"cls": type(m).__name__, "attrs": plain, "buffers": list(m._buffers)}
 
 
-def store(model: CausalLM, path: str) -> None:
-    """Write the quantized model to `path` (atomically: a reader sees a whole file or none)."""
+def store(model: CausalLM, path: str, claimed: disk_cache.Claims) -> None:
+    """Write the quantized model to `path` (atomically: a reader sees a whole file or none), and its record
+    claiming `claimed` (`claims`) beside it."""
     modules = {name: _module_record(m) for name, m in model.named_modules() if type(m).__name__ in _CLASSES}
     embedding = isinstance(model.model.embed_tokens, quant.PackedInt8Embedding)
     state = {k: v for k, v in model.state_dict().items() if not k.startswith("rotary.")}
@@ -88,8 +106,9 @@ def store(model: CausalLM, path: str) -> None:
     fd, tmp = tempfile.mkstemp(dir=os.path.dirname(path), prefix=".tmp-", suffix=".pt")
     os.close(fd)
     try:
-        torch.save({"modules": json.dumps(modules), "packed_embedding": embedding, "state": state}, tmp)
-        os.replace(tmp, path)
+        payload = {"modules": json.dumps(modules), "packed_embedding": embedding, "state": state}
+        torch.save({**payload, "claims": json.dumps(dict(claimed), sort_keys=True)}, tmp)
+        disk_cache.commit(tmp, path, claimed)
     finally:
         if os.path.exists(tmp):
             os.unlink(tmp)
@@ -110,30 +129,40 @@ def _restore_module(record: dict[str, Any], prefix: str, state: dict[str, torch.
     return m
 
 
-def restore(path: str, spec: ModelSpec, dtype: torch.dtype) -> CausalLM | None:
+def restore(path: str, spec: ModelSpec, dtype: torch.dtype, claimed: disk_cache.Claims) -> CausalLM | None:
     """The quantized model stored at `path`, its tensors mapped from the file; None where there is no
-    usable file (absent, or unreadable: then it is quantized anew and stored again)."""
-    if not os.path.isfile(path):
-        return None
+    usable file (absent, or not what its key and record claim, or unreadable: it is then deleted with a
+    warning, quantized anew and stored again)."""
     t0 = time.monotonic()
+    if not disk_cache.check(path, claimed):
+        return None
     try:
         saved = torch.load(path, mmap=True, weights_only=True)
-        modules: dict[str, dict[str, Any]] = json.loads(saved["modules"])
-        state: dict[str, torch.Tensor] = saved["state"]
-        with torch.device("meta"):
-            model = CausalLM(spec, rotary=None)  # type: ignore[arg-type]
-        for name, record in modules.items():
-            parent_name, _, attr = name.rpartition(".")
-            parent = model.get_submodule(parent_name) if parent_name else model
-            setattr(parent, attr, _restore_module(record, name, state))
-        if saved["packed_embedding"]:
-            head = model.lm_head_quant
-            assert isinstance(head, quant.Int8WeightOnlyLinear)
-            model.model.embed_tokens = quant.PackedInt8Embedding(head, dtype)
-        model.load_state_dict(state, strict=True, assign=True)
-    except (OSError, RuntimeError, KeyError, ValueError, AttributeError, AssertionError) as e:
-        log.warning("the quantized weights in %s could not be read (%s): quantizing anew", path, e)
+        inside = json.loads(saved["claims"])
+        if inside != json.loads(json.dumps(dict(claimed), sort_keys=True)):
+            raise ValueError(f"the file itself claims {inside}")
+        model = _rebuild(saved, spec, dtype)
+    except Exception as e:  # noqa: BLE001 - whatever a bad file raises, it is quantized anew
+        disk_cache.reject(path, f"the quantized weights could not be read ({type(e).__name__}: {e})")
         return None
     quant.mark_quantized(model)
-    log.info("quantized weights mapped from %s in %.2f s", path, time.monotonic() - t0)
+    log.info("quantized weights mapped from %s in %.2f s (checked)", path, time.monotonic() - t0)
+    return model
+
+
+def _rebuild(saved: dict[str, Any], spec: ModelSpec, dtype: torch.dtype) -> CausalLM:
+    """The model from a loaded file's module records and tensors."""
+    modules: dict[str, dict[str, Any]] = json.loads(saved["modules"])
+    state: dict[str, torch.Tensor] = saved["state"]
+    with torch.device("meta"):
+        model = CausalLM(spec, rotary=None)  # type: ignore[arg-type]
+    for name, record in modules.items():
+        parent_name, _, attr = name.rpartition(".")
+        parent = model.get_submodule(parent_name) if parent_name else model
+        setattr(parent, attr, _restore_module(record, name, state))
+    if saved["packed_embedding"]:
+        head = model.lm_head_quant
+        assert isinstance(head, quant.Int8WeightOnlyLinear)
+        model.model.embed_tokens = quant.PackedInt8Embedding(head, dtype)
+    model.load_state_dict(state, strict=True, assign=True)
     return model

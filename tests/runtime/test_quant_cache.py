@@ -1,12 +1,16 @@
 """The quantized model stored in the cache folder (runtime/quant_cache.py): the first load quantizes and
 stores it, the next maps it back and computes bit for bit what the first did; a key per mode, dtype and
-batch invariance; an unreadable file is quantized anew, never trusted."""
+batch invariance; an unreadable, changed or foreign file is deleted with a warning and quantized anew,
+never trusted (runtime/disk_cache.py)."""
 
 from __future__ import annotations
 
 import glob
 import logging
 import os
+import shutil
+import struct
+import zipfile
 
 import pytest
 import torch
@@ -76,6 +80,65 @@ def test_an_unreadable_file_is_quantized_anew(cache, tiny_folders, make_engine, 
     with open(path, "r+b") as f:  # a torn or tampered file
         f.truncate(os.path.getsize(path) // 2)
     again = load_model(folder, "float32", "cpu", "w4a16", "off")
-    assert "could not be read" in caplog.text
+    assert f"cache entry {path} is not used" in caplog.text and "truncated" in caplog.text
     assert run(again, make_engine) == run(first, make_engine)
     assert os.path.getsize(path) > 0 and load_model(folder, "float32", "cpu", "w4a16", "off") is not None
+
+
+def biggest_tensor(path: str) -> tuple[int, int]:
+    """(offset, size) of the bytes of the file's largest tensor: torch.save stores each one uncompressed
+    as a zip member, after a local header of 30 bytes, its name and its extra field."""
+    with zipfile.ZipFile(path) as z:
+        info = max(z.infolist(), key=lambda i: i.file_size)
+    with open(path, "rb") as f:
+        f.seek(info.header_offset + 26)
+        name_len, extra_len = struct.unpack("<HH", f.read(4))
+    return info.header_offset + 30 + name_len + extra_len, info.file_size
+
+
+def test_random_bytes_inside_a_tensor_are_caught_and_quantized_anew(
+    cache, tiny_folders, make_engine, caplog
+) -> None:
+    folder = tiny_folders["llama3-rope-tied"]
+    first = load_model(folder, "float32", "cpu", "w4a16", "off")
+    (path,) = stored(cache)
+    offset, size = biggest_tensor(path)
+    with open(path, "r+b") as f:  # bit rot or a stray write: the file still loads, its weights are wrong
+        f.seek(offset + size // 4)
+        f.write(os.urandom(size // 2))
+    caplog.set_level(logging.INFO, logger="pdserve.runtime")
+    again = load_model(folder, "float32", "cpu", "w4a16", "off")
+    assert run(again, make_engine) == run(first, make_engine)
+    assert f"cache entry {path} is not used" in caplog.text and "digest" in caplog.text
+    assert "mapped" not in caplog.text  # quantized anew, not mapped
+    caplog.clear()  # the file was stored again: the next start maps it, with no warning
+    third = load_model(folder, "float32", "cpu", "w4a16", "off")
+    assert "quantized weights mapped from" in caplog.text and "not used" not in caplog.text
+    assert run(third, make_engine) == run(first, make_engine)
+
+
+@pytest.mark.parametrize("how", ["with its record", "alone", "with a record rewritten to claim w4a16"])
+def test_a_file_of_another_mode_under_the_key_is_refused(
+    cache, tiny_folders, make_engine, caplog, how
+) -> None:
+    from pdserve.runtime import disk_cache, quant, quant_cache
+
+    folder = tiny_folders["llama-untied"]
+    load_model(folder, "float32", "cpu", "w8a16_int8", "off")
+    (int8,) = stored(cache)
+    first = load_model(folder, "float32", "cpu", "w4a16", "off")
+    (int4,) = set(stored(cache)) - {int8}
+    if how == "with its record" and os.path.exists(disk_cache.record_path(int8)):
+        shutil.copy(disk_cache.record_path(int8), disk_cache.record_path(int4))
+    if how == "with a record rewritten to claim w4a16":
+        claims = quant_cache.claims(first.weights_hash, "w4a16", torch.float32, False)
+        shutil.copy(int8, int4 + ".new")
+        disk_cache.commit(int4 + ".new", int4, claims)
+    else:
+        shutil.copy(int8, int4)
+    again = load_model(folder, "float32", "cpu", "w4a16", "off")
+    assert again.quantization == "w4a16"
+    assert not any(isinstance(m, quant.Int8WeightOnlyLinear) for m in again.model.model.layers.modules())
+    assert {type(m) for m in again.model.modules()} >= {quant.Int4WeightOnlyLinear}
+    assert f"cache entry {int4} is not used" in caplog.text
+    assert run(again, make_engine) == run(first, make_engine)
