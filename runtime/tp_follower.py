@@ -8,17 +8,22 @@ and rank 0 sees the broken group at its next operation (runtime/tp_group.py TPGr
 
     python -m pdserve.runtime.tp_follower <folder> <rank>
 
-`folder` is rank 0's private rendezvous folder: the FileStore and config.json (the RuntimeConfig).
+`folder` is rank 0's private rendezvous folder: the FileStore and config.json (the RuntimeConfig), and
+`owner`, rank 0's pid and start time. A rank 0 killed with SIGKILL never removes its folder (nor, before
+every rank mapped it, its /dev/shm segment): the next rank 0 to start sweeps those whose owner is dead
+(`sweep_stale_tp_folders`).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import glob
 import json
 import logging
 import os
 import secrets
 import shutil
+import stat
 import subprocess
 import sys
 import tempfile
@@ -52,6 +57,9 @@ from pdserve.side_threads import serial_openmp
 
 log = logging.getLogger(__name__)
 
+PREFIX = "pdserve-tp-"  # rank 0's rendezvous folder in the temp folder, and its segment in /dev/shm
+OWNER_FILE = "owner"  # in the folder: "<pid> <start time>" of rank 0
+
 
 def rank_device(cfg: RuntimeConfig, rank: int) -> torch.device:
     """Rank `rank`'s device: the CPU, or the GPU `rank` places after rank 0's."""
@@ -71,15 +79,19 @@ def rank_threads(cfg: RuntimeConfig) -> int | None:
 
 def spawn_followers(cfg: RuntimeConfig) -> tuple[str, list[subprocess.Popen[bytes]]]:
     """Start ranks 1..tp_size-1; returns the rendezvous folder (store at <folder>/store) and them."""
-    folder = tempfile.mkdtemp(prefix="pdserve-tp-")  # mode 0700: only this user meets there
+    sweep_stale_tp_folders()
+    folder = tempfile.mkdtemp(prefix=PREFIX)  # mode 0700: only this user meets there
+    with open(os.path.join(folder, OWNER_FILE), "w") as f:
+        f.write(owner_record())
     with open(os.path.join(folder, "config.json"), "w") as f:
         json.dump(dataclasses.asdict(cfg), f)
     segment = ""
     if rank_device(cfg, 0).type == "cpu" and env.tp_shm_allreduce() and os.path.isdir("/dev/shm"):
-        segment = f"/dev/shm/pdserve-tp-{os.getpid()}-{secrets.token_hex(8)}"
-        make_segment(segment, cfg.tp_size)  # unlinked by rank 0 once every rank has mapped it
+        segment = f"/dev/shm/{PREFIX}{os.getpid()}-{secrets.token_hex(8)}"
     with open(os.path.join(folder, "allreduce"), "w") as f:
-        f.write(segment)
+        f.write(segment)  # named before it exists: the sweep finds every segment through its folder
+    if segment:
+        make_segment(segment, cfg.tp_size)  # unlinked by rank 0 once every rank has mapped it
     argv = [sys.executable, "-P", "-m", "pdserve.runtime.tp_follower", folder]
     procs = [
         subprocess.Popen([*argv, str(rank)], preexec_fn=die_with(os.getpid()))  # noqa: PLW1509
@@ -94,11 +106,66 @@ def discard_tp_folder(folder: str) -> None:
     try:
         with open(os.path.join(folder, "allreduce")) as f:
             segment = f.read().strip()
-        if segment:
+        if os.path.basename(segment).startswith(PREFIX):  # nothing else, whatever the file says
             os.unlink(segment)
     except FileNotFoundError:
         pass
     shutil.rmtree(folder, ignore_errors=True)
+
+
+def process_start_time(pid: int) -> str | None:
+    """The start time of process `pid` (field 22 of /proc/<pid>/stat, clock ticks since boot): with the
+    pid, it names one process, not a later one given the same pid. None where no such process runs."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rpartition(")")[2].split()  # after the command name, which may hold spaces
+        return fields[19]
+    except (OSError, IndexError):
+        return None
+
+
+def owner_record() -> str:
+    """This process, as its rendezvous folder's `owner` file names it: pid, start time, pid namespace."""
+    return f"{os.getpid()} {process_start_time(os.getpid())} {_pid_namespace()}"
+
+
+def _pid_namespace() -> str:
+    try:
+        return os.readlink("/proc/self/ns/pid")
+    except OSError:
+        return "unknown"
+
+
+def _owner_alive(folder: str) -> bool | None:
+    """Whether the rank 0 that made `folder` still runs; None where that cannot be told: the folder names
+    no owner (an older pdserve's, or its owner is writing it right now) or one of another pid namespace
+    (a container sharing this temp folder, whose processes this one cannot see)."""
+    try:
+        with open(os.path.join(folder, OWNER_FILE)) as f:
+            pid, start, namespace = f.read().split()
+    except (OSError, ValueError):
+        return None
+    if namespace != _pid_namespace() or not pid.isdigit():
+        return None
+    return process_start_time(int(pid)) == start
+
+
+def sweep_stale_tp_folders(tmp: str | None = None) -> list[str]:
+    """Remove this user's rendezvous folders in `tmp` (default: the temp folder) whose rank 0 is dead, with
+    the /dev/shm segment each names (a rank 0 killed before every rank had mapped it leaves it there);
+    never one of a live process, of another user or of another pid namespace. Returns what it removed."""
+    removed = []
+    for folder in glob.glob(os.path.join(tmp or tempfile.gettempdir(), PREFIX + "*")):
+        try:
+            st = os.lstat(folder)
+        except OSError:
+            continue
+        if stat.S_ISDIR(st.st_mode) and st.st_uid == os.getuid() and _owner_alive(folder) is False:
+            discard_tp_folder(folder)
+            removed.append(folder)
+    if removed:
+        log.info("removed what killed TP workers left: %s", ", ".join(removed))
+    return removed
 
 
 def follow(folder: str, rank: int) -> None:
