@@ -123,6 +123,7 @@ def run_worker(role: str, args: argparse.Namespace) -> int:
     runner: ModelRunner | None = None
     try:
         cfg = worker_config_from_args(args, role)
+        warn_test_hooks(args, role)
         warn_if_open(
             cfg.keys, "this worker's control link" + (" and KV bootstrap port" if role == "prefill" else "")
         )
@@ -152,6 +153,21 @@ def run_worker(role: str, args: argparse.Namespace) -> int:
     finally:
         if runner is not None:
             runner.close()
+
+
+def warn_test_hooks(args: argparse.Namespace, role: str) -> list[str]:
+    """One WARNING per test hook (a hidden row of the flag table, `--test-*`) set to anything but its
+    default: a worker that stalls, skews its clock or corrupts on purpose must say so in its log, or an
+    operator who copied a test's command line would hunt a fault that is a flag. Returns the lines."""
+    from pdserve.launch.flags import flags_of
+
+    lines = []
+    for f in flags_of(role):
+        value = getattr(args, f.attr, None)
+        if f.hidden and value != f.default_for(role):
+            lines.append(f"{f.name} {value} is set: a hook for tests only, never for serving")
+            logging.getLogger(f"pdserve.{role}").warning("%s", lines[-1])
+    return lines
 
 
 def _worker_class(role: str) -> Callable[[WorkerConfig, DrainSignal, ModelRunner | None], _Worker]:
