@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from pdserve.bench.abuse_caches import corrupt_gguf_cache, corrupt_quant_cache
 from pdserve.bench.abuse_http import (
     abandoned_streams,
     allowed_json_of_lists,
@@ -69,5 +70,7 @@ CASES: list[tuple[str, Case]] = [
 ]
 # Last, apart: it replaces a worker on purpose (the row's "workers kept" is then expected to be "no").
 DESTRUCTIVE: list[tuple[str, Case]] = [
+    ("1 MiB of random bytes in the quantized-weights cache, then kill -9 the decode", corrupt_quant_cache),
+    ("1 MiB of random bytes in the dequantized GGUF cache, then kill -9 the decode", corrupt_gguf_cache),
     ("kill -9 the decode, then a weight update", killed_worker_weight_update),
 ]

@@ -49,10 +49,17 @@ _PLAIN = (bool, int, float, str)
 
 
 def _source_digest() -> str:
-    """The quantization code itself: its Python module, the kernels' wrapper and their C++."""
+    """The quantization code itself: its Python modules, the kernels' wrapper and their C++."""
     h = hashlib.sha256()
     here = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    for rel in ("runtime/quant.py", "kernels/cpu_quant_linear.py", "kernels/cpu_quant_linear.cpp"):
+    for rel in (
+        "runtime/quant.py",
+        "runtime/quant_plan.py",
+        "runtime/quant_int8.py",
+        "runtime/quant_int4.py",
+        "kernels/cpu_quant_linear.py",
+        "kernels/cpu_quant_linear.cpp",
+    ):
         with open(os.path.join(here, rel), "rb") as f:
             h.update(f.read())
     return h.hexdigest()

@@ -22,6 +22,8 @@ SHARED_WORK = {
     "SIGSTOP the prefill for 3.5 s mid-prefill",
     "16 stop strings of 1,024 characters (allowed)",
     "kill -9 the decode, then a weight update",
+    "1 MiB of random bytes in the quantized-weights cache, then kill -9 the decode",
+    "1 MiB of random bytes in the dequantized GGUF cache, then kill -9 the decode",
     "10 of the largest /tokenize with token strings, one key",
     "one key stores 13 responses of 3.9 MiB: another key's survives",
 }
@@ -55,6 +57,8 @@ def test_abuse_table(limited_cluster):
             "300 idle connections": bench_abuse.IDLE_TIMEOUT_S + 3,
             "50 connections trickling headers": bench_abuse.IDLE_TIMEOUT_S + 3,
             "kill -9 the decode, then a weight update": 200,
+            "1 MiB of random bytes in the quantized-weights cache, then kill -9 the decode": 200,
+            "1 MiB of random bytes in the dequantized GGUF cache, then kill -9 the decode": 200,
         }.get(r.case)
         if limit is not None:
             assert r.seconds < limit, (r.case, r.seconds)
