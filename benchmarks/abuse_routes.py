@@ -22,7 +22,7 @@ HEALTH_BOUND_S = 1.0  # /health slower than this during a case fails it
 def _cap(t: Target) -> int:
     """The most characters a prompt may have, and the most tokens /tokenize returns: the cluster's
     context length x the served tokenizer's longest token."""
-    from pdserve.gateway.tokenizer import Tokenizer  # transformers: only for these cases
+    from pdserve.gateway.text.tokenizer import Tokenizer  # transformers: only for these cases
 
     info = httpx.get(t.url + "/tokenizer_info", headers=t.headers(), timeout=30).json()
     return int(info["model_max_length"]) * Tokenizer.load(t.model_path or None).max_token_chars

@@ -1,5 +1,5 @@
 """`pdserve bench abuse`, the /v1/responses store: what one key's stored responses can do to another
-key's, and to the gateway's memory (gateway/responses_store.py)."""
+key's, and to the gateway's memory (gateway/api/responses_store.py)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""The cost of HTTP API keys per request: the gateway's key check (gateway/auth.py) with keys and without,
+"""The cost of HTTP API keys per request: the gateway's key check (gateway/api/auth.py) with keys and without,
 alternating rounds in one process, over a bare ASGI app (the rest of a request costs the same either way).
 
     pdserve bench auth --requests 20000 --rounds 5
@@ -12,7 +12,7 @@ import statistics
 import time
 from typing import Any
 
-from pdserve.gateway.auth import ApiKeyMiddleware, ApiKeys
+from pdserve.gateway.api.auth import ApiKeyMiddleware, ApiKeys
 
 
 async def _app(scope: dict, receive: Any, send: Any) -> None:

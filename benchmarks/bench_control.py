@@ -20,11 +20,11 @@ import threading
 import time
 
 from pdserve.cluster_auth import ClusterKeys
+from pdserve.gateway.cluster.control import ControlPlane
+from pdserve.gateway.cluster.rooms import TokensArrived
+from pdserve.gateway.cluster.workers import WorkerRegistry
 from pdserve.gateway.config import GatewayConfig
-from pdserve.gateway.control import ControlPlane
-from pdserve.gateway.metrics import GatewayMetrics
-from pdserve.gateway.rooms import TokensArrived
-from pdserve.gateway.workers import WorkerRegistry
+from pdserve.gateway.observe.metrics import GatewayMetrics
 from pdserve.protocol import gateway as m
 from pdserve.sampling_params import SamplingParams
 from pdserve.worker.link import WorkerLink

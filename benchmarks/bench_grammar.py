@@ -165,7 +165,7 @@ ARTICLE = {
 def bench_engine_share(model_path: str | None, batch: int, new_tokens: int, threads: int) -> dict[str, float]:
     """Decode-step time with and without a JSON schema, and the masks' share of the former."""
     from pdserve.config import RuntimeConfig
-    from pdserve.gateway.tokenizer import Tokenizer
+    from pdserve.gateway.text.tokenizer import Tokenizer
     from pdserve.runtime import runner as runner_mod
     from pdserve.runtime.engine import Engine
     from pdserve.sampling_params import SamplingParams
@@ -225,7 +225,7 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     torch.set_num_threads(args.num_threads)
 
-    from pdserve.gateway.tokenizer import Tokenizer
+    from pdserve.gateway.text.tokenizer import Tokenizer
 
     tok = Tokenizer.load(args.model_path)
     hf, vocab = tok.hf, tok.vocab_size

@@ -15,7 +15,8 @@ WHEELS_FILE = ROOT / "benchmarks" / "gpu_wheels.txt"
 IMAGE_FILE = ROOT / "benchmarks" / "gpu_image.txt"
 PACKAGES = [
     "protocol", "runtime", "runtime/models", "runtime/grammar", "kernels", "kv_transfer", "prefill", "decode",
-    "gateway", "gateway/function_call", "bench",
+    "gateway", "gateway/api", "gateway/autopilot", "gateway/cluster", "gateway/generation", "gateway/observe",
+    "gateway/text", "gateway/text/function_call", "bench",
 ]  # fmt: skip
 
 
@@ -93,6 +94,7 @@ def stage_packaging(run: Run) -> StageResult:
         (wheel,) = Path(tmp).glob("pdserve-*.whl")
         names = set(zipfile.ZipFile(wheel).namelist())
     want = ["pdserve/cli.py", "pdserve/protocol/codec.py", "pdserve/bench/gpu_check.py"]
+    want += ["pdserve/gateway/api/static/dashboard.html"]
     want += [f"pdserve/{p}/__init__.py" for p in PACKAGES]
     want += [f"pdserve/kernels/{k.name}" for k in (ROOT / "kernels").glob("*.py")]
     absent = [w for w in want if w not in names]

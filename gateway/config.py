@@ -13,14 +13,12 @@ from __future__ import annotations
 import argparse
 import types
 from dataclasses import dataclass, field, fields, is_dataclass, replace
-from typing import Any, TypeVar
+from typing import Any, Literal, TypeVar
 
 from pdserve import env
 from pdserve.config import GRAMMAR_COMPILE_TIMEOUT_S
-from pdserve.gateway.elastic import ElasticConfig
-from pdserve.gateway.function_call import PARSER_NAMES
-from pdserve.gateway.reasoning import REASONING_PARSERS
-from pdserve.gateway.workers import POLICIES, Policy
+from pdserve.gateway.text.function_call import PARSER_NAMES
+from pdserve.gateway.text.reasoning import REASONING_PARSERS
 from pdserve.launch.flag import GATEWAY, TO_GATEWAY, UP, Flag
 from pdserve.launch.flags import add_flags, flags_of
 
@@ -29,6 +27,38 @@ SECRET = types.MappingProxyType({"secret": True})
 _GW = frozenset({GATEWAY})
 _GW_UP = frozenset({GATEWAY, UP})
 T = TypeVar("T")
+
+# The routing policies a role may follow (gateway/cluster/workers.py RoutingPolicy), and below the elastic
+# controller's settings: declared here, beside their flags, so that the configuration imports nothing from the
+# rooms that read it (tests/gateway/test_rooms.py).
+Policy = Literal["cache_aware", "round_robin", "least_load"]
+POLICIES: tuple[Policy, ...] = ("cache_aware", "round_robin", "least_load")
+
+
+# The elastic controller's targets and thresholds (gateway/autopilot/elastic.py), set by --elastic-*.
+@dataclass(frozen=True)
+class ElasticConfig:
+    ttft_slo: float = 2.0  # seconds
+    tpot_slo: float = 0.1  # seconds per output token after the first
+    interval_s: float = 2.0
+    window_s: float = 30.0
+    cooldown_s: float = 30.0
+    confirm: int = 3  # checks in a row that agree
+    min_per_role: int = 1
+    min_samples: int = 4  # finished requests in the window before their misses count
+    queue_high: float = 4.0  # prefill requests waiting per worker that count as full pressure
+    fill_high: float = 0.75  # decode batch fill that counts as full pressure
+    pressure_high: float = 0.5
+    margin: float = 0.25
+
+    def __post_init__(self) -> None:
+        if (
+            min(self.ttft_slo, self.tpot_slo, self.interval_s, self.window_s, self.queue_high, self.fill_high)
+            <= 0
+        ):
+            raise ValueError("--elastic targets, interval, window and thresholds must be > 0")
+        if self.cooldown_s < 0 or self.confirm < 1 or self.min_per_role < 1 or self.min_samples < 0:
+            raise ValueError("--elastic-cooldown must be >= 0, --elastic-confirm and the role minimum >= 1")
 
 
 def _flag(
@@ -74,7 +104,7 @@ class GatewayConfig:
         "id, else --model-path)",
         up=True,
     )
-    # Tool-call format (gateway/function_call/): None means hermes when a request has tools.
+    # Tool-call format (gateway/text/function_call/): None means hermes when a request has tools.
     tool_call_parser: str | None = _flag(
         None,
         "--tool-call-parser",
@@ -82,7 +112,7 @@ class GatewayConfig:
         up=True,
         choices=tuple(PARSER_NAMES),
     )
-    # Reasoning format (gateway/reasoning.py): None leaves thinking text in content.
+    # Reasoning format (gateway/text/reasoning.py): None leaves thinking text in content.
     reasoning_parser: str | None = _flag(
         None,
         "--reasoning-parser",
@@ -165,7 +195,7 @@ class GatewayConfig:
         'write {"port": HTTP port, "control_port": control port} here once both are bound '
         "(use with --port 0 / --control-port 0)",
     )
-    # Routing (gateway/workers.py RoutingPolicy), per role.
+    # Routing (gateway/cluster/workers.py RoutingPolicy), per role.
     prefill_policy: Policy = _flag(
         "cache_aware",
         "--prefill-policy",
@@ -208,7 +238,7 @@ class GatewayConfig:
     # The cluster secret (pdserve/cluster_auth.py); None: PDSERVE_CLUSTER_SECRET, else unauthenticated.
     # Where the secret lives is not shown either.
     cluster_secret_file: str | None = field(default=None, repr=False, metadata=SECRET)
-    # HTTP API keys (gateway/auth.py); None: that kind of endpoint is open.
+    # HTTP API keys (gateway/api/auth.py); None: that kind of endpoint is open.
     api_key: str | None = _flag(
         None,
         "--api-key",
@@ -231,7 +261,7 @@ class GatewayConfig:
     )
     protect_health: bool = _flag(False, "--protect-health", "/health needs the API key too", switch=True)
     protect_metrics: bool = _flag(False, "--protect-metrics", "/metrics needs the API key too", switch=True)
-    # OpenTelemetry traces (gateway/tracing.py), SGLang's flag names.
+    # OpenTelemetry traces (gateway/generation/tracing.py), SGLang's flag names.
     enable_trace: bool = _flag(
         False,
         "--enable-trace",
@@ -255,7 +285,7 @@ class GatewayConfig:
     dashboard_requests: int = _flag(
         200, "--dashboard-requests", "finished requests /dashboard keeps and shows", type=int
     )
-    # The elastic controller (gateway/elastic.py; its flags: _ELASTIC); None: the split changes only by hand.
+    # The elastic controller (gateway/autopilot/elastic.py; its flags: _ELASTIC); None: the split changes only by hand.
     elastic: ElasticConfig | None = None
     canary_interval_s: float = _flag(
         0.0,
@@ -287,7 +317,7 @@ def _elastic_rows() -> list[Flag]:
             "--elastic",
             _GW_UP,
             "move workers between prefill and decode, one at a time, from the measured TTFT/TPOT misses, "
-            "prefill queue and decode batch fill (gateway/elastic.py)",
+            "prefill queue and decode batch fill (gateway/autopilot/elastic.py)",
             switch=True,
             passed_to=TO_GATEWAY,
         )

@@ -92,7 +92,7 @@ class SamplingFields(LenientModel):
     # OpenAI's form: token id (as a string key) -> bias in [-100, 100].
     logit_bias: dict[str, float] | None = None
     no_stop_trim: bool = False
-    # Structured output (gateway/structured.py): at most one; SGLang's names.
+    # Structured output (gateway/text/structured.py): at most one; SGLang's names.
     json_schema: str | None = None
     regex: str | None = None
     ebnf: str | None = None

@@ -17,7 +17,7 @@ from contextlib import asynccontextmanager
 
 from fastapi import FastAPI
 
-from pdserve.gateway import (
+from pdserve.gateway.api import (
     anthropic_api,
     cluster_api,
     dashboard,
@@ -28,24 +28,24 @@ from pdserve.gateway import (
     tokenize_api,
     weights_api,
 )
-from pdserve.gateway.auth import ApiKeyMiddleware, ApiKeys
-from pdserve.gateway.canary import CANARY_PROMPT, Canaries
+from pdserve.gateway.api.auth import ApiKeyMiddleware, ApiKeys
+from pdserve.gateway.api.connections import IdleTimeoutProtocol, raise_open_files_limit
+from pdserve.gateway.api.dashboard import RecentRequests
+from pdserve.gateway.api.openapi import install_openapi
+from pdserve.gateway.api.serving import Admission
+from pdserve.gateway.api.state import GatewayState
+from pdserve.gateway.autopilot.canary import CANARY_PROMPT, Canaries
+from pdserve.gateway.autopilot.elastic import ElasticController
+from pdserve.gateway.cluster.control import ControlPlane
+from pdserve.gateway.cluster.weights import WeightUpdates
+from pdserve.gateway.cluster.workers import RoutingPolicy, WorkerRegistry
 from pdserve.gateway.config import GatewayConfig
-from pdserve.gateway.connections import IdleTimeoutProtocol, raise_open_files_limit
-from pdserve.gateway.control import ControlPlane
-from pdserve.gateway.dashboard import RecentRequests
-from pdserve.gateway.elastic import ElasticController
 from pdserve.gateway.errors import install_error_handlers
-from pdserve.gateway.generation import Generations
-from pdserve.gateway.metrics import GatewayMetrics
-from pdserve.gateway.openapi import install_openapi
-from pdserve.gateway.serving import Admission
-from pdserve.gateway.state import GatewayState
-from pdserve.gateway.structured import Constraints
-from pdserve.gateway.tokenizer import Tokenizer
-from pdserve.gateway.tracing import Tracing
-from pdserve.gateway.weights import WeightUpdates
-from pdserve.gateway.workers import RoutingPolicy, WorkerRegistry
+from pdserve.gateway.generation.generation import Generations
+from pdserve.gateway.generation.tracing import Tracing
+from pdserve.gateway.observe.metrics import GatewayMetrics
+from pdserve.gateway.text.structured import Constraints
+from pdserve.gateway.text.tokenizer import Tokenizer
 from pdserve.model_source import model_name
 from pdserve.port_file import write_port_file
 

@@ -158,7 +158,7 @@ class WorkerConfig:
     # (prefill) the first this-many hand-offs get a bit of a page flipped after it was hashed.
     corrupt_kv: int = 0
     # (decode) from its Nth request on (0: never), every token it decodes reaches the gateway as the
-    # next token id: a worker that answers wrong, for the canaries (gateway/canary.py).
+    # next token id: a worker that answers wrong, for the canaries (gateway/autopilot/canary.py).
     wrong_tokens_from: int = 0
 
 

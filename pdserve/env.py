@@ -12,7 +12,7 @@ read when a process starts (argument parsing) or when a path is first needed, ne
   PDSERVE_LOG_LEVEL       --log-level of a worker (info)
   PDSERVE_CLUSTER_SECRET  the cluster secret (pdserve/cluster_auth.py) when --cluster-secret-file is
                           not given: gateway and workers (`pdserve up` sets it for its children)
-  PDSERVE_API_KEY         --api-key of the gateway (HTTP inference endpoints; gateway/auth.py)
+  PDSERVE_API_KEY         --api-key of the gateway (HTTP inference endpoints; gateway/api/auth.py)
   PDSERVE_ADMIN_API_KEY   --admin-api-key of the gateway (its operational endpoints)
   PDSERVE_CACHE_DIR       cache folder: dequantized GGUF weights, saved tokenizers
                           (unset: $XDG_CACHE_HOME/pdserve, else ~/.cache/pdserve)

@@ -117,7 +117,7 @@ def key_env(args: argparse.Namespace) -> dict[str, str]:
 
 def _opened(url: str, args: argparse.Namespace, control: int) -> str:
     """What the cluster listens on, for the start-up message (worker ports as the gateway lists them).
-    `/workers` is an admin endpoint: asked with the key the gateway takes for it (gateway/auth.py:
+    `/workers` is an admin endpoint: asked with the key the gateway takes for it (gateway/api/auth.py:
     the admin key, else the API key), from the environment the gateway inherits; never printed."""
     lines = [f"  HTTP          {url}", f"  control       {args.internal_host}:{control} (CurveZMQ)"]
     key = args.admin_api_key or env.admin_api_key() or args.api_key or env.api_key()

@@ -127,7 +127,7 @@ class FlushCacheDone(_Msg):
     message: str = ""
 
 
-# ---- live weight updates (runtime/weight_update.py on the worker, gateway/weights.py) ---------
+# ---- live weight updates (runtime/weight_update.py on the worker, gateway/cluster/weights.py) ---------
 
 WeightsOp = Literal[
     "prepare_disk",
@@ -203,10 +203,10 @@ class GenerateRequest(_Msg):
     # Absolute deadline on the gateway's clock (received time + request timeout); informational.
     deadline_s: float | None = None
     # W3C trace context of the request's trace (`traceparent`), when the gateway traces it; a worker
-    # may log it. Spans are built by the gateway (gateway/tracing.py), not by the workers.
+    # may log it. Spans are built by the gateway (gateway/generation/tracing.py), not by the workers.
     traceparent: str | None = None
     # False: neither leg reads its prefix cache for this request nor stores its KV there (a canary's
-    # reference answer, gateway/canary.py).
+    # reference answer, gateway/autopilot/canary.py).
     use_prefix_cache: bool = True
 
     @model_validator(mode="after")

@@ -282,7 +282,7 @@ def test_parallel_tool_calls_false_is_one_call_and_a_cut_keeps_complete_calls(cl
 
 def test_lm_eval_remote_tokenizer_calls_and_keys_stay_out_of_logs(cluster):
     """The HTTP calls lm-eval's RemoteTokenizer (tokenizer_backend=remote) makes, with its bearer key."""
-    from pdserve.gateway.tokenizer import Tokenizer
+    from pdserve.gateway.text.tokenizer import Tokenizer
 
     tok = Tokenizer.load(None)
     with httpx.Client(base_url=cluster.url, headers={"Authorization": f"Bearer {KEY}"}, timeout=30) as c:

@@ -48,7 +48,7 @@ ROLE_FLAGS = ["--transfer-timeout", str(TRANSFER_TIMEOUT_S), "--kv-wait-timeout"
 
 @pytest.fixture(scope="module")
 def tok():
-    from pdserve.gateway.tokenizer import Tokenizer
+    from pdserve.gateway.text.tokenizer import Tokenizer
 
     return Tokenizer.load(None)
 

@@ -37,7 +37,7 @@ def spec_cluster(tmp_path_factory):
 
 
 def _ids(texts: list[str]) -> list[list[int]]:
-    from pdserve.gateway.tokenizer import Tokenizer
+    from pdserve.gateway.text.tokenizer import Tokenizer
 
     tok = Tokenizer.load(None)
     return [tok.encode(t) for t in texts]

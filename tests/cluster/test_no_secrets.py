@@ -15,7 +15,7 @@ from harness import start_up
 
 from pdserve.gateway.config import GatewayConfig
 from pdserve.gateway.server import create_app
-from pdserve.gateway.tokenizer import Tokenizer
+from pdserve.gateway.text.tokenizer import Tokenizer
 
 pytestmark = pytest.mark.timeout(600)
 

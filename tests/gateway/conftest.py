@@ -10,7 +10,7 @@ from fastapi.testclient import TestClient
 
 from pdserve.gateway.config import GatewayConfig
 from pdserve.gateway.server import create_app
-from pdserve.gateway.tokenizer import Tokenizer
+from pdserve.gateway.text.tokenizer import Tokenizer
 
 
 @pytest.fixture(scope="session")

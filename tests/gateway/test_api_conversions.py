@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import pytest
 
-from pdserve.gateway.anthropic_api import to_chat
+from pdserve.gateway.api.anthropic_api import to_chat
+from pdserve.gateway.api.responses_api import _Turn
+from pdserve.gateway.api.responses_store import ResponseStore
 from pdserve.gateway.errors import ApiError
 from pdserve.gateway.request_models import ChatCompletionBody
-from pdserve.gateway.responses_api import _Turn
-from pdserve.gateway.responses_store import ResponseStore
 
 SCHEMA = {"type": "object", "properties": {"city": {"type": "string"}}}
 

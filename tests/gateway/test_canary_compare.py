@@ -1,8 +1,8 @@
-"""How a canary's answer is compared with its pair's reference (gateway/canary.py `differs`)."""
+"""How a canary's answer is compared with its pair's reference (gateway/autopilot/canary.py `differs`)."""
 
 from __future__ import annotations
 
-from pdserve.gateway.canary import Answer, differs
+from pdserve.gateway.autopilot.canary import Answer, differs
 
 REF = Answer(
     ids=[5, 9, 2],

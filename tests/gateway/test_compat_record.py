@@ -8,7 +8,7 @@ import logging
 
 import pytest
 
-from pdserve.gateway.workers import WorkerRegistry
+from pdserve.gateway.cluster.workers import WorkerRegistry
 from pdserve.kv_transfer.handshake import compare_identities
 from pdserve.protocol import compat
 

@@ -6,7 +6,7 @@ import os
 
 import pytest
 
-from pdserve.gateway.detokenizer import IncrementalDetokenizer, StopStringMatcher
+from pdserve.gateway.text.detokenizer import IncrementalDetokenizer, StopStringMatcher
 
 TEXTS = [
     "The capital of France is Paris. Ça va? Naïve café — “quotes” …",
@@ -120,7 +120,7 @@ def test_stop_on_real_tokens(tokenizer):
 
 
 def test_cached_tokenizer_matches_gguf_build(tmp_path, monkeypatch, tokenizer):
-    from pdserve.gateway.tokenizer import Tokenizer
+    from pdserve.gateway.text.tokenizer import Tokenizer
 
     monkeypatch.setenv("PDSERVE_CACHE_DIR", str(tmp_path))
     built = Tokenizer.load(None)  # from GGUF metadata, then saved
@@ -143,7 +143,7 @@ def test_a_fresh_process_loads_the_tokenizer_without_torch(tmp_path, tokenizer):
     import sys
 
     code = (
-        "import json, sys; from pdserve.gateway.tokenizer import Tokenizer; t = Tokenizer.load(None); "
+        "import json, sys; from pdserve.gateway.text.tokenizer import Tokenizer; t = Tokenizer.load(None); "
         "print(json.dumps(['torch' in sys.modules, [t.encode(x) for x in sys.argv[1:]]]))"
     )
     for _ in ("cold", "warm"):

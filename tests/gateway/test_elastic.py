@@ -1,4 +1,4 @@
-"""The elastic controller's signals and decisions on hand-computed cases (gateway/elastic.py). Its switches
+"""The elastic controller's signals and decisions on hand-computed cases (gateway/autopilot/elastic.py). Its switches
 of real workers under shifting traffic: tests/cluster/test_elastic_cluster.py."""
 
 from __future__ import annotations
@@ -7,10 +7,11 @@ import time
 
 import pytest
 
-from pdserve.gateway.elastic import ElasticConfig, ElasticController, measure, wanted
-from pdserve.gateway.request_trace import RequestTrace
-from pdserve.gateway.role_switch import Switch, SwitchRefused
-from pdserve.gateway.workers import WorkerRegistry
+from pdserve.gateway.autopilot.elastic import ElasticController, measure, wanted
+from pdserve.gateway.cluster.role_switch import Switch, SwitchRefused
+from pdserve.gateway.cluster.workers import WorkerRegistry
+from pdserve.gateway.config import ElasticConfig
+from pdserve.gateway.generation.request_trace import RequestTrace
 
 from .test_control import _register
 

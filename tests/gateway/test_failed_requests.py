@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from pdserve.gateway.failed_requests import FailedRequests, request_fingerprint
+from pdserve.gateway.generation.failed_requests import FailedRequests, request_fingerprint
 from pdserve.protocol.vocabulary import FailCode
 from pdserve.sampling_params import SamplingParams
 

@@ -13,8 +13,8 @@ import time
 
 import pytest
 
-from pdserve.gateway import collector, generation, room_reader
 from pdserve.gateway.config import GatewayConfig, public_config
+from pdserve.gateway.generation import collector, generation, room_reader
 from pdserve.gateway.request_models import MAX_RID_CHARS
 from pdserve.protocol import gateway as m
 from pdserve.sampling_params import SamplingParams

@@ -1,6 +1,6 @@
 """The gateway's event loop and its heartbeat under load: a flood of the largest /tokenize requests
 allowed leaves /health answering at once and every worker registered, and a stall of the loop itself
-never costs a live worker its place (gateway/liveness.py), while a dead one is still found."""
+never costs a live worker its place (gateway/cluster/liveness.py), while a dead one is still found."""
 
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ import pytest
 from fastapi.testclient import TestClient
 from harness import start_gateway, stop_processes
 
-from pdserve.gateway.tokenizer import Tokenizer
+from pdserve.gateway.text.tokenizer import Tokenizer
 from pdserve.worker.link import WorkerLink
 
 from .conftest import WireWorker, control_addr, gateway_client, text_script

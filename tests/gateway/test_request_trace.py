@@ -6,9 +6,9 @@ import random
 
 import pytest
 
-from pdserve.gateway.dashboard import RecentRequests
-from pdserve.gateway.request_trace import PHASES, TraceInput, build_trace
-from pdserve.gateway.timeline import TimelineInput, stitch
+from pdserve.gateway.api.dashboard import RecentRequests
+from pdserve.gateway.generation.request_trace import PHASES, TraceInput, build_trace
+from pdserve.gateway.observe.timeline import TimelineInput, stitch
 
 T = 1_000_000.0
 TRUE = dict(

@@ -8,7 +8,7 @@ import json
 import time
 import tracemalloc
 
-from pdserve.gateway.responses_store import ResponseStore, StoreLimits, owner_of
+from pdserve.gateway.api.responses_store import ResponseStore, StoreLimits, owner_of
 
 BIG = "x" * ((4 << 20) - 100_000)  # what one request under the 4 MiB body limit can carry
 

@@ -7,8 +7,8 @@ import time
 
 import pytest
 
-from pdserve.gateway.prefix_index import PrefixIndex
-from pdserve.gateway.workers import RoutingPolicy, WorkerInfo, WorkerRegistry
+from pdserve.gateway.cluster.prefix_index import PrefixIndex
+from pdserve.gateway.cluster.workers import RoutingPolicy, WorkerInfo, WorkerRegistry
 from pdserve.protocol.block_hash import ROOT_HASH, block_hash, block_hashes
 from pdserve.protocol.gateway import KVEvents, Register
 

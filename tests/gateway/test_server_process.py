@@ -107,7 +107,7 @@ def _maps_torch(pid: int) -> bool:
 @pytest.mark.timeout(120)
 @pytest.mark.skipif(not os.path.exists("/proc/self/maps"), reason="needs Linux /proc")
 def test_the_gateway_holds_no_torch_until_a_constraint_needs_it(tmp_path):
-    """transformers is imported without torch (gateway/tokenizer.py), about 150 MB less of the gateway's
+    """transformers is imported without torch (gateway/text/tokenizer.py), about 150 MB less of the gateway's
     memory; tokenizing is unchanged, and the first structured-output request checks its constraint
     as ever (xgrammar imports torch itself then)."""
     proc, port, _ = start_gateway(str(tmp_path), ["--log-level", "warning"])

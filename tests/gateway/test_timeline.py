@@ -7,8 +7,8 @@ import random
 
 import pytest
 
-from pdserve.gateway.clock import OffsetEstimator, ntp_sample
-from pdserve.gateway.timeline import (
+from pdserve.gateway.cluster.clock import OffsetEstimator, ntp_sample
+from pdserve.gateway.observe.timeline import (
     Timeline,
     TimelineInput,
     decode_throughput,

@@ -12,7 +12,7 @@ import httpx
 import pytest
 from harness import start_gateway, stop_processes
 
-from pdserve.gateway.tokenizer import Tokenizer
+from pdserve.gateway.text.tokenizer import Tokenizer
 
 
 def test_tokenize_round_trip_is_the_gateways_tokenizer(client, tokenizer: Tokenizer):

@@ -11,13 +11,13 @@ import random
 
 import pytest
 
-from pdserve.gateway.chat_output import ChatOutput, ChatOutputSpec
-from pdserve.gateway.function_call import PARSER_NAMES, tool_call_format
-from pdserve.gateway.function_call.prompt import chat_messages, tool_system_prompt
-from pdserve.gateway.function_call.schema import calls_from_constrained, tool_call_schema
-from pdserve.gateway.function_call.stream import ToolCallStream, parse_tool_calls
-from pdserve.gateway.reasoning import REASONING_PARSERS, ReasoningStream, reasoning_format
 from pdserve.gateway.request_models import ChatCompletionBody, NamedToolChoice, Tool
+from pdserve.gateway.text.chat_output import ChatOutput, ChatOutputSpec
+from pdserve.gateway.text.function_call import PARSER_NAMES, tool_call_format
+from pdserve.gateway.text.function_call.prompt import chat_messages, tool_system_prompt
+from pdserve.gateway.text.function_call.schema import calls_from_constrained, tool_call_schema
+from pdserve.gateway.text.function_call.stream import ToolCallStream, parse_tool_calls
+from pdserve.gateway.text.reasoning import REASONING_PARSERS, ReasoningStream, reasoning_format
 
 NAMES = {"get_weather", "get_time"}
 

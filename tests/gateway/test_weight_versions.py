@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
-from pdserve.gateway.collector import count_version
-from pdserve.gateway.generation import GenState
-from pdserve.gateway.openai_reply import metadata, weight_segments
-from pdserve.gateway.workers import WorkerRegistry
+from pdserve.gateway.api.openai_reply import version_fields, weight_segments
+from pdserve.gateway.cluster.workers import WorkerRegistry
+from pdserve.gateway.generation.collector import count_version
+from pdserve.gateway.generation.generation import GenState
 from pdserve.protocol import gateway as m
 
 
@@ -35,7 +35,8 @@ def test_openai_metadata_concatenates_the_choices():
     s2 = GenState("r-1", 3, output_ids=[4, 5], weight_versions=segments([("b", 2)]))
     segs = weight_segments([s1, s2])
     assert segs == [{"version": "a", "start": 0, "end": 2}, {"version": "b", "start": 2, "end": 5}]
-    assert metadata(segs) == {"weight_version": "b"}
+    assert version_fields(segs, strict=True) == {"metadata": {"weight_version": "b"}, "weight_versions": segs}
+    assert version_fields(segs, strict=False) == {"metadata": {"weight_version": "b", "weight_versions": segs}}
 
 
 def _reg(version: str) -> m.Register:

@@ -19,11 +19,11 @@ import zmq
 from protocol.test_protocol import FAST, FP, _dealer, _pool, _recv, _register, _transfer
 
 from pdserve.cluster_auth import ClusterKeys, ClusterSecretError, load_keys, secure_client
+from pdserve.gateway.cluster.control import ControlPlane
+from pdserve.gateway.cluster.rooms import TokensArrived
+from pdserve.gateway.cluster.workers import WorkerRegistry
 from pdserve.gateway.config import GatewayConfig
-from pdserve.gateway.control import ControlPlane
-from pdserve.gateway.metrics import GatewayMetrics
-from pdserve.gateway.rooms import TokensArrived
-from pdserve.gateway.workers import WorkerRegistry
+from pdserve.gateway.observe.metrics import GatewayMetrics
 from pdserve.kv_transfer import KVReceiver, KVSender
 from pdserve.kv_transfer.mailbox import Close
 from pdserve.protocol import gateway as gw

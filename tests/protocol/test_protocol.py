@@ -14,10 +14,10 @@ import torch
 import zmq
 from pydantic import BaseModel, TypeAdapter
 
+from pdserve.gateway.cluster.control import ControlPlane
+from pdserve.gateway.cluster.workers import WorkerRegistry
 from pdserve.gateway.config import GatewayConfig
-from pdserve.gateway.control import ControlPlane
-from pdserve.gateway.metrics import GatewayMetrics
-from pdserve.gateway.workers import WorkerRegistry
+from pdserve.gateway.observe.metrics import GatewayMetrics
 from pdserve.kv_transfer import FingerprintMismatch, KVReceiver, KVSender, TransferConfig, TransferState
 from pdserve.protocol import PROTOCOL_VERSION, MalformedFrame, ProtocolError, VersionMismatch
 from pdserve.protocol import gateway as gw

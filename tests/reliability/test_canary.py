@@ -1,4 +1,4 @@
-"""Canaries (gateway/canary.py) with real processes and the bundled model: a decode worker that starts
+"""Canaries (gateway/autopilot/canary.py) with real processes and the bundled model: a decode worker that starts
 to answer wrong (a test hook: from its second request on, every token it decodes reaches the gateway as
 the next id) leaves rotation within one canary round, and the others keep serving."""
 

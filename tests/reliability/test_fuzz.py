@@ -14,7 +14,7 @@ from schemathesis.config import SchemathesisConfig
 
 from pdserve.gateway.config import GatewayConfig
 from pdserve.gateway.server import create_app
-from pdserve.gateway.tokenizer import Tokenizer
+from pdserve.gateway.text.tokenizer import Tokenizer
 
 pytestmark = pytest.mark.timeout(180)
 

@@ -65,7 +65,7 @@ def cluster(tmp_path_factory):
 
 
 def _ids(texts: list[str]) -> list[list[int]]:
-    from pdserve.gateway.tokenizer import Tokenizer
+    from pdserve.gateway.text.tokenizer import Tokenizer
 
     tok = Tokenizer.load(None)
     return [tok.encode(t) for t in texts]

@@ -7,7 +7,7 @@ import os
 
 import pytest
 
-from pdserve.gateway.tokenizer import Tokenizer
+from pdserve.gateway.text.tokenizer import Tokenizer
 from pdserve.runtime.grammar.backend import CompileTimeout, InvalidGrammar, tokenizer_info
 from pdserve.runtime.grammar.checker import GrammarChecker
 
