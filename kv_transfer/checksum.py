@@ -17,7 +17,7 @@ a same-host hand-off and +50% of one over the pair group.
 
 What it covers: any change to a page's bytes between the sender's hash and the receiver's check (the
 pair group's bytes, the shared-memory segment, a page the prefill node reused or overwrote too early).
-What it does not: KV computed wrong in the first place (the canaries' job, gateway/canary.py).
+What it does not: KV computed wrong in the first place (the canaries' job, gateway/autopilot/canary.py).
 """
 
 from __future__ import annotations

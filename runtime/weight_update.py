@@ -1,7 +1,7 @@
 """Live weight updates on a worker: new weights are loaded (or received) aside and checked, then swapped in
 between two forward steps, never during one.
 
-The gateway drives each update in two phases over every worker (`gateway/weights.py`):
+The gateway drives each update in two phases over every worker (`gateway/cluster/weights.py`):
 - `prepare_disk` / `prepare_distributed`: on a background thread, read the checkpoint (or receive the
   trainer's broadcast, `weights_group.py`) into staging tensors of the model's dtype and device, checking
   the architecture and every tensor's name and shape against the running model. Nothing changes yet; the

@@ -18,9 +18,7 @@ SKIPPED = {".venv", "build", ".git", "node_modules"}
 
 
 def _sources() -> list[Path]:
-    return sorted(
-        p for p in ROOT.rglob("*.py") if not SKIPPED.intersection(p.relative_to(ROOT).parts[:-1])
-    )
+    return sorted(p for p in ROOT.rglob("*.py") if not SKIPPED.intersection(p.relative_to(ROOT).parts[:-1]))
 
 
 def _is_test(path: Path) -> bool:

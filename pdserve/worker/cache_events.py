@@ -1,7 +1,7 @@
 """A worker's prefix cache as the gateway sees it: KV events out, flush requests in.
 
 Both roles keep a prefix cache (`runtime/radix_cache.py`) and tell the gateway what it holds, so that
-routing can send a prompt where its prefix already lives (`gateway/prefix_index.py`). At most one
+routing can send a prompt where its prefix already lives (`gateway/cluster/prefix_index.py`). At most one
 `KVEvents` per worker step: a full snapshot after each (re)registration, since a gateway that
 (re)admits a worker knows nothing of its cache, else the block hashes stored and evicted this step.
 """
