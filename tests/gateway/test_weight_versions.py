@@ -36,7 +36,9 @@ def test_openai_metadata_concatenates_the_choices():
     segs = weight_segments([s1, s2])
     assert segs == [{"version": "a", "start": 0, "end": 2}, {"version": "b", "start": 2, "end": 5}]
     assert version_fields(segs, strict=True) == {"metadata": {"weight_version": "b"}, "weight_versions": segs}
-    assert version_fields(segs, strict=False) == {"metadata": {"weight_version": "b", "weight_versions": segs}}
+    assert version_fields(segs, strict=False) == {
+        "metadata": {"weight_version": "b", "weight_versions": segs}
+    }
 
 
 def _reg(version: str) -> m.Register:
