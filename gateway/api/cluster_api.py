@@ -9,6 +9,7 @@ from typing import Any
 from fastapi import APIRouter, Query, Request
 from fastapi.responses import JSONResponse, Response
 
+from pdserve.gateway.api.per_client import counted
 from pdserve.gateway.api.request_body import read_body
 from pdserve.gateway.api.state import gateway_state
 from pdserve.gateway.cluster.role_switch import Switch, SwitchRefused
@@ -36,6 +37,7 @@ async def health(request: Request) -> Response:
 
 @router.post("/flush_cache")
 @router.get("/flush_cache", operation_id="flush_cache_get")  # one OpenAPI operation id per method
+@counted
 async def flush_cache(request: Request) -> Response:
     """SGLang's endpoint: empty every worker's prefix cache; refused (400, naming the workers)
     where requests are in flight."""
@@ -60,6 +62,7 @@ class RoleBody(LenientModel):
 
 
 @router.post("/workers/{worker_id}/role", status_code=202)
+@counted
 async def switch_role(worker_id: str, request: Request) -> dict[str, Any]:
     """Move a worker to the other role in place (gateway/cluster/role_switch.py): 202 once it is draining;
     404 for an unknown worker; 409 during another switch, for the role it has, or for the last worker

@@ -13,6 +13,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 from pydantic import field_validator
 
+from pdserve.gateway.api.per_client import counted
 from pdserve.gateway.api.request_body import read_body
 from pdserve.gateway.api.serving import collect
 from pdserve.gateway.api.state import GatewayState, gateway_state
@@ -132,6 +133,7 @@ async def server_info(request: Request) -> dict[str, Any]:
 
 
 @router.post("/abort_request")
+@counted
 async def abort_request(request: Request) -> Response:
     """Abort request `rid` (its n samples too), or every request with `abort_all`; their clients get an
     error (a streamed one ends with an `abort` finish reason)."""

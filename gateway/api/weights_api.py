@@ -8,6 +8,7 @@ from typing import Any, Literal, TypeVar
 from fastapi import APIRouter, Request
 from pydantic import Field
 
+from pdserve.gateway.api.per_client import counted
 from pdserve.gateway.api.request_body import read_body
 from pdserve.gateway.api.state import gateway_state
 from pdserve.gateway.errors import ApiError, parse_json_body
@@ -69,6 +70,7 @@ async def _body(request: Request, model: type[Body]) -> Body:
 
 
 @router.post("/update_weights_from_disk")
+@counted
 async def update_weights_from_disk(request: Request) -> dict[str, Any]:
     b = await _body(request, UpdateFromDiskBody)
     if b.load_format not in (None, "auto", "safetensors", "gguf"):
@@ -82,6 +84,7 @@ async def update_weights_from_disk(request: Request) -> dict[str, Any]:
 
 
 @router.post("/init_weights_update_group")
+@counted
 async def init_weights_update_group(request: Request) -> dict[str, Any]:
     b = await _body(request, InitGroupBody)
     updates = gateway_state(request).weights
@@ -94,6 +97,7 @@ _DTYPES = frozenset({"float32", "float16", "bfloat16", "float64"})
 
 
 @router.post("/update_weights_from_distributed")
+@counted
 async def update_weights_from_distributed(request: Request) -> dict[str, Any]:
     b = await _body(request, UpdateFromDistributedBody)
     if not b.names or not len(b.names) == len(b.dtypes) == len(b.shapes):
@@ -110,6 +114,7 @@ async def update_weights_from_distributed(request: Request) -> dict[str, Any]:
 
 
 @router.post("/destroy_weights_update_group")
+@counted
 async def destroy_weights_update_group(request: Request) -> dict[str, Any]:
     b = await _body(request, DestroyGroupBody)
     return await gateway_state(request).weights.destroy_group(b.group_name)
@@ -121,6 +126,7 @@ async def get_weight_version(request: Request) -> dict[str, Any]:
 
 
 @router.post("/pause_generation")
+@counted
 async def pause_generation(request: Request) -> dict[str, Any]:
     """`abort` (SGLang's default) aborts what is in flight, then pauses; `in_place` keeps every request
     where it is (its next step waits for /continue_generation)."""
@@ -131,5 +137,6 @@ async def pause_generation(request: Request) -> dict[str, Any]:
 
 
 @router.post("/continue_generation")
+@counted
 async def continue_generation(request: Request) -> dict[str, Any]:
     return await gateway_state(request).weights.resume()
