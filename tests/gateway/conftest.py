@@ -285,3 +285,16 @@ def wire_cluster(tokenizer: Tokenizer):
     finally:
         for c in made:
             c.close()
+
+
+@pytest.fixture
+def limited_gateway(tmp_path) -> Iterator[str]:
+    """`pdserve gateway` as its own process, two requests per client, an inference and an admin key."""
+    from harness import start_gateway, stop_processes
+
+    flags = ["--max-requests-per-client", "2", "--api-key", "user-key", "--admin-api-key", "admin-key"]
+    proc, port, _ = start_gateway(str(tmp_path), [*flags, "--log-level", "warning"])
+    try:
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        stop_processes([proc], grace_s=10)

@@ -5,25 +5,12 @@ from __future__ import annotations
 
 import socket
 import time
-from collections.abc import Iterator
 from urllib.parse import urlsplit
 
 import httpx
 import pytest
-from harness import start_gateway, stop_processes
 
 ADMIN = {"Authorization": "Bearer admin-key"}
-
-
-@pytest.fixture
-def limited_gateway(tmp_path) -> Iterator[str]:
-    """`pdserve gateway` as its own process, two requests per client, keys set."""
-    flags = ["--max-requests-per-client", "2", "--api-key", "user-key", "--admin-api-key", "admin-key"]
-    proc, port, _ = start_gateway(str(tmp_path), [*flags, "--log-level", "warning"])
-    try:
-        yield f"http://127.0.0.1:{port}"
-    finally:
-        stop_processes([proc], grace_s=10)
 
 
 def _stalled(base: str, path: str) -> socket.socket:

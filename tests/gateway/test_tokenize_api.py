@@ -5,12 +5,10 @@ from __future__ import annotations
 
 import socket
 import time
-from collections.abc import Iterator
 from urllib.parse import urlsplit
 
 import httpx
 import pytest
-from harness import start_gateway, stop_processes
 
 from pdserve.gateway.text.tokenizer import Tokenizer
 
@@ -97,17 +95,6 @@ def test_tokenize_without_workers_is_capped_too(client, tokenizer: Tokenizer):
     """No worker in rotation tells the context length: the bundled model's is assumed."""
     r = client.post("/tokenize", json={"prompt": "a" * (8192 * tokenizer.max_token_chars + 1)})
     assert r.status_code == 400 and r.json()["error"]["param"] == "prompt", r.text[:200]
-
-
-@pytest.fixture
-def limited_gateway(tmp_path) -> Iterator[str]:
-    """`pdserve gateway` as its own process, two requests per client, keys set."""
-    flags = ["--max-requests-per-client", "2", "--api-key", "user-key", "--admin-api-key", "admin-key"]
-    proc, port, _ = start_gateway(str(tmp_path), [*flags, "--log-level", "warning"])
-    try:
-        yield f"http://127.0.0.1:{port}"
-    finally:
-        stop_processes([proc], grace_s=10)
 
 
 def _stalled(base: str, path: str, key: str) -> socket.socket:
