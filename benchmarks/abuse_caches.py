@@ -18,41 +18,11 @@ import signal
 import time
 
 from pdserve import env
-from pdserve.bench.abuse_target import Target, post
+from pdserve.bench.abuse_target import Target, live_decode_pid, post
 from pdserve.runtime import disk_cache
 
 GREEDY = {"text": "The capital of France is", "sampling_params": {"max_new_tokens": 12, "temperature": 0}}
 RESTART_S = 600.0  # a GGUF conversion and a quantization on a loaded 2-core host: minutes
-
-
-def _cmdline(pid: int) -> list[str]:
-    try:
-        with open(f"/proc/{pid}/cmdline", "rb") as f:
-            return [a.decode(errors="replace") for a in f.read().split(b"\0") if a]
-    except OSError:
-        return []
-
-
-def _decode_pid(t: Target) -> int | None:
-    """This cluster's running decode worker: a child of the `pdserve up` that started the gateway (the
-    pid `pdserve up` gave it first may be dead: a case before this one restarted it)."""
-    import psutil
-
-    gateway = t.pids.get("gateway")
-    if gateway is None:
-        return None
-    try:
-        launcher = psutil.Process(psutil.Process(gateway).ppid())
-        if launcher.pid == 1 or "pdserve" not in " ".join(launcher.cmdline()):
-            return None  # the gateway was orphaned: nothing tells this cluster's workers apart
-        children = launcher.children(recursive=True)
-    except psutil.Error:
-        return None
-    for child in sorted(children, key=lambda c: c.pid):
-        cmd = _cmdline(child.pid)
-        if "pdserve.cli" in cmd and cmd[cmd.index("pdserve.cli") + 1 :][:1] == ["decode"]:
-            return int(child.pid)
-    return None
 
 
 def _answer(t: Target) -> str:
@@ -91,7 +61,7 @@ def _kill_decode(t: Target, pid: int, until: str | None) -> tuple[str, float]:
     after = "<none>"
     while time.monotonic() - start < RESTART_S:
         time.sleep(2)
-        new = _decode_pid(t)
+        new = live_decode_pid(t)
         if new is not None and new != pid and not (after := _answer(t)).startswith("<"):
             if until is None or after == until:
                 break
@@ -101,7 +71,7 @@ def _kill_decode(t: Target, pid: int, until: str | None) -> tuple[str, float]:
 def _corrupt_and_restart(
     t: Target, path: str | None, what: str, entry: str | None = None
 ) -> tuple[str, bool]:
-    pid = _decode_pid(t)
+    pid = live_decode_pid(t)
     if pid is None or path is None:
         return f"no decode worker or no {what} in {env.cache_dir()}", False
     before = _answer(t)
@@ -136,10 +106,10 @@ def corrupt_quant_cache(t: Target) -> tuple[str, bool]:
     """1 MiB of random bytes in the quantized-weights file the decode maps, then kill -9 the decode. A
     decode that quantized and stored the file itself maps none (its tensors are its own): it is restarted
     once first, to map it."""
-    pid = _decode_pid(t)
+    pid = live_decode_pid(t)
     if pid is not None and _mapped_quant_file(pid) is None:
         _kill_decode(t, pid, None)
-    return _corrupt_and_restart(t, _mapped_quant_file(_decode_pid(t)), "quantized-weights file mapped")
+    return _corrupt_and_restart(t, _mapped_quant_file(live_decode_pid(t)), "quantized-weights file mapped")
 
 
 def _gguf_cache_file(t: Target) -> str | None:

@@ -95,3 +95,33 @@ def wait_closed(socks: list[socket.socket], timeout_s: float) -> int:
     for s in socks:
         s.close()
     return closed
+
+
+def cmdline_of(pid: int) -> list[str]:
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            return [a.decode(errors="replace") for a in f.read().split(b"\0") if a]
+    except OSError:
+        return []
+
+
+def live_decode_pid(t: Target) -> int | None:
+    """This cluster's running decode worker: a child of the `pdserve up` that started the gateway (the
+    pid `pdserve up` gave it first may be dead: a case before this one restarted it)."""
+    import psutil
+
+    gateway = t.pids.get("gateway")
+    if gateway is None:
+        return None
+    try:
+        launcher = psutil.Process(psutil.Process(gateway).ppid())
+        if launcher.pid == 1 or "pdserve" not in " ".join(launcher.cmdline()):
+            return None  # the gateway was orphaned: nothing tells this cluster's workers apart
+        children = launcher.children(recursive=True)
+    except psutil.Error:
+        return None
+    for child in sorted(children, key=lambda c: c.pid):
+        cmd = cmdline_of(child.pid)
+        if "pdserve.cli" in cmd and cmd[cmd.index("pdserve.cli") + 1 :][:1] == ["decode"]:
+            return int(child.pid)
+    return None

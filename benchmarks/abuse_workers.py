@@ -12,7 +12,7 @@ import time
 
 import httpx
 
-from pdserve.bench.abuse_target import Target, post, status
+from pdserve.bench.abuse_target import Target, live_decode_pid, post, status
 
 # ---- secrets, values, grammars, processes ---------------------------------------------------------
 
@@ -158,7 +158,7 @@ def killed_worker_weight_update(t: Target) -> tuple[str, bool]:
     the worker (it waited 600 s), and the restarted decode comes back on the current weights."""
     from pdserve.model_source import resolve_model_source
 
-    pid = t.pid("decode")
+    pid = live_decode_pid(t)  # a case before this one may have restarted it
     if pid is None:
         return "no decode pid", False
     path = t.model_path or str(resolve_model_source(None).gguf_path)
