@@ -21,7 +21,13 @@ from pdserve.bench.abuse_http import (
     slowloris,
     stalled_big_bodies,
 )
-from pdserve.bench.abuse_routes import largest_tokenize_flood, million_ids_detokenize, tokenize_over_the_cap
+from pdserve.bench.abuse_routes import (
+    disconnect_storm,
+    invalid_messages,
+    largest_tokenize_flood,
+    million_ids_detokenize,
+    tokenize_over_the_cap,
+)
 from pdserve.bench.abuse_store import metadata_of_many_keys, one_key_fills_the_store, text_of_empty_lists
 from pdserve.bench.abuse_target import Case
 from pdserve.bench.abuse_workers import (
@@ -57,6 +63,8 @@ CASES: list[tuple[str, Case]] = [
     ("10 of the largest /tokenize with token strings, one key", largest_tokenize_flood),
     ("/detokenize of 1M ids", million_ids_detokenize),
     ("/tokenize over the cap", tokenize_over_the_cap),
+    ("24 clients leave mid-prompt", disconnect_storm),
+    ("/v1/messages: 6 conversations Anthropic refuses, a wrong key", invalid_messages),
     ("one key stores 13 responses of 3.9 MiB: another key's survives", one_key_fills_the_store),
     ("responses whose text holds 1.3M empty lists", text_of_empty_lists),
     ("metadata of 250k keys", metadata_of_many_keys),

@@ -98,3 +98,95 @@ def tokenize_over_the_cap(t: Target) -> tuple[str, bool]:
     r = _tokenize(t, {"prompt": "a" * (cap + 1), "return_token_strs": True})
     answer, ok = status(r, 400)
     return answer, ok and r.json()["error"]["param"] == "prompt"
+
+
+def _metric(t: Target, name: str) -> float:
+    text = httpx.get(t.url + "/metrics", headers=t.headers(admin=True), timeout=30).text
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith(name + " "))
+
+
+def disconnect_storm(t: Target) -> tuple[str, bool]:
+    """24 clients that give up 0.1-1.5 s into a long prompt (6 at a time, within the client's limit
+    beside the normal request). Each departure aborts both legs; the prefill's transfer then ends
+    failed and is reported for a room already closed. Counted as transfer failures before (6 in a storm
+    with none real); expected: the failures counter unchanged, each departure an abort."""
+    fails, aborts = (
+        "pdserve_kv_transfer_failures_total",
+        'pdserve_request_aborts_total{reason="client_disconnect"}',
+    )
+    before = _metric(t, fails), _metric(t, aborts)
+    text = "Tell me about the history of the printing press and its effect on science. " * 12
+    body = {"text": text, "sampling_params": {"max_new_tokens": 64, "temperature": 0}}
+
+    def leave(i: int) -> bool:
+        try:
+            httpx.post(t.url + "/generate", json=body, headers=t.headers(), timeout=0.1 + (i % 8) * 0.2)
+        except httpx.TimeoutException:
+            return True
+        return False
+
+    with ThreadPoolExecutor(6) as pool:
+        left = sum(pool.map(leave, range(24)))
+    deadline = time.monotonic() + 15
+    while _metric(t, aborts) - before[1] < left - 2 and time.monotonic() < deadline:
+        time.sleep(0.2)
+    failed, aborted = _metric(t, fails) - before[0], _metric(t, aborts) - before[1]
+    answer = f"{left} left; transfer failures +{failed:.0f}, client aborts +{aborted:.0f}"
+    return answer, failed == 0 and aborted >= left - 2
+
+
+MESSAGES_400 = {
+    "opens with assistant": {"messages": [{"role": "assistant", "content": "Hi"}]},
+    "tool_use without an id": {
+        "messages": [
+            {"role": "user", "content": "Hi"},
+            {"role": "assistant", "content": [{"type": "tool_use", "name": "f", "input": {}}]},
+        ]
+    },
+    "tool_result for an unknown id": {
+        "messages": [
+            {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "nope", "content": "x"}]}
+        ]
+    },
+    "duplicate tool names": {
+        "messages": [{"role": "user", "content": "Hi"}],
+        "tools": [{"name": "f", "input_schema": {"type": "object"}}] * 2,
+    },
+    "budget_tokens -5": {
+        "messages": [{"role": "user", "content": "Hi"}],
+        "thinking": {"type": "enabled", "budget_tokens": -5},
+    },
+    "1 MB of thinking": {
+        "messages": [
+            {"role": "user", "content": "Hi"},
+            {
+                "role": "assistant",
+                "content": [{"type": "thinking", "thinking": "x" * 1_000_000, "signature": ""}],
+            },
+            {"role": "user", "content": "Go on"},
+        ]
+    },
+}
+
+
+def invalid_messages(t: Target) -> tuple[str, bool]:
+    """Six conversations Anthropic refuses (they were 200s, the thinking silently dropped), and a wrong
+    key: each a 4xx in Anthropic's error shape (`{"type": "error", "error": {"type", "message"}}`)."""
+    head = {"x-api-key": t.api_key, "anthropic-version": "2023-06-01"}
+    model = httpx.get(t.url + "/v1/models", headers=t.headers(), timeout=30).json()["data"][0]["id"]
+    codes, shaped = [], 0
+    for case in [*MESSAGES_400.values(), None]:
+        body = {
+            "model": model,
+            "max_tokens": 16,
+            **(case or {"messages": [{"role": "user", "content": "Hi"}]}),
+        }
+        h = head if case is not None else {**head, "x-api-key": "wrong"}
+        r = httpx.post(t.url + "/v1/messages", json=body, headers=h, timeout=60)
+        codes.append(r.status_code)
+        try:
+            shaped += r.json().get("type") == "error" and "type" in r.json().get("error", {})
+        except ValueError:
+            pass
+    answer = " ".join(map(str, codes)) + f"; {shaped}/{len(codes)} in Anthropic's shape"
+    return answer, codes == [400] * len(MESSAGES_400) + [401] and shaped == len(codes)
