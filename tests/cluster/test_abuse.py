@@ -25,6 +25,7 @@ SHARED_WORK = {
     "1 MiB of random bytes in the quantized-weights cache, then kill -9 the decode",
     "1 MiB of random bytes in the dequantized GGUF cache, then kill -9 the decode",
     "10 of the largest /tokenize with token strings, one key",
+    "24 clients leave mid-prompt",
     "one key stores 13 responses of 3.9 MiB: another key's survives",
 }
 
