@@ -28,14 +28,14 @@ up: $(STAMP)
 test: $(STAMP)
 	$(BIN)/ruff check .
 	$(MAKE) --no-print-directory typecheck
-	$(BIN)/python -P -m pytest $(PARALLEL) -m "not slow and not serial" --durations=15
+	$(BIN)/python -m pytest $(PARALLEL) -m "not slow and not serial" --durations=15
 
 ## Lint and type-check, then every test, the soak and the long fault tests included (what CI runs)
 test-all: $(STAMP) browser
 	$(BIN)/ruff check .
 	$(MAKE) --no-print-directory typecheck
-	$(BIN)/python -P -m pytest $(PARALLEL) -m "not serial" --durations=15
-	$(BIN)/python -P -m pytest -m serial --durations=5
+	$(BIN)/python -m pytest $(PARALLEL) -m "not serial" --durations=15
+	$(BIN)/python -m pytest -m serial --durations=5
 
 ## Chromium and chromedriver from the system packages, for the dashboard's browser test (as root or with sudo)
 browser:
