@@ -1,9 +1,10 @@
 """The decode worker: pre-allocate pages, receive KV, and decode every running request together.
+What both roles share (the link, the drain, messages, failure reports) is its shell, worker/shell.py.
 
 Loop (`step`): receive -> schedule (resume retracted requests, admit: pages first, on top of the
 prefix this node caches, then ask the prefill node for the KV of the pages after it, or compute the
 prompt here for a local prefill; collect transfers; grow pages or retract) -> run one decode step ->
-hand off (retire finished requests: their pages enter the prefix cache) -> reply with one TokenBatch
+retire finished requests (their pages enter the prefix cache) -> reply with one TokenBatch
 carrying every request's new tokens -> publish this step's cache events to the gateway.
 Request sets, states and the page policy live in `scheduler.py`; this loop only asks it.
 A request past its deadline (`GenerateRequest.deadline_s`, checked once per step) fails with code
@@ -18,118 +19,70 @@ from pdserve.config import WorkerConfig
 from pdserve.decode.room import DecodeRoom
 from pdserve.decode.scheduler import DecodeScheduler
 from pdserve.decode.stepper import make_stepper
-from pdserve.kv_transfer import TransferResult, TransferState
+from pdserve.kv_transfer import KVReceiver, TransferResult, TransferState
 from pdserve.kv_transfer.config import worker_transfer_config
 from pdserve.protocol import gateway as m
 from pdserve.protocol.records import DecodeEvents, PrefillEvents, RequestStats
 from pdserve.protocol.vocabulary import FailCode
 from pdserve.runtime.batch import ForwardMode
 from pdserve.runtime.grammar import GrammarMatcher
-from pdserve.runtime.radix_cache import RadixCache
 from pdserve.runtime.request import Request, RequestState
 from pdserve.runtime.runner import ModelRunner, append_samples
-from pdserve.runtime.weight_update import WeightUpdater
-from pdserve.worker.admission import Admission
-from pdserve.worker.cache_events import CacheEvents
-from pdserve.worker.common import (
-    accept_switch,
-    connect_link,
-    loop_wait,
-    make_clock,
-    paused_for_weights,
-    serve_until_drained,
-)
 from pdserve.worker.drain import DrainSignal
 from pdserve.worker.kv_endpoints import receiver_for
-from pdserve.worker.link import WorkerLink
-from pdserve.worker.step_faults import Progress, StepFaults
+from pdserve.worker.shell import WorkerShell
+from pdserve.worker.step_faults import Progress
 
 log = logging.getLogger(__name__)
 
 
-class DecodeWorker:
+class DecodeWorker(WorkerShell):
+    role = "decode"
+
     def __init__(
         self, cfg: WorkerConfig, signals: DrainSignal | None = None, runner: ModelRunner | None = None
     ):
-        self.cfg = cfg
-        self.clock = make_clock(cfg)
+        super().__init__(cfg, signals, runner or ModelRunner(cfg.runtime))
         self._requests_seen = 0
         self._wrong: set[str] = set()  # rooms the wrong-token test hook answers wrong (WorkerConfig)
-        self.signals = signals or DrainSignal()
-        self.runner = runner or ModelRunner(cfg.runtime)  # a role switch hands the last role's runner on
-        self.switch: m.SwitchRole | None = None  # taken from the gateway: drain, then serve that role
         self.stepper = make_stepper(self.runner)
         rc = cfg.runtime
         lookahead = 1 + (rc.speculative_num_draft_tokens if rc.speculative_algorithm else 0)
-        cache = None
-        if not rc.disable_radix_cache:
-            cache = RadixCache(self.runner.allocator, rc.page_size, record_events=True)
-        self.cache = cache
-        self.sched = DecodeScheduler(self.runner.pages, rc.max_running_requests, lookahead, cache)
-        self.cache_events = CacheEvents(cfg.worker_id, "decode", cache)
+        self.sched = DecodeScheduler(self.runner.pages, rc.max_running_requests, lookahead, self.cache)
         transfer_cfg = worker_transfer_config(cfg, self.runner.transfer_kv)
         self.receiver = receiver_for(self.runner, transfer_cfg)
-        self.receiver.on_result = self._transfer_ended  # a waiting loop wakes for the first token
         self.kv_backend = transfer_cfg.backend
         self.rooms: dict[str, DecodeRoom] = {}  # admitted until they leave
-        self.link: WorkerLink | None = None
-        self.weights = WeightUpdater.for_runner(self.runner, cache, cfg.host, self._weights_changed)
-        # An exception in one request's work fails that request (code internal), not the worker.
-        self.faults = StepFaults(cfg.worker_id, "decode", self.runner.spec.vocab_size)
-        self.admission = Admission(
-            "decode", self.runner, self.signals, self.clock, self._enter, self._fail, self._transfer_ended
-        )
+
+    @property
+    def kv(self) -> KVReceiver:
+        return self.receiver
 
     def serve(self) -> m.SwitchRole | None:
-        """Serve until drained; the switch taken, if that is why (the caller closes the runner)."""
         if self.runner.compiled is not None:  # compile before taking requests, not at the first one
             self.runner.compiled.warm_up()
-        self.receiver.start()
-        self.link = connect_link(self.cfg, self.runner, self.clock, self.signals, self.weights)
-        log.info("decode worker %s registered", self.cfg.worker_id)
-        try:
-            serve_until_drained(
-                self.cfg,
-                self.link,
-                self.signals,
-                self.step,
-                lambda: len(self.sched) + len(self.admission),
-                lambda: self.receiver.io_failure() or self.runner.tp_failure(),
-                lambda: self.switch is not None,
-            )
-        finally:
-            self.weights.close()
-            self.receiver.close()
-            self.link.close()
-        return self.switch if not self.signals.draining.is_set() else None
+        return super().serve()
 
-    def _transfer_ended(self) -> None:
-        if self.link is not None:
-            self.link.wake()
+    def _held(self) -> int:
+        return len(self.sched)
 
     def step(self) -> None:
         self._receive()
-        assert self.link is not None
-        if paused_for_weights(self.link, self.weights, self.cache_events):
+        if self._paused():
             return
         self._expire()
         # First tokens go out before the step that follows them (their TTFT does not wait for it).
         self._reply(self._schedule())
         outputs = self._run()
-        self._hand_off()
+        self._retire_finished()
         self._reply(outputs)
-        assert self.link is not None
-        self.cache_events.publish(self.link)
+        self._publish()
 
     def _receive(self) -> None:
-        assert self.link is not None
-        s = self.sched
         # Nothing running (or paused): sleep until a message or a transfer's end wakes the loop. A
         # request waiting for its KV needs no polling: the receiver wakes the loop when it lands (a
         # poll every few ms cost the prefill's forward on the same cores ~4 ms at 128 tokens).
-        for msg in self.link.recv(loop_wait(bool(s.running), self.weights)):
-            self.faults.guard_message(self._on_message, msg, self._fail_internal)
-        self.admission.poll()
+        self._take_messages(bool(self.sched.running))
 
     def _schedule(self) -> list[m.TokenOutput]:
         """Resume, admit, collect finished transfers (their first tokens), then grow or retract."""
@@ -236,8 +189,9 @@ class DecodeWorker:
             self.faults.ok()
         return [self._output(r, r.output_ids[before[r.rid].outputs :]) for r in running]
 
-    def _hand_off(self) -> None:
-        """Finished requests leave: their pages are freed, their stepper state dropped."""
+    def _retire_finished(self) -> None:
+        """Finished requests leave: their pages are freed (their prompt's cached), their stepper
+        state dropped."""
         for r in self.sched.retire_finished():
             self.stepper.forget(r)
             self._forget(r.rid)
@@ -251,22 +205,8 @@ class DecodeWorker:
         ld.queued, ld.running = len(s) - len(s.running), len(s.running)
         ld.free_tokens = s.free_tokens
 
-    def _on_message(self, msg: m.Message) -> None:
-        if isinstance(msg, m.GenerateRequest):
-            self.admission.admit(msg)
-        elif isinstance(msg, m.WeightsCommand):
-            assert self.link is not None
-            reply = self.weights.on_command(msg)
-            if reply is not None:
-                self.link.send(reply)
-        elif isinstance(msg, m.SwitchRole):
-            self.switch = accept_switch(self.cfg, msg, self.switch)
-        elif isinstance(msg, m.FlushCache):
-            assert self.link is not None
-            self.link.send(self.cache_events.flush(msg.flush_id, len(self.sched)))
-        elif isinstance(msg, m.AbortRequest):
-            self.admission.remove(msg.room)
-            self._stop(msg.room)
+    def _abort(self, room: str) -> None:
+        self._stop(room)
 
     def _enter(self, msg: m.GenerateRequest, grammar: GrammarMatcher | None) -> None:
         addr = "" if msg.local_prefill else msg.prefill_bootstrap_addr
@@ -284,7 +224,7 @@ class DecodeWorker:
             state = r.state.value
             self._stop(r.rid, r)
             msg = f"the request passed its deadline on decode worker {self.cfg.worker_id} ({state})"
-            self._fail(r.rid, FailCode.DEADLINE, msg)
+            self._report(r.rid, FailCode.DEADLINE, msg)
 
     def _on_transfer_end(self, res: TransferResult) -> m.TokenOutput | None:
         room, first, shm = res.room, res.metadata, res.shm
@@ -298,9 +238,9 @@ class DecodeWorker:
                 self._forget(room)
                 if res.corrupt:
                     log.error("room %s: %s; failed, never decoded", room, res.error)
-                    self._fail(room, FailCode.KV_CORRUPT, f"KV transfer corrupt: {res.error}")
+                    self._report(room, FailCode.KV_CORRUPT, f"KV transfer corrupt: {res.error}")
                 else:
-                    self._fail(room, FailCode.TRANSFER, f"KV transfer failed: {res.error}")
+                    self._report(room, FailCode.TRANSFER, f"KV transfer failed: {res.error}")
             return None
         r = self.sched.kv_arrived(room)
         if r is None:
@@ -355,11 +295,7 @@ class DecodeWorker:
     def _fail_internal(self, room: str, exc: BaseException) -> None:
         """`room` fails with code `internal` through the abort path: its pages are freed, never cached."""
         self._stop(room)
-        self._fail(room, FailCode.INTERNAL, self.faults.message(exc))
-
-    def _fail(self, room: str, code: FailCode, message: str) -> None:
-        assert self.link is not None
-        self.link.send(m.RequestFailed(room=room, role="decode", code=code, message=message))
+        self._report(room, FailCode.INTERNAL, self.faults.message(exc))
 
     def _weights_changed(self) -> None:
         """A weight update committed: the KV of every request here may mix versions; never cache it."""

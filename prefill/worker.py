@@ -1,4 +1,5 @@
 """The prefill worker: batch prompts, compute their KV and first token, hand both to a decode node.
+What both roles share (the link, the drain, messages, failure reports) is its shell, worker/shell.py.
 
 Loop: receive -> schedule -> run -> reply -> hand off (see `step`). A request's pages are held
 until its KV transfer ends (Success or Failed); then its whole prompt pages go into the prefix cache
@@ -17,7 +18,7 @@ import time
 import torch
 
 from pdserve.config import WorkerConfig
-from pdserve.kv_transfer import TransferResult, TransferState
+from pdserve.kv_transfer import KVSender, TransferResult, TransferState
 from pdserve.kv_transfer.config import worker_transfer_config
 from pdserve.prefill.room import HeldSend, PrefillRoom
 from pdserve.protocol import gateway as m
@@ -29,96 +30,55 @@ from pdserve.runtime.batch import ForwardMode
 from pdserve.runtime.extend_scheduler import ExtendScheduler
 from pdserve.runtime.grammar import GrammarMatcher
 from pdserve.runtime.prompt_logprobs import take_prompt_logprobs
-from pdserve.runtime.radix_cache import RadixCache
 from pdserve.runtime.request import Request, RequestState
 from pdserve.runtime.request_state import TERMINAL
 from pdserve.runtime.runner import ModelRunner, sample_first_tokens
-from pdserve.runtime.weight_update import WeightUpdater
-from pdserve.worker.admission import Admission
-from pdserve.worker.cache_events import CacheEvents
-from pdserve.worker.common import (
-    accept_switch,
-    connect_link,
-    loop_wait,
-    make_clock,
-    paused_for_weights,
-    serve_until_drained,
-)
 from pdserve.worker.drain import DrainSignal
 from pdserve.worker.kv_endpoints import sender_for
-from pdserve.worker.link import WorkerLink
-from pdserve.worker.step_faults import Progress, StepFaults
+from pdserve.worker.shell import WorkerShell
+from pdserve.worker.step_faults import Progress
 
 log = logging.getLogger(__name__)
 
 
-class PrefillWorker:
+class PrefillWorker(WorkerShell):
+    role = "prefill"
+
     def __init__(
         self, cfg: WorkerConfig, signals: DrainSignal | None = None, runner: ModelRunner | None = None
     ):
-        self.cfg = cfg
+        super().__init__(cfg, signals, runner or ModelRunner(cfg.runtime))
         # Test hook (--test-stall-kv-send): hold each finished prefill this long before its KV is
         # handed to the sender, as a stuck transfer path would.
         self.stall_kv_send_s = cfg.stall_kv_send_s
-        self.clock = make_clock(cfg)
-        self.signals = signals or DrainSignal()
-        self.runner = runner or ModelRunner(cfg.runtime)  # a role switch hands the last role's runner on
-        self.switch: m.SwitchRole | None = None  # taken from the gateway: drain, then serve that role
         rc = cfg.runtime
         # Prompt pages enter the prefix cache when their KV transfer ends (`retire`), not before:
         # until then they are the request's.
-        cache = None
-        if not rc.disable_radix_cache:
-            cache = RadixCache(self.runner.allocator, rc.page_size, record_events=True)
-        self.cache = cache
-        self.cache_events = CacheEvents(cfg.worker_id, "prefill", cache)
         self.sched = ExtendScheduler(
             self.runner.pages,
             rc.chunked_prefill_size,
             rc.max_running_requests,
             reserve_tokens=lambda r: len(r.prompt_ids),
-            cache=cache,
+            cache=self.cache,
         )
         transfer_cfg = worker_transfer_config(cfg, self.runner.transfer_kv)
         self.sender = sender_for(self.runner, cfg.host, cfg.bootstrap_port, transfer_cfg)
-        self.sender.on_result = self._transfer_ended  # a sleeping loop wakes to free the pages
         self.rooms: dict[str, PrefillRoom] = {}  # queued, prefilling or transferring
-        self.admission = Admission(
-            "prefill", self.runner, self.signals, self.clock, self._enter, self._fail, self._transfer_ended
-        )
-        self.link: WorkerLink | None = None
-        self.weights = WeightUpdater.for_runner(self.runner, cache, cfg.host, self._weights_changed)
         self.blocked = False  # the last schedule() gave nothing to run
-        # An exception in one request's work fails that request (code internal), not the worker.
-        self.faults = StepFaults(cfg.worker_id, "prefill", self.runner.spec.vocab_size)
 
-    def serve(self) -> m.SwitchRole | None:
-        """Serve until drained; the switch taken, if that is why (the caller closes the runner)."""
-        self.sender.start()
-        self.link = connect_link(
-            self.cfg, self.runner, self.clock, self.signals, self.weights, self.sender.addr
-        )
-        log.info("prefill worker %s registered; KV bootstrap at %s", self.cfg.worker_id, self.sender.addr)
-        try:
-            serve_until_drained(
-                self.cfg,
-                self.link,
-                self.signals,
-                self.step,
-                lambda: len(self.rooms) + len(self.admission),
-                lambda: self.sender.io_failure() or self.runner.tp_failure(),
-                lambda: self.switch is not None,
-            )
-        finally:
-            self.weights.close()
-            self.sender.close()
-            self.link.close()
-        return self.switch if not self.signals.draining.is_set() else None
+    @property
+    def kv(self) -> KVSender:
+        return self.sender
+
+    def _bootstrap_addr(self) -> str | None:
+        return self.sender.addr
+
+    def _held(self) -> int:
+        return len(self.rooms)
 
     def step(self) -> None:
         self._receive()
-        assert self.link is not None
-        if paused_for_weights(self.link, self.weights, self.cache_events):
+        if self._paused():
             return
         self._expire()
         reqs, chunks = self.sched.schedule()
@@ -126,47 +86,25 @@ class PrefillWorker:
         done = self._run(reqs, chunks) if reqs else []
         self._reply(done)  # first: PrefillDone carries the first token, which the client may be waiting for
         self._hand_off(done)
-        assert self.link is not None
-        self.cache_events.publish(self.link)
+        self._publish()
 
     def _receive(self) -> None:
         """Ended transfers (their pages are freed), then the gateway's messages."""
-        assert self.link is not None
         ended = self.sender.poll()
         for res in ended:
             self._on_transfer_end(res)
         if ended:
             self.blocked = False  # pages came back: waiting prompts may fit now
         # No prompt it can compute (or paused): sleep until a message or a transfer's end wakes the loop.
-        wait = loop_wait(len(self.sched) > 0 and not self.blocked, self.weights)
         due = [rec.held.due for rec in self.rooms.values() if rec.held is not None]
-        if due:  # test hook: the held-back sends are due at their time
-            wait = min(wait, max(0.0, min(due) - time.monotonic()))
-        for msg in self.link.recv(wait):
-            self.faults.guard_message(self._on_message, msg, self._fail_internal)
-        self.admission.poll()
+        # test hook: the held-back sends are due at their time
+        wait = max(0.0, min(due) - time.monotonic()) if due else None
+        self._take_messages(len(self.sched) > 0 and not self.blocked, wait)
 
-    def _transfer_ended(self) -> None:
-        if self.link is not None:
-            self.link.wake()
-
-    def _on_message(self, msg: m.Message) -> None:
-        assert self.link is not None
-        if isinstance(msg, m.GenerateRequest):
-            self.admission.admit(msg)
-        elif isinstance(msg, m.AbortRequest):
-            self.admission.remove(msg.room)
-            rec = self.rooms.get(msg.room)
-            if rec is not None:
-                self._stop(rec.request)
-        elif isinstance(msg, m.WeightsCommand):
-            reply = self.weights.on_command(msg)
-            if reply is not None:
-                self.link.send(reply)
-        elif isinstance(msg, m.SwitchRole):
-            self.switch = accept_switch(self.cfg, msg, self.switch)
-        elif isinstance(msg, m.FlushCache):
-            self.link.send(self.cache_events.flush(msg.flush_id, len(self.rooms)))
+    def _abort(self, room: str) -> None:
+        rec = self.rooms.get(room)
+        if rec is not None:
+            self._stop(rec.request)
 
     def _stop(self, r: Request) -> bool:
         """End `r` on this node: its pages are freed now (False), or, with its transfer in flight,
@@ -182,7 +120,6 @@ class PrefillWorker:
 
     def _expire(self) -> None:
         """Requests past their deadline fail: the gateway is told at once, the pages follow."""
-        assert self.link is not None
         for r in self.sched.expire(self.clock()):
             msg = f"the request passed its deadline on prefill worker {self.cfg.worker_id} ({r.state.value})"
             self._fail_held(r, FailCode.DEADLINE, msg)
@@ -343,7 +280,8 @@ class PrefillWorker:
         """`room` fails with code `internal` through the abort path: its pages are freed, never cached."""
         rec = self.rooms.get(room)
         if rec is None or rec.request.state in TERMINAL:
-            self._fail(room, FailCode.INTERNAL, self.faults.message(exc))
+            self._forget(room)
+            self._report(room, FailCode.INTERNAL, self.faults.message(exc))
             return
         rec.request.kv_cacheable = False
         self._fail_held(rec.request, FailCode.INTERNAL, self.faults.message(exc))
@@ -354,14 +292,6 @@ class PrefillWorker:
         if self._stop(r) and (rec := self.rooms.get(r.rid)) is not None:
             rec.reported = True
         self._report(r.rid, code, message)
-
-    def _fail(self, room: str, code: FailCode, message: str) -> None:
-        self._forget(room)
-        self._report(room, code, message)
-
-    def _report(self, room: str, code: FailCode, message: str) -> None:
-        assert self.link is not None
-        self.link.send(m.RequestFailed(room=room, role="prefill", code=code, message=message))
 
     def _weights_changed(self) -> None:
         """A weight update committed: the KV of every request here may mix versions; never cache it."""
