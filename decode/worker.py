@@ -32,6 +32,7 @@ from pdserve.worker.drain import DrainSignal
 from pdserve.worker.kv_endpoints import receiver_for
 from pdserve.worker.shell import WorkerShell
 from pdserve.worker.step_faults import Progress
+from pdserve.worker.test_hooks import TestHooks
 
 log = logging.getLogger(__name__)
 
@@ -40,11 +41,13 @@ class DecodeWorker(WorkerShell):
     role = "decode"
 
     def __init__(
-        self, cfg: WorkerConfig, signals: DrainSignal | None = None, runner: ModelRunner | None = None
+        self,
+        cfg: WorkerConfig,
+        signals: DrainSignal | None = None,
+        runner: ModelRunner | None = None,
+        hooks: TestHooks | None = None,
     ):
-        super().__init__(cfg, signals, runner or ModelRunner(cfg.runtime))
-        self._requests_seen = 0
-        self._wrong: set[str] = set()  # rooms the wrong-token test hook answers wrong (WorkerConfig)
+        super().__init__(cfg, signals, runner or ModelRunner(cfg.runtime), hooks)
         self.stepper = make_stepper(self.runner)
         rc = cfg.runtime
         lookahead = 1 + (rc.speculative_num_draft_tokens if rc.speculative_algorithm else 0)
@@ -213,9 +216,6 @@ class DecodeWorker(WorkerShell):
         self.rooms[msg.room] = DecodeRoom(DecodeEvents(decode_entry=self.clock()), addr)
         r = Request(msg.room, msg.input_ids, msg.sampling, self.runner.spec.eos_token_ids, grammar=grammar)
         r.kv_cacheable = msg.use_prefix_cache  # False: no cached prefix read, none stored
-        self._requests_seen += 1
-        if 0 < self.cfg.wrong_tokens_from <= self._requests_seen:
-            self._wrong.add(r.rid)
         self.sched.add(r, msg.deadline_s, local_prefill=msg.local_prefill)
 
     def _expire(self) -> None:
@@ -261,10 +261,6 @@ class DecodeWorker(WorkerShell):
     ) -> m.TokenOutput:
         """`version`: the weights that produced `new` (default: this node's, which ran this step)."""
         logprobs, top_logprobs = r.newest_logprobs(len(new))
-        if r.rid in self._wrong and not first:  # test hook: this request is answered wrong
-            new = [(t + 1) % self.runner.spec.vocab_size for t in new]
-            if r.finished:
-                self._wrong.discard(r.rid)
         out = m.TokenOutput(
             room=r.rid,
             token_ids=new,

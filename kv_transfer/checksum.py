@@ -22,8 +22,6 @@ What it does not: KV computed wrong in the first place (the canaries' job, gatew
 
 from __future__ import annotations
 
-import threading
-
 import torch
 import xxhash
 
@@ -68,33 +66,3 @@ def mismatch(kv: torch.Tensor, pages: list[int], expected: list[tuple[int, int]]
     return (
         f"{KV_CORRUPT} in {len(bad)} of {len(expected)} checked pages (first: page {bad[0]} of {len(pages)})"
     )
-
-
-class CorruptHook:
-    """Test hook (`--test-corrupt-kv N`): the first N rooms a sender sends (one count shared by both
-    transports) get one bit of their last page flipped in this node's pool after the page was hashed, as
-    a wire, a segment or an early reuse would change it; `restore` flips it back once the room's transfer ended, so that the prefill node's
-    own prefix cache stays intact."""
-
-    def __init__(self, count: int) -> None:
-        self._left = count
-        self._lock = threading.Lock()
-
-    def take(self, kv: torch.Tensor, pages: list[int]) -> int | None:
-        """Flip a bit of `pages[-1]` if rooms are left to corrupt; the page flipped, or None."""
-        with self._lock:
-            if self._left <= 0 or not pages:
-                return None
-            self._left -= 1
-        _flip(kv, pages[-1])
-        return pages[-1]
-
-    @staticmethod
-    def restore(kv: torch.Tensor, page: int | None) -> None:
-        if page is not None:
-            _flip(kv, page)
-
-
-def _flip(kv: torch.Tensor, page: int) -> None:
-    byte = kv[page].view(torch.uint8).view(-1)[:1]
-    byte ^= 1

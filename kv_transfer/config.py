@@ -38,13 +38,10 @@ class TransferConfig:
     socket_ifname: network interface gloo binds to; None means GLOO_SOCKET_IFNAME, else the local
         address that faces the peer.
     orphan_request_ttl_s: how long a sender keeps a decode's page list for a room it has not seen yet.
-    stall_data_s: test hook; the sender announces each transfer, then waits this long before any data
-        moves, as a wire that stalls mid-transfer would (0: off).
     keys: the cluster's Curve keys (pdserve/cluster_auth.py): the bootstrap ROUTER and the decode's
         DEALERs run CurveZMQ and admit only holders of the secret (None: unauthenticated).
     max_frame_bytes: the largest bootstrap frame; a bigger one drops the connection (zmq MAXMSGSIZE).
     kv_checksum: which pages the sender hashes for the receiver to check (checksum.py): off | sample | all.
-    corrupt_kv: test hook; the first this-many rooms sent get a bit of a page flipped after it was hashed.
     max_early_lists: page lists kept per decode peer for rooms the sender has not seen yet; beyond it
         the oldest is refused (Abort). max_early_pages bounds the pages they list, per peer.
     """
@@ -61,13 +58,11 @@ class TransferConfig:
     gloo_threads: int = 2
     socket_ifname: str | None = None
     orphan_request_ttl_s: float = 600.0
-    stall_data_s: float = 0.0
     keys: ClusterKeys | None = None
     max_frame_bytes: int = 4 << 20
     max_early_lists: int = 1024
     max_early_pages: int = 1 << 18
     kv_checksum: str = "sample"
-    corrupt_kv: int = 0
 
     def __post_init__(self) -> None:
         if self.backend not in BACKENDS:
@@ -99,8 +94,6 @@ def worker_transfer_config(cfg: WorkerConfig, kv: torch.Tensor) -> TransferConfi
         transport=cfg.kv_transport,
         waiting_timeout_s=cfg.waiting_timeout_s,
         transfer_timeout_s=cfg.transfer_timeout_s,
-        stall_data_s=cfg.stall_kv_data_s,
         kv_checksum=cfg.kv_checksum,
-        corrupt_kv=cfg.corrupt_kv,
         keys=cfg.keys,
     )

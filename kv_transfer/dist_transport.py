@@ -9,18 +9,18 @@ A group that saw a timeout or a peer failure is dropped on both sides; the next 
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 
-from pdserve.kv_transfer.checksum import CorruptHook, checked_indices, mismatch, page_hashes
+from pdserve.kv_transfer.checksum import checked_indices, mismatch, page_hashes
 from pdserve.kv_transfer.config import TransferConfig
 from pdserve.kv_transfer.layout import PoolGeometry, chunk_pages, direct_runs, runs_fit
 from pdserve.kv_transfer.mailbox import Done, GroupDead, Started
 from pdserve.kv_transfer.pair_group import MAX_STRAY_CONNECTIONS
 from pdserve.kv_transfer.receiver_pair import ReceiverPair
+from pdserve.kv_transfer.send_hooks import SendHooks
 from pdserve.kv_transfer.sender_pair import SenderPair
 from pdserve.kv_transfer.state import RecvRoom
 from pdserve.kv_transfer.transport import ReceiveTransport, SendJob, SendTransport
@@ -37,13 +37,13 @@ class DistSend(SendTransport):
         kv: torch.Tensor,
         geometry: PoolGeometry,
         config: TransferConfig,
-        corrupt: CorruptHook,
+        hooks: SendHooks,
         prepare: Callable[[list[int]], None] | None = None,
     ) -> None:
         """`prepare(pages)`: fills those pages of `kv` before they are sent (a TP worker's rank 0
         gathers its ranks' heads into its full-head pool)."""
         self._kv, self._geometry, self._config, self._prepare = kv, geometry, config, prepare
-        self._corrupt = corrupt
+        self._hooks = hooks
 
     def transfer(self, pair: SenderPair, job: SendJob) -> None:
         group = pair.live_group()
@@ -75,7 +75,7 @@ class DistSend(SendTransport):
                 self._geometry.page_bytes,
             )
         trailer = encode_trailer(job.room, job.num_tokens, job.metadata, hashes)
-        flipped = self._corrupt.take(self._kv, job.src_pages)
+        flipped = self._hooks.corrupt(self._kv, job.src_pages)
         pair.out(
             kc.Announce(
                 room=job.room,
@@ -88,8 +88,7 @@ class DistSend(SendTransport):
                 num_tokens=job.num_tokens,
             )
         )
-        if self._config.stall_data_s > 0:
-            time.sleep(self._config.stall_data_s)  # test hook: the receiver's per-operation timeout must fire
+        self._hooks.before_data()
         try:
             if runs is not None:
                 num_bytes = group.send_direct(self._kv, job.src_pages, runs, seq, trailer)
@@ -100,7 +99,7 @@ class DistSend(SendTransport):
             pair.post(Done(job.room, f"sending KV failed (pair gen {group.gen} discarded): {exc}"))
             return
         finally:
-            self._corrupt.restore(self._kv, flipped)
+            self._hooks.restore(self._kv, flipped)
         pair.post(Done(job.room, None, num_bytes))
 
 

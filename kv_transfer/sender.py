@@ -32,6 +32,7 @@ from pdserve.cluster_auth import secure_server, start_authenticator
 from pdserve.kv_transfer import mailbox as mb
 from pdserve.kv_transfer.config import TransferConfig
 from pdserve.kv_transfer.endpoint import Endpoint
+from pdserve.kv_transfer.send_hooks import SendHooks
 from pdserve.kv_transfer.sender_io import SenderIO
 from pdserve.kv_transfer.shm import SharedSegment
 from pdserve.protocol.kv_trailer import FirstToken
@@ -53,6 +54,7 @@ class KVSender(Endpoint):
         rank_segments: list[SharedSegment] | None = None,
         prepare: Callable[[list[int]], None] | None = None,
         owns_segment: bool = True,
+        hooks: SendHooks | None = None,
     ) -> None:
         """`segment`: the shared-memory segment `kv` lives in (shm.shared_pool), offered to decode
         nodes on this host unless config.transport is "dist".
@@ -63,7 +65,8 @@ class KVSender(Endpoint):
         them when it closes). `kv` is then the full-head pool the pair
         group sends from, which `prepare(pages)` fills before each such send (on a pair thread).
         `owns_segment` False: `segment` outlives the sender (a worker's runner, which switches roles,
-        removes it); the sender only fences it when it closes."""
+        removes it); the sender only fences it when it closes. `hooks`: test hooks acting inside each
+        transfer (send_hooks.py; None: none)."""
         super().__init__(kv, fingerprint, config, tp_size)
         segments = [segment] if segment is not None else list(rank_segments or [])
         if segment is not None:
@@ -77,6 +80,7 @@ class KVSender(Endpoint):
         self._own_segments = [segment] if segment is not None and owns_segment else []
         self._segments = segments if config.transport != "dist" else []
         self._prepare = prepare
+        self._hooks = hooks or SendHooks()
         self._host, self._port = host, bootstrap_port
         self._errors: collections.deque[str] = collections.deque(maxlen=64)
         self.addr = ""

@@ -15,7 +15,6 @@ from typing import TYPE_CHECKING
 
 import zmq
 
-from pdserve.kv_transfer.checksum import CorruptHook
 from pdserve.kv_transfer.dist_transport import DistSend
 from pdserve.kv_transfer.handshake import compare_identities
 from pdserve.kv_transfer.layout import mapping_error
@@ -53,12 +52,10 @@ class SenderPeers(RoomBook[SendRoom, bytes]):
         self.pairs: dict[bytes, SenderPair] = {}
         self._gens = itertools.count()
         self._gen_lock = threading.Lock()
-        corrupt = CorruptHook(self.cfg.corrupt_kv)  # one count for both transports
-        self.dist = DistSend(owner._kv, owner._geometry, self.cfg, corrupt, owner._prepare)
+        hooks = owner._hooks  # one for both transports (a corruption count is shared)
+        self.dist = DistSend(owner._kv, owner._geometry, self.cfg, hooks, owner._prepare)
         self.shm = (
-            ShmSend(owner._kv, owner._segments, owner._geometry, self.cfg, corrupt)
-            if owner._segments
-            else None
+            ShmSend(owner._kv, owner._segments, owner._geometry, self.cfg, hooks) if owner._segments else None
         )
 
     def next_gen(self) -> int:

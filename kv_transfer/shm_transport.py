@@ -16,16 +16,16 @@ import base64
 import binascii
 import dataclasses
 import logging
-import time
 from dataclasses import dataclass
 
 import torch
 
-from pdserve.kv_transfer.checksum import CorruptHook, checked_indices, mismatch, page_hashes
+from pdserve.kv_transfer.checksum import checked_indices, mismatch, page_hashes
 from pdserve.kv_transfer.config import TransferConfig
 from pdserve.kv_transfer.layout import PoolGeometry, kv_head_ranges
 from pdserve.kv_transfer.mailbox import Done, Mailbox, Started, ToSender
 from pdserve.kv_transfer.receiver_pair import ReceiverPair
+from pdserve.kv_transfer.send_hooks import SendHooks
 from pdserve.kv_transfer.sender_pair import SenderPair
 from pdserve.kv_transfer.shm import MappedPool, SharedSegment, ShmError, copy_heads
 from pdserve.kv_transfer.state import RecvRoom, SendRoom, TransferState
@@ -47,14 +47,14 @@ class ShmSend(SendTransport):
         segments: list[SharedSegment],
         geometry: PoolGeometry,
         config: TransferConfig,
-        corrupt: CorruptHook,
+        hooks: SendHooks,
     ) -> None:
         """`kv`: the pool in `segments[0]`; with one segment it holds every head, and its pages are hashed
         (checksum.py); a TP worker's ranks' pools are not (the decode copies their heads apart)."""
         self.segment, self._segments = segments[0], segments
         self._kv, self._geometry, self._config = kv, geometry, config
         self.started_timeout_s = config.transfer_timeout_s
-        self._corrupt = corrupt
+        self._hooks = hooks
 
     def offer(self) -> kc.ShmOffer:
         """What HelloAck offers every decode peer: a decode node on this host maps it."""
@@ -73,9 +73,8 @@ class ShmSend(SendTransport):
         except (IndexError, RuntimeError):
             hashes = []  # pages outside the pool: the decode refuses the room before any copy
         pair.post(Started(job.room))
-        if self._config.stall_data_s > 0:
-            time.sleep(self._config.stall_data_s)  # test hook: the sender's copy timeout must fire
-        job.flipped = self._corrupt.take(self._kv, job.src_pages)
+        self._hooks.before_data()
+        job.flipped = self._hooks.corrupt(self._kv, job.src_pages)
         trailer = encode_trailer(job.room, job.num_tokens, job.metadata, hashes)
         pair.out(
             kc.Announce(
@@ -96,7 +95,7 @@ class ShmSend(SendTransport):
         """Fence first, so that a copy still under way is refused, then the pages may be freed."""
         self.segment.bump_fence()
         if room.job is not None:
-            self._corrupt.restore(self._kv, room.job.flipped)
+            self._hooks.restore(self._kv, room.job.flipped)
         return f"timed out after {self.started_timeout_s}s waiting for the decode to copy the pages"
 
     def copied(self, room: SendRoom, msg: kc.Copied) -> Done | None:
@@ -104,7 +103,7 @@ class ShmSend(SendTransport):
         (given up already, and fenced)."""
         if room.state != TransferState.TRANSFERRING or room.transport is not self or room.job is None:
             return None
-        self._corrupt.restore(self._kv, room.job.flipped)
+        self._hooks.restore(self._kv, room.job.flipped)
         if msg.error:
             return Done(room.room, msg.error, corrupt=msg.corrupt)
         return Done(room.room, None, len(room.job.src_pages) * self._geometry.page_bytes)

@@ -36,7 +36,7 @@ class SendJob:
     transport: SendTransport
     # Set by the I/O thread on abort; checked before the transfer starts.
     cancelled: threading.Event = field(default_factory=threading.Event)
-    # The page whose bit the corruption test hook flipped (checksum.CorruptHook), flipped back at the end.
+    # The page whose bit the corruption test hook flipped (send_hooks.FaultySend), flipped back at the end.
     flipped: int | None = None
 
 

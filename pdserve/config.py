@@ -149,17 +149,7 @@ class WorkerConfig:
     cluster_secret_file: str | None = None
     # Its Curve keys, derived once at start (worker_config_from_args); None: unauthenticated.
     keys: ClusterKeys | None = None
-    # Test hooks (hidden flags): seconds added to this worker's clock, for the gateway's clock-offset
-    # estimation; and (prefill) seconds each finished prefill's KV is held back, as a stuck transfer,
-    # or each announced transfer's data is held back, as a wire stalling mid-transfer.
-    clock_skew_s: float = 0.0
-    stall_kv_send_s: float = 0.0
-    stall_kv_data_s: float = 0.0
-    # (prefill) the first this-many hand-offs get a bit of a page flipped after it was hashed.
-    corrupt_kv: int = 0
-    # (decode) from its Nth request on (0: never), every token it decodes reaches the gateway as the
-    # next token id: a worker that answers wrong, for the canaries (gateway/autopilot/canary.py).
-    wrong_tokens_from: int = 0
+    # The test hooks (hidden --test-* flags) are not serving configuration: pdserve/worker/test_hooks.py.
 
 
 def worker_config_from_args(args: argparse.Namespace, role: str) -> WorkerConfig:

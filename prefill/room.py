@@ -4,20 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from pdserve.protocol.kv_trailer import FirstToken
 from pdserve.protocol.records import PrefillEvents
 from pdserve.runtime.request import Request
-
-
-@dataclass
-class HeldSend:
-    """A finished prefill's KV send, held back by the stall test hook until `due` (time.monotonic())."""
-
-    due: float
-    pages: list[int]
-    num_tokens: int
-    meta: FirstToken
-    hashes: list[int]
 
 
 @dataclass
@@ -32,4 +20,3 @@ class PrefillRoom:
     # Failed (deadline, internal error) and reported while its transfer is being stopped: the end of
     # that transfer retires it without a second report.
     reported: bool = False
-    held: HeldSend | None = None  # its KV send, while the stall test hook holds it back

@@ -13,14 +13,13 @@ A request past its deadline (`GenerateRequest.deadline_s`, checked once per step
 from __future__ import annotations
 
 import logging
-import time
 
 import torch
 
 from pdserve.config import WorkerConfig
 from pdserve.kv_transfer import KVSender, TransferResult, TransferState
 from pdserve.kv_transfer.config import worker_transfer_config
-from pdserve.prefill.room import HeldSend, PrefillRoom
+from pdserve.prefill.room import PrefillRoom
 from pdserve.protocol import gateway as m
 from pdserve.protocol.block_hash import block_hashes
 from pdserve.protocol.kv_trailer import FirstToken
@@ -37,6 +36,7 @@ from pdserve.worker.drain import DrainSignal
 from pdserve.worker.kv_endpoints import sender_for
 from pdserve.worker.shell import WorkerShell
 from pdserve.worker.step_faults import Progress
+from pdserve.worker.test_hooks import TestHooks
 
 log = logging.getLogger(__name__)
 
@@ -45,12 +45,13 @@ class PrefillWorker(WorkerShell):
     role = "prefill"
 
     def __init__(
-        self, cfg: WorkerConfig, signals: DrainSignal | None = None, runner: ModelRunner | None = None
+        self,
+        cfg: WorkerConfig,
+        signals: DrainSignal | None = None,
+        runner: ModelRunner | None = None,
+        hooks: TestHooks | None = None,
     ):
-        super().__init__(cfg, signals, runner or ModelRunner(cfg.runtime))
-        # Test hook (--test-stall-kv-send): hold each finished prefill this long before its KV is
-        # handed to the sender, as a stuck transfer path would.
-        self.stall_kv_send_s = cfg.stall_kv_send_s
+        super().__init__(cfg, signals, runner or ModelRunner(cfg.runtime), hooks)
         rc = cfg.runtime
         # Prompt pages enter the prefix cache when their KV transfer ends (`retire`), not before:
         # until then they are the request's.
@@ -62,7 +63,7 @@ class PrefillWorker(WorkerShell):
             cache=self.cache,
         )
         transfer_cfg = worker_transfer_config(cfg, self.runner.transfer_kv)
-        self.sender = sender_for(self.runner, cfg.host, cfg.bootstrap_port, transfer_cfg)
+        self.sender = sender_for(self.runner, cfg.host, cfg.bootstrap_port, transfer_cfg, hooks)
         self.rooms: dict[str, PrefillRoom] = {}  # queued, prefilling or transferring
         self.blocked = False  # the last schedule() gave nothing to run
 
@@ -96,10 +97,7 @@ class PrefillWorker(WorkerShell):
         if ended:
             self.blocked = False  # pages came back: waiting prompts may fit now
         # No prompt it can compute (or paused): sleep until a message or a transfer's end wakes the loop.
-        due = [rec.held.due for rec in self.rooms.values() if rec.held is not None]
-        # test hook: the held-back sends are due at their time
-        wait = max(0.0, min(due) - time.monotonic()) if due else None
-        self._take_messages(len(self.sched) > 0 and not self.blocked, wait)
+        self._take_messages(len(self.sched) > 0 and not self.blocked)
 
     def _abort(self, room: str) -> None:
         rec = self.rooms.get(room)
@@ -109,8 +107,7 @@ class PrefillWorker(WorkerShell):
     def _stop(self, r: Request) -> bool:
         """End `r` on this node: its pages are freed now (False), or, with its transfer in flight,
         once the sender reports that transfer Failed (True; `_on_transfer_end`)."""
-        rec = self.rooms.get(r.rid)
-        if r.state is RequestState.TRANSFERRING and (rec is None or rec.held is None):
+        if r.state is RequestState.TRANSFERRING:
             self.sender.abort(r.rid)
             return True
         if r.state not in TERMINAL:
@@ -191,7 +188,7 @@ class PrefillWorker(WorkerShell):
         return kept
 
     def _hand_off(self, done: list[Request]) -> None:
-        """Completed prefills' KV goes to the sender (held back by the stall hook). A request without
+        """Completed prefills' KV goes to the sender. A request without
         a decode leg (it asks at most one token) ends here, its prompt's pages cached."""
         for r in done:
             rec = self.rooms[r.rid]
@@ -211,13 +208,7 @@ class PrefillWorker(WorkerShell):
             # The names of the prompt's whole pages: a decode node that holds a prefix of them
             # receives only the pages after it (incremental transfer).
             hashes = block_hashes(r.prompt_ids, self.runner.page_size)
-            if self.stall_kv_send_s > 0:
-                due = time.monotonic() + self.stall_kv_send_s
-                rec.held = HeldSend(due, r.pages, len(r.prompt_ids), meta, hashes)
-            else:
-                self.sender.send(r.rid, r.pages, len(r.prompt_ids), meta, hashes)
-        if self.stall_kv_send_s > 0:
-            self._release_held(time.monotonic())
+            self.sender.send(r.rid, r.pages, len(r.prompt_ids), meta, hashes)
 
     def _reply(self, done: list[Request]) -> None:
         assert self.link is not None
@@ -252,14 +243,6 @@ class PrefillWorker(WorkerShell):
             finish_reason=r.finish_reason,
             weight_version=self.weights.version,
         )
-
-    def _release_held(self, now: float) -> None:
-        """The sends the stall hook held back whose time has come go to the sender."""
-        for room, rec in list(self.rooms.items()):
-            held = rec.held
-            if held is not None and held.due <= now:
-                rec.held = None
-                self.sender.send(room, held.pages, held.num_tokens, held.meta, held.hashes)
 
     def _on_transfer_end(self, res: TransferResult) -> None:
         room, state = res.room, res.state

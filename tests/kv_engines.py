@@ -33,7 +33,8 @@ class EnginePairs:
         self._made: list = []
         self._paths: list[str] = []
 
-    def __call__(self, sender_config, receiver_config=None, shm: bool = False):
+    def __call__(self, sender_config, receiver_config=None, shm: bool = False, hooks=None):
+        """`hooks`: the sender's test hooks (kv_transfer/send_hooks.py)."""
         from pdserve.kv_transfer import KVReceiver, KVSender
         from pdserve.kv_transfer.shm import shared_pool
 
@@ -41,7 +42,7 @@ class EnginePairs:
         if shm:
             segment, kv = shared_pool(kv)
             self._paths.append(segment.path)
-        sender = KVSender(kv, FP, "127.0.0.1", 0, sender_config, segment=segment)
+        sender = KVSender(kv, FP, "127.0.0.1", 0, sender_config, segment=segment, hooks=hooks)
         sender.start()
         self._made.append(sender)
         receiver = KVReceiver(random_pool(32, 2), FP, receiver_config or sender_config)

@@ -273,7 +273,7 @@ WORKER_FLAGS = [
         SECRET_FILE_HELP,
         passed_to=TO_BOTH,
     ),
-    # Test hooks.
+    # Test hooks: each dest is a field of TestHooks (pdserve/worker/test_hooks.py), not of WorkerConfig.
     Flag("--test-clock-skew", WORKERS, type=float, default=0.0, dest="clock_skew_s", hidden=True),
     Flag(
         "--test-stall-kv-send",

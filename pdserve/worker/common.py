@@ -23,6 +23,7 @@ from pdserve.worker.drain import DrainSignal
 from pdserve.worker.health import Failure, start_health_server
 from pdserve.worker.link import RegistrationRefused, WorkerLink
 from pdserve.worker.step_faults import BLIND_FAILURE_LIMIT, StepFailed
+from pdserve.worker.test_hooks import TestHooks, warn_test_hooks
 
 # How long an idle worker loop sleeps in `WorkerLink.recv`. What needs the loop wakes it sooner (a
 # gateway message, a KV transfer's end); a drain signal or a dead KV engine is noticed within this.
@@ -64,12 +65,6 @@ class _Worker(Protocol):
     def serve(self) -> m.SwitchRole | None: ...
 
 
-def make_clock(cfg: WorkerConfig) -> Callable[[], float]:
-    """Epoch seconds on this worker's clock (shifted by the test hook, if set)."""
-    skew = cfg.clock_skew_s
-    return (lambda: time.time() + skew) if skew else time.time
-
-
 def register_factory(
     cfg: WorkerConfig,
     runner: ModelRunner,
@@ -106,10 +101,12 @@ def connect_link(
     signals: DrainSignal,
     weights: WeightUpdater,
     bootstrap_addr: str | None = None,
+    link_type: Callable[..., WorkerLink] = WorkerLink,
 ) -> WorkerLink:
-    """The worker's control link to the gateway, started and registered (a drain cancels the wait)."""
+    """The worker's control link to the gateway, started and registered (a drain cancels the wait).
+    `link_type`: WorkerLink, or a test hook's (test_hooks.py)."""
     register = register_factory(cfg, runner, clock, bootstrap_addr, lambda: weights.version)
-    link = WorkerLink(cfg.gateway_addr, register, clock, keys=cfg.keys)
+    link = link_type(cfg.gateway_addr, register, clock, keys=cfg.keys)
     link.start()
     link.wait_registered(cfg.register_timeout_s, cancel=signals.draining)
     return link
@@ -123,12 +120,13 @@ def run_worker(role: str, args: argparse.Namespace) -> int:
     runner: ModelRunner | None = None
     try:
         cfg = worker_config_from_args(args, role)
+        hooks = TestHooks.from_args(args)
         warn_test_hooks(args, role)
         warn_if_open(
             cfg.keys, "this worker's control link" + (" and KV bootstrap port" if role == "prefill" else "")
         )
         while True:
-            worker = _worker_class(cfg.role)(cfg, signals, runner)
+            worker = _worker_class(cfg.role)(cfg, signals, runner, hooks)
             runner = worker.runner
             switch = worker.serve()
             if switch is None:
@@ -155,22 +153,9 @@ def run_worker(role: str, args: argparse.Namespace) -> int:
             runner.close()
 
 
-def warn_test_hooks(args: argparse.Namespace, role: str) -> list[str]:
-    """One WARNING per test hook (a hidden row of the flag table, `--test-*`) set to anything but its
-    default: a worker that stalls, skews its clock or corrupts on purpose must say so in its log, or an
-    operator who copied a test's command line would hunt a fault that is a flag. Returns the lines."""
-    from pdserve.launch.flags import flags_of
-
-    lines = []
-    for f in flags_of(role):
-        value = getattr(args, f.attr, None)
-        if f.hidden and value != f.default_for(role):
-            lines.append(f"{f.name} {value} is set: a hook for tests only, never for serving")
-            logging.getLogger(f"pdserve.{role}").warning("%s", lines[-1])
-    return lines
-
-
-def _worker_class(role: str) -> Callable[[WorkerConfig, DrainSignal, ModelRunner | None], _Worker]:
+def _worker_class(
+    role: str,
+) -> Callable[[WorkerConfig, DrainSignal, ModelRunner | None, TestHooks | None], _Worker]:
     if role == "prefill":
         from pdserve.prefill.worker import PrefillWorker
 

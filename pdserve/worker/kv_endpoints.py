@@ -16,6 +16,7 @@ import logging
 from pdserve.kv_transfer import KVReceiver, KVSender, TransferConfig
 from pdserve.kv_transfer.shm import SharedSegment, ShmError
 from pdserve.runtime.runner import ModelRunner
+from pdserve.worker.test_hooks import TestHooks
 
 log = logging.getLogger(__name__)
 
@@ -30,11 +31,14 @@ def _share(runner: ModelRunner, config: TransferConfig) -> list[SharedSegment]:
         return []
 
 
-def sender_for(runner: ModelRunner, host: str, port: int, config: TransferConfig) -> KVSender:
-    """A prefill worker's sender (not started)."""
+def sender_for(
+    runner: ModelRunner, host: str, port: int, config: TransferConfig, hooks: TestHooks | None = None
+) -> KVSender:
+    """A prefill worker's sender (not started), with the KV test hooks that are set."""
     segments = _share(runner, config)
     ranks = runner.rank_kv is not None
-    return KVSender(
+    make = KVSender if hooks is None else hooks.sender
+    return make(
         runner.transfer_kv,
         runner.fingerprint(),
         host,

@@ -36,13 +36,13 @@ from pdserve.worker.common import (
     accept_switch,
     connect_link,
     loop_wait,
-    make_clock,
     paused_for_weights,
     serve_until_drained,
 )
 from pdserve.worker.drain import DrainSignal
 from pdserve.worker.link import WorkerLink
 from pdserve.worker.step_faults import StepFaults
+from pdserve.worker.test_hooks import TestHooks, worker_clock
 
 
 class KVEndpoint(Protocol):
@@ -60,10 +60,14 @@ class KVEndpoint(Protocol):
 class WorkerShell(ABC):
     role: ClassVar[m.Role]
 
-    def __init__(self, cfg: WorkerConfig, signals: DrainSignal | None, runner: ModelRunner) -> None:
-        """`runner`: the role's model (a role switch hands the last role's on)."""
+    def __init__(
+        self, cfg: WorkerConfig, signals: DrainSignal | None, runner: ModelRunner, hooks: TestHooks | None
+    ) -> None:
+        """`runner`: the role's model (a role switch hands the last role's on); `hooks`: the test
+        hooks set (None: none, as in serving)."""
         self.cfg = cfg
-        self.clock = make_clock(cfg)
+        self.hooks = hooks
+        self.clock = worker_clock(hooks)
         self.signals = signals or DrainSignal()
         self.runner = runner
         self.switch: m.SwitchRole | None = None  # taken from the gateway: drain, then serve that role
@@ -122,7 +126,10 @@ class WorkerShell(ABC):
         kv.on_result = self._wake  # a sleeping loop wakes to free pages or take a first token
         kv.start()
         addr = self._bootstrap_addr()
-        self.link = connect_link(self.cfg, self.runner, self.clock, self.signals, self.weights, addr)
+        link_type = WorkerLink if self.hooks is None else self.hooks.link_type(self.runner.spec.vocab_size)
+        self.link = connect_link(
+            self.cfg, self.runner, self.clock, self.signals, self.weights, addr, link_type
+        )
         log = logging.getLogger(f"pdserve.{self.role}.worker")
         where = f"; KV bootstrap at {addr}" if addr else ""
         log.info("%s worker %s registered%s", self.role, self.cfg.worker_id, where)
@@ -142,12 +149,11 @@ class WorkerShell(ABC):
             self.link.close()
         return self.switch if not self.signals.draining.is_set() else None
 
-    def _take_messages(self, can_compute: bool, wait_s: float | None = None) -> None:
-        """The gateway's messages, handled (waiting for the first one unless `can_compute`, at most
-        `wait_s`); then the requests whose grammar got compiled enter."""
+    def _take_messages(self, can_compute: bool) -> None:
+        """The gateway's messages, handled (waiting for the first one unless `can_compute`); then the
+        requests whose grammar got compiled enter."""
         assert self.link is not None
-        wait = loop_wait(can_compute, self.weights)
-        for msg in self.link.recv(wait if wait_s is None else min(wait, wait_s)):
+        for msg in self.link.recv(loop_wait(can_compute, self.weights)):
             self.faults.guard_message(self._on_message, msg, self._fail_internal)
         self.admission.poll()
 

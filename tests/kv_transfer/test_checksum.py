@@ -14,6 +14,7 @@ from kv_engines import wait_results as _wait
 
 from pdserve.kv_transfer import TransferConfig, TransferState
 from pdserve.kv_transfer.checksum import KV_CORRUPT, SAMPLE_STRIDE, checked_indices, mismatch, page_hashes
+from pdserve.kv_transfer.send_hooks import FaultySend, SendHooks
 from pdserve.protocol.kv_trailer import FirstToken
 
 
@@ -57,8 +58,15 @@ def pair():
     memory, which the receiver maps."""
     pairs = EnginePairs()
 
-    def make(transport: str, sender_config: TransferConfig, receiver_config: TransferConfig | None = None):
-        return pairs(sender_config, receiver_config or _config(transport), shm=transport == "shm")
+    def make(
+        transport: str,
+        sender_config: TransferConfig,
+        receiver_config: TransferConfig | None = None,
+        hooks: SendHooks | None = None,
+    ):
+        return pairs(
+            sender_config, receiver_config or _config(transport), shm=transport == "shm", hooks=hooks
+        )
 
     yield make
     pairs.close()
@@ -78,7 +86,9 @@ def _flip_during_stall(sender, room: str, page: int) -> None:
 @pytest.mark.parametrize("mode", ["sample", "all", "off"])
 def test_a_bit_flipped_after_the_hash_fails_the_room_as_corrupt(pair, transport, mode):
     # Both transports hash before Started; the stall then holds the data back long enough for the flip.
-    sender, receiver = pair(transport, _config(transport, stall_data_s=1.5, kv_checksum=mode))
+    sender, receiver = pair(
+        transport, _config(transport, kv_checksum=mode), hooks=FaultySend(stall_data_s=1.5)
+    )
     src, dst = [3, 4, 9], [7, 8, 20]
     receiver.request("r", sender.addr, dst, 10)
     sender.send("r", src, 10, FirstToken(first_token=1))
@@ -104,7 +114,7 @@ def test_a_bit_flipped_after_the_hash_fails_the_room_as_corrupt(pair, transport,
 def test_the_corruption_hook_fails_the_first_rooms_and_restores_the_prefill_pool(pair, transport):
     """--test-corrupt-kv: the hand-off is corrupt as the decode sees it, but the prefill node's own pages
     (its prefix cache) are flipped back once the transfer ended."""
-    sender, receiver = pair(transport, _config(transport, corrupt_kv=1))
+    sender, receiver = pair(transport, _config(transport), hooks=FaultySend(corrupt_rooms=1))
     before = sender._kv.clone()
     receiver.request("bad", sender.addr, [1, 2], 8)
     sender.send("bad", [5, 6], 8, FirstToken(first_token=1))

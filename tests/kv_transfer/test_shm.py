@@ -15,6 +15,7 @@ from kv_engines import random_pool as _pool
 from kv_engines import wait_results as _wait
 
 from pdserve.kv_transfer import KVReceiver, KVSender, TransferConfig, TransferState
+from pdserve.kv_transfer.send_hooks import FaultySend, SendHooks
 from pdserve.kv_transfer.shm import (
     HEADER_BYTES,
     SharedSegment,
@@ -38,10 +39,14 @@ def nodes():
     made = []
     segments: list[str] = []
 
-    def make(config: TransferConfig = FAST, sender_config: TransferConfig | None = None):
+    def make(
+        config: TransferConfig = FAST,
+        sender_config: TransferConfig | None = None,
+        hooks: SendHooks | None = None,
+    ):
         segment, kv = shared_pool(_pool(32, 1))
         segments.append(segment.path)
-        sender = KVSender(kv, FP, "127.0.0.1", 0, sender_config or config, segment=segment)
+        sender = KVSender(kv, FP, "127.0.0.1", 0, sender_config or config, segment=segment, hooks=hooks)
         sender.start()
         made.append(sender)
         receiver = KVReceiver(_pool(32, 2), FP, config)
@@ -164,9 +169,9 @@ def test_sender_gives_up_on_a_copy_that_never_ends_and_the_late_copy_is_refused(
     """The prefill node announces late (test hook): by then it timed out and fenced its segment, so the
     decode must not commit what it would copy from pages the prefill node may have reused."""
     stalled = TransferConfig(
-        bootstrap_timeout_s=5, waiting_timeout_s=5, transfer_timeout_s=0.5, transport="auto", stall_data_s=1.5
+        bootstrap_timeout_s=5, waiting_timeout_s=5, transfer_timeout_s=0.5, transport="auto"
     )
-    sender, receiver, segment = nodes(FAST, stalled)
+    sender, receiver, segment = nodes(FAST, stalled, FaultySend(stall_data_s=1.5))
     fence = segment.fence
     receiver.request("slow", sender.addr, [1, 2], 8)
     sender.send("slow", [3, 4], 8, FirstToken(first_token=0))
@@ -209,9 +214,9 @@ def test_an_abort_after_the_announcement_waits_for_the_copy_and_never_fences(nod
     """A fence bump fails every copy running at that moment, so an abort of an announced room (a client
     gone right after its first token) must end the room on the decode's Copied, not by fencing."""
     stalled = TransferConfig(
-        bootstrap_timeout_s=5, waiting_timeout_s=5, transfer_timeout_s=5, transport="auto", stall_data_s=0.5
+        bootstrap_timeout_s=5, waiting_timeout_s=5, transfer_timeout_s=5, transport="auto"
     )
-    sender, receiver, segment = nodes(FAST, stalled)
+    sender, receiver, segment = nodes(FAST, stalled, FaultySend(stall_data_s=0.5))
     receiver.request("left", sender.addr, [1, 2], 8)
     sender.send("left", [3, 4], 8, FirstToken(first_token=0))
     assert _wait_state(sender, "left", TransferState.TRANSFERRING)  # Started: the announcement is under way

@@ -1,5 +1,5 @@
 """A worker started with a `--test-*` hook (a hidden row of the flag table) says so in its log, one WARNING
-line per hook, before it loads anything (pdserve/worker/common.py warn_test_hooks)."""
+line per hook, before it loads anything (pdserve/worker/test_hooks.py warn_test_hooks)."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ import pytest
 from pdserve.launch.flag import DECODE, PREFILL
 from pdserve.launch.flags import add_flags, flags_of
 from pdserve.launch.supervisor import pdserve_command
-from pdserve.worker.common import warn_test_hooks
+from pdserve.worker.test_hooks import warn_test_hooks
 
 
 def parsed(role: str, *argv: str) -> argparse.Namespace:
