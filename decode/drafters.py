@@ -85,9 +85,9 @@ class NgramDrafter:
         self._index: dict[str, _NgramIndex] = {}
 
     def _sync(self, req: Request) -> _NgramIndex:
-        idx = self._index.get(req.rid)
+        idx = self._index.get(req.room)
         if idx is None:
-            idx = self._index[req.rid] = _NgramIndex()
+            idx = self._index[req.room] = _NgramIndex()
         toks = idx.tokens
         have = len(toks)
         full = len(req.prompt_ids) + len(req.output_ids)
@@ -127,7 +127,7 @@ class NgramDrafter:
         pass
 
     def forget(self, req: Request) -> None:
-        self._index.pop(req.rid, None)
+        self._index.pop(req.room, None)
 
     def draft_seconds(self, batch_size: int) -> float:
         return 0.0
@@ -172,14 +172,14 @@ class DraftModelDrafter:
         self._batch = 0
 
     def _shadow_of(self, req: Request) -> Request | None:
-        s = self._shadow.get(req.rid)
+        s = self._shadow.get(req.room)
         if s is None:
             if req.max_total_tokens > self.runner.context_length:
                 return None  # beyond the draft model's context: not drafted
-            s = Request(req.rid, req.prompt_ids, req.params)
+            s = Request(req.room, req.prompt_ids, req.params)
             if not self.runner.reserve(s, req.max_total_tokens):
                 return None  # draft pool short: this request is not drafted
-            self._shadow[req.rid] = s
+            self._shadow[req.room] = s
         return s
 
     def propose(self, reqs: list[Request], ks: list[int]) -> Drafts:
@@ -189,7 +189,7 @@ class DraftModelDrafter:
         first = True
         while active:
             t0 = time.perf_counter()
-            shadows = [self._shadow[reqs[i].rid] for i in active]
+            shadows = [self._shadow[reqs[i].room] for i in active]
             feed = []
             for i, s in zip(active, shadows):
                 r = reqs[i]
@@ -229,13 +229,13 @@ class DraftModelDrafter:
 
     def rollback(self, reqs: list[Request]) -> None:
         for r in reqs:
-            s = self._shadow.get(r.rid)
+            s = self._shadow.get(r.room)
             # Draft KV at positions < the target's valid length holds exactly the accepted tokens.
             if s is not None and s.num_computed > r.num_computed:
                 s.num_computed = r.num_computed
 
     def forget(self, req: Request) -> None:
-        s = self._shadow.pop(req.rid, None)
+        s = self._shadow.pop(req.room, None)
         if s is not None:
             self.runner.release(s)
 

@@ -73,10 +73,10 @@ class DecodeScheduler:
         """Queue `r`; `deadline` (epoch seconds, see `runtime/deadlines.py`) ends it in `expire`.
         `local_prefill`: this node computes the prompt (no transfer; `admit` returns it PREFILLING)."""
         if r.state is not RequestState.QUEUED:
-            raise ValueError(f"request {r.rid} is {r.state.name}, not QUEUED")
+            raise ValueError(f"request {r.room} is {r.state.name}, not QUEUED")
         self.deadlines.add(r, deadline)
         if local_prefill:
-            self.local.add(r.rid)
+            self.local.add(r.room)
         self.pending.append(r)
 
     def expire(self, now: float) -> list[Request]:
@@ -86,7 +86,7 @@ class DecodeScheduler:
         due = self.deadlines.due(now)
         for r in due:
             if r.state is not RequestState.TRANSFERRING:
-                self.remove(r.rid)
+                self.remove(r.room)
         return due
 
     def is_transferring(self, room: str) -> bool:
@@ -113,12 +113,12 @@ class DecodeScheduler:
     def _admit_pages(self, r: Request) -> bool:
         """Pages for a new request, on top of its cached prefix; on failure nothing is held."""
         want = max(len(r.prompt_ids), self._initial_tokens(r))
-        if self.cache is None or r.rid in self.no_cache or not r.kv_cacheable:
+        if self.cache is None or r.room in self.no_cache or not r.kv_cacheable:
             return self._reserve(r, want)
         m = self.cache.match(r.prompt_ids)
         r.pages, r.cached_tokens = list(m.pages), m.num_tokens
         if self._reserve(r, want):
-            self.matches[r.rid] = m
+            self.matches[r.room] = m
             return True
         self.cache.release(m)
         self.pages.release(r)  # the match's page references
@@ -127,14 +127,14 @@ class DecodeScheduler:
 
     def skip(self, r: Request) -> tuple[int, int | None]:
         """(pages the transfer skips, block hash of the last): the cached prefix of an admitted request."""
-        m = self.matches.get(r.rid)
+        m = self.matches.get(r.room)
         if m is None or not m.pages:
             return 0, None
         return len(m.pages), m.last_hash
 
     def _unmatch(self, r: Request) -> None:
         """Drop the lock of `r`'s cached prefix (its page references go with `r.pages`)."""
-        m = self.matches.pop(r.rid, None)
+        m = self.matches.pop(r.room, None)
         if m is not None and self.cache is not None:
             self.cache.release(m)
 
@@ -167,20 +167,20 @@ class DecodeScheduler:
             if not self._admit_pages(r):
                 break
             self.pending.popleft()
-            if r.rid in self.local:
+            if r.room in self.local:
                 r.num_computed = r.cached_tokens
                 r.transition(RequestState.PREFILLING)
                 self.prefilling.append(r)
             else:
                 r.transition(RequestState.TRANSFERRING)
-                self.transferring[r.rid] = r
+                self.transferring[r.room] = r
             admitted.append(r)
         return admitted
 
     def prefilled(self, r: Request) -> None:
         """A local prefill computed its prompt and sampled its first token: it joins running."""
         self.prefilling.remove(r)
-        self.local.discard(r.rid)
+        self.local.discard(r.room)
         r.transition(RequestState.RUNNING)
         self.running.append(r)
 
@@ -243,7 +243,7 @@ class DecodeScheduler:
         r.num_retractions += 1
         # Victims go newest first, so pushing each to the front keeps the queue oldest-first.
         self.retracted.appendleft(r)
-        log.info("retracted %s (%d tokens) under KV pool pressure", r.rid, r.num_tokens)
+        log.info("retracted %s (%d tokens) under KV pool pressure", r.room, r.num_tokens)
 
     def retire_finished(self) -> list[Request]:
         """Finished requests leave; with a cache, the whole pages of their prompt and output whose
@@ -259,7 +259,7 @@ class DecodeScheduler:
 
     def _cache_pages(self, r: Request) -> None:
         self._unmatch(r)
-        self.no_cache.discard(r.rid)
+        self.no_cache.discard(r.room)
         if self.cache is None or not r.kv_cacheable:
             return
         ps = self.pages.page_size
@@ -278,7 +278,7 @@ class DecodeScheduler:
         `kv_failed` when it reports Failed."""
         for q in (self.pending, self.retracted, self.running, self.prefilling):
             for r in q:
-                if r.rid == room:
+                if r.room == room:
                     q.remove(r)
                     self._drop(r)
                     return r
@@ -288,6 +288,6 @@ class DecodeScheduler:
         r.transition(RequestState.FAILED)
         self.deadlines.discard(r)
         self._unmatch(r)
-        self.local.discard(r.rid)
-        self.no_cache.discard(r.rid)
+        self.local.discard(r.room)
+        self.no_cache.discard(r.room)
         self.pages.release(r)

@@ -108,15 +108,15 @@ class AdaptivePolicy:
         self._req: dict[str, _RequestAcceptance] = {}
         self._global = (1.0, 2.0)  # accepted, trials: prior rate 0.5
 
-    def _state(self, rid: str) -> _RequestAcceptance:
-        st = self._req.get(rid)
+    def _state(self, room: str) -> _RequestAcceptance:
+        st = self._req.get(room)
         if st is None:
-            st = self._req[rid] = _RequestAcceptance(probe_every=self.probe_every)
+            st = self._req[room] = _RequestAcceptance(probe_every=self.probe_every)
         return st
 
-    def rate(self, rid: str) -> float:
+    def rate(self, room: str) -> float:
         ga, gt = self._global
-        st = self._state(rid)
+        st = self._state(room)
         return min((st.accepted + self.prior_weight * ga / gt) / (st.trials + self.prior_weight), 0.99)
 
     def choose(self, reqs: list[Request], caps: list[int], draft_seconds: float) -> list[int]:
@@ -124,9 +124,9 @@ class AdaptivePolicy:
         ga, gt = self._global
         rates = []
         for r, cap in zip(reqs, caps):
-            st = self._state(r.rid)
+            st = self._state(r.room)
             st.probing = cap > 0 and st.idle >= st.probe_every
-            rates.append(max(self.rate(r.rid), ga / gt) if st.probing else self.rate(r.rid))
+            rates.append(max(self.rate(r.room), ga / gt) if st.probing else self.rate(r.room))
         plain_rate = len(reqs) / (c0 + c1 * len(reqs))
         best_ks, best_rate = [0] * len(reqs), plain_rate
         for K in range(1, max(caps, default=0) + 1):
@@ -152,11 +152,11 @@ class AdaptivePolicy:
         return best_ks if best_rate > plain_rate * (1.0 + self.margin) else [0] * len(reqs)
 
     def observe(self, forward_tokens: int, seconds: float, outcomes: list[tuple[str, int, int]]) -> None:
-        """Record one step: its target-forward size and time, and (rid, drafts, accepted) per request."""
+        """Record one step: its target-forward size and time, and (room, drafts, accepted) per request."""
         self.cost.observe(forward_tokens, seconds)
         ga, gt = self._global
-        for rid, k, acc in outcomes:
-            st = self._state(rid)
+        for room, k, acc in outcomes:
+            st = self._state(room)
             if k == 0:
                 st.idle += 1
                 continue
@@ -169,8 +169,8 @@ class AdaptivePolicy:
             ga, gt = 0.98 * ga + acc, 0.98 * gt + trials
         self._global = (ga, gt)
 
-    def forget(self, rid: str) -> None:
-        self._req.pop(rid, None)
+    def forget(self, room: str) -> None:
+        self._req.pop(room, None)
 
 
 @dataclass
@@ -191,7 +191,7 @@ class FixedPolicy:
     def observe(self, forward_tokens: int, seconds: float, outcomes: list[tuple[str, int, int]]) -> None:
         pass
 
-    def forget(self, rid: str) -> None:
+    def forget(self, room: str) -> None:
         pass
 
 
@@ -265,23 +265,23 @@ class SpeculativeStepper:
                 r.num_computed = base[i] + 1 + accepted[i]
             self.drafter.rollback(reqs)
         for r, k, a in zip(reqs, ks, accepted):
-            s = self._stats.get(r.rid)
+            s = self._stats.get(r.room)
             if s is None:
-                s = self._stats[r.rid] = SpecStats(histogram=[0] * (self.num_draft_tokens + 1))
+                s = self._stats[r.room] = SpecStats(histogram=[0] * (self.num_draft_tokens + 1))
             s.verify_ct += 1
             s.num_proposed_drafts += k
             s.num_correct_drafts += a
             s.histogram[a] += 1  # type: ignore[index]
         seconds = time.perf_counter() - t_start - draft_time
         self.policy.observe(
-            sum(ks) + len(reqs), seconds, [(r.rid, k, a) for r, k, a in zip(reqs, ks, accepted)]
+            sum(ks) + len(reqs), seconds, [(r.room, k, a) for r, k, a in zip(reqs, ks, accepted)]
         )
 
     def stats(self, req: Request) -> RequestStats:
-        s = self._stats.get(req.rid) or SpecStats(histogram=[0] * (self.num_draft_tokens + 1))
+        s = self._stats.get(req.room) or SpecStats(histogram=[0] * (self.num_draft_tokens + 1))
         return s.as_meta()
 
     def forget(self, req: Request) -> None:
-        self._stats.pop(req.rid, None)
+        self._stats.pop(req.room, None)
         self.drafter.forget(req)
-        self.policy.forget(req.rid)
+        self.policy.forget(req.room)

@@ -94,8 +94,8 @@ class DecodeWorker(WorkerShell):
             try:
                 self.runner.recompute([r])
             except Exception as exc:  # noqa: BLE001 - a request fails, never the worker
-                self.faults.lone(exc, r.rid, "recomputing a retracted request")
-                self._fail_internal(r.rid, exc)
+                self.faults.lone(exc, r.room, "recomputing a retracted request")
+                self._fail_internal(r.room, exc)
         local = []
         for r in s.admit():
             if r.state is RequestState.PREFILLING:
@@ -105,8 +105,8 @@ class DecodeWorker(WorkerShell):
             n = len(r.prompt_ids)
             skip, prefix_hash = s.skip(r)
             dst = r.pages[skip : s.pages.pages_for(n)]
-            rec = self.rooms[r.rid]
-            self.receiver.request(r.rid, rec.prefill_addr, dst, n, skip, prefix_hash)
+            rec = self.rooms[r.room]
+            self.receiver.request(r.room, rec.prefill_addr, dst, n, skip, prefix_hash)
             rec.kv_pages = dst
             rec.events["kv_requested"] = self.clock()
         outputs = self._prefill_locally(local)
@@ -150,21 +150,21 @@ class DecodeWorker(WorkerShell):
     ) -> list[m.TokenOutput]:
         """The culprits fail; those that got their first token go on; the rest run again without
         the culprits (a second failure, with no culprit left to find, fails them all)."""
-        bad = {r.rid for r in self.faults.triage(exc, reqs, "a local prefill")}
+        bad = {r.room for r in self.faults.triage(exc, reqs, "a local prefill")}
         outputs, again = [], []
         for r in reqs:
-            if r.rid in bad:
-                self._fail_internal(r.rid, exc)
-            elif progress[r.rid].sampled(r):
+            if r.room in bad:
+                self._fail_internal(r.room, exc)
+            elif progress[r.room].sampled(r):
                 outputs.append(self._prefilled(r, start, self.clock()))
             else:
-                progress[r.rid].restore(r)
+                progress[r.room].restore(r)
                 again.append(r)
         return outputs + self._prefill_locally(again)
 
     def _prefilled(self, r: Request, start: float, now: float) -> m.TokenOutput:
         """A local prefill's request, first token sampled, joins the running batch."""
-        rec = self.rooms[r.rid]
+        rec = self.rooms[r.room]
         entry = rec.events.get("decode_entry", start)
         rec.events["kv_requested"] = start
         rec.prefill_events = PrefillEvents(queue_entry=entry, forward_entry=start, prefill_finished=now)
@@ -181,23 +181,23 @@ class DecodeWorker(WorkerShell):
         try:
             self.stepper.step(running)
         except Exception as exc:  # noqa: BLE001 - a request fails, never the worker
-            bad = {r.rid for r in self.faults.triage(exc, running, "a decode step")}
+            bad = {r.room for r in self.faults.triage(exc, running, "a decode step")}
             for r in running:
-                if r.rid in bad:
-                    self._fail_internal(r.rid, exc)
+                if r.room in bad:
+                    self._fail_internal(r.room, exc)
                 else:  # stepped again from where it was (a token it got before the failure stays)
-                    before[r.rid].restore(r)
-            running = [r for r in running if r.rid not in bad and before[r.rid].sampled(r)]
+                    before[r.room].restore(r)
+            running = [r for r in running if r.room not in bad and before[r.room].sampled(r)]
         else:
             self.faults.ok()
-        return [self._output(r, r.output_ids[before[r.rid].outputs :]) for r in running]
+        return [self._output(r, r.output_ids[before[r.room].outputs :]) for r in running]
 
     def _retire_finished(self) -> None:
         """Finished requests leave: their pages are freed (their prompt's cached), their stepper
         state dropped."""
         for r in self.sched.retire_finished():
             self.stepper.forget(r)
-            self._forget(r.rid)
+            self._forget(r.room)
 
     def _reply(self, outputs: list[m.TokenOutput]) -> None:
         assert self.link is not None
@@ -222,9 +222,9 @@ class DecodeWorker(WorkerShell):
         """Requests past their deadline fail: the gateway is told at once, the pages follow."""
         for r in self.sched.expire(self.clock()):
             state = r.state.value
-            self._stop(r.rid, r)
+            self._stop(r.room, r)
             msg = f"the request passed its deadline on decode worker {self.cfg.worker_id} ({state})"
-            self._report(r.rid, FailCode.DEADLINE, msg)
+            self._report(r.room, FailCode.DEADLINE, msg)
 
     def _on_transfer_end(self, res: TransferResult) -> m.TokenOutput | None:
         room, first, shm = res.room, res.metadata, res.shm
@@ -262,7 +262,7 @@ class DecodeWorker(WorkerShell):
         """`version`: the weights that produced `new` (default: this node's, which ran this step)."""
         logprobs, top_logprobs = r.newest_logprobs(len(new))
         out = m.TokenOutput(
-            room=r.rid,
+            room=r.room,
             token_ids=new,
             logprobs=logprobs,
             top_logprobs=top_logprobs,
@@ -270,7 +270,7 @@ class DecodeWorker(WorkerShell):
             finish_reason=r.finish_reason,
             weight_version=self.weights.version if version is None else version,
         )
-        rec = self.rooms[r.rid]
+        rec = self.rooms[r.room]
         if first:
             out.events = rec.events.copy()
             out.prefill_events, rec.prefill_events = rec.prefill_events, None

@@ -108,11 +108,11 @@ class PrefillWorker(WorkerShell):
         """End `r` on this node: its pages are freed now (False), or, with its transfer in flight,
         once the sender reports that transfer Failed (True; `_on_transfer_end`)."""
         if r.state is RequestState.TRANSFERRING:
-            self.sender.abort(r.rid)
+            self.sender.abort(r.room)
             return True
         if r.state not in TERMINAL:
             self.sched.retire(r, RequestState.FAILED)
-        self._forget(r.rid)
+        self._forget(r.room)
         return False
 
     def _expire(self) -> None:
@@ -132,17 +132,17 @@ class PrefillWorker(WorkerShell):
         """One extend forward; returns the requests whose prompt it completed, first token sampled."""
         now = self.clock()
         for r in reqs:
-            self.rooms[r.rid].events.setdefault("forward_entry", now)
+            self.rooms[r.room].events.setdefault("forward_entry", now)
         progress = Progress.of(reqs)
         try:
             logits = self._forward(reqs, chunks)
         except Exception as exc:  # noqa: BLE001 - a request fails, never the worker
-            bad = {r.rid for r in self.faults.triage(exc, reqs, "a prefill forward")}
+            bad = {r.room for r in self.faults.triage(exc, reqs, "a prefill forward")}
             for r in reqs:
-                if r.rid in bad:
-                    self._fail_internal(r.rid, exc)
+                if r.room in bad:
+                    self._fail_internal(r.room, exc)
                 else:  # scheduled again from where it was
-                    progress[r.rid].restore(r)
+                    progress[r.room].restore(r)
             return []
         done, rows = self.sched.take_completed(reqs)
         if done:
@@ -150,10 +150,10 @@ class PrefillWorker(WorkerShell):
         self.faults.ok()
         end = self.clock()
         for r in reqs:
-            if (rec := self.rooms.get(r.rid)) is not None:  # one whose first token failed has left
+            if (rec := self.rooms.get(r.room)) is not None:  # one whose first token failed has left
                 rec.chunks.append((now, end))
         for r in done:
-            self.rooms[r.rid].events["prefill_finished"] = end
+            self.rooms[r.room].events["prefill_finished"] = end
         return done
 
     def _forward(self, reqs: list[Request], chunks: list[list[int]]) -> torch.Tensor:
@@ -179,22 +179,22 @@ class PrefillWorker(WorkerShell):
         kept = []
         for i, r in enumerate(done):
             try:
-                if not progress[r.rid].sampled(r):
+                if not progress[r.room].sampled(r):
                     sample_first_tokens(self.runner, [r], logits[i : i + 1])
                 kept.append(r)
             except Exception as exc:  # noqa: BLE001
-                self.faults.lone(exc, r.rid, "sampling the first token")
-                self._fail_internal(r.rid, exc)
+                self.faults.lone(exc, r.room, "sampling the first token")
+                self._fail_internal(r.room, exc)
         return kept
 
     def _hand_off(self, done: list[Request]) -> None:
         """Completed prefills' KV goes to the sender. A request without
         a decode leg (it asks at most one token) ends here, its prompt's pages cached."""
         for r in done:
-            rec = self.rooms[r.rid]
+            rec = self.rooms[r.room]
             if rec.alone:
                 self.sched.retire(r, RequestState.FINISHED)
-                self._forget(r.rid)
+                self._forget(r.room)
                 continue
             self.sched.hand_off(r)
             self.runner.hand_off(r.pages)  # a TP worker's ranks' heads into the pool KV leaves from
@@ -208,16 +208,16 @@ class PrefillWorker(WorkerShell):
             # The names of the prompt's whole pages: a decode node that holds a prefix of them
             # receives only the pages after it (incremental transfer).
             hashes = block_hashes(r.prompt_ids, self.runner.page_size)
-            self.sender.send(r.rid, r.pages, len(r.prompt_ids), meta, hashes)
+            self.sender.send(r.room, r.pages, len(r.prompt_ids), meta, hashes)
 
     def _reply(self, done: list[Request]) -> None:
         assert self.link is not None
         for r in done:
-            rec = self.rooms[r.rid]
+            rec = self.rooms[r.room]
             lps = r.params.logprob_start_len >= 0
             self.link.send(
                 m.PrefillDone(
-                    room=r.rid,
+                    room=r.room,
                     events=rec.events,
                     first=self._first_output(r),
                     cached_tokens=r.cached_tokens,
@@ -235,7 +235,7 @@ class PrefillWorker(WorkerShell):
         (decode/worker.py `_output`)."""
         logprobs, top_logprobs = r.newest_logprobs(1)
         return m.TokenOutput(
-            room=r.rid,
+            room=r.room,
             token_ids=r.output_ids[:1],
             logprobs=logprobs,
             top_logprobs=top_logprobs,
@@ -272,9 +272,9 @@ class PrefillWorker(WorkerShell):
     def _fail_held(self, r: Request, code: FailCode, message: str) -> None:
         """`r`, held here, fails at once; its pages are freed now or, with its transfer in flight,
         when that transfer ends (whose end then needs no second report)."""
-        if self._stop(r) and (rec := self.rooms.get(r.rid)) is not None:
+        if self._stop(r) and (rec := self.rooms.get(r.room)) is not None:
             rec.reported = True
-        self._report(r.rid, code, message)
+        self._report(r.room, code, message)
 
     def _weights_changed(self) -> None:
         """A weight update committed: the KV of every request here may mix versions; never cache it."""

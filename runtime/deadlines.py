@@ -27,19 +27,19 @@ class Deadlines:
         if deadline is None:
             return
         if not math.isfinite(deadline):
-            raise ValueError(f"request {req.rid}: deadline must be finite, got {deadline}")
-        self._at[req.rid] = (deadline, req)
+            raise ValueError(f"request {req.room}: deadline must be finite, got {deadline}")
+        self._at[req.room] = (deadline, req)
         self._earliest = min(self._earliest, deadline)
 
     def discard(self, req: Request) -> None:
-        self._at.pop(req.rid, None)
+        self._at.pop(req.room, None)
 
     def due(self, now: float) -> list[Request]:
         """Requests whose deadline is at or before `now`, oldest deadline first; they stop being tracked."""
         if now < self._earliest:
             return []
-        due = sorted((t, r.rid, r) for t, r in self._at.values() if t <= now)
-        for _, rid, _ in due:
-            del self._at[rid]
+        due = sorted((t, r.room, r) for t, r in self._at.values() if t <= now)
+        for _, room, _ in due:
+            del self._at[room]
         self._earliest = min((t for t, _ in self._at.values()), default=math.inf)
         return [r for _, _, r in due]

@@ -26,7 +26,7 @@ from pdserve.sampling_params import SamplingParams
 
 @dataclass
 class GenerateOutput:
-    rid: str
+    room: str
     prompt_ids: list[int]
     output_ids: list[int]
     finish_reason: FinishReason
@@ -65,17 +65,17 @@ class Engine:
         self._ids = itertools.count()
         self._times: dict[str, list[float]] = {}
 
-    def add_request(self, prompt_ids: list[int], params: SamplingParams, rid: str | None = None) -> str:
+    def add_request(self, prompt_ids: list[int], params: SamplingParams, room: str | None = None) -> str:
         self.runner.check_fits(len(prompt_ids), params.max_new_tokens)
         vocab = self.runner.spec.vocab_size
         if any(t < 0 or t >= vocab for t in prompt_ids):
             raise ValueError(f"prompt token ids must lie in [0, {vocab})")
         grammar = self.runner.grammar_matcher(params)  # raises InvalidGrammar (a ValueError)
-        rid = rid or f"req-{next(self._ids)}"
-        r = Request(rid, list(prompt_ids), params, self.runner.spec.eos_token_ids, grammar=grammar)
+        room = room or f"req-{next(self._ids)}"
+        r = Request(room, list(prompt_ids), params, self.runner.spec.eos_token_ids, grammar=grammar)
         self.extend.add(r)
-        self._times[rid] = [time.perf_counter()]
-        return rid
+        self._times[room] = [time.perf_counter()]
+        return room
 
     @property
     def has_work(self) -> bool:
@@ -91,7 +91,7 @@ class Engine:
                 sample_first_tokens(self.runner, done, logits[rows])
                 now = time.perf_counter()
                 for r in done:
-                    self._times[r.rid].append(now)
+                    self._times[r.room].append(now)
                     if not r.finished:  # the first token may already end it: it never runs then
                         r.transition(RequestState.RUNNING)
                     self.running.append(r)
@@ -107,11 +107,11 @@ class Engine:
             stats = self.stepper.stats(r)
             self.stepper.forget(r)
             self.extend.retire(r, RequestState.FINISHED)
-            t = self._times.pop(r.rid)
+            t = self._times.pop(r.room)
             assert r.finish_reason is not None  # what `finished` means
             outs.append(
                 GenerateOutput(
-                    r.rid,
+                    r.room,
                     r.prompt_ids,
                     r.output_ids,
                     r.finish_reason,
@@ -130,9 +130,9 @@ class Engine:
     ) -> list[GenerateOutput]:
         """Run prompts (token ids) to completion with continuous batching; outputs in prompt order."""
         plist = params if isinstance(params, list) else [params] * len(prompts)
-        rids = [self.add_request(p, sp) for p, sp in zip(prompts, plist)]
+        rooms = [self.add_request(p, sp) for p, sp in zip(prompts, plist)]
         results: dict[str, GenerateOutput] = {}
         while self.has_work:
             for out in self.step():
-                results[out.rid] = out
-        return [results[r] for r in rids]
+                results[out.room] = out
+        return [results[r] for r in rooms]

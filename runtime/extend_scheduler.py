@@ -38,7 +38,7 @@ class ExtendScheduler:
         self.prefilling: list[Request] = []  # PREFILLING
         self.deadlines = Deadlines()  # every request added and not yet retired
         self.cache = cache
-        self.matches: dict[str, PrefixMatch] = {}  # rid -> its cached prefix, locked until `retire`
+        self.matches: dict[str, PrefixMatch] = {}  # room -> its cached prefix, locked until `retire`
 
     @property
     def free_tokens(self) -> int:
@@ -52,7 +52,7 @@ class ExtendScheduler:
     def add(self, req: Request, deadline: float | None = None) -> None:
         """Queue `req`; `deadline` (epoch seconds, see `runtime/deadlines.py`) ends it in `expire`."""
         if req.state is not RequestState.QUEUED:
-            raise ValueError(f"request {req.rid} is {req.state.name}, not QUEUED")
+            raise ValueError(f"request {req.room} is {req.state.name}, not QUEUED")
         self.deadlines.add(req, deadline)
         self.waiting.append(req)
 
@@ -113,7 +113,7 @@ class ExtendScheduler:
             self.pages.release(r)
             r.num_computed = r.cached_tokens = 0
             return False
-        self.matches[r.rid] = m
+        self.matches[r.room] = m
         return True
 
     def take_completed(self, reqs: list[Request]) -> tuple[list[Request], list[int]]:
@@ -145,7 +145,7 @@ class ExtendScheduler:
         if req in self.prefilling:
             self.prefilling.remove(req)
         if self.cache is not None:
-            m = self.matches.pop(req.rid, None)
+            m = self.matches.pop(req.room, None)
             if m is not None:
                 self.cache.release(m)
             # Whole prompt pages whose KV was computed (all of them once prefilled) stay cached; the

@@ -14,7 +14,9 @@ __all__ = ["Request", "RequestState"]
 
 @dataclass
 class Request:
-    rid: str
+    # The room id: the global id the gateway gives each leg (`room` on the wire, pdserve/protocol/
+    # gateway.py; the offline engine makes its own). Never the client's `rid`, which stays in the gateway.
+    room: str
     prompt_ids: list[int]
     params: SamplingParams
     eos_token_ids: tuple[int, ...] = ()
@@ -51,7 +53,7 @@ class Request:
         """Move to `new`; raises IllegalTransition for a move the table in request_state.py lacks.
 
         Assigning `state` does the same: there is no unchecked way to change it."""
-        check_transition(self.rid, self._state, new)
+        check_transition(self.room, self._state, new)
         self._state = new
 
     @property

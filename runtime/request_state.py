@@ -46,7 +46,7 @@ class IllegalTransition(RuntimeError):
     pass
 
 
-def check_transition(rid: str, old: RequestState, new: RequestState) -> None:
+def check_transition(room: str, old: RequestState, new: RequestState) -> None:
     """Raise IllegalTransition unless `old -> new` is in the table."""
     if new not in _ALLOWED[old]:
-        raise IllegalTransition(f"request {rid}: illegal transition {old.name} -> {new.name}")
+        raise IllegalTransition(f"request {room}: illegal transition {old.name} -> {new.name}")

@@ -71,7 +71,7 @@ class Progress:
     @classmethod
     def of(cls, reqs: list[Request]) -> dict[str, Progress]:
         return {
-            r.rid: cls(r.num_computed, len(r.output_ids), len(r.input_logprobs), len(r.input_top_logprobs))
+            r.room: cls(r.num_computed, len(r.output_ids), len(r.input_logprobs), len(r.input_top_logprobs))
             for r in reqs
         }
 
@@ -108,9 +108,9 @@ class StepFaults:
     def triage(self, exc: BaseException, reqs: list[Request], what: str) -> list[Request]:
         """Log `exc` once (with its traceback) and return the requests of the failed batch to fail:
         those that fail alone, or all of them. Raises StepFailed past the limit of unexplained ones."""
-        reasons = {r.rid: probe(r, self.vocab_size) for r in reqs}
-        culprits = [r for r in reqs if reasons[r.rid] is not None]
-        named = ", ".join(f"{r.rid} ({reasons[r.rid]})" for r in culprits) or "none found alone"
+        reasons = {r.room: probe(r, self.vocab_size) for r in reqs}
+        culprits = [r for r in reqs if reasons[r.room] is not None]
+        named = ", ".join(f"{r.room} ({reasons[r.room]})" for r in culprits) or "none found alone"
         log.error(
             "%s of %d requests failed (%s); failing: %s",
             what,

@@ -26,13 +26,13 @@ def make(num_pages: int, max_running: int = 8, lookahead: int = 1) -> tuple[Deco
     return DecodeScheduler(RequestPages(alloc, PAGE), max_running, lookahead, cache), cache
 
 
-def req(rid: str, prompt: list[int], max_new: int) -> Request:
-    return Request(rid, prompt, SamplingParams(max_new_tokens=max_new, ignore_eos=True))
+def req(room: str, prompt: list[int], max_new: int) -> Request:
+    return Request(room, prompt, SamplingParams(max_new_tokens=max_new, ignore_eos=True))
 
 
 def finish(sched: DecodeScheduler, r: Request, outputs: list[int]) -> None:
     """Arrive (as a transfer would) and decode `outputs`, writing each token's KV before the next."""
-    assert sched.kv_arrived(r.rid) is r
+    assert sched.kv_arrived(r.room) is r
     for t in outputs:
         r.num_computed = r.num_tokens
         r.append_token(t)
@@ -121,18 +121,18 @@ def test_random_lives_keep_the_tree_and_the_allocator_consistent(seed):
                 r.num_computed = len(r.prompt_ids)
                 r.append_token(7)
                 sched.prefilled(r)
-        for rid in list(sched.transferring):
+        for room in list(sched.transferring):
             x = rng.random()
             if x < 0.5:
-                r = sched.kv_arrived(rid)
+                r = sched.kv_arrived(room)
                 assert r is not None
                 r.append_token(8)
             elif x < 0.6:
-                sched.prefix_refused(rid)
+                sched.prefix_refused(room)
             elif x < 0.7:
-                sched.kv_failed(rid)
+                sched.kv_failed(room)
         if rng.random() < 0.1 and sched.running:
-            sched.remove(rng.choice(sched.running).rid)
+            sched.remove(rng.choice(sched.running).room)
         for r in sched.resume_retracted():
             r.num_computed = r.num_tokens - 1
         sched.grow_or_retract()

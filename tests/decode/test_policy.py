@@ -10,8 +10,8 @@ from pdserve.runtime.request import Request
 from pdserve.sampling_params import SamplingParams
 
 
-def req(rid: str, prompt: list[int], output: list[int] = ()) -> Request:
-    r = Request(rid, list(prompt), SamplingParams(max_new_tokens=64))
+def req(room: str, prompt: list[int], output: list[int] = ()) -> Request:
+    r = Request(room, list(prompt), SamplingParams(max_new_tokens=64))
     r.output_ids = list(output)
     return r
 
@@ -63,7 +63,7 @@ def train(p: AdaptivePolicy, reqs: list[Request], k: int, accepted: int, steps: 
     c0, c1 = p.cost.coefficients()
     tokens = len(reqs) * (k + 1)
     for _ in range(steps):
-        p.observe(tokens, c0 + c1 * tokens, [(r.rid, k, accepted) for r in reqs])
+        p.observe(tokens, c0 + c1 * tokens, [(r.room, k, accepted) for r in reqs])
 
 
 def test_policy_speculates_on_small_batches_with_high_acceptance():

@@ -148,7 +148,7 @@ def test_admission_reserves_prompt_plus_headroom_within_slots():
     admitted = sched.admit()
     assert admitted == reqs[:2]  # the third has no slot: transferring requests hold one
     for r in admitted:
-        assert r.state is RequestState.TRANSFERRING and sched.is_transferring(r.rid)
+        assert r.state is RequestState.TRANSFERRING and sched.is_transferring(r.room)
         assert len(r.pages) == -(-(10 + ADMISSION_HEADROOM) // PAGE)
     assert reqs[2].state is RequestState.QUEUED and reqs[2].pages == []
     assert sched.kv_arrived("r0") is reqs[0]
@@ -178,7 +178,7 @@ def test_pool_pressure_retracts_newest_and_resumes_oldest_first():
         sched.add(r)
     assert sched.admit() == reqs  # 36 tokens = 9 pages each; one page left over
     for r in reqs:
-        sched.kv_arrived(r.rid)
+        sched.kv_arrived(r.room)
         r.append_token(5)
     retracted: list[Request] = []
     while len(retracted) < 2:
@@ -212,7 +212,7 @@ def test_remove_fails_the_request_and_frees_its_pages():
     assert sched.remove("r1") is None  # transferring: left to the receiver (abort, then kv_failed)
     assert reqs[1].state is RequestState.TRANSFERRING
     for r in (reqs[0], reqs[3]):
-        assert sched.remove(r.rid) is r
+        assert sched.remove(r.room) is r
         assert r.state is RequestState.FAILED and r.pages == []
     sched.kv_arrived("r2")
     sched.retract(reqs[2])
@@ -232,7 +232,7 @@ def test_many_requests_on_a_small_pool_all_finish(lookahead):
     for _ in range(2000):
         fake_recompute(sched.resume_retracted())
         for r in sched.admit():
-            assert sched.kv_arrived(r.rid) is r
+            assert sched.kv_arrived(r.room) is r
             r.append_token(5)  # the first token, as sampled on the prefill node
         retractions += len(sched.grow_or_retract())
         fake_step(sched)

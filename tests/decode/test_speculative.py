@@ -62,7 +62,7 @@ def tiny_draft(tmp_path_factory, bundled, tiny_llama):
 
 def check_same(outs, reference) -> None:
     for o, ref in zip(outs, reference):
-        assert o.output_ids == ref.output_ids, o.rid
+        assert o.output_ids == ref.output_ids, o.room
         assert o.finish_reason == ref.finish_reason
         if ref.output_logprobs:
             assert len(o.output_logprobs) == len(ref.output_logprobs)
@@ -91,7 +91,7 @@ def test_ngram_greedy_matches_plain_and_accepts(bundled, prompts, reference):
         def propose(self, reqs, ks):
             drafts = super().propose(reqs, ks)
             for r, t in zip(reqs, drafts.tokens):
-                offered[r.rid] = offered.get(r.rid, 0) + len(t)
+                offered[r.room] = offered.get(r.room, 0) + len(t)
             return drafts
 
     outs = engine(
@@ -100,7 +100,7 @@ def test_ngram_greedy_matches_plain_and_accepts(bundled, prompts, reference):
     check_same(outs, reference)
     for o in outs:
         s = check_stats(o, K)
-        assert s["spec_num_proposed_drafts"] == offered.get(o.rid, 0)  # FixedPolicy keeps every offer
+        assert s["spec_num_proposed_drafts"] == offered.get(o.room, 0)  # FixedPolicy keeps every offer
     assert outs[0].stats["spec_num_correct_drafts"] >= 4, outs[0].stats  # the list gets copied
 
 

@@ -56,7 +56,7 @@ def test_prefill_scheduler_expires_queued_prefilling_and_hands_back_transferring
 
     assert s.expire(99.0) == []
     due = s.expire(100.0)
-    assert sorted(r.rid for r in due) == ["r0", "r1", "r2"]
+    assert sorted(r.room for r in due) == ["r0", "r1", "r2"]
     assert half.state is RequestState.FAILED and queued.state is RequestState.FAILED
     assert half.pages == [] and len(s) == 1  # only `late` is left to schedule
     # The transferring one keeps its pages until the caller has stopped its transfer.
@@ -76,7 +76,7 @@ def test_decode_scheduler_expires_every_state():
         s.add(r, deadline=50.0)
     assert s.admit() == [running, retracted, moving, finished]
     for r in (running, retracted, finished):
-        assert s.kv_arrived(r.rid) is r
+        assert s.kv_arrived(r.room) is r
         r.append_token(7)
     s.retract(retracted)
     s.add(pending, deadline=50.0)
@@ -84,7 +84,7 @@ def test_decode_scheduler_expires_every_state():
     for _ in range(7):  # to max_new_tokens
         finished.append_token(7)
     assert s.retire_finished() == [finished]
-    states = {r.rid: r.state for r in (running, retracted, moving, pending)}
+    states = {r.room: r.state for r in (running, retracted, moving, pending)}
     assert set(states.values()) == {
         RequestState.RUNNING,
         RequestState.RETRACTED,
@@ -93,10 +93,10 @@ def test_decode_scheduler_expires_every_state():
     }
 
     due = s.expire(50.0)
-    assert {r.rid for r in due} == {"r0", "r1", "r2", "r3"}, "a finished request is not expired"
+    assert {r.room for r in due} == {"r0", "r1", "r2", "r3"}, "a finished request is not expired"
     for r in (running, retracted, pending):
         assert r.state is RequestState.FAILED and r.pages == []
-    assert moving.state is RequestState.TRANSFERRING and s.is_transferring(moving.rid)
-    assert s.kv_failed(moving.rid) is moving  # what the worker does once the receiver reports
+    assert moving.state is RequestState.TRANSFERRING and s.is_transferring(moving.room)
+    assert s.kv_failed(moving.room) is moving  # what the worker does once the receiver reports
     assert len(s) == 0 and pages.allocator.num_free == NUM_PAGES
     pages.allocator.check_invariants()

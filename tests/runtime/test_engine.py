@@ -31,8 +31,8 @@ def assert_close(a: torch.Tensor, b: torch.Tensor, what: str) -> None:
     assert rel < REL_TOL, f"{what}: max|diff| / max|ref| = {rel:.2e}"
 
 
-def new_request(runner: ModelRunner, rid: str, prompt: list[int]) -> Request:
-    req = Request(rid, list(prompt), SamplingParams(max_new_tokens=8))
+def new_request(runner: ModelRunner, room: str, prompt: list[int]) -> Request:
+    req = Request(room, list(prompt), SamplingParams(max_new_tokens=8))
     assert runner.reserve(req, len(prompt))
     return req
 
