@@ -293,6 +293,13 @@ class DecodeWorker(WorkerShell):
         self._stop(room)
         self._report(room, FailCode.INTERNAL, self.faults.message(exc))
 
+    def _fail_every(self, code: FailCode, message: str) -> None:
+        for r in self.sched.live():
+            rec = self.rooms.get(r.room)
+            if rec is None or not rec.dropped:  # a dropped one was reported when its transfer was stopped
+                self._stop(r.room)
+                self._report(r.room, code, message)
+
     def _weights_changed(self) -> None:
         """A weight update committed: the KV of every request here may mix versions; never cache it."""
         for r in self.sched.live():

@@ -26,6 +26,9 @@ TRANSFER_TIMEOUT_S = 30.0  # one KV send/recv operation (a chunk or the trailer)
 WAITING_TIMEOUT_S = 300.0  # waiting for the other side of a transfer (the prefill's queue included)
 # A constraint's grammar compile, at the gateway and on each worker (runtime/grammar/backend.py).
 GRAMMAR_COMPILE_TIMEOUT_S = 10.0
+# A role switch waits this long for the requests its worker holds, then hands them off (the gateway's
+# switch timeout follows it: gateway/cluster/role_switch.py).
+SWITCH_DRAIN_TIMEOUT_S = 30.0
 
 
 @dataclass(frozen=True)
@@ -143,6 +146,9 @@ class WorkerConfig:
     waiting_timeout_s: float = WAITING_TIMEOUT_S
     register_timeout_s: float = 120.0
     drain_timeout_s: float = 600.0
+    # A role switch's drain: past it, what the worker still holds fails with code `draining`, which the
+    # gateway runs again or migrates to another worker (pdserve/worker/common.py serve_until_drained).
+    switch_drain_timeout_s: float = SWITCH_DRAIN_TIMEOUT_S
     # /livez, /readyz and /metrics for orchestrators (0: off); see pdserve/worker/health.py.
     health_port: int = 0
     # The cluster secret (pdserve/cluster_auth.py); None: PDSERVE_CLUSTER_SECRET, else unauthenticated.

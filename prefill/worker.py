@@ -276,6 +276,11 @@ class PrefillWorker(WorkerShell):
             rec.reported = True
         self._report(r.room, code, message)
 
+    def _fail_every(self, code: FailCode, message: str) -> None:
+        for rec in list(self.rooms.values()):
+            if not rec.reported:  # one failed already waits for its transfer's end
+                self._fail_held(rec.request, code, message)
+
     def _weights_changed(self) -> None:
         """A weight update committed: the KV of every request here may mix versions; never cache it."""
         for rec in self.rooms.values():

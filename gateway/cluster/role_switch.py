@@ -4,8 +4,9 @@ A switch, one at a time in the cluster:
 1. `begin` checks it (the worker is known and healthy, in the other role, and not the last of its role
    in rotation; no other switch is under way), gives it the next epoch of that worker id, and takes the
    worker out of rotation; the control plane sends it `SwitchRole(role, epoch)`.
-2. The worker drains its role as on SIGTERM (what it holds finishes; nothing new is routed to it),
-   then builds the other role's worker on the same weights and KV pool and registers again, on a new
+2. The worker drains its role as on SIGTERM (what it holds finishes; nothing new is routed to it)
+   for at most its --switch-drain-timeout; what it still holds then fails with code `draining`, and
+   the gateway runs those requests on elsewhere (retried, or migrated mid-stream). It then builds the other role's worker on the same weights and KV pool and registers again, on a new
    connection, with that epoch (pdserve/worker/common.py).
 3. `registered` sees the Register of the pending epoch: the switch is done. The new connection takes
    the worker id over at once (the old one has closed), without counting as a restart.
@@ -26,14 +27,16 @@ import time
 from collections import OrderedDict
 from dataclasses import dataclass, field
 
+from pdserve.config import SWITCH_DRAIN_TIMEOUT_S
 from pdserve.gateway.cluster.workers import WorkerInfo, WorkerRegistry
 from pdserve.protocol.gateway import Register, Role
 
 log = logging.getLogger(__name__)
 
 RETIRED_KEEP = 64  # connections retired by switches whose stray frames are still recognised
-# A switch not completed after this is given up: the workers' default --drain-timeout (600 s) and a minute.
-SWITCH_TIMEOUT_S = 660.0
+# A switch not completed after this is given up: the workers' default --switch-drain-timeout, then two
+# minutes for the transfers of what it handed off to end and for the other role to be built and register.
+SWITCH_TIMEOUT_S = SWITCH_DRAIN_TIMEOUT_S + 120.0
 
 
 @dataclass

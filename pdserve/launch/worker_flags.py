@@ -252,6 +252,15 @@ WORKER_FLAGS = [
     ),
     Flag("--drain-timeout", WORKERS, type=float, default=_W.drain_timeout_s, dest="drain_timeout_s"),
     Flag(
+        "--switch-drain-timeout",
+        WORKERS,
+        "seconds a role switch waits for the requests the worker holds; then they fail as draining and "
+        "the gateway runs them on elsewhere (retried, or migrated mid-stream)",
+        type=float,
+        default=_W.switch_drain_timeout_s,
+        dest="switch_drain_timeout_s",
+    ),
+    Flag(
         "--health-port",
         WORKERS,
         "serve /livez, /readyz and /metrics here, on --host (env PDSERVE_HEALTH_PORT; 0: off)",

@@ -1,9 +1,11 @@
-"""What prefill and decode workers share: the clock, registration, the entry point and the drain loop.
+"""What prefill and decode workers share: registration, the entry point and the drain loop.
 
 A worker process serves one role at a time. `SwitchRole` from the gateway (POST /workers/{id}/role)
-drains the current role exactly as a SIGTERM would, but the process stays: `run_worker` builds the
-other role's worker on the same `ModelRunner` (weights, KV pool, kernels; nothing reloaded), with its
-prefix cache emptied, and that worker registers again under the switch's epoch."""
+drains the current role as a SIGTERM would, but for at most --switch-drain-timeout (what it still
+holds then fails as `draining`, and the gateway runs it on elsewhere), and the process stays:
+`run_worker` builds the other role's worker on the same `ModelRunner` (weights, KV pool, kernels;
+nothing reloaded), with its prefix cache emptied, and that worker registers again under the
+switch's epoch."""
 
 from __future__ import annotations
 
@@ -11,7 +13,6 @@ import argparse
 import dataclasses
 import logging
 import sys
-import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Protocol
 
@@ -19,7 +20,7 @@ from pdserve.cluster_auth import warn_if_open
 from pdserve.config import WorkerConfig, worker_config_from_args
 from pdserve.model_source import ModelSourceError
 from pdserve.protocol import gateway as m
-from pdserve.worker.drain import DrainSignal
+from pdserve.worker.drain import DrainDeadlines, DrainSignal
 from pdserve.worker.health import Failure, start_health_server
 from pdserve.worker.link import RegistrationRefused, WorkerLink
 from pdserve.worker.step_faults import BLIND_FAILURE_LIMIT, StepFailed
@@ -191,6 +192,7 @@ def serve_until_drained(
     outstanding: Callable[[], int],
     failure: Failure | None = None,
     switching: Callable[[], bool] = lambda: False,
+    hand_off: Callable[[], None] = lambda: None,
 ) -> None:
     """Run `step` until stopped; on drain: deregister, keep stepping until nothing is outstanding
     (or the drain timeout), then return. Serves the health port meanwhile, when one is set.
@@ -203,24 +205,35 @@ def serve_until_drained(
     what is left is the loop's own work) is logged and the loop goes on; `BLIND_FAILURE_LIMIT` of
     them in a row raise `StepFailed`, so that a worker broken for good exits and is restarted.
 
-    `switching` (a `SwitchRole` taken): drain the same way, then return, the process staying up."""
+    `switching` (a `SwitchRole` taken): drain the same way, then return, the process staying up; but
+    past `cfg.switch_drain_timeout_s`, `hand_off()` (each step while anything is outstanding) fails
+    what the worker holds with code `draining`, which the gateway runs on elsewhere."""
     log = logging.getLogger(f"pdserve.{cfg.role}")
     failed_steps = 0
     failure = failure or (lambda: None)
     health = start_health_server(cfg.host, cfg.health_port, link, signals, failure)
-    drain_deadline = None
+    drain: DrainDeadlines | None = None
     dead: str | None = None
     try:
         while not signals.stop.is_set():
             if dead is None and (dead := failure()) is not None:
                 log.error("%s: leaving rotation and draining", dead)
                 signals.draining.set()
-            if (signals.draining.is_set() or switching()) and drain_deadline is None:
-                drain_deadline = time.monotonic() + cfg.drain_timeout_s
+            if (signals.draining.is_set() or switching()) and drain is None:
+                drain = DrainDeadlines.start(cfg, switch=not signals.draining.is_set())
                 link.load.draining = True
                 link.send(m.Deregister(worker_id=cfg.worker_id))
                 log.info("draining: %d requests left", outstanding())
-            if drain_deadline is not None and (not outstanding() or time.monotonic() > drain_deadline):
+            if drain is not None and outstanding() and drain.hand_off_due():
+                if not drain.handing_off:
+                    drain.handing_off = True
+                    log.warning(
+                        "the switch's drain deadline (%g s) passed: handing off %d requests",
+                        cfg.switch_drain_timeout_s,
+                        outstanding(),
+                    )
+                hand_off()
+            if drain is not None and (not outstanding() or drain.over()):
                 log.info(
                     "drained; %s",
                     "switching role" if switching() and not signals.draining.is_set() else "exiting",

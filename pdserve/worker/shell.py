@@ -111,6 +111,10 @@ class WorkerShell(ABC):
     def _fail_internal(self, room: str, exc: BaseException) -> None: ...
 
     @abstractmethod
+    def _fail_every(self, code: FailCode, message: str) -> None:
+        """Every request held here fails with `code` (each reported once)."""
+
+    @abstractmethod
     def _weights_changed(self) -> None:
         """A weight update committed."""
 
@@ -142,6 +146,7 @@ class WorkerShell(ABC):
                 lambda: self._held() + len(self.admission),
                 lambda: kv.io_failure() or self.runner.tp_failure(),
                 lambda: self.switch is not None,
+                self._hand_off_held,
             )
         finally:
             self.weights.close()
@@ -182,6 +187,17 @@ class WorkerShell(ABC):
             self.switch = accept_switch(self.cfg, msg, self.switch)
         elif isinstance(msg, m.FlushCache):
             self.link.send(self.cache_events.flush(msg.flush_id, self._held()))
+
+    def _hand_off_held(self) -> None:
+        """A role switch's drain deadline passed: every request held here fails with code `draining`,
+        which the gateway runs again or migrates to another worker (its pages are freed now, or when
+        its transfer ends)."""
+        to = self.switch.role if self.switch is not None else "another role"
+        why = (
+            f"the {self.role} worker {self.cfg.worker_id} is switching to {to} and its drain deadline "
+            f"({self.cfg.switch_drain_timeout_s:g} s) passed: the request goes on elsewhere"
+        )
+        self._fail_every(FailCode.DRAINING, why)
 
     def _report(self, room: str, code: FailCode, message: str) -> None:
         assert self.link is not None
