@@ -175,8 +175,9 @@ def test_requests_served_through_each_decode_worker(cluster):
 def test_sigterm_drains_a_decode_worker(cluster):
     chunks = [0]
     long_req = ThreadPoolExecutor(1)
+    # Long enough to outlast the drain's observation on a fast CPU (64 tokens took 0.5 s on AVX-512).
     fut = long_req.submit(
-        stream, cluster.url, "Write a long story about a dog.", 64, lambda n: chunks.__setitem__(0, n)
+        stream, cluster.url, "Write a long story about a dog.", 256, lambda n: chunks.__setitem__(0, n)
     )
     wait_for(lambda: chunks[0] >= 2, 60, "the long request to start streaming")
     busy = [w["worker_id"] for w in workers(cluster.url, "decode") if w["inflight_requests"]]
@@ -215,7 +216,7 @@ def test_sigterm_drains_a_decode_worker(cluster):
     res = fut.result(timeout=90)
     long_req.shutdown()
     meta = res["last"]["meta_info"]
-    assert meta["completion_tokens"] == 64 and meta["finish_reason"]["type"] == "length"
+    assert meta["completion_tokens"] == 256 and meta["finish_reason"]["type"] == "length"
     # Done draining: the worker exits on its own (0) and the launcher keeps the rest running.
     wait_for(lambda: not group_alive(pid), 30, "the drained worker to exit")
     wait_for(lambda: f"{victim.removeprefix('t-')} exited after draining" in cluster.output(), 5, "launcher")
