@@ -106,7 +106,7 @@ def _metric(t: Target, name: str) -> float:
 
 
 def disconnect_storm(t: Target) -> tuple[str, bool]:
-    """24 clients that give up 0.1-1.5 s into a long prompt (6 at a time, within the client's limit
+    """24 clients that give up 0.05-0.4 s into a long prompt (6 at a time, within the client's limit
     beside the normal request). Each departure aborts both legs; the prefill's transfer then ends
     failed and is reported for a room already closed. Counted as transfer failures before (6 in a storm
     with none real); expected: the failures counter unchanged, each departure an abort."""
@@ -120,7 +120,7 @@ def disconnect_storm(t: Target) -> tuple[str, bool]:
 
     def leave(i: int) -> bool:
         try:
-            httpx.post(t.url + "/generate", json=body, headers=t.headers(), timeout=0.1 + (i % 8) * 0.2)
+            httpx.post(t.url + "/generate", json=body, headers=t.headers(), timeout=0.05 + (i % 8) * 0.05)
         except httpx.TimeoutException:
             return True
         return False
