@@ -32,7 +32,10 @@ SHARED_WORK = {
 
 @pytest.fixture(scope="module")
 def limited_cluster(tmp_path_factory):
-    c = start_up(tmp_path_factory.mktemp("abuse"), extra=bench_abuse.LIMITS, env=bench_abuse.KEYS)
+    # The default dtype, as `pdserve bench abuse` runs it (the harness pins float32): the quantized-weights
+    # cache rows need a quantized model.
+    extra = [*bench_abuse.LIMITS, "--dtype", "auto"]
+    c = start_up(tmp_path_factory.mktemp("abuse"), extra=extra, env=bench_abuse.KEYS)
     try:
         c.wait_healthy()
         yield c
