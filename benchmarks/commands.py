@@ -61,6 +61,9 @@ BENCH_COMMANDS = types.MappingProxyType(
         "role-switch": _row(
             "bench_role_switch", "request latency under 8 clients with and without a role switch mid-run"
         ),
+        "write-model": _row(
+            "model_writer", "random-weight GGUF or safetensors files of real models' shapes and sizes"
+        ),
     }
 )
 
