@@ -38,6 +38,7 @@ _SOURCES = [
         "cpu_sampling.cpp",
         "cpu_quant_linear.cpp",
         "cpu_decode_layer.cpp",
+        "cpu_gguf_repack.cpp",
     )
 ]
 _HEADERS = [Path(__file__).with_name(n) for n in ("cpu_rows.h", "cpu_simd.h")]
