@@ -1,0 +1,202 @@
+"""Where a streaming load (runtime/stream_load.py) reads a checkpoint from, one tensor at a time, by its
+Hugging Face name: a GGUF file or a folder of safetensors shards.
+
+Both copy out only the tensor asked for (GGUF: read from the file at its offset; safetensors: from its
+own mmap), so reading never holds more than one tensor beside what the model has already kept.
+
+A GGUF tensor whose blocks are 4-bit (Q4_0, Q4_1, Q4_K) is also offered as pdserve's packed int4 rows
+(`packed_int4`), repacked block by block from the file's bytes (kernels/gguf_repack.py): its codes,
+scales and minimums are the file's own, so no float copy is made and nothing is rounded twice. Every
+other tensor is dequantized by the `gguf` package (the same code transformers' GGUF loader runs).
+
+llama.cpp's converter permutes the rows of `attn_q` and `attn_k` of the "llama" architecture (Mistral's
+files use it too) for its rotary layout; the rows are put back here, before dequantizing or repacking
+(a row is a whole number of blocks, so permuting the file's raw rows is exact), as transformers does.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+from typing import Any, Protocol
+
+import numpy as np
+import torch
+from safetensors import safe_open
+
+from pdserve.model_source import ModelSourceError
+from pdserve.runtime.gguf_header import TensorEntry, read_header
+
+# GGUF tensor name fragments -> Hugging Face's, for the decoder families pdserve serves
+_GLOBAL = {
+    "token_embd.weight": "model.embed_tokens.weight",
+    "output_norm.weight": "model.norm.weight",
+    "output.weight": "lm_head.weight",
+}
+_BLOCK = {
+    "attn_norm": "input_layernorm",
+    "ffn_norm": "post_attention_layernorm",
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "attn_q_norm": "self_attn.q_norm",
+    "attn_k_norm": "self_attn.k_norm",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+}
+_DEQUANT_VALUES = 1 << 20  # per slice
+_PLAIN = {0: np.float32, 1: np.float16}  # GGML's F32 and F16: values, not blocks
+_BLOCK_NAME = re.compile(r"blk\.(\d+)\.([a-z_]+)\.(weight|bias)$")
+
+
+def hf_name(gguf_name: str) -> str | None:
+    """The Hugging Face name of a GGUF tensor, or None for one pdserve does not load (e.g. rope_freqs)."""
+    if gguf_name in _GLOBAL:
+        return _GLOBAL[gguf_name]
+    m = _BLOCK_NAME.match(gguf_name)
+    if m is None or m.group(2) not in _BLOCK:
+        return None
+    return f"model.layers.{m.group(1)}.{_BLOCK[m.group(2)]}.{m.group(3)}"
+
+
+class TensorReader(Protocol):
+    def names(self) -> set[str]: ...
+
+    def shape(self, name: str) -> tuple[int, ...]: ...
+
+    def tensor(self, name: str) -> torch.Tensor:
+        """One tensor, as a new float tensor (GGUF: float32, dequantized; safetensors: its own dtype)."""
+        ...
+
+    def packed_int4(self, name: str) -> torch.Tensor | None:
+        """The tensor's own 4-bit blocks in pdserve's packed int4 layout; None where it has none."""
+        ...
+
+    def source_type(self, name: str) -> str:
+        """How the file stores it ("Q4_K", "BF16", ...), for the load's log and its accuracy notes."""
+        ...
+
+
+def _unpermute_rows(rows: np.ndarray, heads: int) -> np.ndarray:
+    """llama.cpp's q/k row order back to Hugging Face's (transformers' `_reverse_permute_weights`)."""
+    dim = rows.shape[0] // heads // 2
+    return rows.reshape(heads, dim, 2, *rows.shape[1:]).swapaxes(2, 1).reshape(rows.shape)
+
+
+class GGUFTensors:
+    """A GGUF file's tensors by Hugging Face name; `heads` (num_attention_heads, num_key_value_heads)
+    for the llama architecture's q/k rows."""
+
+    def __init__(self, path: str, heads: tuple[int, int]):
+        header = read_header(path)
+        self.path = path
+        self.architecture = header.architecture
+        self._heads = heads
+        self._tensors: dict[str, TensorEntry] = {}
+        for t in header.tensors.values():
+            name = hf_name(t.name)
+            if name is not None:
+                self._tensors[name] = t
+
+    def names(self) -> set[str]:
+        return set(self._tensors)
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        return self._tensors[name].dims
+
+    def source_type(self, name: str) -> str:
+        from gguf import GGMLQuantizationType
+
+        return GGMLQuantizationType(self._tensors[name].ggml_type).name
+
+    def _rows(self, name: str) -> np.ndarray:
+        """The tensor's raw rows as stored (float32/float16 values, else [rows, bytes] of blocks), q/k
+        rows in Hugging Face's order, read into a buffer of their own."""
+        from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+
+        t = self._tensors[name]
+        kind = GGMLQuantizationType(t.ggml_type)
+        *rows, k = t.dims
+        if kind in _PLAIN:
+            data = np.empty(t.dims, dtype=_PLAIN[kind])
+        else:
+            block, size = GGML_QUANT_SIZES[kind]
+            data = np.empty((*rows, k // block * size), dtype=np.uint8)
+        with open(self.path, "rb", buffering=0) as f:
+            f.seek(t.offset)
+            if f.readinto(memoryview(data.reshape(-1).view(np.uint8))) != data.nbytes:
+                raise ValueError(f"the GGUF file ends inside tensor {t.name!r}")
+        if self.architecture == "llama" and name.endswith(("q_proj.weight", "k_proj.weight")):
+            heads = self._heads[0] if name.endswith("q_proj.weight") else self._heads[1]
+            data = _unpermute_rows(data, heads)
+        return data
+
+    def tensor(self, name: str) -> torch.Tensor:
+        from gguf.quants import dequantize
+
+        t = self._tensors[name]
+        rows = self._rows(name)
+        if rows.dtype != np.uint8:
+            return torch.from_numpy(rows.astype(np.float32, copy=False))
+        # in slices of rows: the dequantizer's temporaries are several times its output's size
+        out = np.empty(t.dims, dtype=np.float32)
+        step = max(1, _DEQUANT_VALUES // t.dims[-1])
+        for i in range(0, len(out), step):
+            out[i : i + step] = dequantize(rows[i : i + step], t.ggml_type)
+        return torch.from_numpy(out)
+
+    def packed_int4(self, name: str) -> torch.Tensor | None:
+        from pdserve.kernels import gguf_repack
+
+        t = self._tensors[name]
+        if t.ggml_type not in gguf_repack.REPACKABLE or len(t.dims) != 2:
+            return None
+        n, k = t.dims
+        if n % 16 or k % 32:
+            return None
+        return gguf_repack.repack_q4(torch.from_numpy(np.ascontiguousarray(self._rows(name))), t.ggml_type, k)
+
+
+class SafetensorsTensors:
+    """A Hugging Face folder's safetensors shards; each name read from the shard that holds it."""
+
+    def __init__(self, folder: str):
+        files = sorted(f for f in os.listdir(folder) if f.endswith(".safetensors"))
+        if not files:
+            raise ModelSourceError(f"no *.safetensors weight file in {folder!r}")
+        self._files: dict[str, Any] = {}
+        self._where: dict[str, str] = {}
+        index = os.path.join(folder, "model.safetensors.index.json")
+        if os.path.isfile(index):
+            with open(index) as f:
+                self._where = {k: os.path.join(folder, v) for k, v in json.load(f)["weight_map"].items()}
+        else:
+            for name in files:
+                path = os.path.join(folder, name)
+                with safe_open(path, framework="pt") as handle:
+                    self._where.update(dict.fromkeys(handle.keys(), path))
+
+    def _handle(self, name: str) -> Any:
+        path = self._where[name]
+        if path not in self._files:
+            self._files[path] = safe_open(path, framework="pt")
+        return self._files[path]
+
+    def names(self) -> set[str]:
+        return set(self._where)
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        return tuple(self._handle(name).get_slice(name).get_shape())
+
+    def source_type(self, name: str) -> str:
+        return str(self._handle(name).get_slice(name).get_dtype())
+
+    def tensor(self, name: str) -> torch.Tensor:
+        t: torch.Tensor = self._handle(name).get_tensor(name)
+        return t
+
+    def packed_int4(self, name: str) -> torch.Tensor | None:
+        return None
