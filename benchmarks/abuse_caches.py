@@ -11,7 +11,6 @@ as this process sees it) and its workers' logs (their stdout, a file under `pdse
 from __future__ import annotations
 
 import glob
-import hashlib
 import json
 import os
 import signal
@@ -113,19 +112,19 @@ def corrupt_quant_cache(t: Target) -> tuple[str, bool]:
 
 
 def _gguf_cache_file(t: Target) -> str | None:
-    """model.safetensors of the served GGUF model's dequantized folder (runtime/loader.py gguf_to_folder)."""
+    """tokenizer.json of the served GGUF model's config-and-tokenizer folder (runtime/gguf_folder.py)."""
     from pdserve.model_source import resolve_model_source
+    from pdserve.runtime.gguf_folder import gguf_digest
 
     source = resolve_model_source(t.model_path or None)
     if source.gguf_path is None:
         return None
-    with open(source.gguf_path, "rb") as f:
-        key = hashlib.file_digest(f, "sha256").hexdigest()[:20]
-    found = glob.glob(os.path.join(env.cache_dir(), "gguf", key, "model.safetensors"))
+    key = gguf_digest(source.gguf_path)[:20]
+    found = glob.glob(os.path.join(env.cache_dir(), "gguf-meta", key, "tokenizer.json"))
     return found[0] if found else None
 
 
 def corrupt_gguf_cache(t: Target) -> tuple[str, bool]:
-    """1 MiB of random bytes in the dequantized GGUF folder's weights, then kill -9 the decode."""
+    """1 MiB of random bytes in the GGUF model's cached tokenizer, then kill -9 the decode."""
     path = _gguf_cache_file(t)
-    return _corrupt_and_restart(t, path, "dequantized GGUF folder", path and os.path.dirname(path))
+    return _corrupt_and_restart(t, path, "GGUF config-and-tokenizer folder", path and os.path.dirname(path))

@@ -79,6 +79,9 @@ CASES: list[tuple[str, Case]] = [
 # Last, apart: it replaces a worker on purpose (the row's "workers kept" is then expected to be "no").
 DESTRUCTIVE: list[tuple[str, Case]] = [
     ("1 MiB of random bytes in the quantized-weights cache, then kill -9 the decode", corrupt_quant_cache),
-    ("1 MiB of random bytes in the dequantized GGUF cache, then kill -9 the decode", corrupt_gguf_cache),
+    (
+        "1 MiB of random bytes in the GGUF model's cached tokenizer, then kill -9 the decode",
+        corrupt_gguf_cache,
+    ),
     ("kill -9 the decode, then a weight update", killed_worker_weight_update),
 ]

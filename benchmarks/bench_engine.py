@@ -170,7 +170,11 @@ def main(argv: list[str] | None = None) -> int:
     if not args.skip_hf:
         from transformers import AutoModelForCausalLM
 
-        hf = AutoModelForCausalLM.from_pretrained(loaded.folder, dtype=loaded.dtype).to(args.device).eval()
+        from pdserve.model_source import resolve_model_source
+        from pdserve.runtime.loader import model_folder
+
+        folder = model_folder(resolve_model_source(args.model_path))  # a GGUF's float copy
+        hf = AutoModelForCausalLM.from_pretrained(folder, dtype=loaded.dtype).to(args.device).eval()
     pad_id = (loaded.spec.eos_token_ids or (0,))[0]
     vocab = loaded.spec.vocab_size
 

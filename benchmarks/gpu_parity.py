@@ -90,7 +90,11 @@ def check_parity(
     engine = Engine(
         RuntimeConfig(device=device, dtype=dtype, max_total_tokens=8192, disable_radix_cache=True), loaded
     )
-    hf = AutoModelForCausalLM.from_pretrained(loaded.folder, dtype=torch_dtype).to(device).eval()
+    from pdserve.model_source import resolve_model_source
+    from pdserve.runtime.loader import model_folder
+
+    reference = model_folder(resolve_model_source(folder))  # a GGUF's float copy
+    hf = AutoModelForCausalLM.from_pretrained(reference, dtype=torch_dtype).to(device).eval()
     vocab = min(loaded.spec.vocab_size, int(hf.config.vocab_size))
     prompts = _prompts(vocab, num_prompts)
 

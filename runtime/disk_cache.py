@@ -29,7 +29,6 @@ import contextlib
 import fcntl
 import json
 import logging
-import mmap
 import os
 import shutil
 import tempfile
@@ -53,12 +52,14 @@ def _lock_path(entry: str) -> str:
 
 
 def file_digest(path: str) -> str:
-    """xxh3-128 of every byte of `path`, read through a mapping (no copy into Python)."""
+    """xxh3-128 of every byte of `path`, read in 16 MiB chunks into one buffer: a mapping would count the
+    whole file in the process's resident peak (an 8B model's 4.6 GB beside the model it just built)."""
     h = xxhash.xxh3_128()
-    with open(path, "rb") as f:
-        if os.fstat(f.fileno()).st_size:
-            with mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as mm:
-                h.update(mm)
+    buf = bytearray(1 << 24)
+    view = memoryview(buf)
+    with open(path, "rb", buffering=0) as f:
+        while n := f.readinto(buf):
+            h.update(view[:n])
     return h.hexdigest()
 
 

@@ -1,7 +1,10 @@
 """Weight loading: Hugging Face folders (safetensors), GGUF files, and the bundled default model.
 
-A GGUF file is dequantized once through transformers' GGUF reader (~17 s for the default model)
-and cached as a plain safetensors folder keyed by the file's hash, so later starts take seconds.
+A single worker streams its checkpoint tensor by tensor into the model's final form
+(runtime/stream_load.py): a GGUF file's 4-bit blocks are repacked into pdserve's int4 layout without a
+float copy, and no load holds a whole-model float copy. A quantized model is then stored packed in the
+cache (runtime/quant_cache.py) and every worker of the host maps that one file, its first builder too.
+A GGUF file's config and tokenizer are read from its metadata once (runtime/gguf_folder.py).
 """
 
 from __future__ import annotations
@@ -14,8 +17,6 @@ import hashlib
 import json
 import logging
 import os
-import shutil
-import tempfile
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -27,13 +28,22 @@ from safetensors import safe_open
 from pdserve import env
 from pdserve.model_source import ModelSource, ModelSourceError, resolve_model_source
 from pdserve.progress import progress
-from pdserve.runtime import cpu_calibration, disk_cache, quant_cache
+from pdserve.runtime import cpu_calibration, gguf_folder, quant_cache
 from pdserve.runtime.determinism import DeterminismError, resolve_batch_invariance
 from pdserve.runtime.model_config import ModelSpec, rope_inv_freq
 from pdserve.runtime.models.llama import CausalLM
 from pdserve.runtime.models.norm_rope import Rotary
-from pdserve.runtime.quant import a8_multiplies_faster, all_invariant, check_quantization, quantize_model
+from pdserve.runtime.quant import (
+    a8_multiplies_faster,
+    all_invariant,
+    check_quantization,
+    dense_plan,
+    quantize_model,
+)
+from pdserve.runtime.quant_plan import DENSE_COPY_MAX_BYTES, dense_copies_fit
+from pdserve.runtime.stream_load import BuildPlan, build_model, projection_params
 from pdserve.runtime.tp_layout import TPLayout, read_shard, shard_modules, shard_of
+from pdserve.runtime.weight_readers import GGUFTensors, SafetensorsTensors, TensorReader
 
 if TYPE_CHECKING:
     from transformers import PretrainedConfig
@@ -127,58 +137,10 @@ def tokenizer_hashes(folder: str) -> dict[str, str]:
     }
 
 
-GGUF_FORMAT = 1  # bump when what a dequantized folder holds changes
-
-
-def gguf_to_folder(source: ModelSource) -> str:
-    """Dequantize a GGUF file into a cached safetensors folder (once; concurrent starts wait on a lock).
-    The folder is checked against its record (runtime/disk_cache.py) at every start: a truncated or
-    changed file in it is deleted with a warning and dequantized again, never read."""
-    assert source.gguf_path is not None
-    digest = _file_sha256(source.gguf_path)
-    dest = os.path.join(cache_root(), "gguf", digest[:20])
-    claims: disk_cache.Claims = {"format": GGUF_FORMAT, "source": digest, "dtype": "float32"}
-    if disk_cache.check(dest, claims):
-        return dest
-    os.makedirs(os.path.dirname(dest), exist_ok=True)
-    with open(dest + ".lock", "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        if disk_cache.check(dest, claims):  # another worker dequantized it meanwhile
-            return dest
-        log.info("dequantizing %s (once; cached in %s)", source.gguf_path, dest)
-        t0 = time.monotonic()
-        tmp = tempfile.mkdtemp(dir=os.path.dirname(dest), prefix=".tmp-")
-        try:
-            _dequantize_into(source, tmp)
-            disk_cache.commit(tmp, dest, claims)
-            log.info("dequantized %s in %.1f s", source.gguf_path, time.monotonic() - t0)
-        finally:
-            shutil.rmtree(tmp, ignore_errors=True)
-    return dest
-
-
-def _dequantize_into(source: ModelSource, folder: str) -> None:
-    """The GGUF model as a plain HF folder: float32 safetensors, config.json, the tokenizer."""
-    from safetensors.torch import save_file
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    hf = AutoModelForCausalLM.from_pretrained(source.folder, gguf_file=source.gguf_file, dtype=torch.float32)
-    tok = AutoTokenizer.from_pretrained(source.folder, gguf_file=source.gguf_file)
-    state = {k: v.contiguous() for k, v in hf.state_dict().items()}
-    if getattr(hf.config, "tie_word_embeddings", False):
-        state.pop("lm_head.weight", None)
-    save_file(state, os.path.join(folder, "model.safetensors"))
-    config = hf.config.to_dict()
-    config.pop("quantization_config", None)
-    config["architectures"] = [type(hf).__name__]
-    with open(os.path.join(folder, "config.json"), "w") as f:
-        json.dump(config, f, indent=1)
-    tok.save_pretrained(folder)
-
-
 def model_folder(source: ModelSource) -> str:
-    """A plain HF folder (config.json, *.safetensors, tokenizer) for any supported source."""
-    return gguf_to_folder(source) if source.gguf_file else source.folder
+    """A plain HF folder (config.json, *.safetensors, tokenizer) for any supported source: a GGUF model's
+    float copy (runtime/gguf_folder.py), for the readers of safetensors shards (TP ranks, weight updates)."""
+    return gguf_folder.float_folder(source) if source.gguf_file else source.folder
 
 
 def _weight_files(folder: str) -> list[str]:
@@ -227,31 +189,8 @@ def load_hf_config(folder: str) -> PretrainedConfig:
     return config
 
 
-def gguf_weight_types(source: ModelSource, folder: str) -> dict[str, int]:
-    """How many of a GGUF file's 2-D block weights have each GGML type, e.g. {"Q4_1": 210}; read once
-    (parsing the file's header takes seconds) and kept beside the dequantized folder."""
-    assert source.gguf_path is not None
-    cached = os.path.join(folder, "gguf_weight_types.json")
-    try:
-        with open(cached) as f:
-            return dict(json.load(f))
-    except (OSError, ValueError):
-        pass
-    from gguf import GGUFReader
-
-    counts: dict[str, int] = {}
-    for t in GGUFReader(source.gguf_path).tensors:
-        if t.name.startswith("blk.") and t.name.endswith(".weight") and len(t.shape) == 2:
-            counts[t.tensor_type.name] = counts.get(t.tensor_type.name, 0) + 1
-    tmp = f"{cached}.{os.getpid()}"
-    with open(tmp, "w") as f:
-        json.dump(counts, f)
-    os.replace(tmp, cached)
-    return counts
-
-
 def resolve_quantization(
-    quantization: str, dtype: str, device: torch.device, source: ModelSource, folder: str
+    quantization: str, dtype: str, device: torch.device, source: ModelSource
 ) -> tuple[str, str]:
     """(mode, why) for `--quantization auto`: on CPU a GGUF model is served in its own quantization,
     as llama.cpp serves it (its weights are already quantized); an HF checkpoint, CUDA and an
@@ -264,13 +203,13 @@ def resolve_quantization(
         return "none", "the quantized kernels take bfloat16 or float32 activations"
     if device.type != "cpu" or source.gguf_file is None:
         return "none", "not a GGUF model on CPU"
-    types = gguf_weight_types(source, folder)
+    types = gguf_folder.weight_types(source)
     if not types:
         return "none", "the GGUF file has no quantized block weights"
     main = max(types, key=lambda k: types[k])
     if main in ("F32", "F16", "BF16"):
         return "none", f"the GGUF's weights are {main}"
-    if main not in ("Q4_0", "Q4_1"):
+    if main not in ("Q4_0", "Q4_1", "Q4_K"):
         return "w8a16_int8", f"the GGUF's {main} weights"
     if resolve_dtype(dtype, device) == torch.float32 and a8_multiplies_faster():
         # Where int4 multiplies in fp32, int8 activations (integer dot products) are 2-3x faster at every
@@ -305,6 +244,61 @@ def _load_and_quantize(
     return model
 
 
+def _read_or_build(
+    source: ModelSource,
+    folder: str,
+    spec: ModelSpec,
+    plan: BuildPlan,
+    layout: TPLayout | None,
+    tp_rank: int,
+) -> CausalLM:
+    """The model with its weights: a single worker streams its checkpoint (runtime/stream_load.py); a
+    tensor-parallel rank reads its cut of the float safetensors (`_load_and_quantize`)."""
+    if layout is not None:
+        shard = (layout, tp_rank)
+        return _load_and_quantize(folder, spec, plan.device, plan.dtype, plan.mode, plan.invariant, shard)
+    if source.gguf_path is not None:
+        reader: TensorReader = GGUFTensors(source.gguf_path, (spec.num_heads, spec.num_kv_heads))
+        what = os.path.basename(source.gguf_path)
+    else:
+        reader, what = SafetensorsTensors(folder), os.path.basename(folder.rstrip("/"))
+    model = build_model(spec, reader, plan, what)
+    release_freed_heap()  # the float parts the projections were built from
+    return model
+
+
+def _cached_model(
+    source: ModelSource, folder: str, spec: ModelSpec, plan: BuildPlan, files_hash: str
+) -> CausalLM:
+    """The quantized model mapped from the cache (runtime/quant_cache.py), built and stored there first
+    where it is not yet: under a lock, so that workers starting together build it once, and mapped back
+    from the file by its builder too, so that every worker of the host shares one copy of its pages."""
+    claims = quant_cache.claims(files_hash, plan.mode, plan.dtype, plan.invariant)
+    key = quant_cache.cache_key(files_hash, plan.mode, plan.dtype, plan.invariant)
+    stored = quant_cache.cache_path(cache_root(), key)
+    model = quant_cache.restore(stored, spec, plan.dtype, claims)
+    if model is not None:
+        return model
+    os.makedirs(os.path.dirname(stored), exist_ok=True)
+    with open(stored + ".build.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        model = quant_cache.restore(stored, spec, plan.dtype, claims)  # another worker built it meanwhile
+        if model is not None:
+            return model
+        built = _read_or_build(source, folder, spec, plan, None, 0)
+        try:
+            quant_cache.store(built, stored, claims)
+        except OSError as e:  # a read-only or full cache folder: the next start quantizes again
+            log.warning("could not store the quantized weights in %s: %s", stored, e)
+            return built
+    mapped = quant_cache.restore(stored, spec, plan.dtype, claims)
+    if mapped is None:
+        return built
+    del built
+    release_freed_heap()
+    return mapped
+
+
 def load_model(
     model_path: str | None,
     dtype: str = "auto",
@@ -323,8 +317,10 @@ def load_model(
     if quantization != "auto":
         check_quantization(quantization, dev, torch_dtype)  # before the slow part: a bad flag fails fast
     source = resolve_model_source(model_path)
-    folder = model_folder(source)
-    quantization, why = resolve_quantization(quantization, dtype, dev, source, folder)
+    folder = source.folder
+    if source.gguf_path is not None:
+        folder = gguf_folder.meta_folder(source) if tp_size == 1 else gguf_folder.float_folder(source)
+    quantization, why = resolve_quantization(quantization, dtype, dev, source)
     if why != "asked":
         log.info("quantization auto: %s (%s)", quantization, why)
         check_quantization(quantization, dev, torch_dtype)
@@ -332,24 +328,23 @@ def load_model(
     config = load_hf_config(folder)
     spec = ModelSpec.from_hf_config(config)
     layout = TPLayout.of(spec, tp_size) if tp_size > 1 else None
-    files_hash = weights_hash(folder)  # fails early, with the folder named, if weights are missing
+    if source.gguf_path is not None:
+        files_hash = gguf_folder.gguf_digest(source.gguf_path)[:16]
+    else:  # fails early, with the folder named, if weights are missing
+        files_hash = weights_hash(folder)
     inv_freq, scaling = rope_inv_freq(config, spec.head_dim)
-    stored = None
-    claims = quant_cache.claims(files_hash, quantization, torch_dtype, invariant)
+    fits = dense_copies_fit(projection_params(spec), torch_dtype)
+    if not fits and dense_plan().keep:
+        log.info(
+            "no dense copies of the quantized weights: this model's would take more than %.1f GB",
+            DENSE_COPY_MAX_BYTES / 1e9,
+        )
+    plan = BuildPlan(dev, torch_dtype, quantization, invariant, fits)
     # CPU only (check_quantization); a TP rank's shard is not cached
     if quantization != "none" and env.quant_cache_enabled() and layout is None:
-        stored = quant_cache.cache_path(
-            cache_root(), quant_cache.cache_key(files_hash, quantization, torch_dtype, invariant)
-        )
-    model = quant_cache.restore(stored, spec, torch_dtype, claims) if stored else None
-    if model is None:
-        shard = None if layout is None else (layout, tp_rank)
-        model = _load_and_quantize(folder, spec, dev, torch_dtype, quantization, invariant, shard)
-        if stored:
-            try:
-                quant_cache.store(model, stored, claims)
-            except OSError as e:  # a read-only or full cache folder: the next start quantizes again
-                log.warning("could not store the quantized weights in %s: %s", stored, e)
+        model = _cached_model(source, folder, spec, plan, files_hash)
+    else:
+        model = _read_or_build(source, folder, spec, plan, layout, tp_rank)
     # Attached after the dtype cast: the cos/sin table stays fp32 and is cast per use.
     model.rotary = Rotary(inv_freq, scaling, spec.context_length).to(dev)
     if invariant and not all_invariant(model):

@@ -69,17 +69,23 @@ __all__ = [
 
 
 def quantized_linear(
-    weight: torch.Tensor, bias: torch.Tensor | None, mode: str, dtype: torch.dtype, invariant: bool = False
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    mode: str,
+    dtype: torch.dtype,
+    invariant: bool = False,
+    dense_allowed: bool = True,
 ) -> nn.Module:
     """The quantized stand-in for a Linear with this weight [N, K] (and bias) under `mode`; `invariant`:
-    batch-invariant, pdserve's kernel at every row count (runtime/determinism.py)."""
+    batch-invariant, pdserve's kernel at every row count (runtime/determinism.py); `dense_allowed`: False
+    for a model too big for dense copies (quant_plan.dense_copies_fit)."""
     if mode == "w8a16_int8":
-        return Int8WeightOnlyLinear(weight, bias, dtype, invariant)
+        return Int8WeightOnlyLinear(weight, bias, dtype, invariant, dense_allowed)
     if mode == "w8a8_int8":
-        return Int8DynamicLinear(weight, bias, dtype, invariant)
+        return Int8DynamicLinear(weight, bias, dtype, invariant, dense_allowed)
     if mode in ("w4a16", "w4a8"):
         return Int4WeightOnlyLinear(
-            weight, bias, dtype, INT4_GROUP_SIZE, act8=mode == "w4a8", invariant=invariant
+            weight, bias, dtype, INT4_GROUP_SIZE, mode == "w4a8", invariant, dense_allowed
         )
     raise QuantizationError(f"no quantized linear for mode {mode!r}")
 

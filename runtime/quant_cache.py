@@ -163,6 +163,8 @@ def _rebuild(saved: dict[str, Any], spec: ModelSpec, dtype: torch.dtype) -> Caus
     state: dict[str, torch.Tensor] = saved["state"]
     with torch.device("meta"):
         model = CausalLM(spec, rotary=None)  # type: ignore[arg-type]
+    if "lm_head.weight" not in state:  # a streamed load keeps only the quantized head (stream_load.py)
+        model.lm_head = None
     for name, record in modules.items():
         parent_name, _, attr = name.rpartition(".")
         parent = model.get_submodule(parent_name) if parent_name else model

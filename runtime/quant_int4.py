@@ -28,6 +28,13 @@ def int4_grouped(w: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tenso
     return q.reshape(n, k), scale, lo
 
 
+def packed_in_features(packed: torch.Tensor, scales_zeros: torch.Tensor | None, group: int) -> int:
+    """K of a packed weight: pdserve's layout [N/16, K/32, 320], or tinygemm's beside its scales [K/g, N, 2]."""
+    if scales_zeros is None:
+        return int(packed.shape[1]) * cpu_quant_linear.INT4_GROUP
+    return int(scales_zeros.shape[0]) * group
+
+
 class Int4WeightOnlyLinear(nn.Module):
     """w4a16: w = q * scale + minimum per group of 32 along K. Few rows run pdserve's `int4_linear`
     (kernels/cpu_quant_linear.cpp: fp16 scales and minimums, as GGUF stores them) where this host's
@@ -48,6 +55,7 @@ class Int4WeightOnlyLinear(nn.Module):
         group: int,
         act8: bool = False,
         invariant: bool = False,
+        dense_allowed: bool = True,
     ):
         super().__init__()
         n, k = weight.shape
@@ -59,32 +67,73 @@ class Int4WeightOnlyLinear(nn.Module):
             and group == cpu_quant_linear.INT4_GROUP
             and cpu_quant_linear.int4_packable(n, k, scale, lo)
         )
-        plan = dense_plan()
         if fast:
-            self.register_buffer("packed", cpu_quant_linear.pack_int4(q, scale, lo))
-            self.register_buffer("scales_zeros", None)
+            packed, sz = cpu_quant_linear.pack_int4(q, scale, lo), None
         else:
             # The kernel's zero point is the value of the code 8: minimum + 8 * scale.
-            sz = torch.stack([scale, lo + 8 * scale], dim=-1)  # [N, K/g, 2]
-            self.register_buffer("packed", torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, 1))
+            zeros = torch.stack([scale, lo + 8 * scale], dim=-1)  # [N, K/g, 2]
+            packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, 1)
             # bf16 whatever the model dtype: the kernel's fp32 path is a slow reference loop (measured
             # 15-50x slower), so fp32 activations are cast to bf16 for the matmul and back.
-            self.register_buffer("scales_zeros", sz.transpose(0, 1).contiguous().to(torch.bfloat16))
+            sz = zeros.transpose(0, 1).contiguous().to(torch.bfloat16)
+        dense = None
+        if not fast or (dense_plan().keep and dense_allowed and not invariant):
+            dense = (q.reshape(n, k // group, group).float() * scale[..., None] + lo[..., None]).reshape(n, k)
+        self._setup(packed, sz, bias, dense, dtype, group, act8 and fast, invariant and fast)
+
+    @classmethod
+    def from_packed(
+        cls,
+        packed: torch.Tensor,
+        bias: torch.Tensor | None,
+        dtype: torch.dtype,
+        act8: bool = False,
+        invariant: bool = False,
+        dense_allowed: bool = True,
+    ) -> Int4WeightOnlyLinear:
+        """The module around weights already in pdserve's packed layout ([N/16, K/32, 320], as
+        `cpu_quant_linear.pack_int4` lays them out): a GGUF file's 4-bit blocks repack straight into it
+        (kernels/gguf_repack.py), so no float copy of the weights is ever made. Needs the host's int4
+        kernel (`cpu_quant_linear.support()`)."""
+        m = cls.__new__(cls)
+        nn.Module.__init__(m)
+        n = packed.shape[0] * cpu_quant_linear.ROWS
+        k = packed.shape[1] * cpu_quant_linear.INT4_GROUP
+        dense = None
+        if dense_plan().keep and dense_allowed and not invariant:
+            w_t = torch.empty(k, n)
+            cpu_quant_linear.int4_unpack_t_(packed, w_t)
+            dense = w_t.t()
+        m._setup(packed, None, bias, dense, dtype, cpu_quant_linear.INT4_GROUP, act8, invariant)
+        return m
+
+    def _setup(
+        self,
+        packed: torch.Tensor,
+        scales_zeros: torch.Tensor | None,
+        bias: torch.Tensor | None,
+        dense: torch.Tensor | None,
+        dtype: torch.dtype,
+        group: int,
+        act8: bool,
+        invariant: bool,
+    ) -> None:
+        """The buffers and row plan: `scales_zeros` only beside tinygemm's packing (no pdserve kernel)."""
+        self.register_buffer("packed", packed)
+        self.register_buffer("scales_zeros", scales_zeros)
         self.register_buffer("bias", None if bias is None else bias.detach().to(dtype))
         # w4a8: int8 activations where the build has that kernel (cpu_quant_linear.int4_a8_support)
-        self.act8 = act8 and fast and cpu_quant_linear.int4_a8_support()
+        self.act8 = act8 and cpu_quant_linear.int4_a8_support()
         self.bind_ops()
-        dense = None
-        if not fast or (plan.keep and not invariant):
-            dense = (q.reshape(n, k // group, group).float() * scale[..., None] + lo[..., None]).reshape(n, k)
-        self.register_buffer("dense", None if dense is None else dense.to(dtype))
+        self.register_buffer("dense", None if dense is None else dense.to(dtype).contiguous())
         self.group = group
-        self.in_features, self.out_features = k, n
+        n = packed.shape[0] * cpu_quant_linear.ROWS if scales_zeros is None else scales_zeros.shape[1]
+        self.in_features, self.out_features = packed_in_features(packed, scales_zeros, group), n
         # The kernel at every row count: batch-invariant, or w4a8 without a dense copy (see the module
-        # docstring). Elsewhere a dense copy or a scratch from `plan.min_rows` rows on.
-        self.invariant = invariant and fast
+        # docstring). Elsewhere a dense copy or a scratch from `dense_plan().min_rows` rows on.
+        self.invariant = invariant
         every_row = self.invariant or (self.act8 and dense is None)
-        self.dense_min_rows = sys.maxsize if every_row else plan.min_rows
+        self.dense_min_rows = sys.maxsize if every_row else dense_plan().min_rows
 
     def bind_ops(self) -> None:
         """The kernel, looked up once (see Int8WeightOnlyLinear.bind_ops): pdserve's int4 kernel where

@@ -18,11 +18,27 @@ from pdserve.runtime.quant_plan import dense_plan
 W8A8_MIN_ROWS = 8
 
 
-def int8_per_channel(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Symmetric int8 of w [N, K] with one fp32 scale per row: (q [N, K] int8, scale [N])."""
-    w = w.float()
-    scale = (w.abs().amax(dim=1) / 127.0).clamp(min=1e-10)
-    q = torch.round(w / scale[:, None]).clamp(-127, 127).to(torch.int8)
+def int8_per_channel(w: torch.Tensor, packed: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """Symmetric int8 of w [N, K] with one fp32 scale per row: (q [N, K] int8, scale [N]), or with
+    `packed` the codes in `pack_int8`'s layout [N/16, K, 16] (N a multiple of 16). In slices of rows, so
+    that the rounding's float temporaries, and the unpacked codes, stay small beside a vocabulary-sized
+    table."""
+    n, k = w.shape
+    step = max(1, (1 << 20) // k // cpu_quant_linear.ROWS) * cpu_quant_linear.ROWS  # ~1M values a slice
+    q = torch.empty(
+        (n // cpu_quant_linear.ROWS, k, cpu_quant_linear.ROWS) if packed else (n, k), dtype=torch.int8
+    )
+    scale = torch.empty(n)
+    for i in range(0, n, step):
+        rows = w[i : i + step].float()
+        s = (rows.abs().amax(dim=1) / 127.0).clamp(min=1e-10)
+        codes = torch.round(rows / s[:, None]).clamp(-127, 127).to(torch.int8)
+        if packed:
+            r = cpu_quant_linear.ROWS
+            q[i // r : (i + len(codes)) // r] = cpu_quant_linear.pack_int8(codes)
+        else:
+            q[i : i + step] = codes
+        scale[i : i + step] = s
     return q, scale
 
 
@@ -42,21 +58,28 @@ class Int8WeightOnlyLinear(nn.Module):
     scale_f32: torch.Tensor
 
     def __init__(
-        self, weight: torch.Tensor, bias: torch.Tensor | None, dtype: torch.dtype, invariant: bool = False
+        self,
+        weight: torch.Tensor,
+        bias: torch.Tensor | None,
+        dtype: torch.dtype,
+        invariant: bool = False,
+        dense_allowed: bool = True,
     ):
         super().__init__()
-        q, scale = int8_per_channel(weight)
         n = weight.shape[0]
         fast = cpu_quant_linear.support()[1] and n % cpu_quant_linear.ROWS == 0
         plan = dense_plan()
-        # batch-invariant (`invariant`): the kernel at every row count, so no dense copy
-        keep_dense = not fast or (plan.keep and not invariant)
+        # batch-invariant (`invariant`), or a model too big for dense copies (`dense_allowed`, see
+        # quant_plan.dense_copies_fit): the kernel at every row count, so no dense copy
+        keep_dense = not fast or (plan.keep and dense_allowed and not invariant)
+        packed_only = fast and not keep_dense and not self.keeps_codes
+        q, scale = int8_per_channel(weight, packed=packed_only)
         self.register_buffer("qweight", q if self.keeps_codes or not fast else None)  # [N, K] int8
         self.register_buffer("scale", scale.to(dtype))  # [N], the activation dtype (the kernel's rule)
         self.register_buffer("scale_f32", self.scale.float())
         self.register_buffer("bias", None if bias is None else bias.detach().to(dtype))
         self.register_buffer("dense", (q.float() * scale[:, None]).to(dtype) if keep_dense else None)
-        self.register_buffer("packed", cpu_quant_linear.pack_int8(q) if fast else None)
+        self.register_buffer("packed", q if packed_only else cpu_quant_linear.pack_int8(q) if fast else None)
         self.in_features, self.out_features = weight.shape[1], n
         self.invariant = invariant and fast
         self.dense_min_rows = sys.maxsize if self.invariant else plan.min_rows
@@ -93,9 +116,14 @@ class Int8DynamicLinear(Int8WeightOnlyLinear):
     qweight_t: torch.Tensor
 
     def __init__(
-        self, weight: torch.Tensor, bias: torch.Tensor | None, dtype: torch.dtype, invariant: bool = False
+        self,
+        weight: torch.Tensor,
+        bias: torch.Tensor | None,
+        dtype: torch.dtype,
+        invariant: bool = False,
+        dense_allowed: bool = True,
     ):
-        super().__init__(weight, bias, dtype, invariant)
+        super().__init__(weight, bias, dtype, invariant, dense_allowed)
         assert self.qweight is not None
         self.register_buffer("qweight_t", self.qweight.t())  # [K, N] view, as _int_mm takes it
         self.int_mm = cpu_has_int8_dot()

@@ -62,6 +62,19 @@ def dense_plan() -> DensePlan:
     return DensePlan(True, DENSE_MIN_ROWS, "dense GEMM from 16 rows")
 
 
+# Dense copies are kept only for models whose projections, in the model dtype, take at most this much:
+# the bundled model's (0.27 GB in bf16) pay for themselves in batched steps, but a 1.7B model's would
+# add 3.4 GB per worker and an 8B model's 14 GB, private to each worker (the packed weights are shared
+# between a host's workers, runtime/quant_cache.py), which a 24 GB host cannot hold twice. Bigger
+# models run the packed kernel at few rows and the scratch (`int4_unpack_t_`) or kernel beyond.
+DENSE_COPY_MAX_BYTES = 1 << 30
+
+
+def dense_copies_fit(projection_params: int, dtype: torch.dtype) -> bool:
+    """Whether this model's dense copies stay within DENSE_COPY_MAX_BYTES."""
+    return projection_params * dtype.itemsize <= DENSE_COPY_MAX_BYTES
+
+
 def a8_multiplies_faster() -> bool:
     """Whether w4a8's integer kernel beats w4a16's here: where the int4 kernel multiplies in fp32 (AVX2, or
     AVX-512 without BF16) and the build has `int4_linear_a8` (see A8_ROWS_MEASURED)."""

@@ -145,10 +145,14 @@ def bundled():
 
 @pytest.fixture(scope="session")
 def hf_bundled(bundled):
-    """transformers' model read from the same (cached) folder as `bundled`."""
+    """transformers' model of the same GGUF file as `bundled`, dequantized by transformers itself."""
     from transformers import AutoModelForCausalLM
 
-    return AutoModelForCausalLM.from_pretrained(bundled.folder, dtype=torch.float32).eval()
+    from pdserve.model_source import resolve_model_source
+    from pdserve.runtime.loader import model_folder
+
+    folder = model_folder(resolve_model_source(None))
+    return AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
 
 
 @pytest.fixture(scope="session")

@@ -24,11 +24,14 @@ def engine_reference():
     from transformers import AutoModelForCausalLM
 
     from pdserve.config import RuntimeConfig
+    from pdserve.model_source import resolve_model_source
     from pdserve.runtime.engine import Engine
+    from pdserve.runtime.loader import model_folder
     from pdserve.sampling_params import SamplingParams
 
     engine = Engine(RuntimeConfig(dtype="float32", max_total_tokens=8192, disable_radix_cache=True))
-    hf = AutoModelForCausalLM.from_pretrained(engine.runner.loaded.folder, dtype=torch.float32)
+    folder = model_folder(resolve_model_source(None))  # transformers' own dequantization of the file
+    hf = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
 
     def run(prompts: list[list[int]], max_new_tokens: int) -> tuple[list[list[int]], list[list[int]]]:
         params = SamplingParams(temperature=0, max_new_tokens=max_new_tokens)

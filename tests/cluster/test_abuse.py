@@ -24,7 +24,7 @@ SHARED_WORK = {
     "16 stop strings of 1,024 characters (allowed)",
     "kill -9 the decode, then a weight update",
     "1 MiB of random bytes in the quantized-weights cache, then kill -9 the decode",
-    "1 MiB of random bytes in the dequantized GGUF cache, then kill -9 the decode",
+    "1 MiB of random bytes in the GGUF model's cached tokenizer, then kill -9 the decode",
     "10 of the largest /tokenize with token strings, one key",
     "24 clients leave mid-prompt",
     "one key stores 13 responses of 3.9 MiB: another key's survives",
@@ -63,7 +63,7 @@ def test_abuse_table(limited_cluster):
             "50 connections trickling headers": bench_abuse.IDLE_TIMEOUT_S + 3,
             "kill -9 the decode, then a weight update": 200,
             "1 MiB of random bytes in the quantized-weights cache, then kill -9 the decode": 200,
-            "1 MiB of random bytes in the dequantized GGUF cache, then kill -9 the decode": 200,
+            "1 MiB of random bytes in the GGUF model's cached tokenizer, then kill -9 the decode": 200,
         }.get(r.case)
         if limit is not None:
             assert r.seconds < limit, (r.case, r.seconds)

@@ -48,7 +48,7 @@ def test_missing_tensor_is_reported(tiny_folders, tmp_path):
     state = load_file(os.path.join(src, "model.safetensors"))
     del state["model.layers.1.self_attn.k_proj.bias"]
     save_file(state, str(tmp_path / "model.safetensors"))
-    with pytest.raises(ValueError, match="lacks 1 tensors"):
+    with pytest.raises(ValueError, match="lacks tensor 'model.layers.1.self_attn.k_proj.bias'"):
         load_model(str(tmp_path))
 
 

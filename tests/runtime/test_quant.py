@@ -171,23 +171,23 @@ def test_auto_serves_a_gguf_in_its_own_quantization(tiny_folders) -> None:
     exactness reference) and an HF checkpoint get unquantized weights."""
     from pdserve.model_source import resolve_model_source
     from pdserve.runtime.cpu_calibration import matmul_speeds
-    from pdserve.runtime.loader import gguf_weight_types, model_folder, resolve_dtype, resolve_quantization
+    from pdserve.runtime.gguf_folder import weight_types
+    from pdserve.runtime.loader import resolve_dtype, resolve_quantization
 
     cpu = torch.device("cpu")
     assert resolve_dtype("auto", cpu) == (torch.bfloat16 if matmul_speeds().bf16_wins else torch.float32)
     assert RuntimeConfig().quantization == "auto" and RuntimeConfig(dtype="float32").quantization == "auto"
     bundled = resolve_model_source(None)
-    folder = model_folder(bundled)
-    assert gguf_weight_types(bundled, folder) == {"Q4_1": 210}  # every projection of the 30 layers
-    mode, why = resolve_quantization("auto", "auto", cpu, bundled, folder)
+    assert weight_types(bundled) == {"Q4_1": 210}  # every projection of the 30 layers
+    mode, why = resolve_quantization("auto", "auto", cpu, bundled)
     a8 = resolve_dtype("auto", cpu) == torch.float32 and a8_multiplies_faster()
     assert (mode, why.startswith("the GGUF's Q4_1 weights")) == ("w4a8" if a8 else "w4a16", True)
-    assert resolve_quantization("auto", "float32", cpu, bundled, folder)[0] == "none"
-    assert resolve_quantization("auto", "float16", cpu, bundled, folder)[0] == "none"
-    assert resolve_quantization("auto", "auto", torch.device("meta"), bundled, folder)[0] == "none"
-    assert resolve_quantization("w8a8_int8", "auto", cpu, bundled, folder) == ("w8a8_int8", "asked")
+    assert resolve_quantization("auto", "float32", cpu, bundled)[0] == "none"
+    assert resolve_quantization("auto", "float16", cpu, bundled)[0] == "none"
+    assert resolve_quantization("auto", "auto", torch.device("meta"), bundled)[0] == "none"
+    assert resolve_quantization("w8a8_int8", "auto", cpu, bundled) == ("w8a8_int8", "asked")
     hf = resolve_model_source(tiny_folders["llama-untied"])
-    assert resolve_quantization("auto", "auto", cpu, hf, hf.folder)[0] == "none"
+    assert resolve_quantization("auto", "auto", cpu, hf)[0] == "none"
     loaded = load_model(None)  # every default
     assert loaded.quantization == mode and loaded.dtype == resolve_dtype("auto", cpu)
     assert load_model(None, "float32").quantization == "none"

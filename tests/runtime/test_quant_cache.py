@@ -19,6 +19,8 @@ from pdserve.runtime.loader import load_model
 from pdserve.sampling_params import SamplingParams
 
 PROMPTS = [[5, 17, 99, 3, 42, 8] * k for k in (1, 3)]
+BUILT = "loading "  # runtime/stream_load.py's progress line: the checkpoint is read
+MAPPED = "quantized weights mapped from"
 
 
 @pytest.fixture
@@ -47,13 +49,20 @@ def run(loaded, make_engine):
     ],
 )
 def test_a_restart_maps_what_the_first_start_quantized(
-    cache, tiny_folders, make_engine, caplog, name, mode, dtype, deterministic
+    cache, tiny_folders, make_engine, caplog, monkeypatch, name, mode, dtype, deterministic
 ) -> None:
     caplog.set_level(logging.INFO, logger="pdserve.runtime")
-    first = load_model(tiny_folders[name], dtype, "cpu", mode, deterministic)
-    assert len(stored(cache)) == 1 and "mapped" not in caplog.text
+    monkeypatch.setenv("PDSERVE_QUANT_CACHE", "0")
+    first = load_model(tiny_folders[name], dtype, "cpu", mode, deterministic)  # built, never stored
+    monkeypatch.delenv("PDSERVE_QUANT_CACHE")
+    assert not stored(cache)
+    built = load_model(tiny_folders[name], dtype, "cpu", mode, deterministic)
+    # built from the checkpoint, stored, and mapped back from the file by its builder too
+    assert len(stored(cache)) == 1 and BUILT in caplog.text and MAPPED in caplog.text
+    assert run(built, make_engine) == run(first, make_engine)
+    caplog.clear()
     again = load_model(tiny_folders[name], dtype, "cpu", mode, deterministic)
-    assert "quantized weights mapped from" in caplog.text
+    assert MAPPED in caplog.text and BUILT not in caplog.text
     assert again.batch_invariant == first.batch_invariant == (deterministic == "on")
     assert [type(m) for m in again.model.modules()] == [type(m) for m in first.model.modules()]
     # nothing left on the meta device, and every tensor as it was
@@ -75,13 +84,15 @@ def test_each_mode_and_dtype_has_its_own_file(cache, tiny_folders) -> None:
 
 def test_an_unreadable_file_is_quantized_anew(cache, tiny_folders, make_engine, caplog) -> None:
     folder = tiny_folders["llama-untied"]
-    first = load_model(folder, "float32", "cpu", "w4a16", "off")
+    expected = run(load_model(folder, "float32", "cpu", "w4a16", "off"), make_engine)
     (path,) = stored(cache)
+    os.rename(path, path + ".old")  # the first model maps the old file: a truncation would fault its pages
+    shutil.copy(path + ".old", path)
     with open(path, "r+b") as f:  # a torn or tampered file
         f.truncate(os.path.getsize(path) // 2)
     again = load_model(folder, "float32", "cpu", "w4a16", "off")
     assert f"cache entry {path} is not used" in caplog.text and "truncated" in caplog.text
-    assert run(again, make_engine) == run(first, make_engine)
+    assert run(again, make_engine) == expected
     assert os.path.getsize(path) > 0 and load_model(folder, "float32", "cpu", "w4a16", "off") is not None
 
 
@@ -100,21 +111,23 @@ def test_random_bytes_inside_a_tensor_are_caught_and_quantized_anew(
     cache, tiny_folders, make_engine, caplog
 ) -> None:
     folder = tiny_folders["llama3-rope-tied"]
-    first = load_model(folder, "float32", "cpu", "w4a16", "off")
+    expected = run(load_model(folder, "float32", "cpu", "w4a16", "off"), make_engine)
     (path,) = stored(cache)
+    os.rename(path, path + ".old")  # the first model maps the old file, which the writes must not reach
+    shutil.copy(path + ".old", path)
     offset, size = biggest_tensor(path)
     with open(path, "r+b") as f:  # bit rot or a stray write: the file still loads, its weights are wrong
         f.seek(offset + size // 4)
         f.write(os.urandom(size // 2))
     caplog.set_level(logging.INFO, logger="pdserve.runtime")
     again = load_model(folder, "float32", "cpu", "w4a16", "off")
-    assert run(again, make_engine) == run(first, make_engine)
+    assert run(again, make_engine) == expected
     assert f"cache entry {path} is not used" in caplog.text and "digest" in caplog.text
-    assert "mapped" not in caplog.text  # quantized anew, not mapped
+    assert BUILT in caplog.text  # quantized anew
     caplog.clear()  # the file was stored again: the next start maps it, with no warning
     third = load_model(folder, "float32", "cpu", "w4a16", "off")
-    assert "quantized weights mapped from" in caplog.text and "not used" not in caplog.text
-    assert run(third, make_engine) == run(first, make_engine)
+    assert MAPPED in caplog.text and "not used" not in caplog.text and BUILT not in caplog.text
+    assert run(third, make_engine) == expected
 
 
 @pytest.mark.parametrize("how", ["with its record", "alone", "with a record rewritten to claim w4a16"])
@@ -127,7 +140,9 @@ def test_a_file_of_another_mode_under_the_key_is_refused(
     load_model(folder, "float32", "cpu", "w8a16_int8", "off")
     (int8,) = stored(cache)
     first = load_model(folder, "float32", "cpu", "w4a16", "off")
+    expected = run(first, make_engine)
     (int4,) = set(stored(cache)) - {int8}
+    os.rename(int4, int4 + ".old")  # `first` maps it: replaced by a new file, not written through
     if how == "with its record" and os.path.exists(disk_cache.record_path(int8)):
         shutil.copy(disk_cache.record_path(int8), disk_cache.record_path(int4))
     if how == "with a record rewritten to claim w4a16":
@@ -141,4 +156,4 @@ def test_a_file_of_another_mode_under_the_key_is_refused(
     assert not any(isinstance(m, quant.Int8WeightOnlyLinear) for m in again.model.model.layers.modules())
     assert {type(m) for m in again.model.modules()} >= {quant.Int4WeightOnlyLinear}
     assert f"cache entry {int4} is not used" in caplog.text
-    assert run(again, make_engine) == run(first, make_engine)
+    assert run(again, make_engine) == expected

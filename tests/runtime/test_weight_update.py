@@ -6,9 +6,15 @@ from __future__ import annotations
 import pytest
 import torch
 
+from pdserve.model_source import resolve_model_source
 from pdserve.protocol import gateway as m
-from pdserve.runtime.loader import iter_weights, load_model
+from pdserve.runtime.loader import iter_weights, load_model, model_folder
 from pdserve.runtime.weight_update import Staged, WeightUpdateError, WeightUpdater, stage
+
+
+def float_folder() -> str:
+    """The bundled GGUF dequantized into safetensors: a checkpoint a weight update can read."""
+    return model_folder(resolve_model_source(None))
 
 
 @pytest.fixture(scope="module")
@@ -18,7 +24,7 @@ def loaded():
 
 @pytest.fixture(scope="module")
 def checkpoint(loaded):
-    return dict(iter_weights(loaded.folder))
+    return dict(iter_weights(float_folder()))
 
 
 def test_stage_refuses_wrong_shapes_unknown_names_and_incomplete_checkpoints(loaded, checkpoint):
@@ -71,7 +77,7 @@ def test_commit_changes_exactly_the_tensors_sent(loaded, checkpoint):
 def test_a_quantized_worker_refuses_updates_before_loading_anything(loaded):
     up = WeightUpdater(loaded.model, loaded.spec, None, "127.0.0.1", lambda: None, quantization="w4a16")
     for op in ("prepare_disk", "prepare_distributed"):
-        reply = up.on_command(m.WeightsCommand(op_id=op, op=op, model_path=loaded.folder))
+        reply = up.on_command(m.WeightsCommand(op_id=op, op=op, model_path=float_folder()))
         assert reply is not None and not reply.ok and "--quantization w4a16" in reply.message
     assert up.version == "default" and up._staged is None and not up._jobs
     up.close()
@@ -92,6 +98,6 @@ def test_a_worker_updater_reads_the_resolved_quantization(loaded):
     up = WeightUpdater.for_runner(default, None, "127.0.0.1", lambda: None)
     mode = default.loaded.quantization
     assert mode in ("w4a16", "w4a8") and up.quantization == mode  # w4a8 where int4 multiplies in fp32
-    reply = up.on_command(m.WeightsCommand(op_id="d", op="prepare_disk", model_path=loaded.folder))
+    reply = up.on_command(m.WeightsCommand(op_id="d", op="prepare_disk", model_path=float_folder()))
     assert reply is not None and not reply.ok and f"--quantization {mode}" in reply.message
     up.close()
