@@ -19,9 +19,19 @@ turns in order, conversations concurrently; it reports per turn the median TTFT 
     pdserve bench serving --launch-pdserve --launch-pdserve-variant nocache=--disable-radix-cache \\
         --dataset multiturn --num-prompts 4 --num-turns 4 --max-concurrency 2
 
-Servers the benchmark launches are also weighed: the PSS of each one's whole process tree (every
-worker and the gateway of `pdserve up`), idle once all are up, and its peak during each run (sampled
-every 0.5 s), reported beside the throughput (benchmarks/process_memory.py; Linux).
+Servers the benchmark launches start one at a time, each once the one before is healthy (so their
+loads do not share the cores), and are timed and weighed: the time from spawn to healthy (`pdserve up`:
+every worker in rotation; llama-server: /health 200), the PSS of each one's whole process tree (every
+worker and the gateway of `pdserve up`) at its peak during start-up, idle once all are up, and at its
+peak during each run (sampled every 0.5 s), reported beside the throughput and in the JSON
+(benchmarks/launch_servers.py, process_memory.py; Linux). `--cold-start` gives each `pdserve up` an
+empty PDSERVE_CACHE_DIR: a first start, quantizing its weights again. The OS page cache is not dropped
+(that takes root); the share of each server's weight files it held at spawn is reported instead.
+A short comparison, 8 requests at concurrency 1 and 16 at 8, 64 tokens each:
+
+    pdserve bench serving --launch-pdserve --pdserve-args "--model-path M.gguf" \\
+        --launch-llama-server /path/to/llama-server --llama-server-model M.gguf \\
+        --max-concurrency 1,8 --num-prompts 8,16 --max-tokens 64 --ignore-eos --rounds 2
 
 Ratios in the comparison table are first target / other target. Requests always stream.
 TTFT is the time to the first non-empty content chunk, ITL the gaps between content chunks,
@@ -42,14 +52,14 @@ from dataclasses import asdict, replace
 
 import httpx
 
-from pdserve.bench.launch_servers import Launched, launch_all, wait_healthy
+from pdserve.bench.launch_servers import Launched, add_launch_args, plan_launches, start_in_turn
 from pdserve.bench.process_memory import MemorySampler
 from pdserve.bench.serving_report import (
     add_memory,
     format_comparison,
-    format_memory,
     format_result,
     format_server,
+    format_starts,
     format_turns,
     server_counters,
     summarize,
@@ -146,7 +156,8 @@ def build_parser(prog: str, description: str) -> argparse.ArgumentParser:
     p.add_argument("--random-input-len", type=int, default=256)
     p.add_argument("--random-output-len", type=int, default=64)
     p.add_argument("--random-range-ratio", type=float, default=0.0)
-    p.add_argument("--output-len", type=int, default=None, help="fixed max_tokens for every request")
+    p.add_argument("--output-len", "--max-tokens", dest="output_len", type=int, default=None,
+                   help="fixed max_tokens for every request")  # fmt: skip
     p.add_argument(
         "--ignore-eos", action="store_true", help="send ignore_eos: true (comparable output lengths)"
     )
@@ -168,34 +179,7 @@ def build_parser(prog: str, description: str) -> argparse.ArgumentParser:
         metavar="DIR",
         help="write TTFT and ITL CDFs, throughput against concurrency (PNG) and the raw results (JSON) here",
     )
-    p.add_argument("--launch-pdserve", action="store_true", help="start `pdserve up` and stop it at the end")
-    p.add_argument("--pdserve-args", default="", help="extra flags for the launched `pdserve up`")
-    p.add_argument("--launch-pdserve-variant", action="append", default=[], metavar="NAME=FLAGS",
-                   help="start another `pdserve up` with --pdserve-args plus FLAGS, as target NAME "
-                   "(e.g. nocache=--disable-radix-cache)")  # fmt: skip
-    p.add_argument("--launch-transformers-serve", action="store_true", help="start `transformers serve` too")
-    # Unbounded, transformers' continuous batching sizes its KV cache to ~90% of free memory (host RAM
-    # on CPU); these bound it to 32768 tokens (128 blocks of 256) and its batches to pdserve's chunked
-    # prefill (2048).
-    p.add_argument("--transformers-args", default="--cb-num-blocks 128 --cb-max-batch-tokens 2048",
-                   help="extra flags for the launched transformers serve (default: %(default)s)")  # fmt: skip
-    p.add_argument("--launch-llama-server", default=None, metavar="PATH",
-                   help="start llama.cpp's llama-server binary at PATH on the bundled GGUF as target llama-server")  # fmt: skip
-    p.add_argument(
-        "--llama-server-model",
-        default=None,
-        help="the GGUF file llama-server serves (default: the bundled one)",
-    )
-    # 16 slots of 1024 tokens each (llama-server splits -c among its -np slots), every core for both
-    # generation and batches; --no-repack keeps ggml off its AMX repacking path, which crashes on
-    # some of the CPUs this was measured on.
-    cores = os.cpu_count() or 1
-    p.add_argument("--llama-server-args", default=f"-t {cores} -tb {cores} -np 16 -c 16384 --no-repack",
-                   help="extra flags for the launched llama-server (default: %(default)s)")  # fmt: skip
-    p.add_argument("--launch-port", type=int, default=33100,
-                   help="pdserve's port; transformers gets +10, llama-server +12")  # fmt: skip
-    p.add_argument("--launch-timeout", type=float, default=600.0)
-    p.add_argument("--launch-log-dir", default=None)
+    add_launch_args(p)
     return p
 
 
@@ -244,10 +228,13 @@ async def _bench(
     targets: list[Target],
     memory: MemorySampler | None = None,
     idle: dict[str, int] | None = None,
+    starts: dict[str, dict] | None = None,
 ) -> tuple[list[dict], list[dict], dict[tuple[str, int], dict[str, list[float]]]]:
     """Every (level, round, target) run; `memory` samples the launched servers (by target name), whose
-    idle PSS is `idle`: each run's metrics carry the server's idle PSS and its peak during the run."""
-    idle = idle or {}
+    idle PSS is `idle` and whose starts (StartUp dicts) are `starts`: each run's metrics carry the
+    server's start-to-healthy time, start-up peak and idle PSS, and its peak during the run."""
+    idle, starts = idle or {}, starts or {}
+    weigh = lambda name, m, peak: add_memory(m, idle.get(name), peak, starts.get(name))  # noqa: E731
     cfg = RunConfig(args.backend, args.temperature, args.request_timeout, args.fresh_connections)
     levels = _levels(args)
     need_tok = args.dataset == "random" or args.no_usage or args.tokenizer is not None
@@ -285,7 +272,7 @@ async def _bench(
                         cfg, t, prompts[:n], conc, args.request_rate, args.seed, count_tokens
                     )
                 peak = memory.take_peaks().get(t.name) if memory is not None else None
-                m = run["metrics"] = add_memory(summarize(res, dur), idle.get(t.name), peak)
+                m = run["metrics"] = weigh(t.name, summarize(res, dur), peak)
                 pooled.setdefault((t.name, conc), []).append((res, dur))
                 peaks.setdefault((t.name, conc), []).append(peak)
                 runs.append(run)
@@ -297,10 +284,7 @@ async def _bench(
                     print(server, flush=True)
     summary = []
     for conc, n in levels:
-        ms = [
-            add_memory(_pool(pooled[(t.name, conc)]), idle.get(t.name), _peak(peaks[(t.name, conc)]))
-            for t in targets
-        ]
+        ms = [weigh(t.name, _pool(pooled[(t.name, conc)]), _peak(peaks[(t.name, conc)])) for t in targets]
         summary += [{"target": t.name, "concurrency": conc, "num_prompts": n, "metrics": m}
                     for t, m in zip(targets, ms)]  # fmt: skip
         if len(targets) > 1:
@@ -316,32 +300,48 @@ async def _bench(
     return runs, summary, _samples(pooled)
 
 
+def _said(s: Launched) -> None:
+    """The line printed as each launched server becomes healthy (the start-up table follows them all)."""
+    if s.start is not None:
+        peak = f"{s.start.peak_pss / 1e9:.2f} GB" if s.start.peak_pss else "unknown"
+        print(f"{s.name} healthy {s.start.healthy_s:.2f} s after spawn; start-up peak PSS {peak}", flush=True)
+
+
+def _idle(launched: list[Launched]) -> tuple[MemorySampler | None, dict[str, int]]:
+    """A sampler of every launched server, started, and their idle PSS read IDLE_SETTLE_S after the last
+    one became healthy."""
+    if not launched:
+        return None, {}
+    memory = MemorySampler({s.name: s.proc.pid for s in launched})
+    time.sleep(IDLE_SETTLE_S)
+    idle = memory.sample()
+    return memory.start(), idle
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     log_dir = args.launch_log_dir or tempfile.mkdtemp(prefix="pdserve-bench-")
     os.makedirs(log_dir, exist_ok=True)
-    launched = launch_all(args, log_dir)
-    memory = MemorySampler({s.name: s.proc.pid for s in launched}) if launched else None
+    launched: list[Launched] = []
+    memory: MemorySampler | None = None
     try:
-        for s in launched:
-            wait_healthy(s, args.launch_timeout)
-        idle: dict[str, int] = {}
-        if memory is not None:
-            time.sleep(IDLE_SETTLE_S)
-            idle = memory.sample()
-            print(format_memory("memory idle (PSS of each launched server's process tree)", idle), flush=True)
-            memory.start()
+        launched = start_in_turn(plan_launches(args, log_dir), log_dir, args.launch_timeout, _said)
+        memory, idle = _idle(launched)
+        starts = {s.name: asdict(s.start) for s in launched if s.start is not None}
+        if starts:
+            print(format_starts(starts, idle), flush=True)
         targets = _targets(args, launched)
-        runs, summary, samples = asyncio.run(_bench(args, targets, memory, idle))
+        runs, summary, samples = asyncio.run(_bench(args, targets, memory, idle, starts))
     finally:
         if memory is not None:
             memory.stop()
         for s in launched:
             s.stop()
     if args.output_json:
+        servers = {n: {**st, "idle_pss": idle.get(n)} for n, st in starts.items()}
         with open(args.output_json, "w") as f:
-            json.dump({"config": vars(args), "targets": [asdict(t) for t in targets], "runs": runs,
-                       "summary": summary}, f, indent=2)  # fmt: skip
+            json.dump({"config": vars(args), "targets": [asdict(t) for t in targets], "launched": servers,
+                       "runs": runs, "summary": summary}, f, indent=2)  # fmt: skip
     if args.plot:
         from pdserve.bench.plots import write_plots
 

@@ -143,8 +143,10 @@ _ROWS = [  # (label, metric key)
     ("Mean output tokens/request", "mean_output_len"),
     ("Request throughput (req/s)", "request_throughput"), ("Input token throughput (tok/s)", "input_throughput"),
     ("Output token throughput (tok/s)", "output_throughput"),
-    # Launched servers only (process_memory.py): the PSS of the server's process tree, idle after start-up
-    # and the highest sample during the run(s).
+    # Launched servers only (launch_servers.py, process_memory.py): the time from spawn to healthy, the PSS
+    # of the server's process tree at its peak during start-up, idle after start-up, and the highest
+    # sample during the run(s).
+    ("Start to healthy (s)", "start_to_healthy_s"), ("Memory start-up peak, PSS (GB)", "startup_peak_pss_gb"),
     ("Memory idle, PSS (GB)", "idle_pss_gb"), ("Memory peak, PSS (GB)", "peak_pss_gb"),
     ("Concurrency (observed)", "concurrency"),
 ] + [
@@ -153,8 +155,13 @@ _ROWS = [  # (label, metric key)
 ]  # fmt: skip
 
 
-def add_memory(m: dict, idle: int | None, peak: int | None) -> dict:
-    """`m` with the server's idle and peak PSS in GB (1e9 bytes), for those known; returns `m`."""
+def add_memory(m: dict, idle: int | None, peak: int | None, start: dict | None = None) -> dict:
+    """`m` with the server's idle and peak PSS in GB (1e9 bytes), for those known, and from `start` (a
+    launched server's StartUp as a dict) its start-to-healthy time and start-up peak; returns `m`."""
+    if start is not None:
+        m["start_to_healthy_s"] = start["healthy_s"]
+        if start.get("peak_pss") is not None:
+            m["startup_peak_pss_gb"] = start["peak_pss"] / 1e9
     if idle is not None:
         m["idle_pss_gb"] = idle / 1e9
     if peak is not None:
@@ -162,9 +169,31 @@ def add_memory(m: dict, idle: int | None, peak: int | None) -> dict:
     return m
 
 
-def format_memory(title: str, pss: dict[str, int]) -> str:
-    """One line: each server's PSS in GB."""
-    return f"{title}: " + ", ".join(f"{n} {v / 1e9:.2f} GB" for n, v in pss.items())
+def _share(v: float | None) -> str:
+    return "unknown" if v is None else f"{v:.0%}"
+
+
+def format_starts(starts: dict[str, dict], idle: dict[str, int]) -> str:
+    """The launched servers' starts, one row each (`starts`: StartUp dicts by name; `idle`: idle PSS in
+    bytes), with what kind of start each was."""
+    lines = [
+        "== start-up: one server at a time, each spawned once the one before was healthy ==",
+        f"{'server':<16}{'spawn to healthy (s)':>21}{'start-up peak (GB)':>20}{'idle (GB)':>11}"
+        f"{'weights in page cache':>23}  start",
+    ]
+    for name, s in starts.items():
+        peak, rest = s.get("peak_pss"), idle.get(name)
+        kind = {True: "cold: empty PDSERVE_CACHE_DIR", False: "warm: the usual PDSERVE_CACHE_DIR"}
+        lines.append(
+            f"{name:<16}{s['healthy_s']:>21.2f}{'' if peak is None else f'{peak / 1e9:.2f}':>20}"
+            f"{'' if rest is None else f'{rest / 1e9:.2f}':>11}{_share(s.get('page_cache_share')):>23}"
+            f"  {kind.get(s.get('cold'), '-')}"
+        )
+    lines.append(
+        "(PSS of each server's process tree; weights in page cache: the share of its weight files the OS "
+        "page cache held at spawn, which the benchmark does not drop)"
+    )
+    return "\n".join(lines)
 
 
 def _fmt(v: float) -> str:

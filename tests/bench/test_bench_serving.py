@@ -12,7 +12,13 @@ from harness import start_up
 
 from pdserve.bench.bench_serving import main, parse_args
 from pdserve.bench.launch_servers import llama_server_argv
-from pdserve.bench.serving_report import add_memory, format_comparison, format_result, summarize
+from pdserve.bench.serving_report import (
+    add_memory,
+    format_comparison,
+    format_result,
+    format_starts,
+    summarize,
+)
 from pdserve.bench.serving_requests import RequestResult
 from pdserve.bench.serving_workload import chat_prompts
 from pdserve.launch.supervisor import pdserve_command
@@ -73,6 +79,41 @@ def test_memory_rows_beside_throughput():
     assert rows[throughput + 2][-3:] == ["1.45", "nan", "nan"]
     assert "Memory idle, PSS (GB):" in format_result("pdserve", "openai-chat", 1, 1.0, pd)
     assert "Memory" not in format_result("other", "openai-chat", 1, 1.0, summarize([ok], 1.0))
+
+
+def test_start_rows_beside_memory():
+    """A launched server's start (spawn to healthy, start-up peak) prints beside its idle and run peaks,
+    and the start-up table says which start each was and how much of its weights the page cache held."""
+    ok = RequestResult(ok=True, ttft=0.1, e2e=1.1, itl=[0.2] * 5, output_tokens=6, prompt_tokens=10)
+    pd_start = {"healthy_s": 30.0, "peak_pss": 2_600_000_000, "cold": True, "page_cache_share": 1.0}
+    ls_start = {"healthy_s": 2.0, "peak_pss": None, "cold": None, "page_cache_share": 0.5}
+    pd = add_memory(summarize([ok], 1.0), 1_300_000_000, 1_450_000_000, pd_start)
+    peer = add_memory(summarize([ok], 1.0), 650_000_000, None, ls_start)
+    assert (pd["start_to_healthy_s"], pd["startup_peak_pss_gb"]) == (30.0, 2.6)
+    assert "startup_peak_pss_gb" not in peer
+    rows = [
+        line.split()
+        for line in format_comparison("c=1", ["pdserve", "llama-server"], [pd, peer]).splitlines()
+    ]
+    start = next(i for i, r in enumerate(rows) if r[:3] == ["Start", "to", "healthy"])
+    assert rows[start][-3:] == ["30.00", "2.00", "15.00"]
+    assert rows[start + 1][-3:] == ["2.60", "nan", "nan"] and rows[start + 2][:2] == ["Memory", "idle,"]
+    table = format_starts({"pdserve": pd_start, "llama-server": ls_start}, {"pdserve": 1_300_000_000})
+    lines = table.splitlines()
+    assert lines[2].split()[:6] == ["pdserve", "30.00", "2.60", "1.30", "100%", "cold:"]
+    assert lines[3].split() == ["llama-server", "2.00", "50%", "-"]
+    assert "does not drop" in lines[-1]
+
+
+def test_a_short_comparison_is_one_line_of_flags():
+    """8 requests at concurrency 1 and 16 at 8, 64 tokens each: --num-prompts per level, --max-tokens."""
+    from pdserve.bench.bench_serving import _levels
+
+    args = parse_args(["--max-concurrency", "1,8", "--num-prompts", "8,16", "--max-tokens", "64"])
+    assert _levels(args) == [(1, 8), (8, 16)] and args.output_len == 64
+    assert parse_args(["--output-len", "32"]).output_len == 32 and not args.cold_start
+    with pytest.raises(SystemExit):
+        _levels(parse_args(["--max-concurrency", "1,8", "--num-prompts", "8,16,32"]))
 
 
 @pytest.mark.timeout(300)
