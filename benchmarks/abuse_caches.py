@@ -98,7 +98,7 @@ def _mapped_quant_file(pid: int | None) -> str | None:
             paths = {line.split(None, 5)[-1].strip() for line in f if "/quantized/" in line}
     except OSError:
         return None
-    return next((p for p in sorted(paths) if p.endswith(".pt")), None)
+    return next((p for p in sorted(paths) if p.endswith(".safetensors")), None)
 
 
 def corrupt_quant_cache(t: Target) -> tuple[str, bool]:

@@ -10,6 +10,8 @@ way every GGUF load went before the streaming loader; they read safetensors shar
 
 from __future__ import annotations
 
+import contextlib
+import copy
 import fcntl
 import json
 import logging
@@ -17,12 +19,13 @@ import os
 import shutil
 import tempfile
 import time
-
-import torch
+from collections.abc import Iterator
+from typing import Any
 
 from pdserve import env
 from pdserve.model_source import ModelSource
 from pdserve.runtime import disk_cache
+from pdserve.runtime.gguf_header import read_header
 
 log = logging.getLogger(__name__)
 
@@ -94,41 +97,71 @@ def _cached(kind: str, source: ModelSource, claims: disk_cache.Claims, write: ob
     return dest
 
 
+def _meta_claims(source: ModelSource) -> disk_cache.Claims:
+    assert source.gguf_path is not None
+    return {"format": META_FORMAT, "source": gguf_digest(source.gguf_path)}
+
+
+def ready_meta_folder(source: ModelSource) -> str | None:
+    """The model's config-and-tokenizer folder where it is already cached and checked, else None (no
+    torch needed: the gateway asks this before building it in a child process)."""
+    claims = _meta_claims(source)
+    dest = os.path.join(env.cache_dir(), "gguf-meta", str(claims["source"])[:20])
+    return dest if disk_cache.check(dest, claims) else None
+
+
 def meta_folder(source: ModelSource) -> str:
     """config.json and the tokenizer of a GGUF model, in a cached folder (no weights)."""
-    assert source.gguf_path is not None
-    claims: disk_cache.Claims = {"format": META_FORMAT, "source": gguf_digest(source.gguf_path)}
-    return _cached("gguf-meta", source, claims, _write_meta)
+    return _cached("gguf-meta", source, _meta_claims(source), _write_meta)
 
 
 def _write_meta(source: ModelSource, folder: str) -> None:
-    from gguf import GGUFReader
+    from gguf import GGMLQuantizationType
     from transformers import AutoConfig, AutoTokenizer
 
-    config = AutoConfig.from_pretrained(source.folder, gguf_file=source.gguf_file).to_dict()
-    reader = GGUFReader(source.gguf_path)  # type: ignore[arg-type]
-    field = reader.fields["general.architecture"]
-    arch = bytes(field.parts[field.data[0]]).decode()
-    names = {t.name for t in reader.tensors}
+    assert source.gguf_path is not None
+    header = read_header(source.gguf_path)
+    with _metadata_read_once():
+        config = AutoConfig.from_pretrained(source.folder, gguf_file=source.gguf_file).to_dict()
+        tokenizer = AutoTokenizer.from_pretrained(source.folder, gguf_file=source.gguf_file)
     config.pop("quantization_config", None)
-    config["architectures"] = [
-        _ARCHITECTURES.get(config.get("model_type", ""), _ARCHITECTURES.get(arch, arch))
-    ]
-    config["tie_word_embeddings"] = "output.weight" not in names
+    arch = _ARCHITECTURES.get(config.get("model_type", ""), _ARCHITECTURES.get(header.architecture))
+    config["architectures"] = [arch or header.architecture]
+    config["tie_word_embeddings"] = "output.weight" not in header.tensors
     with open(os.path.join(folder, "config.json"), "w") as f:
         json.dump(config, f, indent=1)
-    AutoTokenizer.from_pretrained(source.folder, gguf_file=source.gguf_file).save_pretrained(folder)
-    _write_weight_types(reader, folder)
-
-
-def _write_weight_types(reader: object, folder: str) -> None:
-    """How many of the file's 2-D block weights have each GGML type, e.g. {"Q4_K": 193, "Q6_K": 33}."""
-    counts: dict[str, int] = {}
-    for t in getattr(reader, "tensors"):  # noqa: B009
-        if t.name.startswith("blk.") and t.name.endswith(".weight") and len(t.shape) == 2:
-            counts[t.tensor_type.name] = counts.get(t.tensor_type.name, 0) + 1
+    tokenizer.save_pretrained(folder)
+    counts: dict[str, int] = {}  # how many of the file's 2-D block weights have each GGML type
+    for t in header.tensors.values():
+        if t.name.startswith("blk.") and t.name.endswith(".weight") and len(t.dims) == 2:
+            name = GGMLQuantizationType(t.ggml_type).name
+            counts[name] = counts.get(name, 0) + 1
     with open(os.path.join(folder, "gguf_weight_types.json"), "w") as f:
         json.dump(counts, f)
+
+
+@contextlib.contextmanager
+def _metadata_read_once() -> Iterator[None]:
+    """transformers parses the whole GGUF metadata (3 s for the bundled file: the tokenizer's 49,152 tokens
+    and merges, one numpy view each) once for the config and again for the tokenizer; here the second
+    call gets a copy of the first's answer."""
+    import transformers.modeling_gguf_pytorch_utils as gguf_utils
+
+    original = gguf_utils.load_gguf_checkpoint
+    seen: dict[str, Any] = {}
+
+    def once(path: str, return_tensors: bool = False, **kwargs: Any) -> Any:
+        if return_tensors or kwargs:
+            return original(path, return_tensors, **kwargs)
+        if path not in seen:
+            seen[path] = original(path, return_tensors=False)
+        return copy.deepcopy(seen[path])
+
+    gguf_utils.load_gguf_checkpoint = once
+    try:
+        yield
+    finally:
+        gguf_utils.load_gguf_checkpoint = original
 
 
 def weight_types(source: ModelSource) -> dict[str, int]:
@@ -151,6 +184,7 @@ def float_folder(source: ModelSource) -> str:
 
 def _dequantize_into(source: ModelSource, folder: str) -> None:
     """The GGUF model as a plain HF folder: float32 safetensors, config.json, the tokenizer."""
+    import torch
     from safetensors.torch import save_file
     from transformers import AutoModelForCausalLM, AutoTokenizer
 

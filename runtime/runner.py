@@ -87,7 +87,9 @@ class ModelRunner:
 
     def _log_model(self) -> None:
         plan = dense_plan()
-        dense = f"{'dense copy' if plan.keep else 'no dense copy, dequantized'} from {plan.min_rows} rows: {plan.why}"
+        kept = any(getattr(m, "dense", None) is not None for m in self.loaded.model.modules())
+        why = plan.why if kept or not plan.keep else "this model's dense copies would pass quant_plan's cap"
+        dense = f"{'dense copy' if kept else 'no dense copy, dequantized'} from {plan.min_rows} rows: {why}"
         log.info("runtime: %s", startup_line(self.device, self.loaded.dtype, self.loaded.quantization, dense))
         log.info(
             "batch-invariant decoding: %s (%s)",

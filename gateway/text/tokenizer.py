@@ -14,19 +14,16 @@ at the first structured-output request).
 from __future__ import annotations
 
 import functools
-import hashlib
 import logging
 import os
-import shutil
 import subprocess
 import sys
-import tempfile
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from pdserve import env
 from pdserve.gateway.errors import bad_request
-from pdserve.model_source import resolve_model_source
+from pdserve.model_source import ModelSource, resolve_model_source
+from pdserve.runtime import gguf_folder
 
 if TYPE_CHECKING:
     from transformers import AutoTokenizer, PreTrainedTokenizerBase
@@ -48,7 +45,7 @@ class Tokenizer:
             # transformers: a heavy import, kept out of module import time.
             hf = auto_tokenizer_class().from_pretrained(src.folder)
         else:
-            hf = _load_gguf_cached(src.gguf_path, src.folder, src.gguf_file)
+            hf = _load_gguf_cached(src)
         log.info("tokenizer loaded from %s (vocab %d)", src.gguf_path or src.folder, len(hf))
         return cls(hf)
 
@@ -186,45 +183,35 @@ def auto_tokenizer_class() -> type[AutoTokenizer]:
     return auto
 
 
-def _cache_root() -> str:
-    return os.path.join(env.cache_dir(), "tokenizers")
+def _load_gguf_cached(source: ModelSource) -> PreTrainedTokenizerBase:
+    """A GGUF model's tokenizer from its config-and-tokenizer folder in the cache, the one its workers read
+    (runtime/gguf_folder.py): building it from the file's metadata takes seconds, so the first process
+    that needs it builds it, under that folder's lock, for all (at a cold start the gateway and both
+    workers used to build it at once). transformers reads GGUF metadata only with torch: a process that
+    has not imported torch builds the folder in a child process and loads the saved copy without torch.
+    Where the folder cannot be written (a read-only cache), the tokenizer is built here from the file."""
+    folder = gguf_folder.ready_meta_folder(source)
+    if folder is None and "torch" not in sys.modules:
+        _build_in_child(source)
+        folder = gguf_folder.ready_meta_folder(source)
+    try:
+        folder = folder or gguf_folder.meta_folder(source)
+    except OSError as e:
+        log.warning("GGUF tokenizer not cached (%s); building it from the file", e)
+        from transformers import AutoTokenizer
+
+        return AutoTokenizer.from_pretrained(source.folder, gguf_file=source.gguf_file)
+    return auto_tokenizer_class().from_pretrained(folder)
 
 
-def _has_entry(cached: str) -> bool:
-    return os.path.isfile(os.path.join(cached, "tokenizer_config.json"))
-
-
-def _load_gguf_cached(gguf_path: str, folder: str, gguf_file: str | None) -> PreTrainedTokenizerBase:
-    """Building a tokenizer from GGUF metadata takes seconds; its saved form loads in a fraction.
-
-    The cache key covers the file's path, size and mtime; a cache that cannot be written is skipped.
-    transformers reads GGUF metadata only with torch: a process that has not imported torch builds a
-    missing (or unreadable) entry in a child process and loads the saved copy without torch.
-    """
-    st = os.stat(gguf_path)
-    key = hashlib.sha256(f"{os.path.abspath(gguf_path)}|{st.st_size}|{st.st_mtime_ns}".encode()).hexdigest()[
-        :24
-    ]
-    cached = os.path.join(_cache_root(), key)
-    if not _has_entry(cached) and "torch" not in sys.modules:
-        _build_in_child(folder, gguf_file, cached)
-    if _has_entry(cached):
-        try:
-            return auto_tokenizer_class().from_pretrained(cached)
-        except Exception as e:  # a damaged cache entry: rebuild it
-            log.warning("tokenizer cache %s unreadable (%s); rebuilding", cached, e)
-            shutil.rmtree(cached, ignore_errors=True)
-            if _torch_free:  # this process cannot build it
-                _build_in_child(folder, gguf_file, cached)
-                return auto_tokenizer_class().from_pretrained(cached)
-    return build_cache_entry(folder, gguf_file or "", cached)
-
-
-def _build_in_child(folder: str, gguf_file: str | None, cached: str) -> None:
-    """`build_cache_entry` in a child process (it imports torch; this one need not). Where the child
-    fails, it says why in the log and no entry appears."""
-    code = "import sys; from pdserve.gateway.text.tokenizer import build_cache_entry; build_cache_entry(*sys.argv[1:])"
-    argv = [sys.executable, "-P", "-c", code, folder, gguf_file or "", cached]
+def _build_in_child(source: ModelSource) -> None:
+    """`gguf_folder.meta_folder` in a child process (it imports torch; this one need not). Where the child
+    fails, it says why in the log and no folder appears."""
+    code = (
+        "import sys; from pdserve.model_source import ModelSource; from pdserve.runtime.gguf_folder import "
+        "meta_folder; meta_folder(ModelSource(*sys.argv[1:]))"
+    )
+    argv = [sys.executable, "-P", "-c", code, source.folder, source.gguf_file or ""]
     try:
         r = subprocess.run(argv, capture_output=True, text=True, timeout=600)
     except (OSError, subprocess.TimeoutExpired) as e:
@@ -232,22 +219,3 @@ def _build_in_child(folder: str, gguf_file: str | None, cached: str) -> None:
         return
     if r.returncode != 0:
         log.warning("tokenizer not built in a child process: %s", r.stderr.strip()[-2000:])
-
-
-def build_cache_entry(folder: str, gguf_file: str, cached: str) -> PreTrainedTokenizerBase:
-    """The tokenizer built from the GGUF file `gguf_file` in `folder` ("": the folder's own) from its
-    metadata (this imports torch), saved as the cache entry `cached` where it can be written."""
-    from transformers import AutoTokenizer
-
-    hf = AutoTokenizer.from_pretrained(folder, gguf_file=gguf_file or None)
-    tmp = None
-    try:
-        os.makedirs(_cache_root(), exist_ok=True)
-        tmp = tempfile.mkdtemp(dir=_cache_root(), prefix=".tmp-")
-        hf.save_pretrained(tmp)
-        os.replace(tmp, cached)  # atomic: readers never see a half-written entry
-    except OSError as e:  # read-only home, or another process won the race
-        log.info("tokenizer cache not written (%s)", e)
-        if tmp is not None:
-            shutil.rmtree(tmp, ignore_errors=True)
-    return hf

@@ -6,11 +6,11 @@ never trusted (runtime/disk_cache.py)."""
 from __future__ import annotations
 
 import glob
+import json
 import logging
 import os
 import shutil
 import struct
-import zipfile
 
 import pytest
 import torch
@@ -30,7 +30,7 @@ def cache(tmp_path, monkeypatch) -> str:
 
 
 def stored(cache: str) -> list[str]:
-    return sorted(glob.glob(os.path.join(cache, "quantized", "*.pt")))
+    return sorted(glob.glob(os.path.join(cache, "quantized", "*.safetensors")))
 
 
 def run(loaded, make_engine):
@@ -97,14 +97,15 @@ def test_an_unreadable_file_is_quantized_anew(cache, tiny_folders, make_engine, 
 
 
 def biggest_tensor(path: str) -> tuple[int, int]:
-    """(offset, size) of the bytes of the file's largest tensor: torch.save stores each one uncompressed
-    as a zip member, after a local header of 30 bytes, its name and its extra field."""
-    with zipfile.ZipFile(path) as z:
-        info = max(z.infolist(), key=lambda i: i.file_size)
+    """(offset, size) of the bytes of the file's largest tensor: safetensors stores a u64 header length,
+    the JSON header (each tensor's data_offsets from the end of the header), then the tensors' bytes."""
     with open(path, "rb") as f:
-        f.seek(info.header_offset + 26)
-        name_len, extra_len = struct.unpack("<HH", f.read(4))
-    return info.header_offset + 30 + name_len + extra_len, info.file_size
+        (n,) = struct.unpack("<Q", f.read(8))
+        header = json.loads(f.read(n))
+    begin, end = max(
+        (v["data_offsets"] for k, v in header.items() if k != "__metadata__"), key=lambda o: o[1] - o[0]
+    )
+    return 8 + n + begin, end - begin
 
 
 def test_random_bytes_inside_a_tensor_are_caught_and_quantized_anew(
