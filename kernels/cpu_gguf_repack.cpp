@@ -17,6 +17,7 @@
 #include <cstdint>
 #include <cstring>
 
+#include "cpu_half.h"
 #include "cpu_rows.h"
 
 #if !defined(__BYTE_ORDER__) || __BYTE_ORDER__ != __ORDER_LITTLE_ENDIAN__
@@ -25,51 +26,12 @@
 
 namespace {
 
+using pdserve_half::half_at;
+using pdserve_half::half_bits;
+
 constexpr int64_t kRows = 16;         // output rows per block
 constexpr int64_t kGroup = 32;        // inputs per scale
 constexpr int64_t kGroupBytes = 320;  // 256 bytes of codes, 16 fp16 scales, 16 fp16 minimums
-
-// A float's bits rounded to fp16 (to nearest even), as torch's float -> half rounds: overflow to
-// infinity, fp16 subnormals rounded at their own precision, NaN as the quiet NaN of its sign. Integer
-// arithmetic only: the library is built with -ffast-math (flush to zero, reassociation), under which
-// the usual float tricks for this conversion are not exact.
-inline uint16_t half_bits(float f) {
-  uint32_t x;
-  std::memcpy(&x, &f, 4);
-  const uint32_t sign = (x >> 16) & 0x8000u, a = x & 0x7FFFFFFFu;
-  if (a > 0x7F800000u) return static_cast<uint16_t>(sign | 0x7E00u);  // NaN
-  if (a >= 0x477FF000u) return static_cast<uint16_t>(sign | 0x7C00u);  // 65520 and up round to infinity
-  if (a >= 0x38800000u)  // a normal fp16 (2^-14 and up): drop 13 bits, to nearest even, and rebias
-    return static_cast<uint16_t>(sign | ((a + 0xFFFu + ((a >> 13) & 1u) - 0x38000000u) >> 13));
-  if (a <= 0x33000000u) return static_cast<uint16_t>(sign);  // 2^-25 and below: zero (2^-25 ties to even)
-  const uint32_t shift = 126u - (a >> 23);  // 14..24: an fp16 subnormal counts units of 2^-24
-  const uint32_t m = (a & 0x7FFFFFu) | 0x800000u;
-  uint32_t q = m >> shift;
-  const uint32_t rest = m & ((1u << shift) - 1u), half = 1u << (shift - 1u);
-  if (rest > half || (rest == half && (q & 1u))) ++q;  // may carry into the smallest normal: still right
-  return static_cast<uint16_t>(sign | q);
-}
-
-inline float half_value(const uint8_t* p) {  // a GGUF fp16 field as float: exact, subnormals included
-  uint16_t h;
-  std::memcpy(&h, p, 2);
-  const uint32_t sign = static_cast<uint32_t>(h & 0x8000u) << 16, e = (h >> 10) & 0x1Fu, m = h & 0x3FFu;
-  uint32_t bits;
-  if (e == 0x1F) {
-    bits = sign | 0x7F800000u | (m << 13);
-  } else if (e != 0) {
-    bits = sign | ((e + 112u) << 23) | (m << 13);
-  } else if (m == 0) {
-    bits = sign;
-  } else {  // subnormal: m 2^-24, normalized
-    int shift = 0;
-    while (!((m << shift) & 0x400u)) ++shift;
-    bits = sign | ((113u - shift) << 23) | (((m << shift) & 0x3FFu) << 13);
-  }
-  float f;
-  std::memcpy(&f, &bits, 4);
-  return f;
-}
 
 // GCC's and clang's vector extensions: one source for every target, a shuffle with constant indices
 // compiles to one `pshufb` on x86 (SSSE3, in every build target) and to `tbl` on ARM.
@@ -113,7 +75,7 @@ inline void put_scales(uint8_t* group, int64_t l, float scale, uint16_t minimum_
 
 // Q4_0 and Q4_1 (one group a block): codes 0..15 the low nibbles of their 16 bytes, 16..31 the high.
 inline void row_q4_0(const uint8_t* block, uint8_t* group, int64_t l) {
-  const float d = half_value(block);
+  const float d = half_at(block);
   put_words(packed_words(block + 2), group, 0, group, 2, l);
   put_scales(group, l, d, half_bits(-8.0f * d));
 }
@@ -122,14 +84,14 @@ inline void row_q4_1(const uint8_t* block, uint8_t* group, int64_t l) {
   uint16_t m;  // fp16 already
   std::memcpy(&m, block + 2, 2);
   put_words(packed_words(block + 4), group, 0, group, 2, l);
-  put_scales(group, l, half_value(block), m);
+  put_scales(group, l, half_at(block), m);
 }
 
 // Q4_K (8 groups a block): sub-block j's 6-bit scale and minimum (llama.cpp's get_scale_min_k4), its
 // codes the low (j even) or high (j odd) nibbles of the 32 bytes at 32 (j / 2): packed_words of their
 // first 16 bytes give chunks 0, 1 of sub-blocks j and j + 1, of the next 16 chunks 2, 3.
 inline void row_q4_k(const uint8_t* block, uint8_t* group0, int64_t l) {
-  const float d = half_value(block), dmin = half_value(block + 2);
+  const float d = half_at(block), dmin = half_at(block + 2);
   const uint8_t* s = block + 4;
   const uint8_t* qs = block + 16;
   for (int j = 0; j < 8; j += 2) {

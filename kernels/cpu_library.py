@@ -2,15 +2,16 @@
 
 Sources: cpu_decode_attention.cpp (paged decode attention), cpu_fused_ops.cpp (RMSNorm, SiLU-and-mul
 and rotary in one pass each), cpu_sampling.cpp (greedy sampling), cpu_quant_linear.cpp (int8 / int4
-weight-only linears) and cpu_decode_layer.cpp (a decoder layer as one operator), with the shared
-row helpers of cpu_rows.h and the vector registers of cpu_simd.h. `load()` compiles them (11.5 s cold,
-measured) with the host's compiler for the instruction set kernels/cpu_isa.py picks at run time (the
-host's own, `-march=native`, or the level `PDSERVE_CPU_ISA` caps it to) into `TORCH_EXTENSIONS_DIR`
-(default ~/.cache/torch_extensions), under a name that hashes the sources, the torch version, the CPU's
-flags, the target flags and both folders, and later processes reuse the build. Each kernel has an
-AVX-512 and an AVX2 (+ FMA, F16C) form where it has a vector form at all; `instruction_set()` says
-which this build runs. Where
-it cannot be built (no compiler, a build error), `load()` says why once and returns False, and every
+weight-only linears), cpu_decode_layer.cpp (a decoder layer as one operator), cpu_gguf_repack.cpp and
+cpu_gguf_dequant.cpp (a GGUF file's tensors into int4_linear's layout, or to float), with the shared
+row helpers of cpu_rows.h, the vector registers of cpu_simd.h, fp16 of cpu_half.h and GGUF's blocks
+of cpu_gguf_blocks.h. `load()` compiles them (11.5 s cold, measured) with the host's compiler for the
+instruction set kernels/cpu_isa.py picks at run time (the host's own, `-march=native`, or the level
+`PDSERVE_CPU_ISA` caps it to) into `TORCH_EXTENSIONS_DIR` (default ~/.cache/torch_extensions), under a
+name that hashes the sources, the torch version, the CPU's flags, the target flags and both folders,
+and later processes reuse the build. Each kernel has an AVX-512 and an AVX2 (+ FMA, F16C) form where
+it has a vector form at all; `instruction_set()` says which this build runs. Where it cannot be built
+(no compiler, a build error), `load()` says why once and returns False, and every
 caller keeps its torch path. Each operator has a fake implementation, so `torch.compile` traces
 through them.
 """
@@ -39,9 +40,12 @@ _SOURCES = [
         "cpu_quant_linear.cpp",
         "cpu_decode_layer.cpp",
         "cpu_gguf_repack.cpp",
+        "cpu_gguf_dequant.cpp",
     )
 ]
-_HEADERS = [Path(__file__).with_name(n) for n in ("cpu_rows.h", "cpu_simd.h")]
+_HEADERS = [
+    Path(__file__).with_name(n) for n in ("cpu_rows.h", "cpu_simd.h", "cpu_half.h", "cpu_gguf_blocks.h")
+]
 
 
 def _cflags() -> list[str]:
