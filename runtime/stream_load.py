@@ -29,12 +29,9 @@ from pdserve.progress import progress
 from pdserve.runtime import quant
 from pdserve.runtime.model_config import ModelSpec
 from pdserve.runtime.models.llama import CausalLM, DecoderLayer
-from pdserve.runtime.quant_int4 import int4_grouped
 from pdserve.runtime.weight_readers import TensorReader
 
 log = logging.getLogger(__name__)
-
-_ROUND_VALUES = 1 << 20  # per slice of rows (whole 16-row blocks of the packed layout)
 
 
 @dataclass(frozen=True)
@@ -59,27 +56,6 @@ def _param(t: torch.Tensor, plan: BuildPlan) -> nn.Parameter:
     return nn.Parameter(t.to(device=plan.device, dtype=plan.dtype), requires_grad=False)
 
 
-def _int4_part(reader: TensorReader, name: str) -> torch.Tensor | None:
-    """One part's packed int4 rows: the file's own blocks where they are 4-bit, else its float weights
-    rounded to 4 bits (in slices of rows, so the rounding's temporaries stay small); None where the
-    kernel cannot take it (rows, groups or scales out of its range)."""
-    packed = reader.packed_int4(name)
-    if packed is not None:
-        return packed
-    w = reader.tensor(name)
-    n, k = w.shape
-    if n % cpu_quant_linear.ROWS or k % cpu_quant_linear.INT4_GROUP:
-        return None
-    slices = []
-    step = max(1, _ROUND_VALUES // k // cpu_quant_linear.ROWS) * cpu_quant_linear.ROWS
-    for i in range(0, n, step):
-        q, scale, lo = int4_grouped(w[i : i + step].float(), cpu_quant_linear.INT4_GROUP)
-        if not cpu_quant_linear.int4_packable(len(q), k, scale, lo):
-            return None
-        slices.append(cpu_quant_linear.pack_int4(q, scale, lo))
-    return slices[0] if len(slices) == 1 else torch.cat(slices)
-
-
 def _fused_float(
     reader: TensorReader, names: list[str], dtype: torch.dtype, device: torch.device
 ) -> torch.Tensor:
@@ -100,7 +76,7 @@ def _projection(reader: TensorReader, bases: list[str], bias: bool, plan: BuildP
     if plan.mode in ("w4a16", "w4a8") and cpu_quant_linear.support()[0]:
         parts = []
         for name in names:
-            part = _int4_part(reader, name)
+            part = reader.packed_int4(name)
             if part is None:
                 break
             parts.append(part)

@@ -4,10 +4,11 @@ Hugging Face name: a GGUF file or a folder of safetensors shards.
 Both copy out only the tensor asked for (GGUF: read from the file at its offset; safetensors: from its
 own mmap), so reading never holds more than one tensor beside what the model has already kept.
 
-A GGUF tensor whose blocks are 4-bit (Q4_0, Q4_1, Q4_K) is also offered as pdserve's packed int4 rows
-(`packed_int4`), repacked block by block from the file's bytes (kernels/gguf_repack.py): its codes,
-scales and minimums are the file's own, so no float copy is made and nothing is rounded twice. Every
-other tensor is dequantized by the `gguf` package (the same code transformers' GGUF loader runs).
+Any weight is also offered as pdserve's packed int4 rows (`packed_int4`): a GGUF tensor whose blocks are
+4-bit (Q4_0, Q4_1, Q4_K) is repacked block by block from the file's bytes, its codes, scales and minimums
+the file's own, so nothing is rounded twice; any other is rounded to 4 bits in groups of 32 straight from
+its blocks or values (kernels/gguf_dequant.py, C++ with torch fallbacks). A float copy is made only where
+asked for (`tensor`): dequantized exactly as the `gguf` package (and so transformers' GGUF loader) does.
 
 llama.cpp's converter permutes the rows of `attn_q` and `attn_k` of the "llama" architecture (Mistral's
 files use it too) for its rotary layout; the rows are put back here, before dequantizing or repacking
@@ -47,8 +48,6 @@ _BLOCK = {
     "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
 }
-_DEQUANT_VALUES = 1 << 20  # per slice
-_PLAIN = {0: np.float32, 1: np.float16}  # GGML's F32 and F16: values, not blocks
 _BLOCK_NAME = re.compile(r"blk\.(\d+)\.([a-z_]+)\.(weight|bias)$")
 
 
@@ -72,7 +71,9 @@ class TensorReader(Protocol):
         ...
 
     def packed_int4(self, name: str) -> torch.Tensor | None:
-        """The tensor's own 4-bit blocks in pdserve's packed int4 layout; None where it has none."""
+        """The tensor in pdserve's packed int4 layout: a GGUF file's own 4-bit blocks as they are, any other
+        weights rounded to 4 bits in groups of 32 (min/max) without a float copy of the whole tensor; None
+        where the kernel cannot take it (rows, groups, or scales outside fp16's normal range)."""
         ...
 
     def source_type(self, name: str) -> str:
@@ -113,21 +114,16 @@ class GGUFTensors:
         return GGMLQuantizationType(self._tensors[name].ggml_type).name
 
     def _rows(self, name: str) -> np.ndarray:
-        """The tensor's raw rows as stored (float32/float16 values, else [rows, bytes] of blocks), q/k
-        rows in Hugging Face's order, read into a buffer of their own."""
-        from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+        """The tensor's bytes as stored, [rows..., bytes of a row] (values or blocks), q/k rows in Hugging
+        Face's order, read into a buffer of their own."""
+        from pdserve.kernels.gguf_dequant import row_bytes
 
         t = self._tensors[name]
-        kind = GGMLQuantizationType(t.ggml_type)
         *rows, k = t.dims
-        if kind in _PLAIN:
-            data = np.empty(t.dims, dtype=_PLAIN[kind])
-        else:
-            block, size = GGML_QUANT_SIZES[kind]
-            data = np.empty((*rows, k // block * size), dtype=np.uint8)
+        data = np.empty((*rows, row_bytes(t.ggml_type, k)), dtype=np.uint8)
         with open(self.path, "rb", buffering=0) as f:
             f.seek(t.offset)
-            if f.readinto(memoryview(data.reshape(-1).view(np.uint8))) != data.nbytes:
+            if f.readinto(memoryview(data.reshape(-1))) != data.nbytes:
                 raise ValueError(f"the GGUF file ends inside tensor {t.name!r}")
         if self.architecture == "llama" and name.endswith(("q_proj.weight", "k_proj.weight")):
             heads = self._heads[0] if name.endswith("q_proj.weight") else self._heads[1]
@@ -135,29 +131,21 @@ class GGUFTensors:
         return data
 
     def tensor(self, name: str) -> torch.Tensor:
-        from gguf.quants import dequantize
+        from pdserve.kernels.gguf_dequant import dequantize
 
         t = self._tensors[name]
         rows = self._rows(name)
-        if rows.dtype != np.uint8:
-            return torch.from_numpy(rows.astype(np.float32, copy=False))
-        # in slices of rows: the dequantizer's temporaries are several times its output's size
-        out = np.empty(t.dims, dtype=np.float32)
-        step = max(1, _DEQUANT_VALUES // t.dims[-1])
-        for i in range(0, len(out), step):
-            out[i : i + step] = dequantize(rows[i : i + step], t.ggml_type)
-        return torch.from_numpy(out)
+        flat = np.ascontiguousarray(rows.reshape(-1, rows.shape[-1]))
+        return dequantize(flat, t.ggml_type, t.dims[-1]).reshape(t.dims)
 
     def packed_int4(self, name: str) -> torch.Tensor | None:
-        from pdserve.kernels import gguf_repack
+        from pdserve.kernels.gguf_dequant import DEQUANTIZABLE, int4_scales_fit, to_int4
 
         t = self._tensors[name]
-        if t.ggml_type not in gguf_repack.REPACKABLE or len(t.dims) != 2:
+        if t.ggml_type not in DEQUANTIZABLE or len(t.dims) != 2 or t.dims[0] % 16 or t.dims[1] % 32:
             return None
-        n, k = t.dims
-        if n % 16 or k % 32:
-            return None
-        return gguf_repack.repack_q4(torch.from_numpy(np.ascontiguousarray(self._rows(name))), t.ggml_type, k)
+        packed = to_int4(np.ascontiguousarray(self._rows(name)), t.ggml_type, t.dims[1])
+        return packed if int4_scales_fit(packed) else None
 
 
 class SafetensorsTensors:
@@ -199,4 +187,10 @@ class SafetensorsTensors:
         return t
 
     def packed_int4(self, name: str) -> torch.Tensor | None:
-        return None
+        from pdserve.kernels.gguf_dequant import float_to_int4, int4_scales_fit
+
+        shape = self.shape(name)
+        if len(shape) != 2 or shape[0] % 16 or shape[1] % 32:
+            return None
+        packed = float_to_int4(self.tensor(name))
+        return packed if int4_scales_fit(packed) else None
