@@ -103,8 +103,8 @@ def _mapped_quant_file(pid: int | None) -> str | None:
 
 def corrupt_quant_cache(t: Target) -> tuple[str, bool]:
     """1 MiB of random bytes in the quantized-weights file the decode maps, then kill -9 the decode. A
-    decode that quantized and stored the file itself maps none (its tensors are its own): it is restarted
-    once first, to map it."""
+    decode that maps the builder's staged copy in shared memory (runtime/quant_stage.py) maps no file of
+    the cache folder: it is restarted once first, to map the cache folder's copy."""
     pid = live_decode_pid(t)
     if pid is not None and _mapped_quant_file(pid) is None:
         _kill_decode(t, pid, None)

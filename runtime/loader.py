@@ -28,8 +28,9 @@ from safetensors import safe_open
 from pdserve import env
 from pdserve.model_source import ModelSource, ModelSourceError, resolve_model_source
 from pdserve.progress import progress
-from pdserve.runtime import cpu_calibration, gguf_folder, quant_cache
+from pdserve.runtime import cpu_calibration, gguf_folder, quant_cache, quant_stage
 from pdserve.runtime.determinism import DeterminismError, resolve_batch_invariance
+from pdserve.runtime.disk_cache import Claims
 from pdserve.runtime.model_config import ModelSpec, rope_inv_freq
 from pdserve.runtime.models.llama import CausalLM
 from pdserve.runtime.models.norm_rope import Rotary
@@ -271,32 +272,52 @@ def _cached_model(
     source: ModelSource, folder: str, spec: ModelSpec, plan: BuildPlan, files_hash: str
 ) -> CausalLM:
     """The quantized model mapped from the cache (runtime/quant_cache.py), built and stored there first
-    where it is not yet: under a lock, so that workers starting together build it once, and mapped back
-    from the file by its builder too, so that every worker of the host shares one copy of its pages."""
+    where it is not yet: under a lock, so that workers starting together build it once, into shared
+    memory where it fits (runtime/quant_stage.py: copied to the cache folder by a process), and mapped
+    back from the file by its builder too, so that every worker of the host shares one copy of its pages."""
     claims = quant_cache.claims(files_hash, plan.mode, plan.dtype, plan.invariant)
     key = quant_cache.cache_key(files_hash, plan.mode, plan.dtype, plan.invariant)
     stored = quant_cache.cache_path(cache_root(), key)
-    model = quant_cache.restore(stored, spec, plan.dtype, claims)
+    model = _mapped(stored, spec, plan, claims)
     if model is not None:
         return model
     os.makedirs(os.path.dirname(stored), exist_ok=True)
     with open(stored + ".build.lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
-        model = quant_cache.restore(stored, spec, plan.dtype, claims)  # another worker built it meanwhile
+        model = _mapped(stored, spec, plan, claims)  # another worker built it meanwhile
         if model is not None:
             return model
         built = _read_or_build(source, folder, spec, plan, None, 0)
+        size = sum(t.untyped_storage().nbytes() for t in built.state_dict().values())
+        target = quant_stage.staging_path(stored, size) or stored
         try:
-            quant_cache.store(built, stored, claims)
+            quant_cache.store(built, target, claims)
         except OSError as e:  # a read-only or full cache folder: the next start quantizes again
-            log.warning("could not store the quantized weights in %s: %s", stored, e)
+            log.warning("could not store the quantized weights in %s: %s", target, e)
             return built
-    mapped = quant_cache.restore(stored, spec, plan.dtype, claims)
+        if target != stored:
+            quant_stage.persist_later(target, stored, claims)
+    mapped = quant_cache.restore(target, spec, plan.dtype, claims)
     if mapped is None:
         return built
     del built
     release_freed_heap()
     return mapped
+
+
+def _mapped(stored: str, spec: ModelSpec, plan: BuildPlan, claims: Claims) -> CausalLM | None:
+    """The model mapped from the cache folder, or from shared memory where a builder staged it (a copy to
+    the cache folder started again where the builder did not live to finish it)."""
+    model = quant_cache.restore(stored, spec, plan.dtype, claims)
+    if model is not None:
+        return model
+    staged = quant_stage.staged_path(stored)
+    if not os.path.exists(staged):
+        return None
+    model = quant_cache.restore(staged, spec, plan.dtype, claims)
+    if model is not None and not os.path.exists(stored):
+        quant_stage.persist_later(staged, stored, claims)
+    return model
 
 
 def load_model(

@@ -11,11 +11,13 @@ import logging
 import os
 import shutil
 import struct
+import time
 
 import pytest
 import torch
 
 from pdserve.runtime.loader import load_model
+from pdserve.runtime.quant_stage import staged_path
 from pdserve.sampling_params import SamplingParams
 
 PROMPTS = [[5, 17, 99, 3, 42, 8] * k for k in (1, 3)]
@@ -29,8 +31,16 @@ def cache(tmp_path, monkeypatch) -> str:
     return str(tmp_path)
 
 
-def stored(cache: str) -> list[str]:
-    return sorted(glob.glob(os.path.join(cache, "quantized", "*.safetensors")))
+def stored(cache: str, at_least: int = 0) -> list[str]:
+    """The cache folder's quantized files, once at least `at_least` are there and each one's copy from
+    shared memory (runtime/quant_stage.py) is done: its staged file unlinked."""
+    deadline = time.monotonic() + 60
+    while True:
+        files = sorted(glob.glob(os.path.join(cache, "quantized", "*.safetensors")))
+        staged = [f for f in files if os.path.exists(staged_path(f))]
+        if (len(files) >= at_least and not staged) or time.monotonic() > deadline:
+            return files
+        time.sleep(0.05)
 
 
 def run(loaded, make_engine):
@@ -58,7 +68,7 @@ def test_a_restart_maps_what_the_first_start_quantized(
     assert not stored(cache)
     built = load_model(tiny_folders[name], dtype, "cpu", mode, deterministic)
     # built from the checkpoint, stored, and mapped back from the file by its builder too
-    assert len(stored(cache)) == 1 and BUILT in caplog.text and MAPPED in caplog.text
+    assert len(stored(cache, 1)) == 1 and BUILT in caplog.text and MAPPED in caplog.text
     assert run(built, make_engine) == run(first, make_engine)
     caplog.clear()
     again = load_model(tiny_folders[name], dtype, "cpu", mode, deterministic)
@@ -79,13 +89,13 @@ def test_each_mode_and_dtype_has_its_own_file(cache, tiny_folders) -> None:
     load_model(folder, "float32", "cpu", "w8a16_int8", "off")
     load_model(folder, "float32", "cpu", "w8a16_int8", "on")
     load_model(folder, "float32", "cpu", "none", "off")  # nothing to store
-    assert len(stored(cache)) == 4
+    assert len(stored(cache, 4)) == 4
 
 
 def test_an_unreadable_file_is_quantized_anew(cache, tiny_folders, make_engine, caplog) -> None:
     folder = tiny_folders["llama-untied"]
     expected = run(load_model(folder, "float32", "cpu", "w4a16", "off"), make_engine)
-    (path,) = stored(cache)
+    (path,) = stored(cache, 1)
     os.rename(path, path + ".old")  # the first model maps the old file: a truncation would fault its pages
     shutil.copy(path + ".old", path)
     with open(path, "r+b") as f:  # a torn or tampered file
@@ -93,7 +103,8 @@ def test_an_unreadable_file_is_quantized_anew(cache, tiny_folders, make_engine, 
     again = load_model(folder, "float32", "cpu", "w4a16", "off")
     assert f"cache entry {path} is not used" in caplog.text and "truncated" in caplog.text
     assert run(again, make_engine) == expected
-    assert os.path.getsize(path) > 0 and load_model(folder, "float32", "cpu", "w4a16", "off") is not None
+    assert stored(cache, 1) == [path] and os.path.getsize(path) > 0  # stored again
+    assert load_model(folder, "float32", "cpu", "w4a16", "off") is not None
 
 
 def biggest_tensor(path: str) -> tuple[int, int]:
@@ -113,7 +124,7 @@ def test_random_bytes_inside_a_tensor_are_caught_and_quantized_anew(
 ) -> None:
     folder = tiny_folders["llama3-rope-tied"]
     expected = run(load_model(folder, "float32", "cpu", "w4a16", "off"), make_engine)
-    (path,) = stored(cache)
+    (path,) = stored(cache, 1)
     os.rename(path, path + ".old")  # the first model maps the old file, which the writes must not reach
     shutil.copy(path + ".old", path)
     offset, size = biggest_tensor(path)
@@ -139,10 +150,10 @@ def test_a_file_of_another_mode_under_the_key_is_refused(
 
     folder = tiny_folders["llama-untied"]
     load_model(folder, "float32", "cpu", "w8a16_int8", "off")
-    (int8,) = stored(cache)
+    (int8,) = stored(cache, 1)
     first = load_model(folder, "float32", "cpu", "w4a16", "off")
     expected = run(first, make_engine)
-    (int4,) = set(stored(cache)) - {int8}
+    (int4,) = set(stored(cache, 2)) - {int8}
     os.rename(int4, int4 + ".old")  # `first` maps it: replaced by a new file, not written through
     if how == "with its record" and os.path.exists(disk_cache.record_path(int8)):
         shutil.copy(disk_cache.record_path(int8), disk_cache.record_path(int4))
