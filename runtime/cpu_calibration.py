@@ -45,23 +45,31 @@ class MatmulSpeeds:
         return f"{verdict}: a {ROWS}-row matmul took {self.fp32_us:.0f} us in fp32, {self.bf16_us:.0f} in bf16 ({ratio:.2f}x)"
 
 
-def _time_us(dtype: torch.dtype) -> float:
+def _operands(dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
     g = torch.Generator().manual_seed(0)
     x = torch.randn(ROWS, IN, generator=g).to(dtype)
     w = torch.randn(OUT, IN, generator=g).to(dtype)
     F.linear(x, w)  # warm
-    best = float("inf")
-    for _ in range(5):
-        t0 = time.perf_counter()
-        for _ in range(4):
-            F.linear(x, w)
-        best = min(best, (time.perf_counter() - t0) / 4)
-    return best * 1e6
+    return x, w
+
+
+def _time_once_us(x: torch.Tensor, w: torch.Tensor) -> float:
+    t0 = time.perf_counter()
+    for _ in range(4):
+        F.linear(x, w)
+    return (time.perf_counter() - t0) / 4 * 1e6
 
 
 def measure() -> MatmulSpeeds:
-    """Time the matmul in both dtypes now (uncached)."""
-    return MatmulSpeeds(fp32_us=_time_us(torch.float32), bf16_us=_time_us(torch.bfloat16))
+    """Time the matmul in both dtypes now (uncached): best of 5 each, the two dtypes taking turns, so
+    that a neighbour busy for part of the measurement slows both alike (a cold start measured bf16 at
+    370 us against its usual 100-150 while another process was still writing, and chose fp32)."""
+    f32, b16 = _operands(torch.float32), _operands(torch.bfloat16)
+    fp32_us = bf16_us = float("inf")
+    for _ in range(5):
+        fp32_us = min(fp32_us, _time_once_us(*f32))
+        bf16_us = min(bf16_us, _time_once_us(*b16))
+    return MatmulSpeeds(fp32_us=fp32_us, bf16_us=bf16_us)
 
 
 def _cache_path() -> Path:
