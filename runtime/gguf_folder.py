@@ -147,7 +147,7 @@ def _metadata_read_once() -> Iterator[None]:
     call gets a copy of the first's answer."""
     import transformers.modeling_gguf_pytorch_utils as gguf_utils
 
-    original = gguf_utils.load_gguf_checkpoint
+    original: Any = getattr(gguf_utils, "load_gguf_checkpoint")  # noqa: B009 (untyped in transformers)
     seen: dict[str, Any] = {}
 
     def once(path: str, return_tensors: bool = False, **kwargs: Any) -> Any:
@@ -157,11 +157,11 @@ def _metadata_read_once() -> Iterator[None]:
             seen[path] = original(path, return_tensors=False)
         return copy.deepcopy(seen[path])
 
-    gguf_utils.load_gguf_checkpoint = once
+    setattr(gguf_utils, "load_gguf_checkpoint", once)  # noqa: B010
     try:
         yield
     finally:
-        gguf_utils.load_gguf_checkpoint = original
+        setattr(gguf_utils, "load_gguf_checkpoint", original)  # noqa: B010
 
 
 def weight_types(source: ModelSource) -> dict[str, int]:

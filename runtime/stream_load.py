@@ -107,10 +107,11 @@ def _build_layer(layer: DecoderLayer, reader: TensorReader, spec: ModelSpec, pla
         attn.q_norm.weight = _param(reader.tensor(p + "self_attn.q_norm.weight"), plan)
         attn.k_norm.weight = _param(reader.tensor(p + "self_attn.k_norm.weight"), plan)
     qkv = [p + f"self_attn.{x}_proj" for x in "qkv"]
-    attn.qkv_proj = _projection(reader, qkv, spec.qkv_bias, plan)
-    attn.o_proj = _projection(reader, [p + "self_attn.o_proj"], False, plan)
-    mlp.gate_up_proj = _projection(reader, [p + "mlp.gate_proj", p + "mlp.up_proj"], False, plan)
-    mlp.down_proj = _projection(reader, [p + "mlp.down_proj"], False, plan)
+    # setattr: the modules' declared type is nn.Linear, a quantized module takes its place
+    setattr(attn, "qkv_proj", _projection(reader, qkv, spec.qkv_bias, plan))  # noqa: B010
+    setattr(attn, "o_proj", _projection(reader, [p + "self_attn.o_proj"], False, plan))  # noqa: B010
+    setattr(mlp, "gate_up_proj", _projection(reader, [p + "mlp.gate_proj", p + "mlp.up_proj"], False, plan))  # noqa: B010
+    setattr(mlp, "down_proj", _projection(reader, [p + "mlp.down_proj"], False, plan))  # noqa: B010
 
 
 def _build_ends(model: CausalLM, reader: TensorReader, spec: ModelSpec, plan: BuildPlan) -> None:

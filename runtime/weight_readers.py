@@ -123,7 +123,7 @@ class GGUFTensors:
         data = np.empty((*rows, row_bytes(t.ggml_type, k)), dtype=np.uint8)
         with open(self.path, "rb", buffering=0) as f:
             f.seek(t.offset)
-            if f.readinto(memoryview(data.reshape(-1))) != data.nbytes:
+            if f.readinto(data.reshape(-1).data) != data.nbytes:
                 raise ValueError(f"the GGUF file ends inside tensor {t.name!r}")
         if self.architecture == "llama" and name.endswith(("q_proj.weight", "k_proj.weight")):
             heads = self._heads[0] if name.endswith("q_proj.weight") else self._heads[1]

@@ -7,9 +7,6 @@ the library's build when it first loads)."""
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 import warnings
 from pathlib import Path
 
@@ -18,7 +15,6 @@ import numpy as np
 import pytest
 import torch
 
-from pdserve.kernels import cpu_isa
 from pdserve.kernels import cpu_quant_linear as ql
 from pdserve.kernels import gguf_repack as gr
 
@@ -211,26 +207,3 @@ def test_a_read_only_memmap_is_read_in_place_without_a_warning(tmp_path: Path) -
 def test_the_op_has_a_fake_for_tracing() -> None:
     raw = torch.from_numpy(random_rows(12, 16, 512, seed=1))
     torch.library.opcheck(torch.ops.pdserve_cpu.gguf_repack_q4.default, (raw, 12, 512))
-
-
-@pytest.mark.skipif(
-    "avx512f" not in cpu_isa.host_flags() or cpu_isa.cap() == "avx2",
-    reason="no AVX-512 here (the plain run is the AVX2 run), or this is the AVX2 run",
-)
-def test_the_same_under_the_avx2_cap() -> None:
-    env = {**os.environ, cpu_isa.ISA_ENV: "avx2"}
-    for key in cpu_isa.torch_env():
-        env.pop(key, None)  # set afresh by the child's conftest from the cap
-    probe = "from pdserve.kernels import cpu_library; print(cpu_library.instruction_set())"
-    isa = subprocess.run(
-        [sys.executable, "-P", "-c", probe], env=env, capture_output=True, text=True, cwd=REPO
-    )
-    assert isa.stdout.strip().splitlines()[-1] == "avx2", isa.stderr[-2000:]
-    run = subprocess.run(
-        [sys.executable, "-P", "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__],
-        env=env,
-        capture_output=True,
-        text=True,
-        cwd=REPO,
-    )
-    assert run.returncode == 0, run.stdout[-4000:]

@@ -22,6 +22,8 @@ KERNEL_TESTS = [
     "tests/kernels/test_cpu_sampling.py",
     "tests/kernels/test_cpu_decode_layer.py",
     "tests/kernels/test_cpu_fused_ops.py",
+    "tests/kernels/test_gguf_repack.py",
+    "tests/kernels/test_gguf_dequant.py",
     # torch's own int8 GEMM (`_int_mm`) saturates without int8 dot products: w8a8 must not use it there
     "tests/runtime/test_quant.py::test_quantized_linear_matches_fp32",
 ]
