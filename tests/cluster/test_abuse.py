@@ -68,6 +68,10 @@ def test_abuse_table(limited_cluster):
         if limit is not None:
             assert r.seconds < limit, (r.case, r.seconds)
         bound = 3 * baseline + 5 if r.case in SHARED_WORK else 2 * baseline + 2
+        if r.case == "kill -9 the decode, then a weight update":
+            # a weight update pauses generation until it answers (here a 503 after ~5.5 s, the decode gone):
+            # the normal request waits for that answer by design, then for its own tokens
+            bound = r.seconds + 3 * baseline + 2
         assert r.normal_s < bound, (r.case, r.normal_s, baseline)
     # The gateway's memory after the whole table is within reach of where it started. Without torch it
     # starts near 150 MiB, and tokenizing the 3M-character prompt (the largest body the limit lets in)
